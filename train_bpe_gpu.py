@@ -227,8 +227,9 @@ def count_chunks(documents, split_pattern, num_chars, workers=1):
             progress.update(len(document))
         progress.close()
         return chunk_counts, chars_read
-    # spawn, not fork: a forked child of a process that touched CUDA can't use it, and fork copies our memory.
-    with multiprocessing.get_context("spawn").Pool(workers) as pool:
+    # fork starts a worker in milliseconds (spawn re-imports torch in each). A forked child could not use CUDA,
+    # but these only run the regex. macOS can't fork safely, so it spawns.
+    with multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn").Pool(workers) as pool:
         in_flight = collections.deque()
 
         def collect_oldest():
@@ -436,7 +437,7 @@ def merge_on_device(layout, vocab_size, rows_to_verify=8):
         count_after = torch.where(has_after, count, 0)
         # Remove the old pairs: (x, a) before, (a, b) itself, (b, y) after.
         row_exact[torch.where(has_before, token_before, V)] = False
-        row_exact[[a, b]] = False
+        row_exact[a] = row_exact[b] = False  # a fill through a view; a list index would copy from the host
         pair_counts.index_add_(0, torch.cat([torch.where(has_before, token_before * V + a, 0),
                                              torch.full_like(candidates, a * V + b),
                                              torch.where(has_after, b * V + token_after, 0)]),
