@@ -1,19 +1,22 @@
 """
-Train a byte-level BPE tokenizer on the CPU: exact, and fast enough for real data.
+Train a byte-level BPE tokenizer with the merge loop on a GPU: the same merges as train_bpe_cpu.py and rustbpe.
 
-    python train_bpe_cpu.py -v 1000 -n 1048576
-    python train_bpe_cpu.py --data ../shared/corpora/enwiki.jsonl -v 8192 -n 16777216
+    python train_bpe_gpu.py -v 1000 -n 1048576                      # cuda when torch sees a GPU, else cpu
+    python train_bpe_gpu.py --data ../shared/corpora/enwiki.jsonl -v 65534 -n 134217728
+    python train_bpe_gpu.py -v 1000 --device cpu                    # no GPU: the same tensor program, slower
 
-It writes tokenizers/<source>_v<vocab_size>/tokenizer.tiktoken (tiktoken's rank file) and tokenizer.json
-(pattern and special tokens). The README shows how to load them into tiktoken.
+The flags, the output (tokenizers/<source>_v<vocab_size>/tokenizer.tiktoken and tokenizer.json) and the
+algorithm are train_bpe_cpu.py's; only --device is new. Steps 1-2 (reading, pre-tokenizing, deduplicating) run
+on the CPU, on every core for large n. Steps 3-4 are the lesson of this file: the incremental merge loop, which
+is a sequence of tiny data-dependent decisions on the CPU, rewritten as a few whole-tensor operations per merge
+with a single host-device sync, so that a GPU can run it. Read the comments of step 3 and step 4.
 
 How it works, in four steps:
 1. Read the first n characters of a document stream (FineWeb by default, or local files).
-2. Split every document into chunks with a regex, and count each distinct chunk once. A corpus of a
-   million words has only tens of thousands of distinct words, so all later work shrinks by 10-100x.
-3. Count adjacent token pairs inside the distinct chunks, weighted by chunk frequency.
-4. Repeatedly merge the most frequent pair. The naive way recounts every pair after every merge; here each
-   merge only visits the places where the merged pair occurs, and a heap finds the next best pair.
+2. Split every document into chunks with a regex, and count each distinct chunk once.
+3. Lay the distinct chunks out as flat device tensors: token ids, linked-list neighbours, chunk weights.
+4. Repeatedly merge the most frequent pair (ties: the smallest (left, right)), left to right without overlap,
+   updating a dense pair-count matrix by deltas around the occurrences of the merged pair only.
 """
 
 import argparse
@@ -397,10 +400,10 @@ def merge_on_device(layout, vocab_size, rows_to_verify=8):
     for new_id in range(256, V):
         # --- choose: verify the rows with the highest bounds, then take the argmax of all bounds
         while True:
-            stale_first = torch.where(row_exact[:new_id], -1, row_bound[:new_id])
-            verified = torch.topk(stale_first, min(rows_to_verify, new_id)).indices
+            inexact_bounds = torch.where(row_exact[:new_id], -1, row_bound[:new_id])
+            verified = torch.topk(inexact_bounds, min(rows_to_verify, new_id)).indices
             row_bound[verified] = pair_counts_2d[verified, :new_id].max(dim=1).values
-            row_exact[verified] = True
+            row_exact.index_fill_(0, verified, True)
             best_row = torch.argmax(row_bound[:new_id])
             best_col = torch.argmax(pair_counts_2d[best_row, :new_id])
             stats = torch.stack([best_row, best_col, pair_counts_2d[best_row, best_col].long(),
@@ -430,20 +433,20 @@ def merge_on_device(layout, vocab_size, rows_to_verify=8):
         count = torch.where(selected, weight[candidates], 0)
         # Unlink the right halves first: then a left neighbour that is DEAD is the right half of the previous
         # occurrence ("abab", or a run "aaaa"), whose pair that occurrence already accounts for.
-        tokens[torch.where(selected, right, DUMP)] = DEAD
+        tokens.index_fill_(0, torch.where(selected, right, DUMP), DEAD)
         has_before = selected & (before != END) & (tokens[before] != DEAD)
         has_after = selected & (after != END)
         count_before = torch.where(has_before, count, 0)
         count_after = torch.where(has_after, count, 0)
         # Remove the old pairs: (x, a) before, (a, b) itself, (b, y) after.
-        row_exact[torch.where(has_before, token_before, V)] = False
-        row_exact[a] = row_exact[b] = False  # a fill through a view; a list index would copy from the host
+        row_exact.index_fill_(0, torch.where(has_before, token_before, V), False)
+        row_exact[a] = row_exact[b] = False  # fills through views: a list index would be copied from the host
         pair_counts.index_add_(0, torch.cat([torch.where(has_before, token_before * V + a, 0),
                                              torch.full_like(candidates, a * V + b),
                                              torch.where(has_after, b * V + token_after, 0)]),
                                -torch.cat([count_before, count, count_after]))
         # Merge: the left half becomes new_id and links to the token after the right half.
-        tokens[torch.where(selected, candidates, DUMP)] = new_id
+        tokens.index_fill_(0, torch.where(selected, candidates, DUMP), new_id)
         next_pos[torch.where(selected, candidates, DUMP)] = after
         prev_pos[torch.where(has_after, after, DUMP)] = candidates
         # Add the new pairs: (x, new) before and (new, y) after. y is read again: it is new_id itself when the
@@ -467,6 +470,8 @@ def merge_on_device(layout, vocab_size, rows_to_verify=8):
         progress.update(1)
     progress.close()
     return merges, total_bytes - int(tokens_saved)
+
+
 # ---------------------------------------------------------------- output
 
 
