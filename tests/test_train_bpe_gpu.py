@@ -124,6 +124,28 @@ def test_token_count_after_merges_equals_cpu_trainer(corpus):
     assert bpe.train(chunk_counts, 500) == train_bpe_cpu.train(chunk_counts, 500)
 
 
+def test_about_one_host_read_per_merge(corpus):
+    # Every value the host reads from a device tensor (.item(), .tolist(), int()) goes through
+    # aten._local_scalar_dense, one call per element; on a GPU each read waits for the device. The design reads
+    # one 6-element tensor per merge (plus a rare second round when the best row's bound was stale).
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class CountHostReads(TorchDispatchMode):
+        reads = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._local_scalar_dense.default:
+                CountHostReads.reads += 1
+            return func(*args, **(kwargs or {}))
+
+    text = corpus("tinyshakespeare.txt").read_text()[:50_000]
+    layout = bpe.chunks_to_tensors(chunk_counts_of([text]), "cpu")
+    with bpe.one_thread_on_cpu("cpu"), CountHostReads():
+        merges, _ = bpe.merge_on_device(layout, 500)
+    assert len(merges) == 244
+    assert CountHostReads.reads <= 6 * 1.1 * len(merges) + 1
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU on this machine: the cpu device tests cover the engine")
 def test_cuda_equals_rustbpe(corpus):
     text = corpus("tinyshakespeare.txt").read_text()[:300_000]
