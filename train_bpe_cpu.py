@@ -1,0 +1,423 @@
+"""
+Train a byte-level BPE tokenizer on the CPU: exact, and fast enough for real data.
+
+    python train_bpe_cpu.py -v 1000 -n 1048576
+    python train_bpe_cpu.py --data ../shared/corpora/enwiki.jsonl -v 8192 -n 16777216
+
+It writes tokenizers/<source>_v<vocab_size>/tokenizer.tiktoken (tiktoken's rank file) and tokenizer.json
+(pattern and special tokens). The README shows how to load them into tiktoken.
+
+How it works, in four steps:
+1. Read the first n characters of a document stream (FineWeb by default, or local files).
+2. Split every document into chunks with a regex, and count each distinct chunk once. A corpus of a
+   million words has only tens of thousands of distinct words, so all later work shrinks by 10-100x.
+3. Count adjacent token pairs inside the distinct chunks, weighted by chunk frequency.
+4. Repeatedly merge the most frequent pair. The naive way recounts every pair after every merge; here each
+   merge only visits the places where the merged pair occurs, and a heap finds the next best pair.
+"""
+
+import argparse
+import base64
+import codecs
+import heapq
+import json
+import os
+import socket
+import sys
+import sysconfig
+import time
+from collections import Counter
+from pathlib import Path
+
+import regex
+from tqdm import tqdm
+
+# -----------------------------------------------------------------------------
+# defaults, each overridable from the command line
+vocab_size = 1000  # byte tokens (256) + merges; <|endoftext|> gets the next id
+num_chars = 1048576  # train on the first 2^20 characters of the stream
+data = "fineweb"  # fineweb | fineweb-edu | a .txt/.jsonl/.parquet file | a directory of them
+out = None  # output directory; default tokenizers/<source>_v<vocab_size>
+# GPT-4's split pattern: letters with their leading space, numbers in groups of up to 3, punctuation runs,
+# and whitespace, so that merges never glue a word to the punctuation or the space after it.
+pattern = r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]++[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+"""
+EOT = "<|endoftext|>"
+HUB_DATASETS = {"fineweb": "HuggingFaceFW/fineweb", "fineweb-edu": "HuggingFaceFW/fineweb-edu"}
+LOCAL_SUFFIXES = (".txt", ".jsonl", ".parquet")
+# -----------------------------------------------------------------------------
+
+
+class UserError(Exception):
+    """A mistake in the input: printed as one line, never as a traceback."""
+
+
+# ---------------------------------------------------------------- step 1: reading text
+
+
+def hub_reachable(timeout=3.0):
+    """`datasets` retries an unreachable Hub for ~25 s with a screenful of warnings; a socket says it in 3."""
+    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0"):
+        return False
+    try:
+        socket.create_connection(("huggingface.co", 443), timeout=timeout).close()
+        return True
+    except OSError:
+        return False
+
+
+def stream_hub(name):
+    """FineWeb's sample-10BT, streamed: documents arrive as we read them, nothing is downloaded whole."""
+    import datasets
+
+    try:
+        rows = datasets.load_dataset(HUB_DATASETS[name], name="sample-10BT", split="train", streaming=True)
+    except Exception as error:  # the Hub answered, but not with the dataset: say why in one line
+        raise UserError(f"can't open {HUB_DATASETS[name]} ({type(error).__name__}: {str(error).splitlines()[0]}); "
+                        "use local files: --data path/to/files")
+    for row in rows:
+        yield row["text"]
+
+
+def stdlib_documents():
+    """The offline corpus: every .py file of the standard library, one document each, in sorted order.
+    Several MB of real, human-written code and docstrings, on every machine that runs this script."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    for path in sorted(root.rglob("*.py")):
+        if "site-packages" in path.parts:
+            continue
+        yield path.read_text(encoding="utf-8", errors="replace")
+
+
+class BadUTF8:
+    """Counts the invalid UTF-8 sequences replaced with U+FFFD, so we can warn once at the end."""
+    count = 0
+
+
+def decode_utf8(raw, decoder=None, final=True):
+    """Decode, replacing invalid bytes. A real U+FFFD in the input is not counted as a replacement."""
+    text = decoder.decode(raw, final) if decoder else raw.decode("utf-8", errors="replace")
+    if "\ufffd" in text:
+        BadUTF8.count += text.count("\ufffd") - raw.count("\ufffd".encode())
+    return text
+
+
+def read_txt(path, budget):
+    """A .txt file is one document; read no more of it than the character budget needs."""
+    # An incremental decoder holds back a multi-byte character cut at the end of a block instead of
+    # replacing it; only truly invalid bytes become U+FFFD.
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    pieces, have = [], 0
+    with open(path, "rb") as f:
+        while have < budget:
+            block = f.read(1 << 24)
+            pieces.append(decode_utf8(block, decoder, final=not block))
+            have += len(pieces[-1])
+            if not block:
+                break
+    yield "".join(pieces)[:budget]
+
+
+def read_jsonl(path):
+    with open(path, "rb") as f:
+        for line_number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(decode_utf8(line))
+                yield record["text"]
+            except (json.JSONDecodeError, KeyError, TypeError):
+                raise UserError(f"{path}:{line_number} is not a JSON object with a \"text\" field; "
+                                "each line of a .jsonl file must look like {\"text\": \"...\"}")
+
+
+def read_parquet(path):
+    """Parquet goes through `datasets`, the same streaming code that reads FineWeb from the Hub."""
+    import datasets
+
+    rows = datasets.load_dataset("parquet", data_files=str(path), split="train", streaming=True)
+    for row in rows:
+        if "text" not in row:
+            raise UserError(f"{path} has no \"text\" column (columns: {', '.join(row)})")
+        yield row["text"]
+
+
+def local_files(path):
+    path = Path(path)
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.suffix in LOCAL_SUFFIXES and p.is_file())
+        if not files:
+            raise UserError(f"{path} holds no .txt, .jsonl or .parquet files; point --data at text files")
+        return files
+    if path.suffix not in LOCAL_SUFFIXES:
+        raise UserError(f"--data {path}: unknown file type; use a .txt, .jsonl or .parquet file, a directory, "
+                        "or fineweb / fineweb-edu")
+    return [path]
+
+
+def open_source(data, data_was_named):
+    """Returns (documents, name, description). `documents(budget)` yields documents as strings."""
+    if data in HUB_DATASETS:
+        if hub_reachable():
+            return (lambda budget: stream_hub(data)), data, f"{HUB_DATASETS[data]} sample-10BT"
+        if data_was_named:
+            raise UserError(f"can't reach the Hugging Face Hub for --data {data}; "
+                            "train on local files instead: --data path/to/files")
+        print(f"can't reach the Hugging Face Hub for {data}: using the offline corpus, the Python standard library's source")
+        return (lambda budget: stdlib_documents()), "stdlib", "Python standard library source (offline fallback)"
+    if not Path(data).exists():
+        raise UserError(f"--data {data}: no such file or directory; give a .txt/.jsonl/.parquet path, "
+                        "a directory of them, or fineweb / fineweb-edu")
+    files = local_files(data)
+    readers = {".txt": read_txt, ".jsonl": lambda path, budget: read_jsonl(path),
+               ".parquet": lambda path, budget: read_parquet(path)}
+
+    def documents(budget):
+        for path in files:
+            yield from readers[path.suffix](path, budget)
+
+    return documents, Path(data).stem, str(data)
+
+
+def first_chars(documents, num_chars):
+    """The first num_chars characters of the stream, document by document; the last one is cut to fit."""
+    remaining = num_chars
+    for document in documents(num_chars):
+        if remaining <= 0:
+            return
+        if len(document) > remaining:
+            document = document[:remaining]
+        remaining -= len(document)
+        yield document
+
+
+# ---------------------------------------------------------------- step 2: pre-tokenize and deduplicate
+
+
+def count_chunks(documents, split_pattern, num_chars):
+    """Split each document with the pattern and count distinct chunks. Chunks never cross documents."""
+    chunk_counts = Counter()
+    chars_read = 0
+    with tqdm(total=num_chars, unit="char", unit_scale=True, desc="reading", mininterval=0.5) as progress:
+        for document in documents:
+            chunk_counts.update(split_pattern.findall(document))
+            chars_read += len(document)
+            progress.update(len(document))
+    return chunk_counts, chars_read
+
+
+# ---------------------------------------------------------------- step 3: pair counts over distinct chunks
+#
+# All distinct chunks live in one flat list of token ids, as doubly linked lists: next_pos[i] is the position
+# of the token after i in the same chunk (-1 at the chunk's end), prev_pos[i] the one before. Merging a pair
+# at position i then takes O(1): the right token is unlinked, i takes the new id, and nothing is shifted.
+# That is what lets the cost of a merge follow the occurrences of the pair, not the length of the chunks
+# (a 500-character Chinese chunk is not rescanned on every merge that touches it).
+
+
+def build_symbols(chunk_counts):
+    """Flatten the distinct chunks into (ids, prev_pos, next_pos, weight): one entry per UTF-8 byte."""
+    ids, prev_pos, next_pos, weight = [], [], [], []
+    for chunk, count in chunk_counts.items():
+        chunk_bytes = chunk.encode("utf-8")
+        start, length = len(ids), len(chunk_bytes)
+        ids.extend(chunk_bytes)
+        prev_pos.extend(range(start - 1, start + length - 1))
+        next_pos.extend(range(start + 1, start + length + 1))
+        prev_pos[start] = -1
+        next_pos[-1] = -1
+        weight.extend([count] * length)
+    return ids, prev_pos, next_pos, weight
+
+
+def count_pairs(ids, next_pos, weight):
+    """pair_counts[(a, b)]: weighted occurrences; pair_positions[(a, b)]: where each occurrence starts."""
+    pair_counts = Counter()
+    pair_positions = {}
+    for position, right in enumerate(next_pos):
+        if right != -1:
+            pair = (ids[position], ids[right])
+            pair_counts[pair] += weight[position]
+            if pair in pair_positions:
+                pair_positions[pair].append(position)
+            else:
+                pair_positions[pair] = [position]
+    return pair_counts, pair_positions
+
+
+# ---------------------------------------------------------------- step 4: the merge loop
+
+
+def merge_pair(pair, new_id, ids, prev_pos, next_pos, weight, pair_counts, pair_positions):
+    """Replace every occurrence of `pair` by `new_id`, left to right, and update the pair counts in place.
+    Returns the pairs whose counts changed and the number of tokens saved (weighted)."""
+    left, right = pair
+    changed = Counter()  # count deltas of the neighbouring pairs: (x, left) -> (x, new), (right, y) -> (new, y)
+    tokens_saved = 0
+    # Positions are appended as pairs appear, so a list can hold stale entries (the pair was merged away
+    # since) and duplicates; checking the ids at use time is cheaper than keeping exact sets. Sorted order
+    # puts each chunk's occurrences left to right, which is what makes "aaa" become [aa, a].
+    for position in sorted(set(pair_positions.pop(pair))):
+        if ids[position] != left:
+            continue  # stale, or the right half of an occurrence merged a moment ago ("aaa")
+        second = next_pos[position]
+        if second == -1 or ids[second] != right:
+            continue
+        count = weight[position]
+        before, after = prev_pos[position], next_pos[second]
+        if before != -1:
+            changed[(ids[before], left)] -= count
+            changed[(ids[before], new_id)] += count
+            pair_positions.setdefault((ids[before], new_id), []).append(before)
+        if after != -1:
+            changed[(right, ids[after])] -= count
+            changed[(new_id, ids[after])] += count
+            pair_positions.setdefault((new_id, ids[after]), []).append(position)
+        # unlink the right token: the chunk is one token shorter, nothing else moves
+        ids[position] = new_id
+        ids[second] = -1
+        next_pos[position] = after
+        if after != -1:
+            prev_pos[after] = position
+        tokens_saved += count
+    # The merged pair itself is gone everywhere (left-to-right merging leaves no adjacent occurrence), so the
+    # deltas that touched it ("aaaa": the middle (a, a)) are dropped along with its count.
+    del pair_counts[pair]
+    changed.pop(pair, None)
+    for other, delta in changed.items():
+        if delta:
+            pair_counts[other] += delta
+    return [other for other, delta in changed.items() if delta], tokens_saved
+
+
+def train(chunk_counts, vocab_size):
+    """The BPE merges, in order: a list of ((left id, right id), new id)."""
+    ids, prev_pos, next_pos, weight = build_symbols(chunk_counts)
+    total_tokens = sum(weight)  # tokens of the training text before any merge: its UTF-8 bytes
+    pair_counts, pair_positions = count_pairs(ids, next_pos, weight)
+    # A max-heap of (-count, left, right): the smallest (left, right) comes first among equal counts, which
+    # is exactly our tie-break. Counts change after every merge; rather than finding and fixing old entries,
+    # we push the new count and skip entries that no longer match when they come out ("lazy deletion").
+    heap = [(-count, pair) for pair, count in pair_counts.items()]
+    heapq.heapify(heap)
+    merges = []
+    num_merges = vocab_size - 256
+    progress = tqdm(total=num_merges, unit="merge", desc="merging", mininterval=0.5)
+    while len(merges) < num_merges and heap:
+        negative_count, pair = heapq.heappop(heap)
+        if pair_counts.get(pair, 0) != -negative_count or negative_count == 0:
+            continue
+        new_id = 256 + len(merges)
+        merges.append((pair, new_id))
+        changed, tokens_saved = merge_pair(pair, new_id, ids, prev_pos, next_pos, weight, pair_counts, pair_positions)
+        total_tokens -= tokens_saved
+        for other in changed:
+            count = pair_counts[other]
+            if count > 0:
+                heapq.heappush(heap, (-count, other))
+            else:  # no occurrence left: forget the pair and its (now all stale) positions
+                del pair_counts[other]
+                pair_positions.pop(other, None)
+        progress.update(1)
+    progress.close()
+    return merges, total_tokens
+
+
+# ---------------------------------------------------------------- output
+
+
+def token_bytes(merges):
+    """The bytes of every token: 0..255 are themselves, a merge is its two halves glued."""
+    vocab = [bytes([i]) for i in range(256)]
+    for (left, right), _ in merges:
+        vocab.append(vocab[left] + vocab[right])
+    return vocab
+
+
+def write_atomically(path, text):
+    """Write to a temporary name and rename: a crash never leaves a half-written file behind."""
+    temporary = path.with_name(path.name + ".tmp")
+    temporary.write_text(text, encoding="utf-8")
+    os.replace(temporary, path)
+
+
+def save_tokenizer(out_dir, merges, info):
+    out_dir.mkdir(parents=True, exist_ok=True)
+    vocab = token_bytes(merges)
+    ranks = "".join(f"{base64.b64encode(token).decode()} {rank}\n" for rank, token in enumerate(vocab))
+    write_atomically(out_dir / "tokenizer.tiktoken", ranks)
+    write_atomically(out_dir / "tokenizer.json", json.dumps(info, indent=2, ensure_ascii=False) + "\n")
+
+
+# ---------------------------------------------------------------- the run
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("-v", "--vocab_size", type=int, default=vocab_size, help="tokens before <|endoftext|> (256 bytes + merges)")
+    parser.add_argument("-n", "--num_chars", type=int, default=num_chars, help="train on the first N characters")
+    parser.add_argument("--data", default=None, help=f"fineweb | fineweb-edu | path to .txt/.jsonl/.parquet or a directory (default {data})")
+    parser.add_argument("--out", default=out, help="output directory (default tokenizers/<source>_v<vocab_size>)")
+    parser.add_argument("--pattern", default=pattern, help="the pre-tokenizer regex (default GPT-4's)")
+    return parser.parse_args(argv)
+
+
+def run(argv):
+    args = parse_args(argv)
+    if not 256 <= args.vocab_size <= 2**31 - 1:
+        raise UserError(f"-v {args.vocab_size}: vocab_size must be between 256 (the bytes alone) and 2^31-1; try -v 1000")
+    if args.num_chars <= 0:
+        raise UserError(f"-n {args.num_chars}: the number of characters must be positive; try -n 1048576")
+    try:
+        split_pattern = regex.compile(args.pattern)
+    except regex.error as error:
+        raise UserError(f"--pattern does not compile ({error}); check the regex, or leave --pattern out for GPT-4's")
+    documents, source_name, source = open_source(args.data or data, data_was_named=args.data is not None)
+    out_dir = Path(args.out or f"tokenizers/{source_name}_v{args.vocab_size}")
+    if out_dir.exists() and not out_dir.is_dir():
+        raise UserError(f"--out {out_dir} is a file; give a directory")
+
+    t0 = time.time()
+    chunk_counts, chars_read = count_chunks(first_chars(documents, args.num_chars), split_pattern, args.num_chars)
+    t1 = time.time()
+    if chars_read == 0:
+        raise UserError(f"the corpus {source} is empty: no text to train on; point --data at files with text in them")
+    if BadUTF8.count:
+        print(f"warning: {BadUTF8.count} invalid UTF-8 sequences were replaced with U+FFFD")
+    if chars_read < args.num_chars:
+        print(f"the source ran out after {chars_read:,} characters (asked for {args.num_chars:,}); training on those")
+    print(f"read {chars_read:,} characters: {sum(chunk_counts.values()):,} chunks, {len(chunk_counts):,} distinct")
+
+    merges, total_tokens = train(chunk_counts, args.vocab_size)
+    t2 = time.time()
+    num_merges = len(merges)
+    stop_reason = "vocab_size reached" if 256 + num_merges == args.vocab_size else "no pairs left to merge"
+    if stop_reason != "vocab_size reached":
+        print(f"stopped early after {num_merges} merges: no pairs left to merge (vocab {256 + num_merges} < {args.vocab_size})")
+
+    eot_id = 256 + num_merges
+    info = {
+        "pattern": args.pattern,
+        "special_tokens": {EOT: eot_id},
+        "vocab_size": eot_id + 1,
+        "num_merges": num_merges,
+        "num_chars": chars_read,
+        "source": source,
+        "trainer": "train_bpe_cpu.py",
+        "seconds": round(t2 - t0, 3),
+        "stop_reason": stop_reason,
+    }
+    save_tokenizer(out_dir, merges, info)
+    total_bytes = sum(len(chunk.encode("utf-8")) * count for chunk, count in chunk_counts.items())
+    print(f"reading + pre-tokenizing {t1 - t0:.2f}s | merging {t2 - t1:.2f}s ({num_merges / max(t2 - t1, 1e-9):,.0f} merges/s) "
+          f"| total {t2 - t0:.2f}s")
+    print(f"compression on the training text: {total_bytes / max(total_tokens, 1):.3f} bytes/token "
+          f"({total_bytes:,} bytes -> {total_tokens:,} tokens)")
+    print(f"wrote {out_dir}/tokenizer.tiktoken and tokenizer.json ({EOT} = {eot_id}, vocab_size {eot_id + 1})")
+
+
+if __name__ == "__main__":
+    try:
+        run(sys.argv[1:])
+    except UserError as error:
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(1)
