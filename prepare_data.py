@@ -56,13 +56,14 @@ val_tokens = 1_000_000  # the validation split: the first documents, until they 
 workers = os.cpu_count()  # tokenizer threads
 batch_chars = 1 << 20  # characters per batch handed to a thread: big enough to amortize, small for memory
 EOT = "<|endoftext|>"
-# The Hub datasets, as (repository, config). All four are plain parquet on the Hub, which recent `datasets`
-# streams; the old script-based "openwebtext" repositories no longer load.
+# The Hub datasets: (repository, config, parquet files). `datasets` 4+ no longer runs loading scripts, and
+# OpenWebText's repository still carries its old script beside the parquet shards it gained in 2024: naming
+# the shards themselves (hf://...) reads them with the plain parquet reader and never looks at the script.
 HUB_DATASETS = {
-    "fineweb": ("HuggingFaceFW/fineweb", "sample-10BT"),
-    "fineweb-edu": ("HuggingFaceFW/fineweb-edu", "sample-10BT"),
-    "openwebtext": ("Skylion007/openwebtext", None),
-    "tinystories": ("roneneldan/TinyStories", None),
+    "fineweb": ("HuggingFaceFW/fineweb", "sample-10BT", None),
+    "fineweb-edu": ("HuggingFaceFW/fineweb-edu", "sample-10BT", None),
+    "openwebtext": ("Skylion007/openwebtext", None, "data/train-*.parquet"),
+    "tinystories": ("roneneldan/TinyStories", None, None),
 }
 LOCAL_SUFFIXES = (".txt", ".jsonl", ".parquet")
 TIKTOKEN_NAMES = ("gpt2", "r50k_base", "p50k_base", "cl100k_base", "o200k_base")
@@ -91,9 +92,13 @@ def stream_hub(name):
     """A Hub dataset, streamed: documents arrive as we read them, nothing is downloaded whole."""
     import datasets
 
-    repository, config = HUB_DATASETS[name]
+    repository, config, files = HUB_DATASETS[name]
     try:
-        rows = datasets.load_dataset(repository, name=config, split="train", streaming=True)
+        if files:
+            rows = datasets.load_dataset("parquet", data_files=f"hf://datasets/{repository}/{files}", split="train",
+                                         streaming=True)
+        else:
+            rows = datasets.load_dataset(repository, name=config, split="train", streaming=True)
     except Exception as error:  # the Hub answered, but not with the dataset: say why in one line
         raise UserError(f"can't open {repository} ({type(error).__name__}: {str(error).splitlines()[0]}); "
                         "use local files: --data path/to/files")
@@ -181,7 +186,7 @@ def open_source(data, data_was_named):
     """Returns (documents, name, description). `documents(budget)` yields documents as strings."""
     if data in HUB_DATASETS:
         if hub_reachable():
-            repository, config = HUB_DATASETS[data]
+            repository, config, _ = HUB_DATASETS[data]
             return (lambda budget: stream_hub(data)), data, f"{repository} {config or ''}".strip()
         if data_was_named:
             raise UserError(f"can't reach the Hugging Face Hub for --data {data}; "
@@ -643,4 +648,10 @@ if __name__ == "__main__":
         run(sys.argv[1:])
     except UserError as error:
         print(f"error: {error}", file=sys.stderr)
+        sys.exit(1)
+    except KeyboardInterrupt:
+        print("\ninterrupted: run the same command again to resume; finished shards are kept", file=sys.stderr)
+        sys.exit(130)
+    except OSError as error:  # a full disk, a lost mount: the finished shards are safe, so say how to go on
+        print(f"error: {error}; fix it and run the same command again to resume", file=sys.stderr)
         sys.exit(1)

@@ -12,7 +12,7 @@ Routes, each over the same documents:
 - threads + encode_to_numpy: what prepare_data.py does inside, without reading or writing.
 - process pool: batches of documents pickled to one process per core, encode_ordinary there, numpy back.
 - prepare_data.py: the script in a subprocess, from reading the .jsonl to the last shard and meta.json,
-  interpreter start-up included. Its peak RSS comes from wait4 on that very process.
+  interpreter start-up included. Its peak RSS is the kernel's high-water mark (VmHWM) of that process.
 """
 import argparse
 import base64
@@ -113,13 +113,21 @@ def prepare():
     shutil.rmtree(out_dir, ignore_errors=True)
     command = [sys.executable, str(REPO / "prepare_data.py"), "--tokenizer", str(tok_dir), "--data", args.corpus,
                "--out", str(out_dir)] + (["-n", str(args.num_chars)] if args.num_chars else [])
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
-    _, status, usage = os.wait4(process.pid, 0)
-    process.returncode = os.waitstatus_to_exitcode(status)
-    output = process.stdout.read().decode()
-    assert process.returncode == 0, output
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    # Peak memory: the kernel's high-water mark of the process's own memory (VmHWM), read until it exits.
+    # Not ru_maxrss from wait4: that also counts the pages of this big benchmark process that the child
+    # shares between fork and exec.
+    peak_kib = 0
+    while process.poll() is None:
+        try:
+            status = Path(f"/proc/{process.pid}/status").read_text()
+            peak_kib = max(peak_kib, int(status.split("VmHWM:")[1].split()[0]))
+        except (OSError, IndexError):
+            pass
+        time.sleep(0.02)
+    assert process.returncode == 0, " ".join(command)
     meta = json.loads((out_dir / "meta.json").read_text())
-    prepare.peak_rss.append(usage.ru_maxrss / 1024)  # KiB -> MiB on Linux
+    prepare.peak_rss.append(peak_kib / 1024)
     return meta["tokens"]["train"] + meta["tokens"]["val"] - len(documents)  # minus one EOT per document
 
 
