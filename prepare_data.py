@@ -22,7 +22,7 @@ least one document; the last document always goes to train). A source that is on
 (a .txt file) gives its last 10% of tokens to val instead, as nanoGPT does for Shakespeare.
 
 Killed at any moment (Ctrl-C, kill -9, a full disk) and started again with the same arguments, it skips
-the finished shards and ends with files identical to an uninterrupted run: see "Resuming" below.
+the finished shards and ends with files identical to an uninterrupted run (the README's "Resuming").
 """
 
 import argparse
@@ -584,7 +584,9 @@ def run(argv):
     new_tokens = 0
     with ThreadPoolExecutor(args.workers) as pool:
         try:
-            stream = encoded_documents(text_stream(), resume_document, encode, pool)
+            # A resumed run that had reached --max_tokens only lacked meta.json: don't read on.
+            reached_max = bool(args.max_tokens) and total >= args.max_tokens
+            stream = encoded_documents(text_stream(), resume_document, encode, pool) if not reached_max else ()
             for index, tokens, chars in stream:
                 progress_bar.update(1)
                 if chars == 0:  # an empty document holds no text: it is skipped, with no EOT of its own
@@ -601,17 +603,21 @@ def run(argv):
                     progress_bar.set_postfix_str(f"{new_tokens / max(time.time() - t1, 1e-9):,.0f} tokens/s", refresh=False)
                 if last:
                     break
+            progress_bar.set_postfix_str(f"{new_tokens / max(time.time() - t1, 1e-9):,.0f} tokens/s")
         finally:
+            progress_bar.close()
             pool.shutdown(cancel_futures=True)
-    progress_bar.set_postfix_str(f"{new_tokens / max(time.time() - t1, 1e-9):,.0f} tokens/s")
-    progress_bar.close()
-    if pending is None:
+    if pending is not None:
+        if counters["documents_before"] == 0 and len(pending[1]) < 2:
+            give_up(f"the dataset {source} is a single character: too little to split into train and val")
+        route(*pending, is_last=True)
+        # The last, partial shard of each split. The counters now include the last document, so the
+        # position saved with them is the start of the next one.
+        for split in ("train", "val"):
+            writers[split].finish((pending[0] + 1, 0), save_progress)
+    elif counters["documents_before"] == 0:
         give_up(f"the dataset {source} is empty: no text to tokenize; point --data at files with text in them")
-    if counters["documents_before"] == 0 and len(pending[1]) < 2:
-        give_up(f"the dataset {source} is a single character: too little to split into train and val")
-    route(*pending, is_last=True)
-    for split in ("train", "val"):  # the last, partial shard of each split
-        writers[split].finish((pending[0], len(pending[1])), save_progress)
+    # (else: a resumed run whose every shard was finished; only meta.json was missing)
     t2 = time.time()
 
     # --- meta.json, last: its presence says the dataset is complete

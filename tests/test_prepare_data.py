@@ -412,3 +412,28 @@ def test_out_into_a_file_and_foreign_or_mismatched_out(tmp_path, docs, bpe_dir):
         result = prepare(*args, cwd=tmp_path, check=False)
         assert "made with other arguments" in one_line_error(result)
     assert files_of(tmp_path / "ds") == before
+
+
+@pytest.mark.parametrize("limit", [[], ["--max_tokens", 4321], ["-n", 6000]])
+def test_resume_when_killed_just_before_meta_json(tmp_path, docs, bpe_dir, limit):
+    """The narrowest window: every shard finished, meta.json not yet written. The process dies there for
+    certain (os._exit, as abrupt as SIGKILL, in place of writing meta.json); the next run must only finish."""
+    write_jsonl(tmp_path / "docs.jsonl", docs)
+    args = ["--tokenizer", bpe_dir, "--data", "docs.jsonl", "--shard_size", 900, "--val_tokens", 800, *limit]
+    prepare(*args, "--out", "reference", cwd=tmp_path)
+    die_at_meta = (
+        "import os, runpy, sys\n"
+        f"script = runpy.run_path({str(SCRIPT)!r}, run_name='prepare_data')\n"
+        "namespace = script['run'].__globals__  # the functions' own globals (run_path returns a copy)\n"
+        "write_json = namespace['write_json']\n"
+        "def dying_write_json(path, obj):\n"
+        "    if str(path).endswith('meta.json'):\n"
+        "        os._exit(9)\n"
+        "    write_json(path, obj)\n"
+        "namespace['write_json'] = dying_write_json\n"
+        "script['run'](sys.argv[1:])\n")
+    died = subprocess.run([sys.executable, "-c", die_at_meta, *map(str, args), "--out", "killed"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    assert died.returncode == 9 and not (tmp_path / "killed" / "meta.json").exists(), died.stderr
+    assert "resuming" in prepare(*args, "--out", "killed", cwd=tmp_path).stdout
+    assert files_of(tmp_path / "killed") == files_of(tmp_path / "reference")
