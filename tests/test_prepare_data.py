@@ -414,12 +414,14 @@ def test_out_into_a_file_and_foreign_or_mismatched_out(tmp_path, docs, bpe_dir):
     assert files_of(tmp_path / "ds") == before
 
 
-@pytest.mark.parametrize("limit", [[], ["--max_tokens", 4321], ["-n", 6000]])
-def test_resume_when_killed_just_before_meta_json(tmp_path, docs, bpe_dir, limit):
+@pytest.mark.parametrize("extra", [[], ["--max_tokens", 4321], ["-n", 6000], ["--tokenizer", "char"],
+                                   ["--data", "one_document.txt"]])
+def test_resume_when_killed_just_before_meta_json(tmp_path, docs, bpe_dir, extra):
     """The narrowest window: every shard finished, meta.json not yet written. The process dies there for
     certain (os._exit, as abrupt as SIGKILL, in place of writing meta.json); the next run must only finish."""
     write_jsonl(tmp_path / "docs.jsonl", docs)
-    args = ["--tokenizer", bpe_dir, "--data", "docs.jsonl", "--shard_size", 900, "--val_tokens", 800, *limit]
+    (tmp_path / "one_document.txt").write_text("".join(docs), encoding="utf-8")
+    args = ["--tokenizer", bpe_dir, "--data", "docs.jsonl", "--shard_size", 900, "--val_tokens", 800, *extra]
     prepare(*args, "--out", "reference", cwd=tmp_path)
     die_at_meta = (
         "import os, runpy, sys\n"
