@@ -439,3 +439,33 @@ def test_resume_when_killed_just_before_meta_json(tmp_path, docs, bpe_dir, extra
     assert died.returncode == 9 and not (tmp_path / "killed" / "meta.json").exists(), died.stderr
     assert "resuming" in prepare(*args, "--out", "killed", cwd=tmp_path).stdout
     assert files_of(tmp_path / "killed") == files_of(tmp_path / "reference")
+
+
+@pytest.mark.skipif(reachable("huggingface.co"), reason="online: the default source is FineWeb itself")
+def test_default_source_offline_falls_back_to_the_stdlib(tmp_path):
+    import sysconfig
+
+    result = prepare("--tokenizer", "char", "-n", 20_000, "--val_tokens", 5_000, cwd=tmp_path)
+    assert "offline corpus" in result.stdout
+    out_dir = tmp_path / "data" / "stdlib_char"
+    meta, val, train = read_dataset(out_dir)
+    assert meta["source"] == "Python standard library source (offline fallback)"
+    # Independently: the .py files of the stdlib in sorted order of path, site-packages excluded.
+    root = Path(sysconfig.get_paths()["stdlib"])
+    paths = sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts)
+    text = ""
+    for path in paths:
+        text += path.read_text(encoding="utf-8", errors="replace")
+        if len(text) >= 20_000:
+            break
+    chars = meta["chars"]
+    assert "".join(chars[i] for i in np.concatenate([val, train])) == text[:20_000]
+
+
+def test_invalid_utf8_is_replaced_with_a_warning(tmp_path, bpe_dir):
+    (tmp_path / "bad.txt").write_bytes(b"caf\xc3\xa9 ok, then bad bytes: \xff\xfe and \xc3 end")
+    result = prepare("--tokenizer", bpe_dir, "--data", "bad.txt", "--out", "ds", cwd=tmp_path)
+    assert "3 invalid UTF-8 sequences were replaced" in result.stdout
+    meta, val, train = read_dataset(tmp_path / "ds")
+    text = load_encoding(bpe_dir).decode(np.concatenate([train, val]).tolist())
+    assert text == EOT + "café ok, then bad bytes: \ufffd\ufffd and \ufffd end"
