@@ -307,10 +307,10 @@ def encode_batch(texts, encoder, eot, char_codes, dtype, vocab_size):
     return tokens.astype(dtype), lengths
 
 
-def encoded_documents(documents, start, encode, pool):
+def encoded_documents(documents, start, encode, pool, max_in_flight):
     """Yield (index, tokens, num_chars) for each document from `start` on, in order. Batches are encoded by
-    the thread pool while this thread reads ahead; at most 2 batches per thread are in flight, so memory
-    stays flat however long the stream is."""
+    the thread pool while this thread reads ahead; at most max_in_flight batches wait, so memory stays flat
+    however long the stream is."""
     in_flight = deque()
     batch, batch_size = [], 0
     index = -1
@@ -330,7 +330,7 @@ def encoded_documents(documents, start, encode, pool):
         if batch_size >= batch_chars:
             in_flight.append((index - len(batch) + 1, [len(t) for t in batch], pool.submit(encode, batch)))
             batch, batch_size = [], 0
-            while len(in_flight) > 2 * workers:
+            while len(in_flight) > max_in_flight:
                 yield from collect()
     if batch:
         in_flight.append((index - len(batch) + 1, [len(t) for t in batch], pool.submit(encode, batch)))
@@ -366,8 +366,8 @@ class ShardWriter:
         self.file, self.filled, self.max_id = None, 0, -1
 
     def add(self, tokens, document, offset, on_finish):
-        """Append tokens[...] which are the tokens of `document` from `offset` on. on_finish(position) runs
-        after each finished shard with the (document, offset) of the first token not in it."""
+        """Append `tokens`: those of `document` from token `offset` on. on_finish(position) runs after each
+        finished shard, with the (document, offset) of the first token that is not in it."""
         done = 0
         while done < len(tokens):
             if self.file is None:
@@ -586,7 +586,8 @@ def run(argv):
         try:
             # A resumed run that had reached --max_tokens only lacked meta.json: don't read on.
             reached_max = bool(args.max_tokens) and total >= args.max_tokens
-            stream = encoded_documents(text_stream(), resume_document, encode, pool) if not reached_max else ()
+            stream = () if reached_max else encoded_documents(text_stream(), resume_document, encode, pool,
+                                                              max_in_flight=2 * args.workers)
             for index, tokens, chars in stream:
                 progress_bar.update(1)
                 if chars == 0:  # an empty document holds no text: it is skipped, with no EOT of its own
