@@ -280,7 +280,7 @@ def load_tiktoken_name(name):
 # tiktoken's Rust core releases the GIL while it encodes, so threads run on every core without the cost of
 # a process pool (pickling every document to a worker and every token array back). encode_to_numpy hands
 # back the Rust buffer as a numpy array, so no Python list of ints is ever built. bench/bench_prepare_data.py
-# measured both on enwiki (2 cores): threads + encode_to_numpy spent 13% less CPU per token than
+# measured both on enwiki (2 cores): threads + encode_to_numpy spent 9-15% less CPU per token than
 # encode_ordinary_batch itself, and a process pool 8% more.
 
 

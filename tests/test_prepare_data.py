@@ -3,6 +3,7 @@ a run killed with SIGKILL resumes to identical files, and bad input gets one lin
 
 Every check runs the script as a user would, in a subprocess, on small generated corpora."""
 import base64
+import hashlib
 import json
 import os
 import random
@@ -131,7 +132,7 @@ def test_bpe_dir_shards_decode_to_the_documents(tmp_path, docs, bpe_dir):
     assert meta["dtype"] == "uint16" and meta["max_token_id"] == int(max(val.max(), train.max()))
     assert meta["num_chars"] == sum(len(doc) for doc in docs)
     assert meta["tokenizer"]["kind"] == "bpe"
-    assert meta["tokenizer"]["sha256"] == __import__("hashlib").sha256((bpe_dir / "tokenizer.tiktoken").read_bytes()).hexdigest()
+    assert meta["tokenizer"]["sha256"] == hashlib.sha256((bpe_dir / "tokenizer.tiktoken").read_bytes()).hexdigest()
     for name in ("tokenizer.tiktoken", "tokenizer.json"):  # the dataset carries its tokenizer
         assert (out_dir / name).read_bytes() == (bpe_dir / name).read_bytes()
     assert not list(out_dir.glob("*.tmp")) and not (out_dir / "progress.json").exists()
