@@ -57,8 +57,8 @@ workers = os.cpu_count()  # tokenizer threads
 batch_chars = 1 << 20  # characters per batch handed to a thread: big enough to amortize, small for memory
 EOT = "<|endoftext|>"
 # The Hub datasets: (repository, config, parquet files). `datasets` 4+ no longer runs loading scripts, and
-# OpenWebText's repository still carries its old script beside the parquet shards it gained in 2024: naming
-# the shards themselves (hf://...) reads them with the plain parquet reader and never looks at the script.
+# OpenWebText's repository may still carry its old script beside the parquet shards it was re-uploaded as:
+# naming the shards themselves (hf://...) reads them with the plain parquet reader, never the script.
 HUB_DATASETS = {
     "fineweb": ("HuggingFaceFW/fineweb", "sample-10BT", None),
     "fineweb-edu": ("HuggingFaceFW/fineweb-edu", "sample-10BT", None),
