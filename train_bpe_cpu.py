@@ -197,12 +197,11 @@ def count_chunks(documents, split_pattern, num_chars):
     """Split each document with the pattern and count distinct chunks. Chunks never cross documents."""
     chunk_counts = Counter()
     chars_read = 0
-    progress = tqdm(total=num_chars, unit="char", unit_scale=True, desc="reading", mininterval=0.5)
-    for document in documents:
-        chunk_counts.update(split_pattern.findall(document))
-        chars_read += len(document)
-        progress.update(len(document))
-    progress.close()
+    with tqdm(total=num_chars, unit="char", unit_scale=True, desc="reading", mininterval=0.5) as progress:
+        for document in documents:
+            chunk_counts.update(split_pattern.findall(document))
+            chars_read += len(document)
+            progress.update(len(document))
     return chunk_counts, chars_read
 
 

@@ -9,7 +9,7 @@ REPO = Path(__file__).resolve().parent.parent
 CORPORA = Path(os.environ.get("CORPORA_DIR", REPO.parent / "shared" / "corpora"))
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def corpus():
     """corpus("udhr.jsonl") -> its path, or a skip with the reason when the shared corpora are absent."""
     def find(name):

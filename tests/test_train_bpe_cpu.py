@@ -1,0 +1,245 @@
+"""train_bpe_cpu.py against rustbpe (the oracle), tiktoken (the consumer), and the command line contract."""
+import base64
+import json
+import os
+import subprocess
+import sys
+import sysconfig
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import regex
+import rustbpe
+import tiktoken
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+import train_bpe_cpu as bpe  # noqa: E402
+
+SCRIPT = REPO / "train_bpe_cpu.py"
+
+
+def our_vocab(docs, vocab_size, pattern=bpe.pattern):
+    chunk_counts = Counter()
+    for doc in docs:
+        chunk_counts.update(regex.findall(pattern, doc))
+    merges, _ = bpe.train(chunk_counts, vocab_size)
+    return bpe.token_bytes(merges)
+
+
+def rustbpe_vocab(docs, vocab_size, pattern=bpe.pattern):
+    tokenizer = rustbpe.Tokenizer()
+    tokenizer.train_from_iterator(iter(docs), vocab_size, pattern=pattern)
+    return [token for token, _ in sorted(tokenizer.get_mergeable_ranks(), key=lambda item: item[1])]
+
+
+def run_cli(*args, cwd, env_extra=None):
+    env = dict(os.environ, HF_HUB_OFFLINE="1", **(env_extra or {}))
+    return subprocess.run([sys.executable, str(SCRIPT), *map(str, args)], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def load_encoding(directory):
+    """The README's loading snippet: the rank file and the sidecar into a tiktoken Encoding."""
+    info = json.loads((directory / "tokenizer.json").read_text())
+    with open(directory / "tokenizer.tiktoken", "rb") as f:
+        ranks = {base64.b64decode(token): int(rank) for token, rank in (line.split() for line in f if line.strip())}
+    return tiktoken.Encoding(name=str(directory), pat_str=info["pattern"], mergeable_ranks=ranks,
+                             special_tokens=info["special_tokens"]), info
+
+
+# ---------------------------------------------------------------- the algorithm equals rustbpe's
+
+EDGE_CASES = {
+    "aaaa": ["aaaa"],
+    "long run of one byte": ["a" * 3000, "aaa aaaaa aaaaaaa " * 20],
+    "crlf": ["line one\r\nline two\r\n\r\n  indented\r\n" * 10],
+    "whitespace only": ["   \n\t  \n\n     \t\t  "],
+    "emoji and joiners": ["😀😀 👩‍👩‍👧 🇫🇷🇫🇷 hi😀 ok" * 10],
+    "long unspaced cjk chunk": ["人人生而自由在尊严和权利上一律平等他们赋有理性和良心并应以兄弟关系的精神相对待" * 30],
+    "empty documents among others": ["", "abc abc", "", "abcabc"],
+}
+
+
+@pytest.mark.parametrize("name", list(EDGE_CASES))
+@pytest.mark.parametrize("vocab_size", [257, 300, 600])
+def test_edge_cases_equal_rustbpe(name, vocab_size):
+    docs = EDGE_CASES[name]
+    assert our_vocab(docs, vocab_size) == rustbpe_vocab(docs, vocab_size)
+
+
+def test_generated_corpus_equals_rustbpe():
+    import random
+    rng = random.Random(1234)
+    words = ["".join(rng.choice("abcdeéfghij ") for _ in range(rng.randrange(1, 9))) for _ in range(300)]
+    docs = [" ".join(rng.choice(words) for _ in range(rng.randrange(5, 200))) for _ in range(200)]
+    assert our_vocab(docs, 1200) == rustbpe_vocab(docs, 1200)
+
+
+def test_multilingual_udhr_equals_rustbpe(corpus):
+    with open(corpus("udhr.jsonl"), encoding="utf-8") as f:
+        docs = [json.loads(line)["text"] for line in f][::4]  # ~110 languages, every script family
+    assert our_vocab(docs, 2000) == rustbpe_vocab(docs, 2000)
+
+
+def test_other_pattern_equals_rustbpe(corpus):
+    gpt2_pattern = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+    text = corpus("tinyshakespeare.txt").read_text()[:100_000]
+    assert our_vocab([text], 700, gpt2_pattern) == rustbpe_vocab([text], 700, gpt2_pattern)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(docs=st.lists(st.text(alphabet=st.sampled_from("aab  \n\r.,1é中😀"), max_size=40), max_size=6),
+       vocab_size=st.integers(256, 320))
+def test_random_corpora_equal_rustbpe(docs, vocab_size):
+    assert our_vocab(docs, vocab_size) == rustbpe_vocab(docs, vocab_size)
+
+
+def test_overlapping_pairs_count_and_merge_left_to_right():
+    # "aaa" holds (a, a) twice, so it beats (b, c) which occurs once...
+    merges, total_tokens = bpe.train(Counter({"aaa": 1, "bc": 1}), 259)
+    assert merges[0] == ((97, 97), 256)
+    # ...merging it left to right leaves [aa, a]: (aa, a) and (b, c) now tie at 1, and the tie goes to the
+    # smaller pair; then (aa, a) makes "aaa" one token.
+    assert merges[1:] == [((98, 99), 257), ((256, 97), 258)]
+    assert total_tokens == 2
+
+
+# ---------------------------------------------------------------- the command line, end to end
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, corpus):
+    """One CLI run on real text, shared by the round-trip tests."""
+    path = corpus("tinyshakespeare.txt")
+    out = tmp_path_factory.mktemp("tok")
+    result = run_cli("--data", path, "-v", 700, "-n", 200_000, "--out", out, cwd=out)
+    assert result.returncode == 0, result.stderr
+    return out, path, result, load_encoding(out)[0]
+
+
+def test_cli_output_equals_rustbpe_and_loads_in_tiktoken(trained):
+    out, path, result, _ = trained
+    encoding, info = load_encoding(out)
+    text = path.read_text()[:200_000]
+    assert [encoding.decode_single_token_bytes(rank) for rank in range(700)] == rustbpe_vocab([text], 700)
+    assert info["special_tokens"] == {"<|endoftext|>": 700} and info["vocab_size"] == encoding.n_vocab == 701
+    assert info["num_chars"] == 200_000 and info["stop_reason"] == "vocab_size reached"
+    assert encoding.encode("hi<|endoftext|>", allowed_special="all")[-1] == 700
+    # The printed compression must agree with what tiktoken makes of the same text.
+    tokens = len(encoding.encode_ordinary(text))
+    assert f"-> {tokens:,} tokens" in result.stdout
+    assert not list(out.glob("*.tmp"))
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(text=st.text())
+def test_tiktoken_round_trips_any_unicode(trained, text):
+    encoding = trained[3]
+    assert encoding.decode(encoding.encode_ordinary(text)) == text
+
+
+def test_num_chars_cuts_the_stream_exactly(tmp_path):
+    docs = ["abc", "defg", "hi"]
+    stream = lambda budget: iter(docs)
+    assert list(bpe.first_chars(stream, 5)) == ["abc", "de"]
+    assert list(bpe.first_chars(stream, 7)) == ["abc", "defg"]
+    assert list(bpe.first_chars(stream, 100)) == docs
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    result = run_cli("--data", tmp_path / "d.jsonl", "-v", 260, "-n", 5, "--out", tmp_path / "a", cwd=tmp_path)
+    assert json.loads((tmp_path / "a" / "tokenizer.json").read_text())["num_chars"] == 5
+    result = run_cli("--data", tmp_path / "d.jsonl", "-v", 260, "-n", 100, "--out", tmp_path / "b", cwd=tmp_path)
+    assert result.returncode == 0 and "ran out after 9 characters" in result.stdout
+
+
+def test_local_txt_jsonl_parquet_and_directory(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    docs = ["First document.\n", "Second one, with ünïcode.", "Third: 中文 and more text"]
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    (folder / "a.txt").write_text(docs[0])
+    (folder / "b.jsonl").write_text(json.dumps({"text": docs[1]}) + "\n\n")
+    pq.write_table(pa.table({"text": [docs[2]], "id": [7]}), folder / "c.parquet")
+    (folder / "notes.md").write_text("not read: not a text source")
+    read = lambda data: list(bpe.first_chars(bpe.open_source(str(data), True)[0], 10**6))
+    assert read(folder / "a.txt") == docs[:1]
+    assert read(folder / "b.jsonl") == docs[1:2]
+    assert read(folder / "c.parquet") == docs[2:]  # through datasets' streaming parquet reader
+    assert read(folder) == docs  # a directory: its files in sorted order
+    result = run_cli("--data", folder, "-v", 300, "--out", tmp_path / "tok", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    encoding, _ = load_encoding(tmp_path / "tok")
+    assert [encoding.decode_single_token_bytes(r) for r in range(encoding.n_vocab - 1)] == rustbpe_vocab(docs, 300)[:encoding.n_vocab - 1]
+
+
+def test_offline_fallback_is_the_standard_library(tmp_path):
+    result = run_cli("-v", 300, "-n", 50_000, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "can't reach the Hugging Face Hub for fineweb: using the offline corpus" in result.stdout
+    out = tmp_path / "tokenizers" / "stdlib_v300"
+    info = json.loads((out / "tokenizer.json").read_text())
+    assert info["num_chars"] == 50_000 and "standard library" in info["source"]
+    # The same first 50,000 characters, gathered independently, give the same tokenizer.
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(p for p in stdlib.rglob("*.py") if "site-packages" not in p.parts)
+    docs, remaining = [], 50_000
+    for file in files:
+        text = file.read_text(encoding="utf-8", errors="replace")[:remaining]
+        docs.append(text)
+        remaining -= len(text)
+        if not remaining:
+            break
+    encoding, _ = load_encoding(out)
+    assert [encoding.decode_single_token_bytes(r) for r in range(300)] == rustbpe_vocab(docs, 300)
+
+
+def test_invalid_utf8_is_replaced_with_a_warning(tmp_path):
+    (tmp_path / "bad.txt").write_bytes(b"good text \xff\xfe and \xe2\x82 more " * 3 + "ok \ufffd".encode())
+    result = run_cli("--data", tmp_path / "bad.txt", "-v", 270, "--out", tmp_path / "tok", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "warning: 9 invalid UTF-8 sequences were replaced with U+FFFD" in result.stdout
+
+
+# ---------------------------------------------------------------- bad input: one line, non-zero exit, nothing written
+
+
+def write_small_corpus(tmp_path):
+    path = tmp_path / "ok.txt"
+    path.write_text("some text to train on " * 10)
+    return path
+
+
+BAD_INPUTS = {
+    "vocab too small": (["-v", "255"], "vocab_size must be between 256"),
+    "vocab too large": (["-v", str(2**31)], "vocab_size must be between 256"),
+    "n zero": (["-n", "0"], "must be positive"),
+    "n negative": (["-n", "-5"], "must be positive"),
+    "missing path": (["--data", "no/such/file.txt"], "no such file or directory"),
+    "unknown file type": (["--data", "SMALL.md"], "unknown file type"),
+    "bad pattern": (["--pattern", "(unclosed"], "--pattern does not compile"),
+    "named hub source offline": (["--data", "fineweb-edu"], "can't reach the Hugging Face Hub for --data fineweb-edu"),
+    "empty corpus": (["--data", "EMPTY.txt"], "is empty"),
+    "bad jsonl line": (["--data", "BAD.jsonl"], "is not a JSON object with a \"text\" field"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUTS))
+def test_bad_input_is_one_clear_line(tmp_path, case):
+    args, message = BAD_INPUTS[case]
+    small = write_small_corpus(tmp_path)
+    (tmp_path / "SMALL.md").write_text("text")
+    (tmp_path / "EMPTY.txt").write_text("")
+    (tmp_path / "BAD.jsonl").write_text('{"text": "fine"}\n[1, 2]\n')
+    if "--data" not in args:
+        args = args + ["--data", str(small)]
+    result = run_cli(*args, "--out", tmp_path / "out", cwd=tmp_path)
+    assert result.returncode != 0
+    # One line saying what is wrong (progress bars may precede it on stderr), and no traceback.
+    error_lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(error_lines) == 1 and message in error_lines[0], result.stderr
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / "out").exists()
