@@ -456,7 +456,8 @@ def merge_on_device(layout, vocab_size, rows_to_verify=8):
         new_pairs = torch.cat([torch.where(has_before, token_before * V + new_id, 0),
                                torch.where(has_after, new_id * V + tokens[after], 0)])
         pair_counts.index_add_(0, new_pairs, torch.cat([count_before, count_after]))
-        # Only pairs with new_id grew, so raising the bounds of their rows keeps every bound an upper bound.
+        # Only pairs with new_id grew: raising their rows' bounds keeps every bound an upper bound, and an exact
+        # one exact. (Masked lanes point at pair (0, 0), whose count can't exceed row 0's bound: a no-op.)
         row_bound.scatter_reduce_(0, new_pairs // V, pair_counts[new_pairs], "amax")
 
         # --- the position lists: a's list loses the positions that no longer hold a, new_id's gets the merged
