@@ -88,6 +88,15 @@ def test_runs_are_merged_left_to_right_without_overlap():
     assert (merges, total_tokens) == train_bpe_cpu.train(chunk_counts, 260)
 
 
+def test_counts_past_2_to_the_31_switch_to_int64():
+    # Chunk frequencies this large stand for ~2^33 characters of text: int32 pair counts would wrap around.
+    # The CPU trainer counts with Python ints, which can't overflow.
+    chunk_counts = Counter({"ab": 2**31 + 5, "cd": 2**31 + 3, "aaaa": 2**30 + 7, "abcd": 2**31 - 1, "xyx": 3})
+    layout = bpe.chunks_to_tensors(chunk_counts, "cpu")
+    assert layout[3].dtype == torch.int64
+    assert bpe.train(chunk_counts, 270) == train_bpe_cpu.train(chunk_counts, 270)
+
+
 def test_generated_corpus_equals_rustbpe_and_cpu_trainer():
     rng = random.Random(1234)
     words = ["".join(rng.choice("abcdeéfghij ") for _ in range(rng.randrange(1, 9))) for _ in range(300)]
