@@ -53,7 +53,7 @@ pattern = r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,3}| ?[^\s\
 EOT = "<|endoftext|>"
 HUB_DATASETS = {"fineweb": "HuggingFaceFW/fineweb", "fineweb-edu": "HuggingFaceFW/fineweb-edu"}
 LOCAL_SUFFIXES = (".txt", ".jsonl", ".parquet")
-device = None  # cuda when torch sees a GPU, else cpu; mps and cpu work too (same result, slower)
+device = None  # cuda when torch sees a GPU, else cpu (same result, slower); mps is accepted, untested so far
 PARALLEL_CHARS = 1 << 24  # from this many characters on, pre-tokenize on every core
 PARALLEL_BATCH_CHARS = 1 << 22  # characters per batch sent to a pre-tokenizing worker
 # -----------------------------------------------------------------------------
