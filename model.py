@@ -15,7 +15,6 @@ import math
 import os
 import pickle
 import warnings
-import zipfile
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -380,12 +379,13 @@ def sample_next_token(logits, temperature=1.0, top_k=None, top_p=None, generator
 # ---- peak FLOP/s of the device, for MFU ----
 
 # Dense (no sparsity) bf16 tensor-core peaks from the vendors' data sheets; fp16 where the chip has no bf16.
-# Order matters: the first name found in the device name wins ("H100 PCIe" before "H100").
+# Order matters: the first name found in the device name wins ("H100 PCIe" before "H100", "A100" before "A10").
 PEAK_FLOPS = [
-    ("GB200", 2.5e15), ("B200", 2.25e15), ("H200", 989e12), ("GH200", 989e12), ("H100 PCIe", 756e12),
+    ("GB200", 2.5e15), ("B200", 2.25e15), ("GH200", 989e12), ("H200", 989e12), ("H100 PCIe", 756e12),
     ("H100", 989e12), ("H800", 989e12), ("A100", 312e12), ("A800", 312e12), ("L40S", 362e12), ("L40", 181e12),
-    ("L4", 121e12), ("A10G", 70e12), ("A10", 125e12), ("A6000", 155e12), ("A5000", 111e12), ("A40", 150e12),
-    ("4090", 165e12), ("3090", 71e12), ("V100", 125e12), ("T4", 65e12), ("MI300X", 1307e12), ("MI250X", 383e12),
+    ("L4", 121e12), ("A10G", 70e12), ("A10", 125e12), ("A6000", 155e12), ("A5000", 111e12), ("A4000", 77e12),
+    ("A40", 150e12), ("4090", 165e12), ("3090", 71e12), ("MI300X", 1307e12), ("MI250X", 383e12),
+    ("V100", 125e12), ("T4", 65e12),  # no bf16 on these two: their fp16 peak
 ]
 FALLBACK_PEAK_FLOPS = 312e12  # an unknown GPU is measured against an A100, and the label says so
 
@@ -397,10 +397,15 @@ def peak_flops(device):
     device = torch.device(device)
     if device.type != "cuda":
         return None, f"n/a on {device.type}"
-    name = torch.cuda.get_device_name(device)
+    return peak_flops_for_name(torch.cuda.get_device_name(device))
+
+
+def peak_flops_for_name(name):
+    """(peak bf16 FLOP/s, label) for a GPU name as torch.cuda.get_device_name reports it."""
     for key, flops in PEAK_FLOPS:
         if key in name:
-            return flops, f"{name}: {flops / 1e12:.0f} TFLOP/s"
+            precision = "fp16" if key in ("V100", "T4") else "bf16"
+            return flops, f"{name}: {flops / 1e12:.0f} TFLOP/s {precision} peak"
     return FALLBACK_PEAK_FLOPS, f"{name} is not in the table: assuming an A100's {FALLBACK_PEAK_FLOPS / 1e12:.0f} TFLOP/s"
 
 
@@ -444,14 +449,12 @@ def load_checkpoint(path, map_location="cpu"):
                               f"or point --out_dir at the directory that holds it")
     try:
         checkpoint = torch.load(path, map_location=map_location, weights_only=True)
-    except pickle.UnpicklingError as err:
-        if "weights only" in str(err).lower() or "weights_only" in str(err):
+    except Exception as err:  # a damaged file fails in many places of the unpickler and the zip reader
+        reason = f"{type(err).__name__}: {str(err).split('. ')[0].splitlines()[0][:100]}" if str(err) else type(err).__name__
+        if isinstance(err, pickle.UnpicklingError) and "weights only" in str(err).lower():
             raise CheckpointError(f"{path} holds objects other than tensors and plain data, which are not loaded "
                                   f"because loading them could run code: it was not written by save_checkpoint") from None
-        raise CheckpointError(f"{path} is truncated or corrupt ({str(err).splitlines()[0]}): "
-                              f"use an earlier checkpoint (ckpt_<iter>.pt) or train again") from None
-    except (RuntimeError, EOFError, OSError, zipfile.BadZipFile, ValueError) as err:
-        raise CheckpointError(f"{path} is truncated or corrupt ({str(err).splitlines()[0]}): "
+        raise CheckpointError(f"{path} is truncated or corrupt ({reason}): "
                               f"use an earlier checkpoint (ckpt_<iter>.pt) or train again") from None
     if not isinstance(checkpoint, dict) or "version" not in checkpoint:
         raise CheckpointError(f"{path} is not a lilLM checkpoint (no 'version' entry)")
