@@ -104,6 +104,8 @@ except RuntimeError:
     die(f"--device={device} is not a device torch knows (try cpu, cuda, cuda:0, mps)")
 if device_type == "cuda" and not torch.cuda.is_available():
     die(f"--device={device} but this torch sees no CUDA GPU: use --device=cpu")
+if device_type == "mps" and not torch.backends.mps.is_available():
+    die(f"--device={device} but this torch has no MPS (Apple GPU) support here: use --device=cpu")
 if dtype == "auto":
     dtype = "float32" if device_type != "cuda" else "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
 if dtype not in ("float32", "bfloat16", "float16"):
@@ -148,14 +150,17 @@ if tokenizer["kind"] == "char":
 else:
     import tiktoken
     if tokenizer["kind"] == "bpe":
-        ranks = {}
-        for line in tokenizer["ranks"].splitlines():
-            if line.strip():
-                token, rank = line.split()
-                ranks[base64.b64decode(token)] = int(rank)
-        encoding = tiktoken.Encoding(name=f"lillm_{os.path.basename(os.path.abspath(out_dir))}",
-                                     pat_str=tokenizer["pattern"], mergeable_ranks=ranks,
-                                     special_tokens=tokenizer.get("special_tokens", {}))
+        try:
+            ranks = {}
+            for line in tokenizer["ranks"].splitlines():
+                if line.strip():
+                    token, rank = line.split()
+                    ranks[base64.b64decode(token)] = int(rank)
+            encoding = tiktoken.Encoding(name=f"lillm_{os.path.basename(os.path.abspath(out_dir))}",
+                                         pat_str=tokenizer["pattern"], mergeable_ranks=ranks,
+                                         special_tokens=tokenizer.get("special_tokens", {}))
+        except Exception as err:  # a missing key, a bad line, a bad pattern: the entry is not what train.py writes
+            die(f"the checkpoint's BPE tokenizer entry is malformed ({type(err).__name__}: {str(err)[:100]})")
     else:
         try:
             encoding = tiktoken.get_encoding(tokenizer["name"])
