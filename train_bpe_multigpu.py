@@ -235,13 +235,13 @@ def my_share(documents, num_chars, rank, world_size):
     offset, bad_before = 0, BadUTF8.count
     for document in first_chars(documents, num_chars):
         owner = rank_of(offset, num_chars, world_size)
-        if owner != rank:  # someone else's document: its invalid bytes are that rank's to report
+        if owner != rank:  # an earlier rank's document: its invalid bytes are that rank's to report
             BadUTF8.count = bad_before
-        if owner > rank:
-            return  # every later document starts later still: the rest of the stream is other ranks' work
         offset += len(document)
         if owner == rank:
             yield document
+        if rank_of(offset, num_chars, world_size) > rank:
+            return  # the next document starts in a later rank's range: don't even read it
         bad_before = BadUTF8.count
 
 
@@ -729,7 +729,11 @@ if __name__ == "__main__":
     except UserError as error:
         say(f"error: {error}", file=sys.stderr)
         exit_code = 1
-    except dist.DistError as error:
+    except RuntimeError as error:
+        # gloo reports a timeout or a closed socket as a plain RuntimeError, NCCL as a DistError: both name
+        # their transport. Anything else is a bug, and keeps its traceback.
+        if not isinstance(error, dist.DistError) and not regex.search(r"gloo|nccl|timed? ?out|connection|peer", str(error), regex.I):
+            raise
         print(f"error: {lost_contact(error)}", file=sys.stderr, flush=True)
         exit_code = 1
     finally:

@@ -1,0 +1,171 @@
+"""train_bpe_multigpu.py under torchrun on the CPU (gloo): the same tokenizer as train_bpe_cpu.py and rustbpe.
+
+Every test launches real processes (`python -m torch.distributed.run --standalone`), so the sharding, the
+exchange of count deltas and the error paths run exactly as on a GPU node, only with gloo instead of NCCL.
+"""
+import json
+import os
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import regex
+import rustbpe
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+import train_bpe_cpu as cpu_bpe  # noqa: E402
+
+SCRIPT = REPO / "train_bpe_multigpu.py"
+
+
+def torchrun(nproc, *args, cwd):
+    """Launch the script on nproc CPU ranks. The timeout makes a hang fail the test instead of blocking CI."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+               str(SCRIPT), "--device", "cpu", "--timeout", "60", "--cache_dir", str(cwd / "cache"), *map(str, args)]
+    return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=180)
+
+
+def cpu_vocab(docs, vocab_size):
+    """train_bpe_cpu.py's trainer in this process, on the same documents."""
+    chunk_counts = Counter()
+    for doc in docs:
+        chunk_counts.update(regex.findall(cpu_bpe.pattern, doc))
+    merges, _ = cpu_bpe.train(chunk_counts, vocab_size)
+    return cpu_bpe.token_bytes(merges)
+
+
+def rustbpe_vocab(docs, vocab_size):
+    tokenizer = rustbpe.Tokenizer()
+    tokenizer.train_from_iterator(iter(docs), vocab_size, pattern=cpu_bpe.pattern)
+    return [token for token, _ in sorted(tokenizer.get_mergeable_ranks(), key=lambda item: item[1])]
+
+
+def tiktoken_file(vocab):
+    """The exact bytes train_bpe_cpu.py writes for this vocabulary."""
+    import base64
+    return "".join(f"{base64.b64encode(token).decode()} {rank}\n" for rank, token in enumerate(vocab)).encode()
+
+
+def first_chars(docs, num_chars):
+    kept = []
+    for doc in docs:
+        if num_chars <= 0:
+            break
+        kept.append(doc[:num_chars])
+        num_chars -= len(kept[-1])
+    return kept
+
+
+def write_jsonl(path, docs):
+    path.write_text("".join(json.dumps({"text": doc}, ensure_ascii=False) + "\n" for doc in docs), encoding="utf-8")
+    return path
+
+
+def check_equal_to_references(result, out_dir, docs, vocab_size):
+    assert result.returncode == 0, result.stdout + result.stderr
+    expected = cpu_vocab(docs, vocab_size)
+    assert expected == rustbpe_vocab(docs, vocab_size)  # the two references agree with each other first
+    assert (out_dir / "tokenizer.tiktoken").read_bytes() == tiktoken_file(expected)
+    info = json.loads((out_dir / "tokenizer.json").read_text())
+    assert info["special_tokens"] == {"<|endoftext|>": len(expected)} and info["vocab_size"] == len(expected) + 1
+    assert info["num_chars"] == sum(map(len, docs)) and info["trainer"] == "train_bpe_multigpu.py"
+
+
+# ---------------------------------------------------------------- byte-identical to the references
+
+
+def test_two_ranks_multilingual_equal_cpu_and_rustbpe_and_rerun_uses_the_cache(corpus, tmp_path):
+    udhr = corpus("udhr.jsonl")
+    num_chars, vocab_size = 150_000, 500
+    with open(udhr, encoding="utf-8") as f:
+        docs = first_chars((json.loads(line)["text"] for line in f if line.strip()), num_chars)
+    first = torchrun(2, "--data", udhr, "-n", num_chars, "-v", vocab_size, "--out", tmp_path / "first", cwd=tmp_path)
+    check_equal_to_references(first, tmp_path / "first", docs, vocab_size)
+    assert "cache:" not in first.stdout
+    assert len(list((tmp_path / "cache").glob("*/rank*.json"))) == 2  # one counted share per rank
+    second = torchrun(2, "--data", udhr, "-n", num_chars, "-v", vocab_size, "--out", tmp_path / "second", cwd=tmp_path)
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert "cache: 2 of 2 ranks reused their counted chunks" in second.stdout
+    assert "reading (rank 0's share)" not in second.stderr  # nothing was read or pre-tokenized again
+    assert (tmp_path / "second/tokenizer.tiktoken").read_bytes() == (tmp_path / "first/tokenizer.tiktoken").read_bytes()
+
+
+EDGE_CASES = [
+    "aaaa",
+    "a" * 3000,
+    "aaa aaaaa aaaaaaa " * 20,
+    "line one\r\nline two\r\n\r\n  indented\r\n" * 10,
+    "   \n\t  \n\n     \t\t  ",
+    "😀😀 👩‍👩‍👧 🇫🇷🇫🇷 hi😀 ok" * 10,
+    "人人生而自由在尊严和权利上一律平等他们赋有理性和良心并应以兄弟关系的精神相对待" * 30,
+    "",
+    "abc abc",
+    "",
+    "abcabc",
+]
+
+
+def test_three_ranks_edge_cases_equal_cpu_and_rustbpe(tmp_path):
+    """Runs of one byte (the overlapping-merge case), CRLF, whitespace only, emoji, a 1200-character CJK chunk and
+    empty documents, spread over three ranks; the vocabulary is larger than the merges possible, so the run also
+    stops early on every rank at once."""
+    path = write_jsonl(tmp_path / "edge.jsonl", EDGE_CASES)
+    result = torchrun(3, "--data", path, "-n", 10**6, "-v", 900, "--out", tmp_path / "tok", cwd=tmp_path)
+    check_equal_to_references(result, tmp_path / "tok", EDGE_CASES, 900)
+    assert "stopped early" in result.stdout
+
+
+def test_fewer_documents_than_ranks_and_a_document_longer_than_a_share(tmp_path):
+    """Two documents on three ranks: the first is longer than a whole share (it stays whole on rank 0), the second
+    starts inside rank 2's range, and rank 1 gets nothing. -n cuts the second document."""
+    long_doc = " ".join(f"word{i % 97} ünïcödé {i % 13}" for i in range(400))
+    docs = [long_doc, "a short second document, cut by -n before its end"]
+    num_chars = len(long_doc) + 20
+    path = write_jsonl(tmp_path / "two.jsonl", docs)
+    result = torchrun(3, "--data", path, "-n", num_chars, "-v", 400, "--out", tmp_path / "tok", cwd=tmp_path)
+    check_equal_to_references(result, tmp_path / "tok", first_chars(docs, num_chars), 400)
+    assert f"per-rank share (characters, distinct chunks): {len(long_doc):,}/" in result.stdout
+    assert ", 0/0, 20/" in result.stdout  # rank 1 is empty and still takes part in every merge
+
+
+# ---------------------------------------------------------------- bad input under torchrun
+
+
+def make_bad_inputs(tmp_path):
+    (tmp_path / "ok.txt").write_text("some text to train on " * 10)
+    (tmp_path / "EMPTY.txt").write_text("")
+    # The bad line lies in rank 1's share only: rank 0 stops reading before it, so rank 1 must pass the error on.
+    write_jsonl(tmp_path / "BAD.jsonl", ["x" * 100])
+    with open(tmp_path / "BAD.jsonl", "a") as f:
+        f.write("[1, 2]\n")
+
+
+# Two checks made before the process group exists (every rank reaches the verdict alone), one after reading on
+# all ranks (an all-reduce of the character counts) and one on a single rank (shared with all_gather_object).
+# The other checks of train_bpe_cpu.py (-n, --pattern, ...) take the first path, as the vocabulary check does.
+BAD_INPUTS = {
+    "vocab too small": (["-v", "255"], "vocab_size must be between 256"),
+    "missing path": (["--data", "no/such/file.txt"], "no such file or directory"),
+    "empty corpus": (["--data", "EMPTY.txt"], "is empty"),
+    "bad jsonl line on rank 1 only": (["--data", "BAD.jsonl", "-n", "150"], "is not a JSON object with a \"text\" field"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUTS))
+def test_bad_input_is_one_line_from_rank_0_and_no_rank_hangs(tmp_path, case):
+    args, message = BAD_INPUTS[case]
+    make_bad_inputs(tmp_path)
+    if "--data" not in args:
+        args = args + ["--data", "ok.txt"]
+    result = torchrun(2, *args, "--out", tmp_path / "out", cwd=tmp_path)  # a hang would raise TimeoutExpired
+    assert result.returncode != 0
+    output = result.stdout + result.stderr
+    error_lines = [line for line in output.splitlines() if line.startswith("error:")]
+    assert len(error_lines) == 1 and message in error_lines[0], output
+    # torchrun adds its own failure summary after our line; no traceback comes from the script itself
+    assert "train_bpe_multigpu.py\", line" not in output and "[rank" not in output, output
+    assert not (tmp_path / "out").exists()
