@@ -369,15 +369,17 @@ def chunks_to_tensors(blob, lengths, counts, count_dtype, device):
 #
 # What is communicated each merge, and why:
 #  - nothing to choose: every rank holds the same matrix and runs the same deterministic argmax;
-#  - a header, all_gather of 3 int64 per rank: how many deltas the rank has, and the pair it chose (checked
-#    equal on every rank: a divergence would be a bug, and it stops the run at the first wrong merge);
-#  - the deltas, all_gather of a [2, k_max] int64 tensor per rank (flat pair index, count delta), padded to
-#    the largest k of any rank with (0, +0), which changes nothing: 16 k_max bytes out and 16 W k_max in.
+#  - one all_gather of a fixed packet per rank: how many deltas the rank has, the pair it chose (checked equal
+#    on every rank: a divergence would be a bug, and stops the run at the first wrong merge), and its first
+#    INLINE deltas (flat pair index, count delta; padded with (0, +0), which changes nothing);
+#  - only when some rank has more than INLINE deltas (the early merges), a second all_gather of the rest,
+#    padded to the longest: sizes first (they came in the packet), then padded tensors.
 #  Each rank first sums its deltas per pair (torch.unique + index_add_): an early merge like (" ", "t") moves
 #  counts at a million positions but only of a few hundred distinct pairs, so the volume follows the distinct
-#  pairs touched (hundreds to a few thousand: kilobytes), not the occurrences. At kilobytes, a collective's
-#  latency (tens of microseconds on NVLink) costs more than its bytes, so we want as few collectives as
-#  possible: two all_gathers per merge.
+#  pairs touched (tens to a few thousand: kilobytes), not the occurrences. At kilobytes, a collective's
+#  latency (tens of microseconds on NVLink) costs more than its bytes, which is why the packet carries the
+#  first deltas with the header: most merges need ONE collective. Bytes in per rank per merge:
+#  W (24 + 16 INLINE), plus 16 W (k_max - INLINE) when some rank overflows.
 #  - Why not all_to_all by pair owner (rank r owns rows left % W)? It would send each delta to one rank instead
 #    of all, and divide the matrix memory by W, but choosing would then need a third collective (each owner's
 #    best pair) and a bucketing sort every merge. The bytes it saves are kilobytes; its memory saving matters
@@ -387,27 +389,43 @@ def chunks_to_tensors(blob, lengths, counts, count_dtype, device):
 #    order they arrive in: the anchor's float32 counts were exact only to 2^24.
 
 
+INLINE = 256  # deltas per rank that travel with the header (4 KiB): enough for most merges
+
+
 def exchange(pair_index, delta, chosen, device):
-    """all_gather every rank's (pair index, delta) lanes: sizes first, then padded tensors."""
-    world_size = dist.get_world_size()
-    header = torch.tensor([pair_index.numel(), *chosen], dtype=torch.int64, device=device)
-    headers = [torch.empty_like(header) for _ in range(world_size)]
-    dist.all_gather(headers, header)
-    headers = torch.stack(headers).tolist()
-    if any(h[1:] != list(chosen) for h in headers):
+    """all_gather every rank's (pair index, delta) lanes, and check that every rank chose the same pair."""
+    world_size, count = dist.get_world_size(), pair_index.numel()
+    inline = min(count, INLINE)
+    packet = torch.zeros(3 + 2 * INLINE, dtype=torch.int64, device=device)
+    packet[0] = count
+    packet[1], packet[2] = chosen
+    packet[3:3 + inline] = pair_index[:inline]
+    packet[3 + INLINE:3 + INLINE + inline] = delta[:inline]
+    packets = [torch.empty_like(packet) for _ in range(world_size)]
+    dist.all_gather(packets, packet)
+    packets = torch.stack(packets)
+    headers = packets[:, :3].tolist()
+    if any(header[1:] != list(chosen) for header in headers):
         raise RuntimeError(f"ranks chose different merges {[tuple(h[1:]) for h in headers]}: they must agree")
-    width = max(h[0] for h in headers)
-    padded = torch.zeros(2, width, dtype=torch.int64, device=device)
-    padded[0, :pair_index.numel()] = pair_index
-    padded[1, :delta.numel()] = delta
-    gathered = [torch.empty_like(padded) for _ in range(world_size)]
-    dist.all_gather(gathered, padded)
-    everything = torch.cat(gathered, dim=1)
-    return everything[0], everything[1], 16 * width * world_size
+    pairs, deltas = [packets[:, 3:3 + INLINE].reshape(-1)], [packets[:, 3 + INLINE:].reshape(-1)]
+    bytes_in = packet.numel() * 8 * world_size
+    width = max(header[0] for header in headers) - INLINE
+    if width > 0:  # the overflow: sizes are known from the packets, so pad to the longest and gather again
+        padded = torch.zeros(2, width, dtype=torch.int64, device=device)
+        padded[0, :count - inline] = pair_index[inline:]
+        padded[1, :count - inline] = delta[inline:]
+        gathered = [torch.empty_like(padded) for _ in range(world_size)]
+        dist.all_gather(gathered, padded)
+        overflow = torch.cat(gathered, dim=1)
+        pairs.append(overflow[0])
+        deltas.append(overflow[1])
+        bytes_in += padded.numel() * 8 * world_size
+    return torch.cat(pairs), torch.cat(deltas), bytes_in
 
 
 def train(tokens, next_pos, prev_pos, weight, vocab_size, device, show_progress):
-    """The BPE merges, in order: a list of ((left id, right id), new id); this rank's tokens saved; bytes in."""
+    """The BPE merges, in order: a list of ((left id, right id), new id); this rank's tokens saved; bytes
+    received and seconds spent in the exchange (which includes waiting for the slowest rank)."""
     L = tokens.numel() - 2
     END, DUMP = L, L + 1
     V = vocab_size
@@ -436,7 +454,7 @@ def train(tokens, next_pos, prev_pos, weight, vocab_size, device, show_progress)
     list_start[1:256] = torch.cumsum(list_len[:255], 0)
     append_at = torch.tensor(order.numel(), dtype=torch.int64, device=device)
     tokens_saved = torch.zeros((), dtype=torch.int64, device=device)
-    bytes_received = 0
+    bytes_received, exchange_seconds = 0, 0.0
 
     merges = []
     progress = tqdm(total=V - 256, unit="merge", desc="merging", mininterval=0.5, disable=not show_progress)
@@ -495,7 +513,9 @@ def train(tokens, next_pos, prev_pos, weight, vocab_size, device, show_progress)
         pairs, inverse = torch.unique(pair_index[nonzero], return_inverse=True)
         summed = torch.zeros(pairs.numel(), dtype=torch.int64, device=device).index_add_(0, inverse, delta[nonzero])
         nonzero = summed != 0
+        exchange_start = time.perf_counter()
         all_pairs, all_deltas, received = exchange(pairs[nonzero], summed[nonzero], (a, b), device)
+        exchange_seconds += time.perf_counter() - exchange_start
         bytes_received += received
         pair_counts.index_add_(0, all_pairs, all_deltas.to(count_dtype))
         # Raising a bound to a true count keeps it an upper bound, so the rows of every touched pair may be
@@ -514,7 +534,7 @@ def train(tokens, next_pos, prev_pos, weight, vocab_size, device, show_progress)
         append_at += selected.sum()
         progress.update(1)
     progress.close()
-    return merges, int(tokens_saved), bytes_received
+    return merges, int(tokens_saved), bytes_received, exchange_seconds
 
 
 # ---------------------------------------------------------------- output (rank 0 only)
@@ -675,13 +695,13 @@ def run(argv):
     tokens, next_pos, prev_pos, weight = chunks_to_tensors(blob, lengths, counts, count_dtype, run_device)
     del blob, lengths, counts
     t2 = time.time()
-    merges, tokens_saved, bytes_received = train(tokens, next_pos, prev_pos, weight, args.vocab_size, run_device,
+    merges, tokens_saved, bytes_received, exchange_seconds = train(tokens, next_pos, prev_pos, weight, args.vocab_size, run_device,
                                                  show_progress=rank == 0)
     saved = torch.tensor([tokens_saved], dtype=torch.int64, device=run_device)
     dist.all_reduce(saved)
     t3 = time.time()
     peaks = [None] * world_size
-    dist.all_gather_object(peaks, peak_memory_mb(run_device))
+    dist.all_gather_object(peaks, (peak_memory_mb(run_device), exchange_seconds))
     num_merges = len(merges)
     stop_reason = "vocab_size reached" if 256 + num_merges == args.vocab_size else "no pairs left to merge"
     if stop_reason != "vocab_size reached":
@@ -706,9 +726,10 @@ def run(argv):
         say(f"{read_phase} {t1 - t0:.2f}s | to {args.device} {t2 - t1:.2f}s | merging {t3 - t2:.2f}s "
             f"({num_merges / max(t3 - t2, 1e-9):,.0f} merges/s) | total {t3 - t0:.2f}s")
         say(f"communication: {bytes_received / max(num_merges, 1) / 1024:,.1f} KiB received per rank per merge "
-            f"(2 all_gathers per merge)")
+            f"(1 or 2 all_gathers per merge); seconds in the exchange per rank (waiting for the slowest rank included): "
+            + ", ".join(f"{seconds:.2f}" for _, seconds in peaks))
         memory = "peak device memory" if args.device == "cuda" else "peak RSS"
-        say(f"{memory} per rank: " + ", ".join(f"{peak:,.0f} MiB" for peak in peaks))
+        say(f"{memory} per rank: " + ", ".join(f"{peak:,.0f} MiB" for peak, _ in peaks))
         say(f"compression on the training text: {total['total_bytes'] / max(total_tokens, 1):.3f} bytes/token "
             f"({total['total_bytes']:,} bytes -> {total_tokens:,} tokens)")
         say(f"wrote {out_dir}/tokenizer.tiktoken and tokenizer.json ({EOT} = {eot_id}, vocab_size {eot_id + 1})")
