@@ -30,13 +30,14 @@ import codecs
 import datetime
 import hashlib
 import json
+import multiprocessing
 import os
 import resource
 import socket
 import sys
 import sysconfig
 import time
-from collections import Counter
+from collections import Counter, deque
 from pathlib import Path
 
 import numpy as np
@@ -53,6 +54,7 @@ data = "fineweb"  # fineweb | fineweb-edu | a .txt/.jsonl/.parquet file | a dire
 out = None  # output directory; default tokenizers/<source>_v<vocab_size>
 device = "cuda" if torch.cuda.is_available() else "cpu"  # cuda -> NCCL, cpu -> gloo
 cache_dir = "tokenizers/.cache"  # per-rank counted chunks, keyed by data/n/pattern/world size
+workers = 0  # pre-tokenizing processes per rank; 0 = this rank's share of the CPU cores when its share is big
 timeout = 1800  # seconds a rank waits in a collective before giving up (reading a big share takes a while)
 # GPT-4's split pattern: letters with their leading space, numbers in groups of up to 3, punctuation runs,
 # and whitespace, so that merges never glue a word to the punctuation or the space after it.
@@ -248,16 +250,58 @@ def my_share(documents, num_chars, rank, world_size):
 # ---------------------------------------------------------------- step 2: pre-tokenize, deduplicate, cache
 
 
-def count_chunks(documents, split_pattern, share_chars, show_progress):
+# The regex is the slow part of reading (a few million characters per second per core), so a big share is
+# split by worker processes: batches of whole documents go out, Counters come back and are summed (counts add
+# up the same in any order). At most two batches per worker are in flight, so RAM stays bounded however fast
+# the reading is. "spawn" workers start clean: forking a process that holds NCCL/gloo threads is unsafe.
+BATCH_CHARS = 1 << 20
+WORKER_PATTERN = None
+
+
+def start_worker(pattern_text):
+    global WORKER_PATTERN
+    WORKER_PATTERN = regex.compile(pattern_text)
+
+
+def count_batch(documents):
+    return Counter(chunk for document in documents for chunk in WORKER_PATTERN.findall(document))
+
+
+def batches(documents):
+    batch, batch_chars = [], 0
+    for document in documents:
+        batch.append(document)
+        batch_chars += len(document)
+        if batch_chars >= BATCH_CHARS:
+            yield batch, batch_chars
+            batch, batch_chars = [], 0
+    if batch:
+        yield batch, batch_chars
+
+
+def count_chunks(documents, split_pattern, share_chars, show_progress, workers):
     """Split each document with the pattern and count distinct chunks. Chunks never cross documents."""
     chunk_counts = Counter()
     chars_read = 0
     progress = tqdm(total=share_chars, unit="char", unit_scale=True, desc="reading (rank 0's share)",
                     mininterval=0.5, disable=not show_progress)
-    for document in documents:
-        chunk_counts.update(split_pattern.findall(document))
-        chars_read += len(document)
-        progress.update(len(document))
+    if workers <= 1:
+        for document in documents:
+            chunk_counts.update(split_pattern.findall(document))
+            chars_read += len(document)
+            progress.update(len(document))
+    else:
+        context = multiprocessing.get_context("spawn")
+        with context.Pool(workers, initializer=start_worker, initargs=(split_pattern.pattern,)) as pool:
+            pending = deque()
+            for batch, batch_chars in batches(documents):
+                pending.append(pool.apply_async(count_batch, (batch,)))
+                chars_read += batch_chars
+                progress.update(batch_chars)
+                while len(pending) > 2 * workers:
+                    chunk_counts.update(pending.popleft().get())
+            for result in pending:
+                chunk_counts.update(result.get())
     progress.close()
     return chunk_counts, chars_read
 
@@ -583,6 +627,8 @@ def parse_args(argv):
     parser.add_argument("--device", default=device, choices=["cuda", "cpu"], help=f"cuda (NCCL) or cpu (gloo) (default {device})")
     parser.add_argument("--cache_dir", default=cache_dir, help=f"where each rank caches its counted chunks (default {cache_dir})")
     parser.add_argument("--no_cache", action="store_true", help="count again even if a cache exists (and refresh it)")
+    parser.add_argument("--workers", type=int, default=workers, help="pre-tokenizing processes per rank (default: "
+                        "the node's cores / ranks on the node, for shares of 2^24+ characters; 1 below)")
     parser.add_argument("--timeout", type=float, default=timeout, help=f"seconds to wait for the other ranks (default {timeout})")
     return parser.parse_args(argv)
 
@@ -594,6 +640,8 @@ def validate(args):
         raise UserError(f"-v {args.vocab_size}: vocab_size must be between 256 (the bytes alone) and 2^31-1; try -v 1000")
     if args.num_chars <= 0:
         raise UserError(f"-n {args.num_chars}: the number of characters must be positive; try -n 1048576")
+    if args.workers < 0:
+        raise UserError(f"--workers {args.workers}: must be 0 (automatic) or a number of processes; try --workers 4")
     if args.timeout <= 0:
         raise UserError(f"--timeout {args.timeout}: must be a positive number of seconds; try --timeout 1800")
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -656,8 +704,10 @@ def run(argv):
         try:
             first_offset = lambda r: -(-args.num_chars * r // world_size)  # ceil(r n / W): where rank r's range starts
             share_chars = first_offset(rank + 1) - first_offset(rank)  # for the progress bar only
+            cores = len(os.sched_getaffinity(0)) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+            num_workers = args.workers or (max(cores, 1) if share_chars >= 2**24 else 1)
             chunk_counts, chars_read = count_chunks(my_share(documents, args.num_chars, rank, world_size), split_pattern,
-                                                    share_chars, show_progress=rank == 0)
+                                                    share_chars, show_progress=rank == 0, workers=num_workers)
             write_cache(prefix, chunk_counts, chars_read)
             del chunk_counts
             cached = read_cache(prefix)

@@ -83,7 +83,9 @@ def test_two_ranks_multilingual_equal_cpu_and_rustbpe_and_rerun_uses_the_cache(c
     num_chars, vocab_size = 150_000, 500
     with open(udhr, encoding="utf-8") as f:
         docs = first_chars((json.loads(line)["text"] for line in f if line.strip()), num_chars)
-    first = torchrun(2, "--data", udhr, "-n", num_chars, "-v", vocab_size, "--out", tmp_path / "first", cwd=tmp_path)
+    # --workers 2: each rank pre-tokenizes with two worker processes, as it does by default on big shares
+    first = torchrun(2, "--data", udhr, "-n", num_chars, "-v", vocab_size, "--out", tmp_path / "first", "--workers", 2,
+                     cwd=tmp_path)
     check_equal_to_references(first, tmp_path / "first", docs, vocab_size)
     assert "cache:" not in first.stdout
     assert len(list((tmp_path / "cache").glob("*/rank*.json"))) == 2  # one counted share per rank
