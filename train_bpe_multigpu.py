@@ -253,7 +253,7 @@ def my_share(documents, num_chars, rank, world_size):
 # The regex is the slow part of reading (a few million characters per second per core), so a big share is
 # split by worker processes: batches of whole documents go out, Counters come back and are summed (counts add
 # up the same in any order). At most two batches per worker are in flight, so RAM stays bounded however fast
-# the reading is. "spawn" workers start clean: forking a process that holds NCCL/gloo threads is unsafe.
+# the reading is. The workers are forked early in run(), before the process group starts its threads.
 BATCH_CHARS = 1 << 20
 WORKER_PATTERN = None
 
@@ -279,29 +279,27 @@ def batches(documents):
         yield batch, batch_chars
 
 
-def count_chunks(documents, split_pattern, share_chars, show_progress, workers):
+def count_chunks(documents, split_pattern, share_chars, show_progress, pool=None, workers=1):
     """Split each document with the pattern and count distinct chunks. Chunks never cross documents."""
     chunk_counts = Counter()
     chars_read = 0
     progress = tqdm(total=share_chars, unit="char", unit_scale=True, desc="reading (rank 0's share)",
                     mininterval=0.5, disable=not show_progress)
-    if workers <= 1:
+    if pool is None:
         for document in documents:
             chunk_counts.update(split_pattern.findall(document))
             chars_read += len(document)
             progress.update(len(document))
     else:
-        context = multiprocessing.get_context("spawn")
-        with context.Pool(workers, initializer=start_worker, initargs=(split_pattern.pattern,)) as pool:
-            pending = deque()
-            for batch, batch_chars in batches(documents):
-                pending.append(pool.apply_async(count_batch, (batch,)))
-                chars_read += batch_chars
-                progress.update(batch_chars)
-                while len(pending) > 2 * workers:
-                    chunk_counts.update(pending.popleft().get())
-            for result in pending:
-                chunk_counts.update(result.get())
+        pending = deque()
+        for batch, batch_chars in batches(documents):
+            pending.append(pool.apply_async(count_batch, (batch,)))
+            chars_read += batch_chars
+            progress.update(batch_chars)
+            while len(pending) > 2 * workers:
+                chunk_counts.update(pending.popleft().get())
+        for result in pending:
+            chunk_counts.update(result.get())
     progress.close()
     return chunk_counts, chars_read
 
@@ -402,12 +400,12 @@ def chunks_to_tensors(blob, lengths, counts, count_dtype, device):
 # Per rank, the structures of train_bpe_gpu.py:
 #  - pair_counts: a dense [V, V] matrix, the GLOBAL count of pair (left, right) at [left, right], the same on
 #    every rank. Deltas are added with one index_add_ over flat indices left * V + right.
-#  - row_bound[left]: an upper bound on the largest count in row `left`, a lazy heap. Only pairs with the new
-#    token grow, and their rows' bounds are raised with scatter_reduce("amax"); shrinking counts leave bounds
-#    too high. To choose: take the row with the highest bound (torch.argmax: the smallest row among ties),
-#    recompute its true maximum; if that equals the bound, no other row can beat it (and rows with a smaller
-#    id have smaller bounds), so it wins, with the smallest right id among ties in the row (argmax again).
-#    Otherwise the bound was stale: lower it and look again. Each retry lowers a bound, so this ends.
+#  - row_bound[left]: the largest count in row `left`, or more: a lazy heap. Growing counts (only pairs with
+#    the new token grow) raise it with scatter_reduce("amax"), which keeps it exact; a row where a count shrank
+#    keeps its old bound, too high, and is flagged inexact (row_exact). To choose: recompute the few inexact
+#    rows with the highest bounds, then take the argmax of all bounds; if the winning row is exact, no other
+#    row can beat it, and argmax's first-index rule gives the smallest (left, right) among ties. If not,
+#    repeat (rare; each round makes more rows exact, so it ends).
 #  - Position lists, one per token id, in one flat buffer: the positions of THIS rank's chunks that hold the
 #    id, in increasing order. A merge of (a, b) reads a's list: its cost follows the occurrences of a.
 #
@@ -485,6 +483,7 @@ def train(tokens, next_pos, prev_pos, weight, vocab_size, device, show_progress)
     pair_counts_2d[:256, :256] = byte_pairs.view(256, 256).to(count_dtype)
     row_bound = torch.zeros(V, dtype=count_dtype, device=device)
     row_bound[:256] = pair_counts_2d[:256, :256].max(dim=1).values
+    row_exact = torch.ones(V + 1, dtype=torch.bool, device=device)  # [V] is a dump slot for masked lanes
     # Position lists of the 256 byte ids, built with one stable sort; a position at a chunk's end can never
     # be the left half of a pair, and stays at the end forever, so it needs no list. Each merge kills as many
     # positions as it appends to the new token's list, so twice the initial size always suffices.
@@ -503,20 +502,19 @@ def train(tokens, next_pos, prev_pos, weight, vocab_size, device, show_progress)
     merges = []
     progress = tqdm(total=V - 256, unit="merge", desc="merging", mininterval=0.5, disable=not show_progress)
     for new_id in range(256, V):
-        # --- choose, the same on every rank: the row with the highest bound, if its bound is exact
-        # Refreshing the few highest bounds in one batch first makes a retry (one more sync) rare.
-        verified = torch.topk(row_bound[:new_id], min(8, new_id)).indices
-        row_bound[verified] = pair_counts_2d[verified, :new_id].max(dim=1).values
+        # --- choose, the same on every rank: verify the inexact rows with the highest bounds, take the argmax
         while True:
+            inexact_bounds = torch.where(row_exact[:new_id], -1, row_bound[:new_id])
+            verified = torch.topk(inexact_bounds, min(8, new_id)).indices
+            row_bound[verified] = pair_counts_2d[verified, :new_id].max(dim=1).values
+            row_exact.index_fill_(0, verified, True)
             best_row = torch.argmax(row_bound[:new_id])
             best_col = torch.argmax(pair_counts_2d[best_row, :new_id])
-            best_count = pair_counts_2d[best_row, best_col]
-            stats = torch.stack([best_row, best_col, best_count.long(), row_bound[best_row].long(),
-                                 list_start[best_row], list_len[best_row]])
-            a, b, count_ab, bound, start, length = stats.tolist()  # the host learns the winner: one sync
-            if count_ab == bound:
+            stats = torch.stack([best_row, best_col, pair_counts_2d[best_row, best_col].long(),
+                                 row_exact[best_row].long(), list_start[best_row], list_len[best_row]])
+            a, b, count_ab, exact, start, length = stats.tolist()  # the host learns the winner: one sync
+            if exact:
                 break
-            row_bound[a] = count_ab
         if count_ab == 0:
             break  # no pair left on any rank
         merges.append(((a, b), new_id))
@@ -539,13 +537,13 @@ def train(tokens, next_pos, prev_pos, weight, vocab_size, device, show_progress)
         count = torch.where(selected, weight[candidates], 0).long()
         # Unlink the right halves first: then a left neighbour that is DEAD is the right half of the previous
         # occurrence ("abab", or a run "aaaa"), whose pair that occurrence already accounts for.
-        tokens[torch.where(selected, right, DUMP)] = DEAD
+        tokens.index_fill_(0, torch.where(selected, right, DUMP), DEAD)  # index_fill_: no scalar copied from the host
         has_before = selected & (before != END) & (tokens[before] != DEAD)
         has_after = selected & (after != END)
         count_before = torch.where(has_before, count, 0)
         count_after = torch.where(has_after, count, 0)
         # Merge: the left half becomes new_id and links to the token after the right half.
-        tokens[torch.where(selected, candidates, DUMP)] = new_id
+        tokens.index_fill_(0, torch.where(selected, candidates, DUMP), new_id)
         next_pos[torch.where(selected, candidates, DUMP)] = after
         prev_pos[torch.where(has_after, after, DUMP)] = candidates
         # The deltas: the old pairs (x, a), (a, b), (b, y) lose, the new (x, new) and (new, y) gain. y is read
@@ -562,9 +560,10 @@ def train(tokens, next_pos, prev_pos, weight, vocab_size, device, show_progress)
         exchange_seconds += time.perf_counter() - exchange_start
         bytes_received += received
         pair_counts.index_add_(0, all_pairs, all_deltas.to(count_dtype))
-        # Raising a bound to a true count keeps it an upper bound, so the rows of every touched pair may be
-        # raised; that covers the rows whose counts grew (those with new_id).
+        # Raising a bound to a true count keeps it an upper bound (and exact, if the row was), so the rows of
+        # every touched pair may be raised; rows where some count shrank are flagged inexact.
         row_bound.scatter_reduce_(0, all_pairs // V, pair_counts[all_pairs], "amax")
+        row_exact.index_fill_(0, torch.where(all_deltas < 0, all_pairs // V, V), False)
         tokens_saved += count.sum()
 
         # --- the position lists: a's list loses the positions that no longer hold a, new_id's gets the merged
@@ -691,28 +690,42 @@ def peak_memory_mb(run_device):
 def run(argv):
     args = parse_args(argv)
     split_pattern, documents, source, files, out_dir = validate(args)
-    rank, world_size, run_device = setup_process_group(args.device, args.timeout)
-    say(f"{world_size} rank(s), backend {dist.get_backend()}, device {args.device}")
 
     # --- steps 1-2: this rank's share, pre-tokenized and counted, or the counts cached by an earlier run
     t0 = time.time()
+    rank, world_size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     prefix = Path(args.cache_dir) / cache_key(args, source, files, world_size) / f"rank{rank}"
-    error = None
     cached = None if args.no_cache else read_cache(prefix)
     from_cache = cached is not None
+    first_offset = lambda r: -(-args.num_chars * r // world_size)  # ceil(r n / W): where rank r's range starts
+    share_chars = first_offset(rank + 1) - first_offset(rank)
+    cores = len(os.sched_getaffinity(0)) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    num_workers = args.workers or (max(cores, 1) if share_chars >= 2**24 else 1)
+    # Pre-tokenizing workers are forked now, before the process group and CUDA start their threads: a fork
+    # copies only the calling thread, so forking later could copy a lock another thread holds, forever held.
+    # Forking (not "spawn") also spares every worker a fresh import of torch.
+    pool = None
+    if cached is None and num_workers > 1:
+        pool = multiprocessing.get_context("fork").Pool(num_workers, start_worker, (args.pattern,))
+    rank, world_size, run_device = setup_process_group(args.device, args.timeout)
+    say(f"{world_size} rank(s), backend {dist.get_backend()}, device {args.device}")
+    error = None
     if cached is None:
         try:
-            first_offset = lambda r: -(-args.num_chars * r // world_size)  # ceil(r n / W): where rank r's range starts
-            share_chars = first_offset(rank + 1) - first_offset(rank)  # for the progress bar only
-            cores = len(os.sched_getaffinity(0)) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-            num_workers = args.workers or (max(cores, 1) if share_chars >= 2**24 else 1)
             chunk_counts, chars_read = count_chunks(my_share(documents, args.num_chars, rank, world_size), split_pattern,
-                                                    share_chars, show_progress=rank == 0, workers=num_workers)
-            write_cache(prefix, chunk_counts, chars_read)
+                                                    share_chars, show_progress=rank == 0, pool=pool, workers=num_workers)
+            try:
+                write_cache(prefix, chunk_counts, chars_read)
+            except OSError as os_error:
+                raise UserError(f"can't write the cache in {prefix.parent} ({os_error.strerror}); "
+                                "give a writable folder: --cache_dir path/to/folder")
             del chunk_counts
             cached = read_cache(prefix)
         except UserError as user_error:
             error = str(user_error)
+        finally:
+            if pool is not None:
+                pool.terminate()
     # A reading error happens on one rank (the one whose documents hold the bad line); share it so that
     # every rank stops together and rank 0 reports it, instead of the others waiting for the lost rank.
     errors = [None] * world_size
