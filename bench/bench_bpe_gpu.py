@@ -1,0 +1,151 @@
+"""
+train_bpe_gpu.py against rustbpe (and train_bpe_cpu.py at small sizes) on the same documents, in one run.
+
+    python bench/bench_bpe_gpu.py                                    # -n 1048576 -v 1000, default device
+    python bench/bench_bpe_gpu.py --device cpu --repeats 3           # no GPU: correctness and a CPU figure
+    python bench/bench_bpe_gpu.py -n 134217728 -v 65534 --repeats 1  # the big target (on a GPU machine)
+    python bench/bench_bpe_gpu.py --pack enwiki_64M.jsonl.xz -n 67108864   # a small copy to carry to a GPU box
+
+--data takes a .jsonl file, optionally compressed (.jsonl.gz or .jsonl.xz: enwiki's first 2^26 characters
+shrink about 4x under xz, small enough to copy to a GPU machine). The first n characters are cut exactly as
+the trainers' -n does and written to one temporary .jsonl, which both of our scripts read through their
+command line, so their times are end to end (interpreter start, reading, pre-tokenizing, merging, writing).
+rustbpe gets the same documents from memory, so its time leaves out reading the file: a small edge for it.
+Every run's merges are compared with rustbpe's, byte for byte. We print medians over --repeats.
+"""
+
+import argparse
+import base64
+import gzip
+import json
+import lzma
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+from train_bpe_gpu import pattern as GPT4_PATTERN  # noqa: E402
+
+parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+parser.add_argument("--data", default=str(REPO.parent / "shared" / "corpora" / "enwiki.jsonl"))
+parser.add_argument("-n", "--num_chars", type=int, default=1048576)
+parser.add_argument("-v", "--vocab_size", type=int, default=1000)
+parser.add_argument("--device", default=None, help="passed to train_bpe_gpu.py (default: its own default)")
+parser.add_argument("--repeats", type=int, default=3)
+parser.add_argument("--cpu_trainer", choices=["auto", "yes", "no"], default="auto",
+                    help="also run train_bpe_cpu.py (auto: when n <= 2^24)")
+parser.add_argument("--pack", default=None, help="write the first n characters to this .jsonl.xz / .jsonl.gz and exit")
+args = parser.parse_args()
+
+
+def open_text(path):
+    if path.endswith(".xz"):
+        return lzma.open(path, "rt", encoding="utf-8")
+    if path.endswith(".gz"):
+        return gzip.open(path, "rt", encoding="utf-8")
+    return open(path, encoding="utf-8")
+
+
+def first_documents(path, num_chars):
+    """The first num_chars characters of a .jsonl stream, the last document cut: the trainers' -n."""
+    docs, remaining = [], num_chars
+    with open_text(path) as f:
+        for line in f:
+            if remaining <= 0:
+                break
+            if line.strip():
+                text = json.loads(line)["text"][:remaining]
+                docs.append(text)
+                remaining -= len(text)
+    return docs
+
+
+docs = first_documents(args.data, args.num_chars)
+num_chars = sum(map(len, docs))
+if num_chars < args.num_chars:
+    print(f"note: {args.data} holds only {num_chars:,} characters (asked for {args.num_chars:,}); using them all")
+if args.pack:
+    opener = lzma.open if args.pack.endswith(".xz") else gzip.open
+    with opener(args.pack, "wt", encoding="utf-8") as f:
+        for doc in docs:
+            f.write(json.dumps({"text": doc}, ensure_ascii=False) + "\n")
+    print(f"wrote {num_chars:,} characters in {len(docs):,} documents to {args.pack} ({os.path.getsize(args.pack) / 2**20:.1f} MiB)")
+    sys.exit(0)
+print(f"{num_chars:,} characters in {len(docs):,} documents of {args.data}; -v {args.vocab_size}, {args.repeats} repeats, "
+      f"{os.cpu_count()} CPU cores")
+
+
+def rustbpe_vocab():
+    import rustbpe
+
+    tokenizer = rustbpe.Tokenizer()
+    tokenizer.train_from_iterator(iter(docs), args.vocab_size, pattern=GPT4_PATTERN)
+    return [token for token, _ in sorted(tokenizer.get_mergeable_ranks(), key=lambda item: item[1])]
+
+
+def run_script(script, corpus, out_dir, extra):
+    command = [sys.executable, str(REPO / script), "--data", corpus, "-n", str(num_chars), "-v", str(args.vocab_size),
+               "--out", out_dir, *extra]
+    result = subprocess.run(command, capture_output=True, text=True, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    if result.returncode != 0:
+        sys.exit(f"{script} failed:\n{result.stderr[-2000:]}")
+    with open(Path(out_dir) / "tokenizer.tiktoken", "rb") as f:
+        vocab = [base64.b64decode(line.split()[0]) for line in f if line.strip()]
+    return vocab, result.stdout
+
+
+rows = {}  # name -> list of (seconds, merges per second or None, note, seconds by the script's own clock or None)
+reference = None
+with tempfile.TemporaryDirectory() as scratch:
+    corpus = os.path.join(scratch, "docs.jsonl")
+    with open(corpus, "w", encoding="utf-8") as f:
+        for doc in docs:
+            f.write(json.dumps({"text": doc}, ensure_ascii=False) + "\n")
+    run_cpu_trainer = args.cpu_trainer == "yes" or (args.cpu_trainer == "auto" and num_chars <= 2**24)
+    for repeat in range(args.repeats):
+        start = time.perf_counter()
+        reference = rustbpe_vocab()
+        rust_seconds = time.perf_counter() - start
+        rows.setdefault("rustbpe", []).append((rust_seconds, None, "oracle", rust_seconds))
+
+        start = time.perf_counter()
+        vocab, stdout = run_script("train_bpe_gpu.py", corpus, os.path.join(scratch, "gpu"),
+                                   ["--device", args.device] if args.device else [])
+        seconds = time.perf_counter() - start
+        merges_per_second = float(re.search(r"\(([\d,]+) merges/s\)", stdout).group(1).replace(",", ""))
+        phases = re.search(r"reading \+ pre-tokenizing.*", stdout).group(0)
+        memory = re.search(r"peak memory: (.*)", stdout).group(1)
+        same = "same merges" if vocab == reference else "DIFFERENT MERGES"
+        own_total = float(re.search(r"\| total ([\d.]+)s", stdout).group(1))
+        rows.setdefault("train_bpe_gpu.py", []).append((seconds, merges_per_second, same, own_total))
+        print(f"  repeat {repeat + 1}: train_bpe_gpu.py {phases}; peak memory {memory}; {same}")
+
+        if run_cpu_trainer:
+            start = time.perf_counter()
+            vocab, stdout = run_script("train_bpe_cpu.py", corpus, os.path.join(scratch, "cpu"), [])
+            seconds = time.perf_counter() - start
+            merges_per_second = float(re.search(r"\(([\d,]+) merges/s\)", stdout).group(1).replace(",", ""))
+            same = "same merges" if vocab == reference else "DIFFERENT MERGES"
+            own_total = float(re.search(r"\| total ([\d.]+)s", stdout).group(1))
+            rows.setdefault("train_bpe_cpu.py", []).append((seconds, merges_per_second, same, own_total))
+
+# "process" is the wall time of the whole command (interpreter start and `import torch` included); "script" is
+# the script's own total, from reading the first document to the last merge.
+rust_seconds = statistics.median(run[0] for run in rows["rustbpe"])
+print("\n| trainer | median seconds, process | median seconds, script | merges/s (merge loop) | / rustbpe (process) | / rustbpe (script) | merges |")
+print("|---|---|---|---|---|---|---|")
+for name, runs in rows.items():
+    seconds = statistics.median(run[0] for run in runs)
+    own = statistics.median(run[3] for run in runs)
+    rates = [run[1] for run in runs if run[1] is not None]
+    rate = f"{statistics.median(rates):,.0f}" if rates else "-"
+    notes = sorted({run[2] for run in runs})
+    print(f"| {name} | {seconds:.2f} | {own:.2f} | {rate} | {seconds / rust_seconds:.2f}x | {own / rust_seconds:.2f}x | {', '.join(notes)} |")
+if any("DIFFERENT" in run[2] for runs in rows.values() for run in runs):
+    sys.exit("some trainer's merges differ from rustbpe's")
