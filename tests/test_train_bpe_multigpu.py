@@ -1,4 +1,5 @@
-"""train_bpe_multigpu.py under torchrun on the CPU (gloo): the same tokenizer as train_bpe_cpu.py and rustbpe.
+"""train_bpe_multigpu.py under torchrun on the CPU (gloo): the same tokenizer as train_bpe_cpu.py, train_bpe_gpu.py
+and rustbpe.
 
 Every test launches real processes (`python -m torch.distributed.run --standalone`), so the sharding, the
 exchange of count deltas and the error paths run exactly as on a GPU node, only with gloo instead of NCCL.
@@ -13,19 +14,21 @@ from pathlib import Path
 import pytest
 import regex
 import rustbpe
+import torch
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 import train_bpe_cpu as cpu_bpe  # noqa: E402
+import train_bpe_gpu as gpu_bpe  # noqa: E402
 
 SCRIPT = REPO / "train_bpe_multigpu.py"
 
 
-def torchrun(nproc, *args, cwd):
+def torchrun(nproc, *args, cwd, device="cpu"):
     """Launch the script on nproc CPU ranks. The timeout makes a hang fail the test instead of blocking CI."""
     env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-               str(SCRIPT), "--device", "cpu", "--timeout", "60", "--cache_dir", str(cwd / "cache"), *map(str, args)]
+               str(SCRIPT), "--device", device, "--timeout", "60", "--cache_dir", str(cwd / "cache"), *map(str, args)]
     return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=180)
 
 
@@ -36,6 +39,15 @@ def cpu_vocab(docs, vocab_size):
         chunk_counts.update(regex.findall(cpu_bpe.pattern, doc))
     merges, _ = cpu_bpe.train(chunk_counts, vocab_size)
     return cpu_bpe.token_bytes(merges)
+
+
+def gpu_vocab(docs, vocab_size):
+    """train_bpe_gpu.py's single-device engine (on the CPU device here), on the same documents."""
+    chunk_counts = Counter()
+    for doc in docs:
+        chunk_counts.update(regex.findall(gpu_bpe.pattern, doc))
+    merges, _ = gpu_bpe.train(chunk_counts, vocab_size, device="cpu")
+    return gpu_bpe.token_bytes(merges)
 
 
 def rustbpe_vocab(docs, vocab_size):
@@ -68,7 +80,8 @@ def write_jsonl(path, docs):
 def check_equal_to_references(result, out_dir, docs, vocab_size):
     assert result.returncode == 0, result.stdout + result.stderr
     expected = cpu_vocab(docs, vocab_size)
-    assert expected == rustbpe_vocab(docs, vocab_size)  # the two references agree with each other first
+    # the three references agree with each other first
+    assert expected == rustbpe_vocab(docs, vocab_size) == gpu_vocab(docs, vocab_size)
     assert (out_dir / "tokenizer.tiktoken").read_bytes() == tiktoken_file(expected)
     info = json.loads((out_dir / "tokenizer.json").read_text())
     assert info["special_tokens"] == {"<|endoftext|>": len(expected)} and info["vocab_size"] == len(expected) + 1
@@ -94,6 +107,18 @@ def test_two_ranks_multilingual_equal_cpu_and_rustbpe_and_rerun_uses_the_cache(c
     assert "cache: 2 of 2 ranks reused their counted chunks" in second.stdout
     assert "reading (rank 0's share)" not in second.stderr  # nothing was read or pre-tokenized again
     assert (tmp_path / "second/tokenizer.tiktoken").read_bytes() == (tmp_path / "first/tokenizer.tiktoken").read_bytes()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU here: the NCCL path runs on GPU machines only")
+def test_nccl_on_the_gpus_equals_cpu_and_rustbpe(corpus, tmp_path):
+    udhr = corpus("udhr.jsonl")
+    with open(udhr, encoding="utf-8") as f:
+        docs = first_chars((json.loads(line)["text"] for line in f if line.strip()), 150_000)
+    nproc = min(torch.cuda.device_count(), 2)
+    result = torchrun(nproc, "--data", udhr, "-n", 150_000, "-v", 500, "--out", tmp_path / "tok", cwd=tmp_path,
+                      device="cuda")
+    check_equal_to_references(result, tmp_path / "tok", docs, 500)
+    assert "backend nccl" in result.stdout
 
 
 EDGE_CASES = [
