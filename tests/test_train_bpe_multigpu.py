@@ -196,3 +196,24 @@ def test_bad_input_is_one_line_from_rank_0_and_no_rank_hangs(tmp_path, case):
     # torchrun adds its own failure summary after our line; no traceback comes from the script itself
     assert "train_bpe_multigpu.py\", line" not in output and "[rank" not in output, output
     assert not (tmp_path / "out").exists()
+
+
+def test_plain_python_is_a_world_of_one(tmp_path):
+    """Without torchrun the script sets up a process group of one rank on its own."""
+    text = "the quick brown fox jumps over the lazy dog; the dog sleeps. " * 40 + "aaaaaaa bbb aaaa"
+    (tmp_path / "one.txt").write_text(text)
+    command = [sys.executable, SCRIPT, "--device", "cpu", "--data", tmp_path / "one.txt", "-v", 320,
+               "--out", tmp_path / "tok", "--cache_dir", tmp_path / "cache"]
+    result = subprocess.run(list(map(str, command)), cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    check_equal_to_references(result, tmp_path / "tok", [text], 320)
+    assert "1 rank(s), backend gloo" in result.stdout
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA GPU is present: --device cuda is valid here")
+def test_device_cuda_without_a_gpu_is_one_line(tmp_path):
+    (tmp_path / "ok.txt").write_text("some text " * 10)
+    result = subprocess.run([sys.executable, str(SCRIPT), "--device", "cuda", "--data", tmp_path / "ok.txt",
+                             "--out", tmp_path / "out"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0 and "Traceback" not in result.stderr
+    assert [line for line in result.stderr.splitlines() if line.startswith("error:")] == [
+        "error: --device cuda: no CUDA GPU is visible here; use --device cpu (gloo) instead"]
