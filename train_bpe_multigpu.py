@@ -552,12 +552,13 @@ def train(tokens, next_pos, prev_pos, weight, vocab_size, device, show_progress)
         pair_index = torch.cat([token_before * V + a, torch.full_like(candidates, a * V + b), b * V + token_after,
                                 token_before * V + new_id, new_id * V + tokens[after].long()])
         delta = torch.cat([-count_before, -count, -count_after, count_before, count_after])
-        nonzero = delta != 0
-        pairs, inverse = torch.unique(pair_index[nonzero], return_inverse=True)
-        summed = torch.zeros(pairs.numel(), dtype=torch.int64, device=device).index_add_(0, inverse, delta[nonzero])
-        nonzero = summed != 0
+        # Sum per pair. Lanes that change nothing are pointed at pair 0 with delta 0 rather than filtered out:
+        # a boolean filter would make the host wait for its size, and torch.unique already costs one such wait.
+        pair_index = torch.where(delta != 0, pair_index, 0)
+        pairs, inverse = torch.unique(pair_index, return_inverse=True)
+        summed = torch.zeros(pairs.numel(), dtype=torch.int64, device=device).index_add_(0, inverse, delta)
         exchange_start = time.perf_counter()
-        all_pairs, all_deltas, received = exchange(pairs[nonzero], summed[nonzero], (a, b), device)
+        all_pairs, all_deltas, received = exchange(pairs, summed, (a, b), device)
         exchange_seconds += time.perf_counter() - exchange_start
         bytes_received += received
         pair_counts.index_add_(0, all_pairs, all_deltas.to(count_dtype))
