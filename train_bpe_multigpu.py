@@ -429,7 +429,7 @@ def chunks_to_tensors(blob, lengths, counts, count_dtype, device):
 #    only when V^2 counts don't fit a GPU (4 B x 65534^2 = 16 GiB, 32 GiB in int64): that is the design to
 #    switch to on 24 GB cards.
 #  - Counts are integers end to end (int64 deltas, int32 or int64 matrix), so sums are exact whatever the
-#    order they arrive in: the anchor's float32 counts were exact only to 2^24.
+#    order they arrive in (the float32 counts of the trainer this repo replaces were exact only to 2^24).
 
 
 INLINE = 256  # deltas per rank that travel with the header (4 KiB): enough for most merges
@@ -463,12 +463,13 @@ def exchange(pair_index, delta, chosen, device):
         pairs.append(overflow[0])
         deltas.append(overflow[1])
         bytes_in += padded.numel() * 8 * world_size
-    return torch.cat(pairs), torch.cat(deltas), bytes_in
+    return torch.cat(pairs), torch.cat(deltas), bytes_in, width > 0
 
 
 def train(tokens, next_pos, prev_pos, weight, vocab_size, device, show_progress):
     """The BPE merges, in order: a list of ((left id, right id), new id); this rank's tokens saved; bytes
-    received and seconds spent in the exchange (which includes waiting for the slowest rank)."""
+    received, seconds spent in the exchange (waiting for the slowest rank included) and merges that needed
+    the second all_gather."""
     L = tokens.numel() - 2
     END, DUMP = L, L + 1
     V = vocab_size
@@ -498,7 +499,7 @@ def train(tokens, next_pos, prev_pos, weight, vocab_size, device, show_progress)
     list_start[1:256] = torch.cumsum(list_len[:255], 0)
     append_at = torch.tensor(order.numel(), dtype=torch.int64, device=device)
     tokens_saved = torch.zeros((), dtype=torch.int64, device=device)
-    bytes_received, exchange_seconds = 0, 0.0
+    bytes_received, exchange_seconds, overflow_merges = 0, 0.0, 0
 
     merges = []
     progress = tqdm(total=V - 256, unit="merge", desc="merging", mininterval=0.5, disable=not show_progress)
@@ -558,9 +559,10 @@ def train(tokens, next_pos, prev_pos, weight, vocab_size, device, show_progress)
         pairs, inverse = torch.unique(pair_index, return_inverse=True)
         summed = torch.zeros(pairs.numel(), dtype=torch.int64, device=device).index_add_(0, inverse, delta)
         exchange_start = time.perf_counter()
-        all_pairs, all_deltas, received = exchange(pairs, summed, (a, b), device)
+        all_pairs, all_deltas, received, overflowed = exchange(pairs, summed, (a, b), device)
         exchange_seconds += time.perf_counter() - exchange_start
         bytes_received += received
+        overflow_merges += overflowed
         pair_counts.index_add_(0, all_pairs, all_deltas.to(count_dtype))
         # Raising a bound to a true count keeps it an upper bound (and exact, if the row was), so the rows of
         # every touched pair may be raised; rows where some count shrank are flagged inexact.
@@ -579,7 +581,7 @@ def train(tokens, next_pos, prev_pos, weight, vocab_size, device, show_progress)
         append_at += selected.sum()
         progress.update(1)
     progress.close()
-    return merges, int(tokens_saved), bytes_received, exchange_seconds
+    return merges, int(tokens_saved), (bytes_received, exchange_seconds, overflow_merges)
 
 
 # ---------------------------------------------------------------- output (rank 0 only)
@@ -762,8 +764,8 @@ def run(argv):
     if run_device.type == "cuda":
         torch.cuda.synchronize(run_device)  # CUDA copies are queued: wait, or their time lands in the merge phase
     t2 = time.time()
-    merges, tokens_saved, bytes_received, exchange_seconds = train(tokens, next_pos, prev_pos, weight, args.vocab_size,
-                                                                   run_device, show_progress=rank == 0)
+    merges, tokens_saved, (bytes_received, exchange_seconds, overflow_merges) = train(
+        tokens, next_pos, prev_pos, weight, args.vocab_size, run_device, show_progress=rank == 0)
     saved = torch.tensor([tokens_saved], dtype=torch.int64, device=run_device)
     dist.all_reduce(saved)
     t3 = time.time()
@@ -792,9 +794,9 @@ def run(argv):
         read_phase = "loading the cache" if total["ranks_from_cache"] == world_size else "reading + pre-tokenizing"
         say(f"{read_phase} {t1 - t0:.2f}s | to {args.device} {t2 - t1:.2f}s | merging {t3 - t2:.2f}s "
             f"({num_merges / max(t3 - t2, 1e-9):,.0f} merges/s) | total {t3 - t0:.2f}s")
-        say(f"communication: {bytes_received / max(num_merges, 1) / 1024:,.1f} KiB received per rank per merge "
-            f"(1 or 2 all_gathers per merge); seconds in the exchange per rank (waiting for the slowest rank included): "
-            + ", ".join(f"{seconds:.2f}" for _, seconds in peaks))
+        say(f"communication: {bytes_received / max(num_merges, 1) / 1024:,.1f} KiB received per rank per merge; "
+            f"{overflow_merges} of {num_merges} merges needed a second all_gather; seconds in the exchange per rank "
+            f"(waiting for the slowest rank included): " + ", ".join(f"{seconds:.2f}" for _, seconds in peaks))
         memory = "peak device memory" if args.device == "cuda" else "peak RSS"
         say(f"{memory} per rank: " + ", ".join(f"{peak:,.0f} MiB" for peak, _ in peaks))
         say(f"compression on the training text: {total['total_bytes'] / max(total_tokens, 1):.3f} bytes/token "

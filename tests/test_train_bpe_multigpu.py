@@ -6,6 +6,7 @@ exchange of count deltas and the error paths run exactly as on a GPU node, only 
 """
 import json
 import os
+import re
 import subprocess
 import sys
 from collections import Counter
@@ -121,29 +122,42 @@ def test_nccl_on_the_gpus_equals_cpu_and_rustbpe(corpus, tmp_path):
     assert "backend nccl" in result.stdout
 
 
-EDGE_CASES = [
+# 112 letters (ASCII and accented, whose second UTF-8 byte varies) around "ab": the first merge, (a, b), changes the
+# counts of ~450 distinct neighbouring pairs on one rank, more than the 256 that fit in the packet, so the second
+# all_gather runs.
+LETTERS = [chr(c) for c in range(ord("A"), ord("Z") + 1)] + [chr(c) for c in range(ord("a"), ord("z") + 1)] + \
+    [chr(c) for c in range(0xC0, 0x100) if chr(c).isalpha()]
+MANY_NEIGHBOURS = " ".join(x + "ab" + LETTERS[(7 * i + 3) % len(LETTERS)] for i, x in enumerate(LETTERS)) * 6
+
+EDGE_CASES = [  # in this order, -n at their total length puts text on each of 3 ranks
+    MANY_NEIGHBOURS,
     "aaaa",
     "a" * 3000,
     "aaa aaaaa aaaaaaa " * 20,
-    "line one\r\nline two\r\n\r\n  indented\r\n" * 10,
-    "   \n\t  \n\n     \t\t  ",
-    "😀😀 👩‍👩‍👧 🇫🇷🇫🇷 hi😀 ok" * 10,
-    "人人生而自由在尊严和权利上一律平等他们赋有理性和良心并应以兄弟关系的精神相对待" * 30,
     "",
     "abc abc",
+    "line one\r\nline two\r\n\r\n  indented\r\n" * 10,
+    "   \n\t  \n\n     \t\t  ",
     "",
+    "😀😀 👩‍👩‍👧 🇫🇷🇫🇷 hi😀 ok" * 10,
+    "人人生而自由在尊严和权利上一律平等他们赋有理性和良心并应以兄弟关系的精神相对待" * 30,
     "abcabc",
 ]
 
 
 def test_three_ranks_edge_cases_equal_cpu_and_rustbpe(tmp_path):
-    """Runs of one byte (the overlapping-merge case), CRLF, whitespace only, emoji, a 1200-character CJK chunk and
+    """Many distinct neighbours of one pair (the exchange overflows its packet), runs of one byte (the
+    overlapping-merge case), CRLF, whitespace only, emoji, a 1200-character CJK chunk and
     empty documents, spread over three ranks; the vocabulary is larger than the merges possible, so the run also
     stops early on every rank at once."""
     path = write_jsonl(tmp_path / "edge.jsonl", EDGE_CASES)
-    result = torchrun(3, "--data", path, "-n", 10**6, "-v", 900, "--out", tmp_path / "tok", cwd=tmp_path)
+    result = torchrun(3, "--data", path, "-n", sum(map(len, EDGE_CASES)), "-v", 900, "--out", tmp_path / "tok",
+                      cwd=tmp_path)
     check_equal_to_references(result, tmp_path / "tok", EDGE_CASES, 900)
+    shares = re.search(r"per-rank share \(characters, distinct chunks\): (.*)", result.stdout).group(1).split(", ")
+    assert len(shares) == 3 and not any(share.startswith("0/") for share in shares), shares
     assert "stopped early" in result.stdout
+    assert not re.search(r" 0 of \d+ merges needed a second all_gather", result.stdout), result.stdout
 
 
 def test_fewer_documents_than_ranks_and_a_document_longer_than_a_share(tmp_path):
