@@ -8,7 +8,7 @@ train_bpe_cpu.py and rustbpe on the same documents, in one run. Prints a Markdow
 
 Each configuration runs --repeats times and the median is reported. Two timings per run: "count" is a run
 without the cache (reading + pre-tokenizing + merging), "cached" a rerun that loads the counted chunks from
-the cache. "merge" is the merge loop alone, and "exchange" the part of it spent in the two all_gathers per
+the cache. "merge" is the merge loop alone, and "exchange" the part of it spent in the one or two all_gathers per
 merge, waiting for the slowest rank included. The wall time includes starting torchrun and importing torch.
 On the CPU the ranks share the machine's cores: with more ranks than cores they take turns, so the CPU rows
 show the overhead of the protocol, not a speedup.
