@@ -53,7 +53,7 @@ pattern = r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,3}| ?[^\s\
 EOT = "<|endoftext|>"
 HUB_DATASETS = {"fineweb": "HuggingFaceFW/fineweb", "fineweb-edu": "HuggingFaceFW/fineweb-edu"}
 LOCAL_SUFFIXES = (".txt", ".jsonl", ".parquet")
-device = None  # cuda when torch sees a GPU, else cpu; mps and cpu work too (same result, slower)
+device = None  # cuda when torch sees a GPU, else cpu (same result, slower); mps is accepted, untested so far
 PARALLEL_CHARS = 1 << 24  # from this many characters on, pre-tokenize on every core
 PARALLEL_BATCH_CHARS = 1 << 22  # characters per batch sent to a pre-tokenizing worker
 # -----------------------------------------------------------------------------
@@ -264,7 +264,7 @@ def count_chunks(documents, split_pattern, num_chars, workers=1):
 # decides every small step. So every step below is shaped as a few whole-tensor operations, and the host
 # learns only one small thing per merge: which pair won. The layout is the CPU trainer's, as tensors:
 #
-#   tokens[pos]    the token id at a position of the flattened distinct chunks (int32; -1 past a chunk's end)
+#   tokens[pos]    the token id at a position of the flattened distinct chunks (-1 past a chunk's end)
 #   next_pos[pos]  the position of the next live token of the same chunk, or END; prev_pos likewise
 #   weight[pos]    how often the chunk that holds pos occurs in the corpus
 #
@@ -273,11 +273,13 @@ def count_chunks(documents, split_pattern, num_chars, workers=1):
 # masked ("branch-free") writes below possible: END = L behaves like "no neighbour" (its token is -1, so it
 # matches nothing), and DUMP = L + 1 is a scratch slot that absorbs the writes of lanes that don't apply.
 #
-# The memory budget, per position of the distinct chunks (L is 5-30% of the corpus bytes, thanks to the
-# deduplication): tokens 4 B, next/prev 8 B each (int64, torch's native index type), weight 4 B, position lists
-# up to 16 B: about 40 B. The dense pair-count matrix (below) costs 4 V^2 bytes on top: 4 MB at V = 1000,
-# 16 GiB at V = 65534. That matrix dominates, so squeezing tokens into int16 (with a zig-zag map to reach 65534
-# ids, as the seed did) would save 2 B of ~40 per position and cost a conversion on every access: not worth it.
+# The memory budget. Per position of the distinct chunks: tokens, next_pos and prev_pos 8 B each (int64,
+# torch's index type: ids index the count matrix and positions index the tensors with no conversion op),
+# weight 4 B, position lists up to 16 B: about 45 B. Deduplication makes the positions few: all of enwiki
+# (56 M characters) has 2.5 M, so ~0.1 GB. The dense pair-count matrix (below) costs 4 V^2 bytes: 4 MB at
+# V = 1000, 16 GiB at V = 65534. That matrix is the budget. Squeezing tokens into int16 (with a zig-zag map to
+# reach 65534 ids, as the seed did) would save 6 B of ~45 per position, ~15 MB on all of enwiki, and cost a
+# conversion on every access: it does not pay.
 
 DEAD = -2  # the token id of an unlinked position (the right half of a merged pair)
 
@@ -293,7 +295,7 @@ def chunks_to_tensors(chunk_counts, device):
     lengths, counts = lengths[keep], counts[keep]
     L = int(lengths.sum())
     END, DUMP = L, L + 1
-    tokens = np.full(L + 2, -1, np.int32)
+    tokens = np.full(L + 2, -1, np.int64)
     tokens[:L] = np.frombuffer(b"".join(chunks), np.uint8)
     ends = np.cumsum(lengths)  # one past each chunk's last byte
     next_pos = np.arange(1, L + 3, dtype=np.int64)
@@ -309,7 +311,7 @@ def chunks_to_tensors(chunk_counts, device):
     total_pairs = int(((lengths - 1) * counts).sum())
     count_dtype = torch.int32 if total_pairs < 2**31 else torch.int64
     as_tensor = lambda array, dtype: torch.from_numpy(array).to(device=device, dtype=dtype)
-    return (as_tensor(tokens, torch.int32), as_tensor(next_pos, torch.int64), as_tensor(prev_pos, torch.int64),
+    return (as_tensor(tokens, torch.int64), as_tensor(next_pos, torch.int64), as_tensor(prev_pos, torch.int64),
             as_tensor(weight, count_dtype), total_bytes)
 
 
@@ -376,7 +378,7 @@ def merge_on_device(layout, vocab_size, rows_to_verify=8):
     # Initial pair counts: every left position whose right neighbour is in the same chunk.
     left_positions = torch.nonzero(next_pos[:L] != END).squeeze(1)
     pair_counts = torch.zeros(V * V, dtype=count_dtype, device=device)
-    pair_index = tokens[left_positions].long() * V + tokens[next_pos[left_positions]].long()
+    pair_index = tokens[left_positions] * V + tokens[next_pos[left_positions]]
     pair_counts.index_add_(0, pair_index, weight[left_positions])
     pair_counts_2d = pair_counts.view(V, V)
     row_bound = torch.zeros(V, dtype=count_dtype, device=device)
@@ -393,7 +395,6 @@ def merge_on_device(layout, vocab_size, rows_to_verify=8):
     list_start = torch.zeros(V, dtype=torch.int64, device=device)
     list_start[1:256] = torch.cumsum(list_len[:255], 0)
     append_at = torch.tensor(order.numel(), dtype=torch.int64, device=device)
-    tokens_saved = torch.zeros((), dtype=torch.int64, device=device)
 
     merges = []
     progress = tqdm(total=V - 256, unit="merge", desc="merging", mininterval=0.5)
@@ -429,12 +430,12 @@ def merge_on_device(layout, vocab_size, rows_to_verify=8):
 
         # --- the neighbours, read before anything changes
         before, after = prev_pos[candidates], next_pos[right]
-        token_before, token_after = tokens[before].long(), tokens[after].long()
+        token_before, token_after = tokens[before], tokens[after]
         count = torch.where(selected, weight[candidates], 0)
         # Unlink the right halves first: then a left neighbour that is DEAD is the right half of the previous
         # occurrence ("abab", or a run "aaaa"), whose pair that occurrence already accounts for.
         tokens.index_fill_(0, torch.where(selected, right, DUMP), DEAD)
-        has_before = selected & (before != END) & (tokens[before] != DEAD)
+        has_before = selected & (tokens[before] >= 0)  # not past the chunk's start (-1), not DEAD
         has_after = selected & (after != END)
         count_before = torch.where(has_before, count, 0)
         count_after = torch.where(has_after, count, 0)
@@ -446,30 +447,33 @@ def merge_on_device(layout, vocab_size, rows_to_verify=8):
                                              torch.where(has_after, b * V + token_after, 0)]),
                                -torch.cat([count_before, count, count_after]))
         # Merge: the left half becomes new_id and links to the token after the right half.
-        tokens.index_fill_(0, torch.where(selected, candidates, DUMP), new_id)
-        next_pos[torch.where(selected, candidates, DUMP)] = after
+        left_halves = torch.where(selected, candidates, DUMP)
+        tokens.index_fill_(0, left_halves, new_id)
+        next_pos[left_halves] = after
         prev_pos[torch.where(has_after, after, DUMP)] = candidates
         # Add the new pairs: (x, new) before and (new, y) after. y is read again: it is new_id itself when the
         # next occurrence starts right after this one.
         new_pairs = torch.cat([torch.where(has_before, token_before * V + new_id, 0),
-                               torch.where(has_after, new_id * V + tokens[after].long(), 0)])
+                               torch.where(has_after, new_id * V + tokens[after], 0)])
         pair_counts.index_add_(0, new_pairs, torch.cat([count_before, count_after]))
-        # Only pairs with new_id grew, so raising the bounds of their rows keeps every bound an upper bound.
+        # Only pairs with new_id grew: raising their rows' bounds keeps every bound an upper bound, and an exact
+        # one exact. (Masked lanes point at pair (0, 0), whose count can't exceed row 0's bound: a no-op.)
         row_bound.scatter_reduce_(0, new_pairs // V, pair_counts[new_pairs], "amax")
-        tokens_saved += count.sum()
 
         # --- the position lists: a's list loses the positions that no longer hold a, new_id's gets the merged
         # positions (in increasing order, as cumsum keeps the order of the lanes)
         still_a = tokens[candidates] == a
-        list_buffer[torch.where(still_a, start + torch.cumsum(still_a, 0) - 1, BUFFER_DUMP)] = candidates
+        list_buffer[torch.where(still_a, torch.cumsum(still_a, 0) + (start - 1), BUFFER_DUMP)] = candidates
         list_len[a] = still_a.sum()
-        list_buffer[torch.where(selected, append_at + torch.cumsum(selected, 0) - 1, BUFFER_DUMP)] = candidates
+        list_buffer[torch.where(selected, torch.cumsum(selected, 0) + (append_at - 1), BUFFER_DUMP)] = candidates
         list_start[new_id] = append_at
-        list_len[new_id] = selected.sum()
-        append_at += selected.sum()
+        num_selected = selected.sum()
+        list_len[new_id] = num_selected
+        append_at += num_selected
         progress.update(1)
     progress.close()
-    return merges, total_bytes - int(tokens_saved)
+    # Each merged occurrence saved one token per occurrence of its chunk: the DEAD positions' weights.
+    return merges, total_bytes - int(weight[tokens == DEAD].sum())
 
 
 # ---------------------------------------------------------------- output

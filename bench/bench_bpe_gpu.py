@@ -121,10 +121,11 @@ with tempfile.TemporaryDirectory() as scratch:
         merges_per_second = float(re.search(r"\(([\d,]+) merges/s\)", stdout).group(1).replace(",", ""))
         phases = re.search(r"reading \+ pre-tokenizing.*", stdout).group(0)
         memory = re.search(r"peak memory: (.*)", stdout).group(1)
+        positions = re.search(r"([\d,]+) token positions", stdout).group(1)
         same = "same merges" if vocab == reference else "DIFFERENT MERGES"
         own_total = float(re.search(r"\| total ([\d.]+)s", stdout).group(1))
         rows.setdefault("train_bpe_gpu.py", []).append((seconds, merges_per_second, same, own_total))
-        print(f"  repeat {repeat + 1}: train_bpe_gpu.py {phases}; peak memory {memory}; {same}")
+        print(f"  repeat {repeat + 1}: train_bpe_gpu.py {phases}; {positions} token positions; peak memory {memory}; {same}")
 
         if run_cpu_trainer:
             start = time.perf_counter()

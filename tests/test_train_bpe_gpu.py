@@ -88,6 +88,15 @@ def test_runs_are_merged_left_to_right_without_overlap():
     assert (merges, total_tokens) == train_bpe_cpu.train(chunk_counts, 260)
 
 
+def test_counts_past_2_to_the_31_switch_to_int64():
+    # Chunk frequencies this large stand for ~2^33 characters of text: int32 pair counts would wrap around.
+    # The CPU trainer counts with Python ints, which can't overflow.
+    chunk_counts = Counter({"ab": 2**31 + 5, "cd": 2**31 + 3, "aaaa": 2**30 + 7, "abcd": 2**31 - 1, "xyx": 3})
+    layout = bpe.chunks_to_tensors(chunk_counts, "cpu")
+    assert layout[3].dtype == torch.int64
+    assert bpe.train(chunk_counts, 270) == train_bpe_cpu.train(chunk_counts, 270)
+
+
 def test_generated_corpus_equals_rustbpe_and_cpu_trainer():
     rng = random.Random(1234)
     words = ["".join(rng.choice("abcdeéfghij ") for _ in range(rng.randrange(1, 9))) for _ in range(300)]
@@ -122,6 +131,28 @@ def test_token_count_after_merges_equals_cpu_trainer(corpus):
     text = corpus("tinyshakespeare.txt").read_text()[:50_000]
     chunk_counts = chunk_counts_of([text])
     assert bpe.train(chunk_counts, 500) == train_bpe_cpu.train(chunk_counts, 500)
+
+
+def test_about_one_host_read_per_merge(corpus):
+    # Every value the host reads from a device tensor (.item(), .tolist(), int()) goes through
+    # aten._local_scalar_dense, one call per element; on a GPU each read waits for the device. The design reads
+    # one 6-element tensor per merge (plus a rare second round when the best row's bound was stale).
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class CountHostReads(TorchDispatchMode):
+        reads = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._local_scalar_dense.default:
+                CountHostReads.reads += 1
+            return func(*args, **(kwargs or {}))
+
+    text = corpus("tinyshakespeare.txt").read_text()[:50_000]
+    layout = bpe.chunks_to_tensors(chunk_counts_of([text]), "cpu")
+    with bpe.one_thread_on_cpu("cpu"), CountHostReads():
+        merges, _ = bpe.merge_on_device(layout, 500)
+    assert len(merges) == 244
+    assert CountHostReads.reads <= 6 * 1.1 * len(merges) + 1
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU on this machine: the cpu device tests cover the engine")

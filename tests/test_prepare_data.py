@@ -1,0 +1,472 @@
+"""prepare_data.py: the shards decode back to the documents, the split and limits follow their rules,
+a run killed with SIGKILL resumes to identical files, and bad input gets one line.
+
+Every check runs the script as a user would, in a subprocess, on small generated corpora."""
+import base64
+import hashlib
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import rustbpe
+import tiktoken
+
+REPO = Path(__file__).resolve().parent.parent
+SCRIPT = REPO / "prepare_data.py"
+EOT = "<|endoftext|>"
+
+WORDS = ["the", "cat", "sat", "on", "a", "mat", "naïve", "café", "日本語", "テキスト", "🎉", "emoji👍🏽",
+         "3.14159", "2026", "don't", "WE'LL", "\r\n", "\t", "  ", "\n\n", "x" * 40, "Ω≈ç√", "<|endoftext|>"]
+
+
+def make_docs(count, seed=0, max_words=60):
+    rng = random.Random(seed)
+    docs = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(1, max_words))) for _ in range(count)]
+    docs[3] = ""  # an empty document: skipped, it holds no text
+    docs[5] = "a literal <|endoftext|> in the text is plain text, not the special token"
+    return docs
+
+
+def write_bpe_dir(directory, ranks, pattern):
+    """A tokenizer directory as train_bpe_cpu.py writes it (the README's contract)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    with open(directory / "tokenizer.tiktoken", "w") as f:
+        for token, rank in sorted(ranks.items(), key=lambda item: item[1]):
+            f.write(f"{base64.b64encode(token).decode()} {rank}\n")
+    info = {"pattern": pattern, "special_tokens": {EOT: len(ranks)}, "vocab_size": len(ranks) + 1,
+            "num_merges": len(ranks) - 256, "num_chars": 0, "source": "test", "trainer": "rustbpe",
+            "seconds": 0.0, "stop_reason": "vocab_size reached"}
+    (directory / "tokenizer.json").write_text(json.dumps(info))
+    return directory
+
+
+def load_encoding(directory):
+    info = json.loads((directory / "tokenizer.json").read_text())
+    with open(directory / "tokenizer.tiktoken", "rb") as f:
+        ranks = {base64.b64decode(token): int(rank) for token, rank in (line.split() for line in f if line.strip())}
+    return tiktoken.Encoding(name=str(directory), pat_str=info["pattern"], mergeable_ranks=ranks,
+                             special_tokens=info["special_tokens"])
+
+
+@pytest.fixture(scope="module")
+def docs():
+    return make_docs(400)
+
+
+@pytest.fixture(scope="module")
+def bpe_dir(tmp_path_factory, docs):
+    """A 300-token BPE trained by rustbpe (the trainers' oracle) on the test documents."""
+    trainer = rustbpe.Tokenizer()
+    trainer.train_from_iterator(docs, 300)
+    ranks = {bytes(token): rank for token, rank in trainer.get_mergeable_ranks()}
+    return write_bpe_dir(tmp_path_factory.mktemp("tok") / "bpe300", ranks, trainer.get_pattern())
+
+
+def write_jsonl(path, docs):
+    with open(path, "w", encoding="utf-8") as f:
+        for doc in docs:
+            f.write(json.dumps({"text": doc}) + "\n")
+    return path
+
+
+def prepare(*args, cwd, env=None, check=True):
+    result = subprocess.run([sys.executable, str(SCRIPT), *map(str, args)], cwd=cwd, capture_output=True,
+                            text=True, timeout=300, env={**os.environ, **(env or {})})
+    if check:
+        assert result.returncode == 0, result.stderr
+    return result
+
+
+def read_dataset(out_dir):
+    """meta.json, and the tokens of val and of train, each split's shards concatenated in order."""
+    meta = json.loads((out_dir / "meta.json").read_text())
+    splits = {}
+    for split in ("val", "train"):
+        arrays = [np.load(out_dir / name, mmap_mode="r") for name in meta["shards"][split]]
+        assert all(array.dtype == np.dtype(meta["dtype"]) and array.ndim == 1 for array in arrays)
+        splits[split] = np.concatenate(arrays) if arrays else np.zeros(0, dtype=meta["dtype"])
+        assert len(splits[split]) == meta["tokens"][split]
+    return meta, splits["val"], splits["train"]
+
+
+def expected_val_documents(token_counts, val_tokens):
+    """The rule: the first documents until val holds val_tokens tokens, at least one, never the last."""
+    count, total = 0, 0
+    while count < len(token_counts) - 1 and (count == 0 or total < val_tokens):
+        total += token_counts[count]
+        count += 1
+    return count
+
+
+# ---------------------------------------------------------------- decoding gives back the documents
+
+
+def test_bpe_dir_shards_decode_to_the_documents(tmp_path, docs, bpe_dir):
+    write_jsonl(tmp_path / "docs.jsonl", docs)
+    prepare("--tokenizer", bpe_dir, "--data", "docs.jsonl", "--out", "ds", "--shard_size", 700,
+            "--val_tokens", 1500, cwd=tmp_path)
+    out_dir = tmp_path / "ds"
+    meta, val, train = read_dataset(out_dir)
+    enc = load_encoding(bpe_dir)
+    kept = [doc for doc in docs if doc]
+    assert enc.decode(np.concatenate([val, train]).tolist()) == "".join(EOT + doc for doc in kept)
+    # The literal "<|endoftext|>" inside documents stays text: the EOT id appears once per document.
+    assert int((val == enc.eot_token).sum() + (train == enc.eot_token).sum()) == len(kept)
+    # An independent route to the split: encode each document here, apply the documented rule.
+    counts = [1 + len(enc.encode_ordinary(doc)) for doc in kept]
+    assert len(val) == sum(counts[:expected_val_documents(counts, 1500)])
+    # Shard boundaries are every shard_size tokens of a split: documents run across them.
+    for split in ("val", "train"):
+        lengths = [len(np.load(out_dir / name, mmap_mode="r")) for name in meta["shards"][split]]
+        assert lengths[:-1] == [700] * (len(lengths) - 1) and 0 < lengths[-1] <= 700
+    assert meta["shards"]["train"][:2] == ["train_000000.npy", "train_000001.npy"]
+    assert meta["version"] == 1 and meta["vocab_size"] == 301 and meta["eot_token"] == 300
+    assert meta["dtype"] == "uint16" and meta["max_token_id"] == int(max(val.max(), train.max()))
+    assert meta["num_chars"] == sum(len(doc) for doc in docs)
+    assert meta["tokenizer"]["kind"] == "bpe"
+    assert meta["tokenizer"]["sha256"] == hashlib.sha256((bpe_dir / "tokenizer.tiktoken").read_bytes()).hexdigest()
+    for name in ("tokenizer.tiktoken", "tokenizer.json"):  # the dataset carries its tokenizer
+        assert (out_dir / name).read_bytes() == (bpe_dir / name).read_bytes()
+    assert not list(out_dir.glob("*.tmp")) and not (out_dir / "progress.json").exists()
+
+
+def test_char_level_single_document_gives_its_last_tenth_to_val(tmp_path):
+    text = "First Citizen:\nBefore we proceed any further, hear me speak.\n\n" * 40 + "Ünïcödé ✓ 🎉"
+    (tmp_path / "play.txt").write_text(text, encoding="utf-8")
+    prepare("--tokenizer", "char", "--data", "play.txt", "--out", "ds", "--shard_size", 512, cwd=tmp_path)
+    meta, val, train = read_dataset(tmp_path / "ds")
+    assert meta["chars"] == sorted(set(text)) and meta["vocab_size"] == len(set(text))
+    assert meta["eot_token"] is None and meta["tokenizer"] == {"kind": "char"}
+    assert len(train) == len(text) * 9 // 10  # nanoGPT's split: the first 90% trains
+    chars = meta["chars"]
+    assert "".join(chars[i] for i in train) + "".join(chars[i] for i in val) == text
+
+
+def test_char_level_documents_val_first(tmp_path, docs):
+    write_jsonl(tmp_path / "docs.jsonl", docs)
+    prepare("--tokenizer", "char", "--data", "docs.jsonl", "--out", "ds", "--val_tokens", 2000, cwd=tmp_path)
+    meta, val, train = read_dataset(tmp_path / "ds")
+    chars = meta["chars"]
+    assert "".join(chars[i] for i in np.concatenate([val, train])) == "".join(docs)  # no EOT at char level
+    kept = [doc for doc in docs if doc]
+    assert len(val) == sum(len(doc) for doc in kept[:expected_val_documents([len(d) for d in kept], 2000)])
+
+
+def test_tiktoken_name_path_with_a_local_encoding(tmp_path, docs, bpe_dir):
+    """The tiktoken-name route (tiktoken.get_encoding) for real, on an encoding that tiktoken finds through its
+    plugin mechanism (a tiktoken_ext module on PYTHONPATH) and builds from local ranks: gpt2 & co. would need
+    a download, which this machine can't make. Only the download is left untested."""
+    plugin = tmp_path / "plugin" / "tiktoken_ext"
+    plugin.mkdir(parents=True)
+    (plugin / "lillm_test_local.py").write_text(
+        "import base64, json, os\n"
+        "def local():\n"
+        "    d = os.environ['LILLM_TEST_RANKS']\n"
+        "    info = json.load(open(os.path.join(d, 'tokenizer.json')))\n"
+        "    lines = open(os.path.join(d, 'tokenizer.tiktoken'), 'rb').read().split(b'\\n')\n"
+        "    ranks = {base64.b64decode(t): int(r) for t, r in (l.split() for l in lines if l.strip())}\n"
+        "    return dict(name='lillm_test', pat_str=info['pattern'], mergeable_ranks=ranks,\n"
+        "                special_tokens=info['special_tokens'])\n"
+        "ENCODING_CONSTRUCTORS = {'lillm_test': local}\n")
+    env = {"PYTHONPATH": str(plugin.parent), "LILLM_TEST_RANKS": str(bpe_dir)}
+    write_jsonl(tmp_path / "docs.jsonl", docs)
+    prepare("--tokenizer", "lillm_test", "--data", "docs.jsonl", "--out", "ds", "--shard_size", 1000,
+            cwd=tmp_path, env=env)
+    meta, val, train = read_dataset(tmp_path / "ds")
+    assert meta["tokenizer"] == {"kind": "tiktoken", "name": "lillm_test"}
+    enc = load_encoding(bpe_dir)
+    assert meta["eot_token"] == enc.eot_token and meta["vocab_size"] == enc.n_vocab
+    assert enc.decode(np.concatenate([val, train]).tolist()) == "".join(EOT + doc for doc in docs if doc)
+    assert not (tmp_path / "ds" / "tokenizer.tiktoken").exists()  # tiktoken names are found by name
+
+
+# ---------------------------------------------------------------- uint32 when an id doesn't fit 16 bits
+
+
+def test_bpe_vocabulary_over_65536_switches_to_uint32(tmp_path):
+    """65,536 two-byte merges on top of the bytes. Pairs starting with '`' get the top ranks (65,536..65,791),
+    so '`a' in the text must come out as an id above 65,535 and survive the trip through the shards."""
+    ranks = {bytes([b]): b for b in range(256)}
+    for first in range(256):
+        for second in range(256):
+            ranks[bytes([first, second])] = 256 + ((first - ord("a")) % 256) * 256 + second
+    tok = write_bpe_dir(tmp_path / "big", ranks, r"[\s\S]{1,2}")
+    docs = ["`a`b plain text ``", "another `z document", "`q and the last one"]
+    write_jsonl(tmp_path / "docs.jsonl", docs)
+    prepare("--tokenizer", tok, "--data", "docs.jsonl", "--out", "ds", cwd=tmp_path)
+    meta, val, train = read_dataset(tmp_path / "ds")
+    tokens = np.concatenate([val, train])
+    assert meta["dtype"] == "uint32" and tokens.dtype == np.uint32 and meta["vocab_size"] == 65793
+    assert tokens.max() > 65535 and meta["max_token_id"] == int(tokens.max())
+    assert load_encoding(tok).decode(tokens.tolist()) == "".join(EOT + doc for doc in docs)
+
+
+def test_char_vocabulary_over_65536_switches_to_uint32(tmp_path):
+    code_points = [c for c in range(0x21, 0x21 + 70_000 + 2048) if not 0xD800 <= c <= 0xDFFF][:70_000]
+    text = "".join(map(chr, code_points))
+    docs = [text[:35_000], text[35_000:]]
+    write_jsonl(tmp_path / "docs.jsonl", docs)
+    prepare("--tokenizer", "char", "--data", "docs.jsonl", "--out", "ds", cwd=tmp_path)
+    meta, val, train = read_dataset(tmp_path / "ds")
+    assert meta["dtype"] == "uint32" and meta["vocab_size"] == 70_000 and meta["max_token_id"] == 69_999
+    chars = meta["chars"]
+    assert "".join(chars[i] for i in np.concatenate([val, train])) == text
+
+
+# ---------------------------------------------------------------- sources and limits
+
+
+def test_local_txt_jsonl_parquet_in_a_directory(tmp_path, docs, bpe_dir):
+    """A directory mixes the three formats; files are read in sorted order of their paths."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    source = tmp_path / "corpus"
+    (source / "b").mkdir(parents=True)
+    write_jsonl(source / "a.jsonl", docs[:100])
+    pq.write_table(pa.table({"text": docs[100:200], "id": list(range(100))}), source / "b" / "c.parquet")
+    (source / "b" / "d.txt").write_text("one text file is one document\nwith two lines", encoding="utf-8")
+    (source / "notes.md").write_text("not text data: ignored")
+    prepare("--tokenizer", bpe_dir, "--data", "corpus", "--out", "ds", cwd=tmp_path)
+    meta, val, train = read_dataset(tmp_path / "ds")
+    expected = docs[:200] + ["one text file is one document\nwith two lines"]
+    assert load_encoding(bpe_dir).decode(np.concatenate([val, train]).tolist()) == "".join(EOT + d for d in expected if d)
+    assert meta["source"] == "corpus"
+
+
+def test_num_chars_and_max_tokens_cut_the_stream(tmp_path, docs, bpe_dir):
+    write_jsonl(tmp_path / "docs.jsonl", docs)
+    enc = load_encoding(bpe_dir)
+    # -n: the first N characters of the document stream, the last document cut to fit.
+    prepare("--tokenizer", bpe_dir, "--data", "docs.jsonl", "--out", "n", "-n", 5000, cwd=tmp_path)
+    meta, val, train = read_dataset(tmp_path / "n")
+    expected, remaining = [], 5000
+    for doc in docs:
+        if remaining == 0:
+            break
+        expected.append(doc[:remaining])
+        remaining -= len(expected[-1])
+    assert remaining == 0 and len(expected) < len(docs)
+    text = enc.decode(np.concatenate([val, train]).tolist())
+    assert text == "".join(EOT + doc for doc in expected if doc) and meta["num_chars"] == 5000
+    # --max_tokens: exactly that many tokens, the same as the first tokens of a run without the limit.
+    prepare("--tokenizer", bpe_dir, "--data", "docs.jsonl", "--out", "full", "--val_tokens", 500, cwd=tmp_path)
+    prepare("--tokenizer", bpe_dir, "--data", "docs.jsonl", "--out", "cut", "--val_tokens", 500,
+            "--max_tokens", 3001, "--shard_size", 1000, cwd=tmp_path)
+    _, full_val, full_train = read_dataset(tmp_path / "full")
+    meta, val, train = read_dataset(tmp_path / "cut")
+    assert meta["tokens"]["val"] + meta["tokens"]["train"] == 3001
+    assert np.array_equal(np.concatenate([val, train]), np.concatenate([full_val, full_train])[:3001])
+    assert np.array_equal(val, full_val)
+
+
+# ---------------------------------------------------------------- resume after kill -9, for real
+
+
+def files_of(directory):
+    return {path.name: path.read_bytes() for path in sorted(directory.iterdir())}
+
+
+def test_resume_after_sigkill_gives_identical_shards(tmp_path, bpe_dir):
+    big_docs = make_docs(6000, seed=1, max_words=200)
+    write_jsonl(tmp_path / "docs.jsonl", big_docs)
+    args = ["--tokenizer", bpe_dir, "--data", "docs.jsonl", "--shard_size", 20_000, "--val_tokens", 50_000,
+            "--workers", 2]
+    prepare(*args, "--out", "reference", cwd=tmp_path)
+    reference = files_of(tmp_path / "reference")
+    assert len(reference) > 40  # many shards, so the kills land mid-run
+
+    out_dir = tmp_path / "killed"
+    progress_path = out_dir / "progress.json"
+    finished_before = {}
+    # Kill it three times: as soon as it has started, and after 3 and 12 finished shards in all.
+    for shards_wanted in (0, 3, 12):
+        process = subprocess.Popen([sys.executable, str(SCRIPT), *map(str, args), "--out", "killed"], cwd=tmp_path,
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        deadline = time.time() + 120
+        while time.time() < deadline and process.poll() is None:
+            try:
+                progress = json.loads(progress_path.read_text())
+            except (OSError, ValueError):
+                progress = None
+            if progress is not None and len(progress["shards"]["val"] + progress["shards"]["train"]) >= shards_wanted:
+                break
+            time.sleep(0.002)
+        assert process.poll() is None, "the run ended before it could be killed: give it more data"
+        process.send_signal(signal.SIGKILL)
+        process.communicate()
+        progress = json.loads(progress_path.read_text())
+        finished_before = {name: (out_dir / name).stat().st_ino
+                           for name in progress["shards"]["val"] + progress["shards"]["train"]}
+    assert len(finished_before) >= 12 and not (out_dir / "meta.json").exists()
+
+    result = prepare(*args, "--out", "killed", cwd=tmp_path)
+    assert "resuming" in result.stdout
+    assert files_of(out_dir) == reference  # byte for byte, meta.json included
+    # The finished shards were skipped, not rewritten: the same files (inodes) are still there.
+    assert {name: (out_dir / name).stat().st_ino for name in finished_before} == finished_before
+
+
+# ---------------------------------------------------------------- bad input: one line, non-zero exit
+
+
+def one_line_error(result):
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr, result.stderr
+    errors = [line for line in result.stderr.splitlines() if "error" in line.lower()]
+    assert len(errors) == 1 and errors[0].startswith("error: "), result.stderr
+    return errors[0]
+
+
+def reachable(host):
+    try:
+        socket.create_connection((host, 443), timeout=3).close()
+        return True
+    except OSError:
+        return False
+
+
+def test_bad_tokenizers(tmp_path, docs, bpe_dir):
+    write_jsonl(tmp_path / "docs.jsonl", docs[:20])
+    broken_json = tmp_path / "broken_json"
+    broken_json.mkdir()
+    (broken_json / "tokenizer.tiktoken").write_bytes((bpe_dir / "tokenizer.tiktoken").read_bytes())
+    (broken_json / "tokenizer.json").write_text('{"pattern": ')
+    broken_ranks = tmp_path / "broken_ranks"
+    broken_ranks.mkdir()
+    (broken_ranks / "tokenizer.tiktoken").write_text("!!!not-base64!!! zero\n")
+    (broken_ranks / "tokenizer.json").write_bytes((bpe_dir / "tokenizer.json").read_bytes())
+    half = tmp_path / "half"
+    half.mkdir()
+    (half / "tokenizer.json").write_bytes((bpe_dir / "tokenizer.json").read_bytes())
+    cases = {
+        "tokenizers/missing_v1000": "no such directory",
+        str(broken_json): "is broken",
+        str(broken_ranks): "is broken",
+        str(half): "tokenizer.tiktoken is missing",
+        "gpt5": "not a tiktoken encoding",
+    }
+    for tokenizer, message in cases.items():
+        result = prepare("--tokenizer", tokenizer, "--data", "docs.jsonl", "--out", "ds", cwd=tmp_path, check=False)
+        assert message in one_line_error(result), (tokenizer, result.stderr)
+        assert not (tmp_path / "ds").exists()
+    assert "required" in one_line_error(prepare("--data", "docs.jsonl", cwd=tmp_path, check=False))
+
+
+@pytest.mark.skipif(reachable("openaipublic.blob.core.windows.net"), reason="online: tiktoken can download gpt2")
+def test_tiktoken_name_offline_says_so(tmp_path):
+    (tmp_path / "a.txt").write_text("hello")
+    result = prepare("--tokenizer", "gpt2", "--data", "a.txt", cwd=tmp_path, check=False,
+                     env={"TIKTOKEN_CACHE_DIR": str(tmp_path / "empty_cache")})
+    assert "could not download" in one_line_error(result)
+
+
+@pytest.mark.skipif(reachable("huggingface.co"), reason="online: the Hub datasets can be reached")
+def test_unreachable_and_unknown_sources(tmp_path):
+    for source in ("openwebtext", "tinystories", "fineweb-edu"):
+        result = prepare("--tokenizer", "char", "--data", source, cwd=tmp_path, check=False)
+        assert "can't reach the Hugging Face Hub" in one_line_error(result)
+    for source in ("webtext-2000", "corpus.csv"):
+        if source.endswith(".csv"):
+            (tmp_path / source).write_text("a,b\n")
+        result = prepare("--tokenizer", "char", "--data", source, cwd=tmp_path, check=False)
+        one_line_error(result)
+    assert not (tmp_path / "data").exists()
+
+
+def test_empty_datasets(tmp_path, bpe_dir):
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "empty.jsonl").write_text("")
+    write_jsonl(tmp_path / "blank_docs.jsonl", ["", "", ""])
+    for source in ("empty.txt", "empty.jsonl", "blank_docs.jsonl"):
+        for tokenizer in (bpe_dir, "char"):
+            result = prepare("--tokenizer", tokenizer, "--data", source, "--out", "ds", cwd=tmp_path, check=False)
+            assert "is empty" in one_line_error(result)
+            assert not (tmp_path / "ds").exists()  # nothing half-made is left behind
+
+
+def test_out_into_a_file_and_foreign_or_mismatched_out(tmp_path, docs, bpe_dir):
+    write_jsonl(tmp_path / "docs.jsonl", docs[:50])
+    (tmp_path / "a_file").write_text("x")
+    for out in ("a_file", "a_file/sub"):
+        result = prepare("--tokenizer", "char", "--data", "docs.jsonl", "--out", out, cwd=tmp_path, check=False)
+        assert "is a file" in one_line_error(result)
+    (tmp_path / "foreign").mkdir()
+    (tmp_path / "foreign" / "precious.txt").write_text("keep me")
+    result = prepare("--tokenizer", "char", "--data", "docs.jsonl", "--out", "foreign", cwd=tmp_path, check=False)
+    assert "not made by prepare_data.py" in one_line_error(result)
+
+    prepare("--tokenizer", bpe_dir, "--data", "docs.jsonl", "--out", "ds", cwd=tmp_path)
+    before = files_of(tmp_path / "ds")
+    result = prepare("--tokenizer", bpe_dir, "--data", "docs.jsonl", "--out", "ds", cwd=tmp_path)
+    assert "already complete" in result.stdout
+    for other in (["--shard_size", 123], ["-n", 100], ["--tokenizer", "char"]):
+        args = ["--tokenizer", bpe_dir, "--data", "docs.jsonl", "--out", "ds", *other]
+        result = prepare(*args, cwd=tmp_path, check=False)
+        assert "made with other arguments" in one_line_error(result)
+    assert files_of(tmp_path / "ds") == before
+
+
+@pytest.mark.parametrize("extra", [[], ["--max_tokens", 4321], ["-n", 6000], ["--tokenizer", "char"],
+                                   ["--data", "one_document.txt"]])
+def test_resume_when_killed_just_before_meta_json(tmp_path, docs, bpe_dir, extra):
+    """The narrowest window: every shard finished, meta.json not yet written. The process dies there for
+    certain (os._exit, as abrupt as SIGKILL, in place of writing meta.json); the next run must only finish."""
+    write_jsonl(tmp_path / "docs.jsonl", docs)
+    (tmp_path / "one_document.txt").write_text("".join(docs), encoding="utf-8")
+    args = ["--tokenizer", bpe_dir, "--data", "docs.jsonl", "--shard_size", 900, "--val_tokens", 800, *extra]
+    prepare(*args, "--out", "reference", cwd=tmp_path)
+    die_at_meta = (
+        "import os, runpy, sys\n"
+        f"script = runpy.run_path({str(SCRIPT)!r}, run_name='prepare_data')\n"
+        "namespace = script['run'].__globals__  # the functions' own globals (run_path returns a copy)\n"
+        "write_json = namespace['write_json']\n"
+        "def dying_write_json(path, obj):\n"
+        "    if str(path).endswith('meta.json'):\n"
+        "        os._exit(9)\n"
+        "    write_json(path, obj)\n"
+        "namespace['write_json'] = dying_write_json\n"
+        "script['run'](sys.argv[1:])\n")
+    died = subprocess.run([sys.executable, "-c", die_at_meta, *map(str, args), "--out", "killed"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    assert died.returncode == 9 and not (tmp_path / "killed" / "meta.json").exists(), died.stderr
+    assert "resuming" in prepare(*args, "--out", "killed", cwd=tmp_path).stdout
+    assert files_of(tmp_path / "killed") == files_of(tmp_path / "reference")
+
+
+@pytest.mark.skipif(reachable("huggingface.co"), reason="online: the default source is FineWeb itself")
+def test_default_source_offline_falls_back_to_the_stdlib(tmp_path):
+    import sysconfig
+
+    result = prepare("--tokenizer", "char", "-n", 20_000, "--val_tokens", 5_000, cwd=tmp_path)
+    assert "offline corpus" in result.stdout
+    out_dir = tmp_path / "data" / "stdlib_char"
+    meta, val, train = read_dataset(out_dir)
+    assert meta["source"] == "Python standard library source (offline fallback)"
+    # Independently: the .py files of the stdlib in sorted order of path, site-packages excluded.
+    root = Path(sysconfig.get_paths()["stdlib"])
+    paths = sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts)
+    text = ""
+    for path in paths:
+        text += path.read_text(encoding="utf-8", errors="replace")
+        if len(text) >= 20_000:
+            break
+    chars = meta["chars"]
+    assert "".join(chars[i] for i in np.concatenate([val, train])) == text[:20_000]
+
+
+def test_invalid_utf8_is_replaced_with_a_warning(tmp_path, bpe_dir):
+    (tmp_path / "bad.txt").write_bytes(b"caf\xc3\xa9 ok, then bad bytes: \xff\xfe and \xc3 end")
+    result = prepare("--tokenizer", bpe_dir, "--data", "bad.txt", "--out", "ds", cwd=tmp_path)
+    assert "3 invalid UTF-8 sequences were replaced" in result.stdout
+    meta, val, train = read_dataset(tmp_path / "ds")
+    text = load_encoding(bpe_dir).decode(np.concatenate([train, val]).tolist())
+    assert text == EOT + "café ok, then bad bytes: \ufffd\ufffd and \ufffd end"
