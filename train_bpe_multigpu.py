@@ -364,7 +364,8 @@ def read_cache(prefix):
 # The layout of train_bpe_gpu.py, per rank: positions of the flattened distinct chunks, with linked-list
 # neighbours, so that merging never moves tokens and positions stay valid names for the whole run.
 #
-#   tokens[pos]    the token id at a position (int32; -1 at the two spare positions)
+#   tokens[pos]    the token id at a position (-1 at the two spare positions; int64 like the positions: ids
+#                  index the count matrix directly, with no conversion op per merge)
 #   next_pos[pos]  the position of the next live token of the same chunk, or END; prev_pos likewise
 #   weight[pos]    how often the chunk that holds pos occurs in this rank's share
 #
@@ -379,7 +380,7 @@ PIECE = 1 << 26  # bytes copied host -> device at a time, so that loading the ca
 def chunks_to_tensors(blob, lengths, counts, count_dtype, device):
     L = blob.size
     END, DUMP = L, L + 1
-    tokens = torch.full((L + 2,), -1, dtype=torch.int32, device=device)
+    tokens = torch.full((L + 2,), -1, dtype=torch.int64, device=device)
     for start in range(0, L, PIECE):  # a memory-mapped cache is read piece by piece, never whole
         tokens[start:min(start + PIECE, L)] = torch.from_numpy(np.array(blob[start:start + PIECE])).to(device)
     lengths = torch.from_numpy(np.array(lengths)).to(device)
@@ -477,7 +478,7 @@ def train(tokens, next_pos, prev_pos, weight, vocab_size, device, show_progress)
     # Initial pair counts: only byte pairs exist yet, so one all-reduce of a 256 x 256 block makes them global.
     left_positions = torch.nonzero(next_pos[:L] != END).squeeze(1)
     byte_pairs = torch.zeros(256 * 256, dtype=torch.int64, device=device)
-    byte_pairs.index_add_(0, tokens[left_positions].long() * 256 + tokens[next_pos[left_positions]].long(),
+    byte_pairs.index_add_(0, tokens[left_positions] * 256 + tokens[next_pos[left_positions]],
                           weight[left_positions].long())
     dist.all_reduce(byte_pairs)
     pair_counts = torch.zeros(V * V, dtype=count_dtype, device=device)
@@ -498,7 +499,6 @@ def train(tokens, next_pos, prev_pos, weight, vocab_size, device, show_progress)
     list_start = torch.zeros(V, dtype=torch.int64, device=device)
     list_start[1:256] = torch.cumsum(list_len[:255], 0)
     append_at = torch.tensor(order.numel(), dtype=torch.int64, device=device)
-    tokens_saved = torch.zeros((), dtype=torch.int64, device=device)
     bytes_received, exchange_seconds, overflow_merges = 0, 0.0, 0
 
     merges = []
@@ -535,23 +535,24 @@ def train(tokens, next_pos, prev_pos, weight, vocab_size, device, show_progress)
 
         # --- the neighbours, read before anything changes
         before, after = prev_pos[candidates], next_pos[right]
-        token_before, token_after = tokens[before].long(), tokens[after].long()
+        token_before, token_after = tokens[before], tokens[after]
         count = torch.where(selected, weight[candidates], 0).long()
         # Unlink the right halves first: then a left neighbour that is DEAD is the right half of the previous
         # occurrence ("abab", or a run "aaaa"), whose pair that occurrence already accounts for.
         tokens.index_fill_(0, torch.where(selected, right, DUMP), DEAD)  # index_fill_: no scalar copied from the host
-        has_before = selected & (before != END) & (tokens[before] != DEAD)
+        has_before = selected & (tokens[before] >= 0)  # not past the chunk's start (-1), not DEAD
         has_after = selected & (after != END)
         count_before = torch.where(has_before, count, 0)
         count_after = torch.where(has_after, count, 0)
         # Merge: the left half becomes new_id and links to the token after the right half.
-        tokens.index_fill_(0, torch.where(selected, candidates, DUMP), new_id)
-        next_pos[torch.where(selected, candidates, DUMP)] = after
+        left_halves = torch.where(selected, candidates, DUMP)
+        tokens.index_fill_(0, left_halves, new_id)
+        next_pos[left_halves] = after
         prev_pos[torch.where(has_after, after, DUMP)] = candidates
         # The deltas: the old pairs (x, a), (a, b), (b, y) lose, the new (x, new) and (new, y) gain. y is read
         # again: it is new_id itself when the next occurrence starts right after this one.
         pair_index = torch.cat([token_before * V + a, torch.full_like(candidates, a * V + b), b * V + token_after,
-                                token_before * V + new_id, new_id * V + tokens[after].long()])
+                                token_before * V + new_id, new_id * V + tokens[after]])
         delta = torch.cat([-count_before, -count, -count_after, count_before, count_after])
         # Sum per pair. Lanes that change nothing are pointed at pair 0 with delta 0 rather than filtered out:
         # a boolean filter would make the host wait for its size, and torch.unique already costs one such wait.
@@ -568,20 +569,22 @@ def train(tokens, next_pos, prev_pos, weight, vocab_size, device, show_progress)
         # every touched pair may be raised; rows where some count shrank are flagged inexact.
         row_bound.scatter_reduce_(0, all_pairs // V, pair_counts[all_pairs], "amax")
         row_exact.index_fill_(0, torch.where(all_deltas < 0, all_pairs // V, V), False)
-        tokens_saved += count.sum()
 
         # --- the position lists: a's list loses the positions that no longer hold a, new_id's gets the merged
         # positions (in increasing order, as cumsum keeps the order of the lanes)
         still_a = tokens[candidates] == a
-        list_buffer[torch.where(still_a, start + torch.cumsum(still_a, 0) - 1, BUFFER_DUMP)] = candidates
+        list_buffer[torch.where(still_a, torch.cumsum(still_a, 0) + (start - 1), BUFFER_DUMP)] = candidates
         list_len[a] = still_a.sum()
-        list_buffer[torch.where(selected, append_at + torch.cumsum(selected, 0) - 1, BUFFER_DUMP)] = candidates
+        list_buffer[torch.where(selected, torch.cumsum(selected, 0) + (append_at - 1), BUFFER_DUMP)] = candidates
         list_start[new_id] = append_at
-        list_len[new_id] = selected.sum()
-        append_at += selected.sum()
+        num_selected = selected.sum()
+        list_len[new_id] = num_selected
+        append_at += num_selected
         progress.update(1)
     progress.close()
-    return merges, int(tokens_saved), (bytes_received, exchange_seconds, overflow_merges)
+    # Each merged occurrence saved one token per occurrence of its chunk: the weights of the DEAD positions.
+    tokens_saved = int(weight[tokens == DEAD].sum())
+    return merges, tokens_saved, (bytes_received, exchange_seconds, overflow_merges)
 
 
 # ---------------------------------------------------------------- output (rank 0 only)
