@@ -677,7 +677,7 @@ def setup_process_group(device_name, timeout_s):
         run_device, backend = torch.device("cuda", local_rank), "nccl"
     else:
         run_device, backend = torch.device("cpu"), "gloo"
-        # A merge is a few dozen small tensor ops: waking OpenMP threads for each costs more than it saves
+        # A merge is ~100 small tensor ops: waking OpenMP threads for each costs more than it saves
         # (10x slower on a busy machine). torchrun sets this already; plain python does not.
         if "OMP_NUM_THREADS" not in os.environ:
             torch.set_num_threads(1)

@@ -122,9 +122,9 @@ def test_nccl_on_the_gpus_equals_cpu_and_rustbpe(corpus, tmp_path):
     assert "backend nccl" in result.stdout
 
 
-# 112 letters (ASCII and accented, whose second UTF-8 byte varies) around "ab": the first merge, (a, b), changes the
-# counts of ~450 distinct neighbouring pairs on one rank, more than the 256 that fit in the packet, so the second
-# all_gather runs.
+# 114 letters (ASCII, and accented ones whose second UTF-8 byte varies) around "ab": merging (a, b) changes the
+# counts of ~450 distinct neighbouring pairs on the rank that holds them, more than the 256 that fit in the
+# packet, so the second all_gather runs (the test checks that it did).
 LETTERS = [chr(c) for c in range(ord("A"), ord("Z") + 1)] + [chr(c) for c in range(ord("a"), ord("z") + 1)] + \
     [chr(c) for c in range(0xC0, 0x100) if chr(c).isalpha()]
 MANY_NEIGHBOURS = " ".join(x + "ab" + LETTERS[(7 * i + 3) % len(LETTERS)] for i, x in enumerate(LETTERS)) * 6
