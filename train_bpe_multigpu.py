@@ -828,7 +828,7 @@ if __name__ == "__main__":
         from_transport = regex.search(r"gloo|nccl|timed? ?out|connection|peer", str(error), regex.IGNORECASE)
         if not isinstance(error, dist.DistError) and not from_transport:
             raise
-        print(f"error: {lost_contact(error)}", file=sys.stderr, flush=True)
+        print(f"\nerror: {lost_contact(error)}", file=sys.stderr, flush=True)  # \n: off the progress bar's line
         exit_code = 1
     finally:
         if dist.is_initialized():

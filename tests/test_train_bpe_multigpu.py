@@ -7,8 +7,10 @@ exchange of count deltas and the error paths run exactly as on a GPU node, only 
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -231,3 +233,44 @@ def test_device_cuda_without_a_gpu_is_one_line(tmp_path):
     assert result.returncode != 0 and "Traceback" not in result.stderr
     assert [line for line in result.stderr.splitlines() if line.startswith("error:")] == [
         "error: --device cuda: no CUDA GPU is visible here; use --device cpu (gloo) instead"]
+
+
+def test_a_hung_rank_stops_the_others_after_the_timeout(corpus, tmp_path):
+    """Rank 1 is frozen (SIGSTOP) once it has counted its share, i.e. in the merge loop: rank 0 must give up
+    after --timeout seconds with one clear line, instead of waiting forever."""
+    udhr = corpus("udhr.jsonl")
+    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(SCRIPT),
+               "--device", "cpu", "--timeout", "5", "--cache_dir", str(tmp_path / "cache"), "--data", str(udhr),
+               "-n", "400000", "-v", "3000", "--out", str(tmp_path / "tok")]
+    launcher = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    frozen = None
+    try:
+        for _ in range(600):  # wait (up to 60 s) for rank 1 to finish counting: it is merging from then on
+            if list((tmp_path / "cache").glob("*/rank1.json")):
+                break
+            time.sleep(0.1)
+        children = subprocess.run(["pgrep", "-P", str(launcher.pid)], capture_output=True, text=True).stdout.split()
+        for pid in map(int, children):
+            if b"RANK=1\0" in Path(f"/proc/{pid}/environ").read_bytes():
+                frozen = pid
+        assert frozen is not None, "rank 1's process not found"
+        time.sleep(0.5)
+        os.kill(frozen, signal.SIGSTOP)
+        started = time.time()
+        time.sleep(10)  # twice --timeout: rank 0 has given up by now
+        os.kill(frozen, signal.SIGCONT)  # so that torchrun's SIGTERM ends it at once
+        stdout, stderr = launcher.communicate(timeout=90)
+    finally:
+        if frozen is not None:  # let torchrun's SIGTERM through, or clean up if the test failed
+            try:
+                os.kill(frozen, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+    assert launcher.returncode != 0 and time.time() - started < 60
+    errors = [line for line in (stdout + stderr).splitlines() if line.startswith("error:")]
+    assert any(line.startswith("error: rank 0 lost contact with the other ranks") for line in errors), stdout + stderr
+    assert not (tmp_path / "tok").exists()
