@@ -4,6 +4,7 @@ and rustbpe.
 Every test launches real processes (`python -m torch.distributed.run --standalone`), so the sharding, the
 exchange of count deltas and the error paths run exactly as on a GPU node, only with gloo instead of NCCL.
 """
+import base64
 import json
 import os
 import re
@@ -61,7 +62,6 @@ def rustbpe_vocab(docs, vocab_size):
 
 def tiktoken_file(vocab):
     """The exact bytes train_bpe_cpu.py writes for this vocabulary."""
-    import base64
     return "".join(f"{base64.b64encode(token).decode()} {rank}\n" for rank, token in enumerate(vocab)).encode()
 
 
