@@ -98,7 +98,7 @@ def checked(key, value, origin):
         close = difflib.get_close_matches(key, config_keys, n=1)
         fail(f"{origin}: unknown setting {key!r}" + (f" (did you mean {close[0]!r}?)" if close else "")
              + "; `python train.py --help` lists them")
-    allowed = {type(defaults[key]), extra_types.get(key, type(None))}
+    allowed = {type(defaults[key])} | ({extra_types[key]} if key in extra_types else set())
     if type(value) is int and float in allowed:
         value = float(value)
     if type(value) not in allowed:
@@ -112,9 +112,11 @@ if any(arg in ("-h", "--help") for arg in sys.argv[1:]):
     for key in config_keys:
         print(f"  --{key}={defaults[key]!r}")
     sys.exit(0)
+presets = []
 for arg in sys.argv[1:]:
     if not arg.startswith("--"):
         # A preset: plain Python assignments, run in a namespace that starts from the current settings.
+        presets.append(arg)
         if not os.path.isfile(arg):
             fail(f"no preset file {arg!r} (expected a file like config/shakespeare_char.py, or --key=value)")
         namespace = {k: globals()[k] for k in config_keys}
@@ -143,8 +145,8 @@ if compile not in ("auto", True, False):
     fail(f"compile must be 'auto', True or False, got {compile!r}")
 if not all(type(m) is int for m in milestones):
     fail(f"milestones must be a list of iteration numbers, got {milestones!r}")
-for key in ("batch_size", "block_size", "max_iters", "eval_interval", "eval_iters", "log_interval"):
-    if globals()[key] <= 0:
+for key in ("batch_size", "block_size", "eval_interval", "eval_iters", "log_interval", "max_iters"):
+    if globals()[key] < (key != "max_iters"):  # max_iters=0 only evaluates
         fail(f"{key} must be positive, got {globals()[key]}")
 
 # -----------------------------------------------------------------------------------------------------
@@ -183,7 +185,8 @@ if compile == "auto":
 meta_path = os.path.join(dataset, "meta.json")
 if not os.path.exists(meta_path):
     fail(f"no dataset at {dataset!r} ({meta_path} is missing): make it first with "
-         f"`python prepare_data.py --data <source> --tokenizer <dir|gpt2|char> --out {dataset}`, or point --dataset at one")
+         f"`python prepare_data.py --data <source> --tokenizer <dir|gpt2|char> --out {dataset}`"
+         + (f" (the exact command is at the top of {presets[-1]})" if presets else "") + ", or point --dataset at one")
 with open(meta_path) as f:
     meta = json.load(f)
 if meta.get("version") != 1:
