@@ -1,0 +1,477 @@
+"""
+lilLM's model: a Llama-3-style GPT in one file, shared by train.py and sample.py.
+
+Compared with GPT-2 (nanoGPT), it swaps in the parts that later models settled on: RMSNorm, rotary position
+embeddings, a SwiGLU MLP and grouped-query attention, with tied input/output embeddings and no biases.
+It also holds a KV cache for generation and the checkpoint format (save_checkpoint / load_checkpoint).
+
+    from model import GPTConfig, GPT
+    model = GPT(GPTConfig())                              # the lilLM preset, 39,596,544 parameters
+    logits, loss = model(idx, targets)                    # training: logits for every position
+    out = model.generate(idx, max_new_tokens=100, temperature=0.8, top_k=50)
+"""
+import inspect
+import math
+import os
+import pickle
+import warnings
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+CHECKPOINT_VERSION = 1
+
+
+@dataclass
+class GPTConfig:
+    vocab_size: int = 8192       # 2^13; a multiple of 64 keeps the output matmul on fast GPU tiles
+    n_embd: int = 512
+    n_layer: int = 12
+    block_size: int = 512        # longest context; RoPE tables and the KV cache are sized to it
+    n_head: int = 16             # query heads (head_dim = n_embd // n_head = 32)
+    n_kv_head: int = 8           # key/value heads, shared by n_head // n_kv_head query heads each
+    max_batch_size: int = 32     # largest batch generate() accepts (the KV cache is sized per call, up to this)
+    rope_theta: float = 10000.0  # base of the rotary frequencies
+    norm_eps: float = 1e-5
+    ffn_hidden: int = 0          # SwiGLU hidden size; 0 = the rule below
+    ffn_multiple_of: int = 128   # the rule: 8/3 * n_embd rounded up to a multiple of this
+    dropout: float = 0.0         # pretraining on lots of data does not need it
+    bias: bool = False           # biases in the Linear layers; off, like Llama
+
+    @property
+    def ffn_hidden_size(self):
+        # A SwiGLU MLP has three matrices instead of two, so 8/3*n_embd (rather than 4*n_embd) keeps its
+        # parameter count equal to GPT-2's MLP. lilLM: 8/3*512 = 1365.3 -> 1408 (11*128) -> 39.6M params in
+        # all; rounding to 256 would give 1536 and 42.0M.
+        if self.ffn_hidden:
+            return self.ffn_hidden
+        return self.ffn_multiple_of * math.ceil(8 * self.n_embd / 3 / self.ffn_multiple_of)
+
+
+class RMSNorm(nn.Module):
+    # Why not LayerNorm: re-centering (subtracting the mean) and the bias add nothing measurable to quality,
+    # and dropping them makes the norm cheaper; Llama, Mistral and Gemma all use RMSNorm.
+    def __init__(self, dim, eps):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        # The mean of squares is taken in float32: in bf16 it loses too many bits.
+        x_float = x.float()
+        normed = x_float * torch.rsqrt(x_float.pow(2).mean(-1, keepdim=True) + self.eps)
+        return normed.type_as(x) * self.weight
+
+
+def rope_tables(head_dim, length, theta):
+    """cos and sin of the rotation angle of every (position, frequency) pair: two (length, head_dim/2) tables."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    angles = torch.outer(torch.arange(length, dtype=torch.float32), inv_freq)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x, cos, sin):
+    # Why rotary embeddings over GPT-2's learned absolute ones: rotating query and key channel pairs by an
+    # angle proportional to the position makes q.k depend only on the distance between the two tokens, with no
+    # parameters. Pairs here are (i, i + head_dim/2) ("rotate half"); any fixed pairing has the same property.
+    # x: (B, heads, T, head_dim); cos, sin: (T, head_dim/2)
+    x1, x2 = x.float().chunk(2, dim=-1)
+    cos, sin = cos.float(), sin.float()
+    rotated = torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+    return rotated.type_as(x)
+
+
+def _sdpa_has_gqa():
+    q, kv = torch.zeros(1, 2, 1, 2), torch.zeros(1, 1, 1, 2)
+    try:
+        F.scaled_dot_product_attention(q, kv, kv, enable_gqa=True)
+        return True
+    except TypeError:  # torch < 2.5
+        return False
+
+
+SDPA_HAS_GQA = _sdpa_has_gqa()
+
+
+def attention(q, k, v, is_causal, attn_mask=None, dropout_p=0.0):
+    """softmax(q k^T / sqrt(d)) v, with k and v possibly holding fewer heads than q (grouped-query attention)."""
+    group = q.size(1) // k.size(1)
+    if group > 1 and not SDPA_HAS_GQA:
+        # Older torch: copy each key/value head for its group of query heads (the same math, more memory).
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    extra = {"enable_gqa": True} if group > 1 and SDPA_HAS_GQA else {}
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                                          **extra)
+
+
+class CausalSelfAttention(nn.Module):
+    # Why grouped-query attention: the KV cache, not the weights, limits generation speed and batch size;
+    # sharing each key/value head among several query heads shrinks the cache n_head/n_kv_head times for a
+    # small loss in quality. scaled_dot_product_attention runs flash attention on a GPU.
+    def __init__(self, config):
+        super().__init__()
+        assert config.n_embd % config.n_head == 0, "n_embd must be a multiple of n_head"
+        assert config.n_head % config.n_kv_head == 0, "n_head must be a multiple of n_kv_head"
+        self.n_head, self.n_kv_head = config.n_head, config.n_kv_head
+        self.head_dim = config.n_embd // config.n_head
+        self.c_q = nn.Linear(config.n_embd, config.n_head * self.head_dim, bias=config.bias)
+        self.c_k = nn.Linear(config.n_embd, config.n_kv_head * self.head_dim, bias=config.bias)
+        self.c_v = nn.Linear(config.n_embd, config.n_kv_head * self.head_dim, bias=config.bias)
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.dropout = config.dropout
+        self.resid_dropout = nn.Dropout(config.dropout)
+        self.kv_cache = None  # (keys, values), each (B, n_kv_head, block_size, head_dim), while generating
+
+    def forward(self, x, cos, sin, start_pos=0):
+        B, T, C = x.size()
+        q = self.c_q(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)
+        k = self.c_k(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
+        v = self.c_v(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        dropout_p = self.dropout if self.training else 0.0
+        if self.kv_cache is None:  # training, or generating without a cache: the whole sequence at once
+            y = attention(q, k, v, is_causal=True, dropout_p=dropout_p)
+        else:
+            # Store this step's keys/values at their positions, then attend over everything cached so far.
+            cached_keys, cached_values = self.kv_cache
+            end = start_pos + T
+            cached_keys[:B, :, start_pos:end] = k
+            cached_values[:B, :, start_pos:end] = v
+            k, v = cached_keys[:B, :, :end], cached_values[:B, :, :end]
+            if T == 1:  # one new token: it may see every cached position, no mask needed
+                y = attention(q, k, v, is_causal=False)
+            elif start_pos == 0:  # prefill: plain causal attention
+                y = attention(q, k, v, is_causal=True)
+            else:  # a chunk after earlier tokens: query i (at start_pos + i) sees keys 0..start_pos + i
+                mask = torch.arange(end, device=x.device) <= (start_pos + torch.arange(T, device=x.device))[:, None]
+                y = attention(q, k, v, is_causal=False, attn_mask=mask)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        return self.resid_dropout(self.c_proj(y))
+
+
+class MLP(nn.Module):
+    # Why SwiGLU over GELU: a gated unit (silu(x W_gate) * x W_up) trains to a lower loss at the same
+    # parameter count and compute (Shazeer 2020, "GLU Variants Improve Transformer"); Llama and PaLM use it.
+    def __init__(self, config):
+        super().__init__()
+        hidden = config.ffn_hidden_size
+        self.c_gate = nn.Linear(config.n_embd, hidden, bias=config.bias)
+        self.c_up = nn.Linear(config.n_embd, hidden, bias=config.bias)
+        self.c_proj = nn.Linear(hidden, config.n_embd, bias=config.bias)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x):
+        return self.dropout(self.c_proj(F.silu(self.c_gate(x)) * self.c_up(x)))
+
+
+class Block(nn.Module):
+    # Pre-norm residual block, as in GPT-2: normalizing the input of each branch (not the sum) keeps the
+    # residual stream an identity path, which is what lets deep stacks train without warmup tricks.
+    def __init__(self, config):
+        super().__init__()
+        self.ln_1 = RMSNorm(config.n_embd, config.norm_eps)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = RMSNorm(config.n_embd, config.norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x, cos, sin, start_pos=0):
+        x = x + self.attn(self.ln_1(x), cos, sin, start_pos)
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(config.vocab_size, config.n_embd),
+            drop=nn.Dropout(config.dropout),
+            h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
+            ln_f=RMSNorm(config.n_embd, config.norm_eps),
+        ))
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        # Tied embeddings: the same matrix maps tokens to vectors and vectors back to token scores. For a small
+        # model with an 8192-token vocabulary this saves 4.2M parameters (10%) at no measurable cost.
+        self.transformer.wte.weight = self.lm_head.weight
+        # RoPE tables are computed, not learned: non-persistent buffers, so they stay out of checkpoints.
+        cos, sin = rope_tables(config.n_embd // config.n_head, config.block_size, config.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        # GPT-2 init: N(0, 0.02) everywhere; the projections that write into the residual stream get
+        # 0.02/sqrt(2*n_layer), so the stream's variance does not grow with depth (2 writes per layer).
+        self.apply(self._init_weights)
+        for name, param in self.named_parameters():
+            if name.endswith("c_proj.weight"):
+                nn.init.normal_(param, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+
+    def _init_weights(self, module):
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    def get_num_params(self, non_embedding=False):
+        """Parameters, each tied tensor counted once: 39,596,544 for the lilLM preset. non_embedding=True leaves
+        out the token embedding (which is also the output head)."""
+        total = sum(p.numel() for p in self.parameters())
+        if non_embedding:
+            total -= self.transformer.wte.weight.numel()
+        return total
+
+    def forward(self, idx, targets=None, start_pos=0):
+        """idx: (B, T) token ids. With targets (B, T) (-1 = ignore): logits (B, T, vocab) for every position and
+        the mean cross-entropy loss. Without targets: logits (B, 1, vocab) for the LAST position only (all that
+        generation needs; it saves the largest matmul on the other T-1 positions), and loss None.
+        start_pos is the position of idx[:, 0]; it is nonzero only while decoding with the KV cache."""
+        B, T = idx.size()
+        if start_pos + T > self.config.block_size:
+            raise ValueError(f"sequence of {start_pos + T} tokens is longer than block_size={self.config.block_size}")
+        cos = self.rope_cos[start_pos:start_pos + T]
+        sin = self.rope_sin[start_pos:start_pos + T]
+        x = self.transformer.drop(self.transformer.wte(idx))
+        for block in self.transformer.h:
+            x = block(x, cos, sin, start_pos)
+        x = self.transformer.ln_f(x)
+        if targets is not None:
+            logits = self.lm_head(x)
+            # float32 for the softmax: bf16 logits round the loss visibly at vocab sizes like ours.
+            loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
+        else:
+            logits = self.lm_head(x[:, [-1], :])
+            loss = None
+        return logits, loss
+
+    def configure_optimizers(self, weight_decay, learning_rate, betas, device_type):
+        """AdamW with weight decay on the matrices (2+ dims: Linear weights, the embedding) and none on the
+        1-D tensors (norm gains, biases): decaying a gain toward 0 only fights the norm."""
+        params = [p for p in self.parameters() if p.requires_grad]
+        decay = [p for p in params if p.dim() >= 2]
+        no_decay = [p for p in params if p.dim() < 2]
+        groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        print(f"optimizer: {len(decay)} decayed tensors ({sum(p.numel() for p in decay):,} params), "
+              f"{len(no_decay)} not decayed ({sum(p.numel() for p in no_decay):,} params)")
+        # The fused kernel does the whole update in one launch instead of a dozen per tensor. torch < 2.0 has no
+        # `fused` argument (the V100 machine with torch 1.13), and some devices lack the kernel: fall back.
+        optimizer = None
+        if "fused" in inspect.signature(torch.optim.AdamW).parameters and device_type in ("cuda", "cpu"):
+            try:
+                optimizer = torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=True)
+            except (RuntimeError, TypeError, ValueError) as err:
+                print(f"optimizer: fused AdamW unavailable here ({str(err).splitlines()[0]}), using the default")
+        fused = optimizer is not None
+        if optimizer is None:
+            optimizer = torch.optim.AdamW(groups, lr=learning_rate, betas=betas)
+        print(f"optimizer: using fused AdamW: {fused}")
+        return optimizer
+
+    def estimate_mfu(self, fwdbwd_per_iter, dt):
+        """Model FLOPs utilization: achieved FLOP/s over the peak bf16 FLOP/s of the device the model is on, as a
+        fraction (0.4 = 40%). NaN where the peak is unknown (the CPU); see peak_flops(). FLOPs per token follow
+        the PaLM paper: 6N for the matmuls, plus 12*L*H*Q*T for attention (full, not halved for causality)."""
+        cfg = self.config
+        flops_per_token = 6 * self.get_num_params() + 12 * cfg.n_layer * cfg.n_head * (cfg.n_embd // cfg.n_head) * cfg.block_size
+        achieved = flops_per_token * cfg.block_size * fwdbwd_per_iter / dt
+        peak, _ = peak_flops(self.lm_head.weight.device)
+        return achieved / peak if peak else float("nan")
+
+    # ---- generation ----
+
+    @torch.no_grad()
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None, use_cache=True, generator=None):
+        """idx (B, T) -> (B, T + max_new_tokens): idx with the new tokens appended. temperature <= 0 is greedy."""
+        for next_token in self.generate_tokens(idx, max_new_tokens, temperature, top_k, top_p, use_cache, generator):
+            idx = torch.cat((idx, next_token), dim=1)
+        return idx
+
+    @torch.no_grad()
+    def generate_tokens(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None, use_cache=True,
+                        generator=None):
+        """Yields the new tokens one step at a time, each (B, 1), so that a caller can stream them.
+
+        With the cache (default) the prompt is run once (prefill), then each step runs only the newest token
+        against the cached keys/values of the earlier ones. When the context reaches block_size, the cache is
+        refilled from the last block_size//2 tokens (positions restart at 0, as in training) and decoding goes
+        on. use_cache=False recomputes the whole context (its last block_size tokens) every step: slower, but
+        the same tokens while the context fits in block_size."""
+        block_size = self.config.block_size
+        if idx.size(1) > block_size:
+            warnings.warn(f"the prompt has {idx.size(1)} tokens, more than block_size={block_size}: "
+                          f"keeping only its last {block_size}")
+            idx = idx[:, -block_size:]
+        if max_new_tokens <= 0:
+            return
+        if not use_cache:
+            for _ in range(max_new_tokens):
+                logits, _ = self(idx[:, -block_size:])
+                next_token = sample_next_token(logits[:, -1, :], temperature, top_k, top_p, generator)
+                idx = torch.cat((idx, next_token), dim=1)
+                yield next_token
+            return
+        self._allocate_kv_cache(idx.size(0), idx.device)
+        try:
+            window = idx  # the tokens whose keys/values are in the cache, at positions 0..len-1
+            logits, _ = self(window, start_pos=0)
+            for step in range(max_new_tokens):
+                next_token = sample_next_token(logits[:, -1, :], temperature, top_k, top_p, generator)
+                yield next_token
+                if step == max_new_tokens - 1:
+                    break
+                if window.size(1) == block_size:  # cache full: keep the recent half, refill in one forward
+                    window = torch.cat((window, next_token), dim=1)[:, -(block_size // 2):]
+                    logits, _ = self(window, start_pos=0)
+                else:
+                    logits, _ = self(next_token, start_pos=window.size(1))
+                    window = torch.cat((window, next_token), dim=1)
+        finally:
+            for block in self.transformer.h:
+                block.attn.kv_cache = None
+
+    def _allocate_kv_cache(self, batch_size, device):
+        # One preallocated buffer per layer for (batch, block_size): writing into it costs nothing per step,
+        # where growing a tensor with torch.cat would copy the whole cache every token.
+        if batch_size > self.config.max_batch_size:
+            raise ValueError(f"batch of {batch_size} is larger than max_batch_size={self.config.max_batch_size}")
+        dtype = self.lm_head.weight.dtype
+        if torch.is_autocast_enabled(device.type):  # keys/values come out of autocast matmuls in its dtype
+            dtype = torch.get_autocast_dtype(device.type)
+        cfg = self.config
+        shape = (batch_size, cfg.n_kv_head, cfg.block_size, cfg.n_embd // cfg.n_head)
+        for block in self.transformer.h:
+            block.attn.kv_cache = (torch.zeros(shape, dtype=dtype, device=device),
+                                   torch.zeros(shape, dtype=dtype, device=device))
+
+
+def top_k_filter(logits, k):
+    """Set every logit below the k-th largest to -inf (ties with the k-th are kept)."""
+    k = min(k, logits.size(-1))
+    kth_largest = torch.topk(logits, k, dim=-1).values[..., -1:]
+    return logits.masked_fill(logits < kth_largest, float("-inf"))
+
+
+def top_p_filter(logits, p):
+    """Nucleus filtering: keep the smallest set of most likely tokens whose probabilities sum to at least p
+    (always at least the most likely one); set the others to -inf."""
+    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+    sorted_probs = F.softmax(sorted_logits.float(), dim=-1)
+    mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs  # probability of the tokens ranked above
+    remove_sorted = mass_before >= p  # the set already reached p without this token
+    remove_sorted[..., 0] = False
+    remove = torch.zeros_like(remove_sorted).scatter(-1, order, remove_sorted)
+    return logits.masked_fill(remove, float("-inf"))
+
+
+def sample_next_token(logits, temperature=1.0, top_k=None, top_p=None, generator=None):
+    """logits (B, vocab) -> next token ids (B, 1). temperature <= 0 (or None) means greedy: the argmax."""
+    if temperature is None or temperature <= 0:
+        return torch.argmax(logits, dim=-1, keepdim=True)
+    logits = logits.float() / temperature
+    if top_k is not None and top_k > 0:
+        logits = top_k_filter(logits, top_k)
+    if top_p is not None and top_p < 1.0:
+        logits = top_p_filter(logits, top_p)
+    probs = F.softmax(logits, dim=-1)
+    return torch.multinomial(probs, num_samples=1, generator=generator)
+
+
+# ---- peak FLOP/s of the device, for MFU ----
+
+# Dense (no sparsity) bf16 tensor-core peaks from the vendors' data sheets; fp16 where the chip has no bf16.
+# Order matters: the first name found in the device name wins ("H100 PCIe" before "H100", "A100" before "A10").
+PEAK_FLOPS = [
+    ("GB200", 2.5e15), ("B200", 2.25e15), ("GH200", 989e12), ("H200", 989e12), ("H100 PCIe", 756e12),
+    ("H100", 989e12), ("H800", 989e12), ("A100", 312e12), ("A800", 312e12), ("L40S", 362e12), ("L40", 181e12),
+    ("L4", 121e12), ("A10G", 70e12), ("A10", 125e12), ("A6000", 155e12), ("A5000", 111e12), ("A4000", 77e12),
+    ("A40", 150e12), ("4090", 165e12), ("3090", 71e12), ("MI300X", 1307e12), ("MI250X", 383e12),
+    ("V100", 125e12), ("T4", 65e12),  # no bf16 on these two: their fp16 peak
+]
+FALLBACK_PEAK_FLOPS = 312e12  # an unknown GPU is measured against an A100, and the label says so
+
+
+@lru_cache(maxsize=None)
+def peak_flops(device):
+    """(peak FLOP/s or None, label) for a torch device. None on the CPU, whose peak depends on cores and SIMD
+    width more than on its name, so MFU there is reported as n/a."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None, f"n/a on {device.type}"
+    return peak_flops_for_name(torch.cuda.get_device_name(device))
+
+
+def peak_flops_for_name(name):
+    """(peak bf16 FLOP/s, label) for a GPU name as torch.cuda.get_device_name reports it."""
+    for key, flops in PEAK_FLOPS:
+        if key in name:
+            precision = "fp16" if key in ("V100", "T4") else "bf16"
+            return flops, f"{name}: {flops / 1e12:.0f} TFLOP/s {precision} peak"
+    return FALLBACK_PEAK_FLOPS, f"{name} is not in the table: assuming an A100's {FALLBACK_PEAK_FLOPS / 1e12:.0f} TFLOP/s"
+
+
+# ---- checkpoints ----
+
+class CheckpointError(Exception):
+    """A checkpoint that can't be used; str(error) is one line that says why and what to do."""
+
+
+def save_checkpoint(path, checkpoint):
+    """Write the checkpoint dict atomically: a temporary file beside it, then os.replace, so a crash mid-write
+    never leaves a truncated ckpt.pt where the last good one was. Strips "_orig_mod." (torch.compile) and
+    "module." (DDP) prefixes from the model's state dict."""
+    checkpoint = dict(checkpoint)
+    checkpoint.setdefault("version", CHECKPOINT_VERSION)
+    if "model" in checkpoint:
+        checkpoint["model"] = {_strip_prefixes(key): value for key, value in checkpoint["model"].items()}
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    temp_path = f"{path}.tmp.{os.getpid()}"
+    try:
+        torch.save(checkpoint, temp_path)
+        os.replace(temp_path, path)
+    finally:
+        if os.path.exists(temp_path):
+            os.remove(temp_path)
+
+
+def _strip_prefixes(key):
+    for prefix in ("_orig_mod.", "module."):
+        while key.startswith(prefix):
+            key = key[len(prefix):]
+    return key
+
+
+def load_checkpoint(path, map_location="cpu"):
+    """Read a checkpoint written by save_checkpoint, with weights_only=True (loading never runs code).
+    Raises CheckpointError, with a one-line message, for a missing, truncated, foreign or other-version file."""
+    if not os.path.isfile(path):
+        raise CheckpointError(f"no checkpoint at {path}: train one with train.py (it writes out_dir/ckpt.pt) "
+                              f"or point --out_dir at the directory that holds it")
+    try:
+        checkpoint = torch.load(path, map_location=map_location, weights_only=True)
+    except Exception as err:  # a damaged file fails in many places of the unpickler and the zip reader
+        reason = f"{type(err).__name__}: {str(err).split('. ')[0].splitlines()[0][:100]}" if str(err) else type(err).__name__
+        if isinstance(err, pickle.UnpicklingError) and "weights only" in str(err).lower():
+            raise CheckpointError(f"{path} holds objects other than tensors and plain data, which are not loaded "
+                                  f"because loading them could run code: it was not written by save_checkpoint") from None
+        raise CheckpointError(f"{path} is truncated or corrupt ({reason}): "
+                              f"use an earlier checkpoint (ckpt_<iter>.pt) or train again") from None
+    if not isinstance(checkpoint, dict) or "version" not in checkpoint:
+        raise CheckpointError(f"{path} is not a lilLM checkpoint (no 'version' entry)")
+    if checkpoint["version"] != CHECKPOINT_VERSION:
+        raise CheckpointError(f"{path} is a version {checkpoint['version']} checkpoint; this model.py reads version "
+                              f"{CHECKPOINT_VERSION}: use the lilLM version that wrote it")
+    missing = [key for key in ("model", "model_config") if key not in checkpoint]
+    if missing:
+        raise CheckpointError(f"{path} lacks {', '.join(missing)}: it was not written by train.py")
+    return checkpoint
+
+
+def model_from_checkpoint(checkpoint):
+    """Rebuild the GPT a checkpoint describes and load its weights; CheckpointError if they don't fit."""
+    try:
+        model = GPT(GPTConfig(**checkpoint["model_config"]))
+        model.load_state_dict(checkpoint["model"])
+    except (TypeError, RuntimeError, AssertionError) as err:
+        raise CheckpointError(f"the checkpoint's model does not fit this model.py: {str(err).splitlines()[0]}") from None
+    return model
