@@ -145,6 +145,9 @@ if compile not in ("auto", True, False):
     fail(f"compile must be 'auto', True or False, got {compile!r}")
 if not all(type(m) is int for m in milestones):
     fail(f"milestones must be a list of iteration numbers, got {milestones!r}")
+if n_embd % n_head or n_head % n_kv_head or (n_embd // n_head) % 2:
+    fail(f"n_embd={n_embd}, n_head={n_head}, n_kv_head={n_kv_head}: n_head must divide n_embd into an even head "
+         f"size (rotary embeddings rotate pairs), and n_kv_head must divide n_head")
 for key in ("batch_size", "block_size", "eval_interval", "eval_iters", "log_interval", "max_iters"):
     if globals()[key] < (key != "max_iters"):  # max_iters=0 only evaluates
         fail(f"{key} must be positive, got {globals()[key]}")

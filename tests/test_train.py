@@ -240,9 +240,11 @@ def test_resume_continues_exactly(dataset, tmp_path):
 
 
 def test_sigterm_finishes_the_step_saves_and_exits_cleanly(dataset, tmp_path):
+    # In float16, so that the GradScaler's state goes through the checkpoint too (autocast works on the CPU).
     out_dir = tmp_path / "out"
     process = subprocess.Popen([sys.executable, TRAIN, f"--dataset={dataset}", f"--out_dir={out_dir}", *TINY,
-                                "--max_iters=1000000", "--eval_interval=100000", "--total_batch_size=None"],
+                                "--max_iters=1000000", "--eval_interval=100000", "--total_batch_size=None",
+                                "--dtype=float16"],
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV, cwd=tmp_path)
     output = []
     for line in process.stdout:  # wait until it is training
@@ -256,10 +258,23 @@ def test_sigterm_finishes_the_step_saves_and_exits_cleanly(dataset, tmp_path):
     checkpoint = load(out_dir / "ckpt.pt")
     stopped_at = checkpoint["iter_num"]
     assert stopped_at >= 3 and checkpoint["optimizer"] is not None
+    assert checkpoint["scaler"]["_growth_tracker"] == stopped_at  # steps since the scale last changed: all
     assert max(read_log(out_dir)[0]) == stopped_at  # the step in flight was finished and logged, no more
     train(dataset, out_dir, "--init_from=resume", f"--max_iters={stopped_at + 2}", "--eval_interval=100000",
-          "--total_batch_size=None")
-    assert load(out_dir / "ckpt.pt")["iter_num"] == stopped_at + 2
+          "--total_batch_size=None", "--dtype=float16")
+    resumed = load(out_dir / "ckpt.pt")
+    assert resumed["iter_num"] == stopped_at + 2
+    assert resumed["scaler"]["_growth_tracker"] == stopped_at + 2  # the scaler went on, it did not restart
+
+
+def test_non_finite_loss_stops_with_the_iteration(dataset, tmp_path):
+    # A learning rate of 1e30 without clipping blows the weights up within a few steps.
+    result = subprocess.run([sys.executable, TRAIN, f"--dataset={dataset}", f"--out_dir={tmp_path / 'out'}", *TINY,
+                             "--learning_rate=1e30", "--warmup_iters=0", "--grad_clip=0", "--max_iters=50",
+                             "--total_batch_size=None"], capture_output=True, text=True, env=ENV, timeout=120)
+    assert result.returncode == 1
+    assert result.stderr.startswith("error: the loss is ") and " at iter " in result.stderr
+    assert "learning_rate" in result.stderr and result.stderr.count("\n") == 1
 
 
 # -----------------------------------------------------------------------------------------------------
