@@ -13,7 +13,6 @@ It also holds a KV cache for generation and the checkpoint format (save_checkpoi
 import inspect
 import math
 import os
-import pickle
 import warnings
 from dataclasses import dataclass
 from functools import lru_cache
@@ -450,10 +449,13 @@ def load_checkpoint(path, map_location="cpu"):
     try:
         checkpoint = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as err:  # a damaged file fails in many places of the unpickler and the zip reader
-        reason = f"{type(err).__name__}: {str(err).split('. ')[0].splitlines()[0][:100]}" if str(err) else type(err).__name__
-        if isinstance(err, pickle.UnpicklingError) and "weights only" in str(err).lower():
+        message = str(err)
+        if "Unsupported global" in message:  # the weights-only unpickler refused a class
             raise CheckpointError(f"{path} holds objects other than tensors and plain data, which are not loaded "
                                   f"because loading them could run code: it was not written by save_checkpoint") from None
+        if "WeightsUnpickler error:" in message:  # keep torch's reason, not its advice about weights_only=False
+            message = message.split("WeightsUnpickler error:", 1)[1].strip()
+        reason = f"{type(err).__name__}: {message.split('. ')[0].splitlines()[0][:100]}" if message else type(err).__name__
         raise CheckpointError(f"{path} is truncated or corrupt ({reason}): "
                               f"use an earlier checkpoint (ckpt_<iter>.pt) or train again") from None
     if not isinstance(checkpoint, dict) or "version" not in checkpoint:

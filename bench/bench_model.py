@@ -1,0 +1,123 @@
+"""
+Benchmark model.py: generation with the KV cache against recomputing the whole context every token (what
+nanoGPT's generate does), and the forward+backward time of a training step for each preset.
+
+    python bench/bench_model.py                                   # CPU: both parts, tiny and lilLM presets
+    python bench/bench_model.py --part generate --presets tiny,lillm,gpt2_124m --repeats 5
+    python bench/bench_model.py --part train --device cuda --dtype bfloat16 --compile   # on a GPU
+
+Medians over --repeats runs, after one warm-up run. Generation is greedy, batch 1, a 16-token random prompt
+and 256 new tokens; both routes must give the same tokens while the context fits in block_size (checked).
+The training step is one forward+backward (no optimizer step) at block_size tokens per row.
+"""
+import argparse
+import os
+import statistics
+import sys
+import time
+from contextlib import nullcontext
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from model import GPT, GPTConfig, peak_flops  # noqa: E402
+
+# The presets of config/ (shakespeare_char.py, lillm.py, gpt2_124m.py), as model dimensions.
+PRESETS = {
+    "tiny": GPTConfig(vocab_size=65, n_embd=384, n_layer=6, n_head=6, n_kv_head=2, block_size=256),
+    "lillm": GPTConfig(),
+    "gpt2_124m": GPTConfig(vocab_size=50304, n_embd=768, n_layer=12, n_head=12, n_kv_head=12, block_size=1024),
+}
+
+parser = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
+parser.add_argument("--part", choices=["generate", "train", "all"], default="all")
+parser.add_argument("--presets", default=None, help="comma-separated (default: generate tiny,lillm; train all three)")
+parser.add_argument("--repeats", type=int, default=3)
+parser.add_argument("--new_tokens", type=int, default=256)
+parser.add_argument("--prompt_tokens", type=int, default=16)
+parser.add_argument("--batch_size", type=int, default=None, help="training rows per step (default: 4 tiny, 1 others on CPU)")
+parser.add_argument("--device", default="cpu")
+parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+parser.add_argument("--compile", action="store_true", help="torch.compile the training step")
+parser.add_argument("--threads", type=int, default=None,
+                    help="torch CPU threads (default: torch's choice). On a machine shared with other jobs, 1 thread "
+                         "avoids threads spinning while they wait for a core, which made 2 threads 10x slower here")
+args = parser.parse_args()
+if args.threads:
+    torch.set_num_threads(args.threads)
+device_type = torch.device(args.device).type
+autocast = nullcontext() if args.dtype == "float32" else torch.autocast(device_type, dtype=getattr(torch, args.dtype))
+
+
+def synchronize():
+    if device_type == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(function):
+    synchronize()
+    start = time.perf_counter()
+    result = function()
+    synchronize()
+    return time.perf_counter() - start, result
+
+
+print(f"torch {torch.__version__}, device {args.device} ({peak_flops(args.device)[1]}), {args.dtype}, "
+      f"{torch.get_num_threads()} CPU threads")
+
+if args.part in ("generate", "all"):
+    names = (args.presets or "tiny,lillm").split(",")
+    print(f"\ngeneration: batch 1, {args.prompt_tokens}-token prompt, {args.new_tokens} new tokens, greedy; "
+          f"median of {args.repeats}")
+    print(f"{'preset':<10} {'params':>8} {'KV cache tok/s':>15} {'recompute tok/s':>16} {'speedup':>8}  same tokens")
+    for name in names:
+        config = PRESETS[name]
+        torch.manual_seed(0)
+        model = GPT(config).to(args.device).eval()
+        prompt = torch.randint(0, config.vocab_size, (1, args.prompt_tokens), device=args.device)
+        routes = {"cache": lambda: model.generate(prompt, args.new_tokens, temperature=0, use_cache=True),
+                  "recompute": lambda: model.generate(prompt, args.new_tokens, temperature=0, use_cache=False)}
+        seconds, outputs = {}, {}
+        with autocast:
+            for route, run in routes.items():
+                run_short = lambda: model.generate(prompt, 8, temperature=0, use_cache=(route == "cache"))  # noqa: E731
+                timed(run_short)  # warm-up: allocator, threads
+                times = []
+                for _ in range(args.repeats):
+                    elapsed, outputs[route] = timed(run)
+                    times.append(elapsed)
+                seconds[route] = statistics.median(times)
+        fits = args.prompt_tokens + args.new_tokens <= config.block_size
+        same = ("yes" if torch.equal(outputs["cache"], outputs["recompute"]) else "NO") if fits else "n/a (past block_size)"
+        cache_rate, recompute_rate = args.new_tokens / seconds["cache"], args.new_tokens / seconds["recompute"]
+        print(f"{name:<10} {model.get_num_params() / 1e6:>7.1f}M {cache_rate:>15.1f} {recompute_rate:>16.1f} "
+              f"{cache_rate / recompute_rate:>7.1f}x  {same}", flush=True)
+        del model
+
+if args.part in ("train", "all"):
+    names = (args.presets or "tiny,lillm,gpt2_124m").split(",")
+    print(f"\ntraining step (forward+backward, no optimizer step), median of {args.repeats}"
+          f"{', compiled' if args.compile else ''}")
+    print(f"{'preset':<10} {'params':>8} {'batch x T':>11} {'ms/step':>10} {'tokens/s':>10} {'MFU':>7}")
+    for name in names:
+        config = PRESETS[name]
+        batch_size = args.batch_size or (4 if name == "tiny" or device_type != "cpu" else 1)
+        torch.manual_seed(0)
+        model = GPT(config).to(args.device).train()
+        step_model = torch.compile(model) if args.compile else model
+        inputs = torch.randint(0, config.vocab_size, (batch_size, config.block_size), device=args.device)
+        targets = torch.randint(0, config.vocab_size, (batch_size, config.block_size), device=args.device)
+
+        def train_step():
+            with autocast:
+                _, loss = step_model(inputs, targets)
+            loss.backward()
+            model.zero_grad(set_to_none=True)
+
+        timed(train_step)  # warm-up (and compilation)
+        step_seconds = statistics.median(timed(train_step)[0] for _ in range(args.repeats))
+        mfu = model.estimate_mfu(batch_size, step_seconds)
+        print(f"{name:<10} {model.get_num_params() / 1e6:>7.1f}M {batch_size:>4} x {config.block_size:<4} "
+              f"{step_seconds * 1000:>10.1f} {batch_size * config.block_size / step_seconds:>10,.0f} "
+              f"{'n/a' if mfu != mfu else f'{mfu * 100:.1f}%':>7}", flush=True)
+        del model, step_model

@@ -1,0 +1,154 @@
+"""sample.py end to end, in a subprocess, on tiny untrained checkpoints saved with save_checkpoint: its streamed
+output must equal what the same model, seed and tokenizer give in this process, decoded all at once."""
+import base64
+import os
+import subprocess
+import sys
+from dataclasses import asdict
+
+import pytest
+import rustbpe
+import tiktoken
+import torch
+
+REPO = os.path.join(os.path.dirname(__file__), "..")
+sys.path.insert(0, REPO)
+from model import GPT, GPTConfig, load_checkpoint, model_from_checkpoint, save_checkpoint  # noqa: E402
+
+SEPARATOR = "\n---------------\n"
+# Accents, CJK and emoji: characters of 2, 3 and 4 UTF-8 bytes, so that BPE tokens split characters.
+DOCS = ["The quick brown fox jumps over the lazy dog. " * 20,
+        "Héllo wörld, ça va? Übermäßig schön. " * 20,
+        "日本語のテキストです。東京と大阪。 " * 20,
+        "Emoji 🙂🚀 and symbols → ≤ ≥ € " * 20]
+BPE_VOCAB = 300  # byte tokens + merges; <|endoftext|> is id 300
+
+
+def tiny_config(vocab_size):
+    return GPTConfig(vocab_size=vocab_size, n_embd=32, n_layer=2, n_head=4, n_kv_head=2, block_size=64)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """Two out_dirs with an untrained model each: a BPE one (tokenizer trained here with rustbpe, stored as the
+    text of a tokenizer.tiktoken file) and a char-level one."""
+    root = tmp_path_factory.mktemp("sample")
+    trainer = rustbpe.Tokenizer()
+    trainer.train_from_iterator(DOCS, BPE_VOCAB)
+    ranks_text = "".join(f"{base64.b64encode(bytes(token)).decode()} {rank}\n"
+                         for token, rank in trainer.get_mergeable_ranks())
+    bpe_tokenizer = {"kind": "bpe", "ranks": ranks_text, "pattern": trainer.get_pattern(),
+                     "special_tokens": {"<|endoftext|>": BPE_VOCAB}}
+    chars = sorted(set("".join(DOCS[:2]) + "\nROMEO:"))
+    for name, vocab_size, tokenizer in [("bpe", 320, bpe_tokenizer), ("char", len(chars), {"kind": "char", "chars": chars})]:
+        torch.manual_seed(0)
+        model = GPT(tiny_config(vocab_size))
+        save_checkpoint(str(root / name / "ckpt.pt"), {
+            "model": model.state_dict(), "model_config": asdict(model.config), "train_config": {}, "iter_num": 0,
+            "best_val_loss": float("inf"), "optimizer": None, "scaler": None, "rng": None, "tokenizer": tokenizer,
+            "dataset": None})
+    return root
+
+
+def run_sample(*args):
+    """Run sample.py; stdout and stderr as str, decoded without newline translation (samples may hold '\r')."""
+    env = dict(os.environ, PYTHONIOENCODING="utf-8")
+    result = subprocess.run([sys.executable, os.path.join(REPO, "sample.py"), *args], capture_output=True, env=env,
+                            timeout=120)
+    return subprocess.CompletedProcess(result.args, result.returncode, result.stdout.decode("utf-8"),
+                                       result.stderr.decode("utf-8"))
+
+
+def tiktoken_from(tokenizer):
+    """The test's own route from the checkpoint's tokenizer entry to a tiktoken Encoding."""
+    ranks = {base64.b64decode(token): int(rank)
+             for token, rank in (line.split() for line in tokenizer["ranks"].splitlines() if line.strip())}
+    return tiktoken.Encoding(name="test", pat_str=tokenizer["pattern"], mergeable_ranks=ranks,
+                             special_tokens=tokenizer["special_tokens"])
+
+
+def generate_here(out_dir, prompt_ids, num_samples, max_new_tokens, seed, **sampling):
+    """The token ids sample.py should produce: the same checkpoint, seed and sampling, in this process."""
+    checkpoint = load_checkpoint(os.path.join(out_dir, "ckpt.pt"))
+    model = model_from_checkpoint(checkpoint).eval()
+    torch.manual_seed(seed)
+    idx = torch.tensor([prompt_ids])
+    return checkpoint, [[token.item() for token in model.generate_tokens(idx, max_new_tokens, **sampling)]
+                        for _ in range(num_samples)]
+
+
+def test_bpe_streaming_equals_decoding_the_whole_sample(checkpoints):
+    prompt = "Héllo 日本"
+    result = run_sample(f"--out_dir={checkpoints / 'bpe'}", f"--start={prompt}", "--num_samples=2",
+                        "--max_new_tokens=80", "--seed=5", "--temperature=1.0", "--top_k=0", "--device=cpu")
+    assert result.returncode == 0, result.stderr
+    checkpoint = load_checkpoint(str(checkpoints / "bpe" / "ckpt.pt"))
+    encoding = tiktoken_from(checkpoint["tokenizer"])
+    _, samples = generate_here(checkpoints / "bpe", encoding.encode(prompt), 2, 80, 5, temperature=1.0)
+
+    def token_bytes(token_id):  # ids 301..319 are padding past the tokenizer: sample.py prints nothing for them
+        return encoding.decode_single_token_bytes(token_id) if token_id < encoding.n_vocab else b""
+
+    whole = [b"".join(token_bytes(t) for t in sample).decode("utf-8", errors="replace") for sample in samples]
+    assert result.stdout == "".join(prompt + text + SEPARATOR for text in whole)
+    # The check has teeth: decoding token by token on its own would have broken characters in these samples.
+    piecewise = ["".join(token_bytes(t).decode("utf-8", errors="replace") for t in sample) for sample in samples]
+    assert piecewise != whole
+    assert "160 tokens in" in result.stderr and "tokens/s" in result.stderr
+
+
+def test_bpe_empty_prompt_starts_from_end_of_text(checkpoints):
+    result = run_sample(f"--out_dir={checkpoints / 'bpe'}", "--start=", "--num_samples=1", "--max_new_tokens=20",
+                        "--temperature=0", "--device=cpu")
+    assert result.returncode == 0, result.stderr
+    checkpoint, samples = generate_here(checkpoints / "bpe", [BPE_VOCAB], 1, 20, 1337, temperature=0)
+    encoding = tiktoken_from(checkpoint["tokenizer"])
+    text = b"".join(encoding.decode_single_token_bytes(t) if t < encoding.n_vocab else b""
+                    for t in samples[0]).decode("utf-8", errors="replace")
+    assert result.stdout == text + SEPARATOR
+    assert "greedy" in result.stderr  # temperature <= 0 is greedy, and says so
+
+
+def test_char_level_sample_from_a_file_prompt_and_from_empty(checkpoints, tmp_path):
+    prompt_file = tmp_path / "prompt.txt"
+    prompt_file.write_text("ROMEO:", encoding="utf-8")
+    result = run_sample(f"--out_dir={checkpoints / 'char'}", f"--start=FILE:{prompt_file}", "--num_samples=2",
+                        "--max_new_tokens=30", "--seed=9", "--top_k=5", "--top_p=0.9", "--device=cpu")
+    assert result.returncode == 0, result.stderr
+    chars = load_checkpoint(str(checkpoints / "char" / "ckpt.pt"))["tokenizer"]["chars"]
+    _, samples = generate_here(checkpoints / "char", [chars.index(c) for c in "ROMEO:"], 2, 30, 9,
+                               temperature=0.8, top_k=5, top_p=0.9)
+    assert result.stdout == "".join("ROMEO:" + "".join(chars[t] for t in s) + SEPARATOR for s in samples)
+
+    empty = run_sample(f"--out_dir={checkpoints / 'char'}", "--num_samples=1", "--max_new_tokens=10",
+                       "--temperature=0", "--device=cpu")
+    _, samples = generate_here(checkpoints / "char", [chars.index("\n")], 1, 10, 1337, temperature=0)
+    assert empty.stdout == "".join(chars[t] for t in samples[0]) + SEPARATOR
+
+
+@pytest.fixture(scope="module")
+def broken_out_dirs(checkpoints, tmp_path_factory):
+    root = tmp_path_factory.mktemp("broken")
+    data = (checkpoints / "bpe" / "ckpt.pt").read_bytes()
+    (root / "truncated").mkdir()
+    (root / "truncated" / "ckpt.pt").write_bytes(data[: len(data) * 2 // 3])
+    (root / "future").mkdir()
+    torch.save({"version": 2, "model": {}, "model_config": {}}, root / "future" / "ckpt.pt")
+    (root / "empty").mkdir()
+    return root
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--out_dir={broken}/empty"], "no checkpoint at"),
+    (["--out_dir={broken}/truncated"], "is truncated or corrupt"),
+    (["--out_dir={broken}/future"], "is a version 2 checkpoint; this model.py reads version 1"),
+    (["--out_dir={ckpts}/char", "--start=Hi 日本"], "lacks: '日' '本'"),
+    (["--out_dir={ckpts}/char", "--start=FILE:{broken}/no_such_prompt.txt"], "can't read the prompt file"),
+    (["--out_dir={ckpts}/char", "--temperature=hot"], "--temperature=hot is not a valid value: it must be a number"),
+])
+def test_bad_input_gets_one_clear_line(checkpoints, broken_out_dirs, args, message):
+    result = run_sample(*[arg.format(broken=broken_out_dirs, ckpts=checkpoints) for arg in args])
+    assert result.returncode == 1
+    assert result.stdout == ""
+    assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
+    assert message in result.stderr
