@@ -57,7 +57,7 @@ total_batch_size = 524288        # tokens per optimizer step over all ranks and 
 vocab_size = None
 n_layer = 12
 n_head = 16
-n_kv_head = 8                    # key/value heads shared by the query heads (grouped-query attention)
+n_kv_head = 8                    # key/value heads shared by the query heads (grouped-query attention); None: n_head
 n_embd = 512
 dropout = 0.0
 # optimizer: AdamW; learning rate warms up linearly, follows a cosine down to min_lr, then stays flat
@@ -79,7 +79,7 @@ seed = 1337
 config_keys = [k for k in globals() if k not in _names_before_settings and not k.startswith("_")]
 defaults = {k: globals()[k] for k in config_keys}
 # Besides its default's type, a setting whose default is None or "auto" takes one more.
-extra_types = {"vocab_size": int, "total_batch_size": type(None), "compile": bool}
+extra_types = {"vocab_size": int, "total_batch_size": type(None), "n_kv_head": type(None), "compile": bool}
 rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0)))  # known before any setup, for fail()
 
 
@@ -145,6 +145,8 @@ if compile not in ("auto", True, False):
     fail(f"compile must be 'auto', True or False, got {compile!r}")
 if not all(type(m) is int for m in milestones):
     fail(f"milestones must be a list of iteration numbers, got {milestones!r}")
+if n_kv_head is None:
+    n_kv_head = n_head  # plain multi-head attention
 if n_embd % n_head or n_head % n_kv_head or (n_embd // n_head) % 2:
     fail(f"n_embd={n_embd}, n_head={n_head}, n_kv_head={n_kv_head}: n_head must divide n_embd into an even head "
          f"size (rotary embeddings rotate pairs), and n_kv_head must divide n_head")

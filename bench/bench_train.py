@@ -34,7 +34,11 @@ parser = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
 parser.add_argument("--corpus", default=str(REPO.parent / "shared" / "corpora" / "tinyshakespeare.txt"))
 parser.add_argument("--repeats", type=int, default=1)
 parser.add_argument("--extra", nargs="*", default=[], help="more --key=value settings for train.py (tuning)")
+parser.add_argument("--threads", type=int, default=None,
+                    help="OMP_NUM_THREADS for train.py (default: torch's, one per core). On a machine busy with "
+                         "other jobs, 1 thread avoids the OpenMP threads waiting on each other (10x slower here)")
 args = parser.parse_args()
+env = dict(os.environ) if args.threads is None else {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
 if not os.path.exists(args.corpus):
     sys.exit(f"error: no {args.corpus}; pass --corpus path/to/tinyshakespeare.txt")
 
@@ -60,12 +64,12 @@ else:  # prepare_data.py not in this checkout yet: the same shards, by the contr
 
 command = [sys.executable, str(REPO / "train.py"), str(REPO / "config" / "shakespeare_char.py"), *RECIPE,
            f"--dataset={data_dir}", f"--out_dir={work / 'out'}", *args.extra]
-print("command:", " ".join(command[1:]))
+print("command:", ("" if args.threads is None else f"OMP_NUM_THREADS={args.threads} ") + "python " + " ".join(command[1:]))
 print(f"load average before: {os.getloadavg()[0]:.2f} (the machine may be shared; wall time suffers first)")
 val_losses, seconds = [], []
 for repeat in range(args.repeats):
     start = time.perf_counter()
-    result = subprocess.run(command, capture_output=True, text=True, cwd=work)
+    result = subprocess.run(command, capture_output=True, text=True, cwd=work, env=env)
     seconds.append(time.perf_counter() - start)
     if result.returncode != 0:
         sys.exit(result.stdout[-2000:] + result.stderr[-2000:])
