@@ -323,7 +323,6 @@ if checkpoint is not None:
     if checkpoint["scaler"] is not None:
         scaler.load_state_dict(checkpoint["scaler"])
     iter_num, best_val_loss = checkpoint["iter_num"], checkpoint["best_val_loss"]
-iter_start = iter_num
 model = torch.compile(raw_model) if compile else raw_model  # for evaluation: no DDP machinery needed
 train_model = DDP(model, device_ids=[torch.cuda.current_device()] if device_type == "cuda" else None) if ddp else model
 
@@ -484,7 +483,7 @@ while True:
         if iter_num > 0 and (improved or always_save_checkpoint):
             save(os.path.join(out_dir, "ckpt.pt"))
         interval_start = time.time()  # evaluating is not training time
-    if iter_num in milestones and iter_num > iter_start:
+    if iter_num in milestones and iter_num > 0:  # again after a resume at this iteration: the same state
         save(os.path.join(out_dir, f"ckpt_{iter_num}.pt"))
     if last_iter:
         break

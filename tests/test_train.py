@@ -225,7 +225,7 @@ def test_resume_continues_exactly(dataset, tmp_path):
     # Dropout and 2 micro-steps, so the torch RNG and both data generators must come back as they were.
     args = ["--dropout=0.1", "--total_batch_size=256", "--eval_interval=4", "--lr_decay_iters=12",
             "--always_save_checkpoint=True"]
-    train(dataset, tmp_path / "whole", *args, "--max_iters=12")
+    train(dataset, tmp_path / "whole", *args, "--max_iters=12", "--milestones=[4,10]")
     train(dataset, tmp_path / "halves", *args, "--max_iters=6")
     assert load(tmp_path / "halves" / "ckpt.pt")["iter_num"] == 6
     result = train(dataset, tmp_path / "halves", *args, "--max_iters=12", "--init_from=resume")
@@ -237,6 +237,8 @@ def test_resume_continues_exactly(dataset, tmp_path):
     whole, halves = load(tmp_path / "whole" / "ckpt.pt"), load(tmp_path / "halves" / "ckpt.pt")
     assert whole["iter_num"] == halves["iter_num"] == 12
     assert all(torch.equal(whole["model"][k], halves["model"][k]) for k in whole["model"])
+    # Milestone copies, kept beside ckpt.pt at the iterations asked for.
+    assert [load(tmp_path / "whole" / f"ckpt_{it}.pt")["iter_num"] for it in (4, 10)] == [4, 10]
 
 
 def test_sigterm_finishes_the_step_saves_and_exits_cleanly(dataset, tmp_path):
