@@ -203,6 +203,10 @@ if init_from == "resume":
         checkpoint = load_checkpoint(os.path.join(out_dir, "ckpt.pt"), map_location="cpu")
     except CheckpointError as e:
         fail(f"cannot resume: {e}")
+    missing = [k for k in ("optimizer", "scaler", "iter_num", "best_val_loss", "rng") if k not in checkpoint]
+    if missing or checkpoint["optimizer"] is None:
+        fail(f"cannot resume from {out_dir}/ckpt.pt: it lacks the training state ({', '.join(missing) or 'optimizer'}); "
+             f"only a checkpoint written by train.py can be resumed")
     for key, value in checkpoint["model_config"].items():
         if key in defaults and globals()[key] not in (None, value):
             if master:
