@@ -162,6 +162,9 @@ else:
         except Exception as err:  # a missing key, a bad line, a bad pattern: the entry is not what train.py writes
             die(f"the checkpoint's BPE tokenizer entry is malformed ({type(err).__name__}: {str(err)[:100]})")
     else:
+        if tokenizer.get("name") not in tiktoken.list_encoding_names():
+            die(f"the checkpoint names the tiktoken encoding {tokenizer.get('name')!r}, which this tiktoken does not "
+                f"know (it knows {', '.join(tiktoken.list_encoding_names())}): upgrade tiktoken")
         try:
             encoding = tiktoken.get_encoding(tokenizer["name"])
         except Exception as err:  # unknown name, or no internet for tiktoken's first download

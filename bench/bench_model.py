@@ -6,7 +6,7 @@ nanoGPT's generate does), and the forward+backward time of a training step for e
     python bench/bench_model.py --part generate --presets tiny,lillm,gpt2_124m --repeats 5
     python bench/bench_model.py --part train --device cuda --dtype bfloat16 --compile   # on a GPU
 
-Medians over --repeats runs, after one warm-up run. Generation is greedy, batch 1, a 16-token random prompt
+Medians over --repeats runs, after one warm-up run; the two generation routes alternate, run by run. Generation is greedy, batch 1, a 16-token random prompt
 and 256 new tokens; both routes must give the same tokens while the context fits in block_size (checked).
 The training step is one forward+backward (no optimizer step) at block_size tokens per row.
 """
@@ -77,16 +77,16 @@ if args.part in ("generate", "all"):
         prompt = torch.randint(0, config.vocab_size, (1, args.prompt_tokens), device=args.device)
         routes = {"cache": lambda: model.generate(prompt, args.new_tokens, temperature=0, use_cache=True),
                   "recompute": lambda: model.generate(prompt, args.new_tokens, temperature=0, use_cache=False)}
-        seconds, outputs = {}, {}
+        # The routes alternate within each repeat, so that both see the same load on a shared machine.
+        times, outputs = {route: [] for route in routes}, {}
         with autocast:
-            for route, run in routes.items():
-                run_short = lambda: model.generate(prompt, 8, temperature=0, use_cache=(route == "cache"))  # noqa: E731
-                timed(run_short)  # warm-up: allocator, threads
-                times = []
-                for _ in range(args.repeats):
+            for route in routes:  # warm-up: allocator, threads
+                timed(lambda: model.generate(prompt, 8, temperature=0, use_cache=(route == "cache")))
+            for _ in range(args.repeats):
+                for route, run in routes.items():
                     elapsed, outputs[route] = timed(run)
-                    times.append(elapsed)
-                seconds[route] = statistics.median(times)
+                    times[route].append(elapsed)
+        seconds = {route: statistics.median(route_times) for route, route_times in times.items()}
         fits = args.prompt_tokens + args.new_tokens <= config.block_size
         same = ("yes" if torch.equal(outputs["cache"], outputs["recompute"]) else "NO") if fits else "n/a (past block_size)"
         cache_rate, recompute_rate = args.new_tokens / seconds["cache"], args.new_tokens / seconds["recompute"]
