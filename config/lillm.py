@@ -1,0 +1,35 @@
+# lilLM: the 39.6M-parameter Llama-style model (model.py's GPTConfig defaults) on FineWeb, with our own BPE
+# tokenizer of 8192 ids (8191 merges and bytes, plus <|endoftext|>). This is also train.py's default.
+# The tokenizer and the data (the whole sample-10BT is ~10B tokens; --max_tokens limits it):
+#   python train_bpe_cpu.py -v 8191 -n 1000000000
+#   python prepare_data.py --tokenizer tokenizers/<the directory it printed> --data fineweb --out data/fineweb_lillm
+# Train on 8 GPUs (one GPU works too: it accumulates 8x more micro-steps for the same batch):
+#   torchrun --standalone --nproc_per_node=8 train.py config/lillm.py
+
+out_dir = "out-lillm"
+dataset = "data/fineweb_lillm"
+eval_interval = 1000
+eval_iters = 100  # x 32 x 512 tokens: 1.6M val tokens per estimate
+log_interval = 10
+always_save_checkpoint = True  # lots of data, no overfitting: the latest is what a resume wants
+milestones = [10_000, 20_000]  # copies to keep, beside ckpt.pt (the SLURM seed kept 10k, 20k, then every 50k)
+
+total_batch_size = 524_288  # 2^19 tokens per step (GPT-3's batch for models this small): 32 micro-steps on 1 GPU
+batch_size = 32  # per GPU: 16k tokens, a few GB at this size; raise it if memory allows, for speed
+block_size = 512
+
+n_layer = 12
+n_head = 16
+n_kv_head = 8
+n_embd = 512
+dropout = 0.0  # one pass over the data: nothing to regularize
+
+learning_rate = 1e-3  # smaller models take higher rates than GPT-2's 6e-4
+min_lr = 1e-4
+max_iters = 20_000  # 10.5B tokens: about one pass over FineWeb's sample-10BT
+lr_decay_iters = 20_000
+warmup_iters = 700
+weight_decay = 0.1
+beta1 = 0.9
+beta2 = 0.95
+grad_clip = 1.0

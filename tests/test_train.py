@@ -1,0 +1,303 @@
+"""train.py end to end on the CPU, each run a real subprocess on a tiny model and a char-level dataset written
+here to the shard contract (tinyshakespeare when the shared corpora are present, generated text otherwise).
+
+The checks compare independent routes to the same numbers: two processes (torchrun, or SLURM's variables)
+against one process with the same global batch; a run stopped and resumed against one that never stopped."""
+import base64
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import CORPORA
+
+REPO = Path(__file__).resolve().parent.parent
+TRAIN = str(REPO / "train.py")
+# 2 layers of 32 wide, 4 x 32-token sequences a micro-step: a step takes a few milliseconds.
+TINY = ["--device=cpu", "--compile=False", "--batch_size=4", "--block_size=32", "--n_layer=2", "--n_head=2",
+        "--n_kv_head=1", "--n_embd=32", "--eval_iters=4", "--log_interval=1", "--warmup_iters=2",
+        "--learning_rate=3e-3", "--min_lr=3e-4"]
+# One thread per process: two processes on a 2-core machine shared with other jobs stay reasonable.
+ENV = {**{k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_NTASKS")},
+       "OMP_NUM_THREADS": "1"}
+
+
+def write_char_dataset(directory, text):
+    """Shards and meta.json as prepare_data.py writes them: ids are the sorted characters, val the last 10%."""
+    chars = sorted(set(text))
+    index = {c: i for i, c in enumerate(chars)}
+    ids = np.array([index[c] for c in text], dtype=np.uint16)
+    split = int(len(ids) * 0.9)
+    directory.mkdir(parents=True, exist_ok=True)
+    # Two train shards, so that windows are drawn across shards.
+    np.save(directory / "train_000000.npy", ids[:split // 2])
+    np.save(directory / "train_000001.npy", ids[split // 2:split])
+    np.save(directory / "val_000000.npy", ids[split:])
+    meta = {"version": 1, "vocab_size": len(chars), "eot_token": None, "dtype": "uint16",
+            "max_token_id": int(ids.max()), "tokenizer": {"kind": "char"}, "source": "test", "num_chars": len(text),
+            "tokens": {"train": split, "val": len(ids) - split},
+            "shards": {"train": ["train_000000.npy", "train_000001.npy"], "val": ["val_000000.npy"]},
+            "chars": chars}
+    (directory / "meta.json").write_text(json.dumps(meta))
+    return directory
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    path = CORPORA / "tinyshakespeare.txt"
+    if path.exists():
+        text = path.read_text(encoding="utf-8")[:200_000]
+    else:  # no shared corpora: text with some structure to learn, still
+        rng = np.random.default_rng(0)
+        words = ["the", "king", "shall", "come", "to", "my", "lord", "and", "she", "speaks", "of", "war"]
+        text = "".join(" ".join(rng.choice(words, 8)) + ".\n" for _ in range(20_000))
+    return write_char_dataset(tmp_path_factory.mktemp("data") / "chars", text)
+
+
+def train(dataset, out_dir, *args, timeout=180):
+    """Run train.py on the tiny model; fail the test with its output if it fails."""
+    result = subprocess.run([sys.executable, TRAIN, f"--dataset={dataset}", f"--out_dir={out_dir}", *TINY, *args],
+                            capture_output=True, text=True, env=ENV, timeout=timeout, cwd=out_dir.parent)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result
+
+
+def read_log(out_dir):
+    """(step losses by iteration, (train, val) eval losses by iteration) from log.jsonl; a later line wins."""
+    records = [json.loads(line) for line in (out_dir / "log.jsonl").read_text().splitlines()]
+    steps = {r["iter"]: r["loss"] for r in records if "loss" in r}
+    evals = {r["iter"]: (r["train_loss"], r["val_loss"]) for r in records if "val_loss" in r}
+    return steps, evals
+
+
+def load(path):
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# -----------------------------------------------------------------------------------------------------
+# a short real run: the loss falls, and the checkpoint follows the contract
+
+@pytest.fixture(scope="module")
+def trained(dataset, tmp_path_factory):
+    out_dir = tmp_path_factory.mktemp("trained") / "out"
+    train(dataset, out_dir, "--max_iters=40", "--eval_interval=20", "--learning_rate=1e-2", "--total_batch_size=None",
+          "--lr_decay_iters=40")
+    return out_dir
+
+
+def test_loss_falls_on_a_tiny_dataset(trained):
+    steps, evals = read_log(trained)
+    assert sorted(evals) == [0, 20, 40]
+    # Uniform guessing over ~60 characters is ln(60) = 4.1; the character frequencies alone give ~3.3.
+    assert evals[0][1] > 3.9
+    assert evals[40][1] < evals[0][1] - 0.6
+    assert steps[40] < steps[1] - 0.6
+
+
+def test_checkpoint_holds_what_sample_py_needs(trained, dataset):
+    checkpoint = load(trained / "ckpt.pt")
+    meta = json.loads((dataset / "meta.json").read_text())
+    assert checkpoint["version"] == 1 and checkpoint["iter_num"] == 40
+    assert checkpoint["tokenizer"] == {"kind": "char", "chars": meta["chars"]}
+    assert checkpoint["dataset"] == meta
+    assert checkpoint["model_config"]["vocab_size"] == meta["vocab_size"]
+    assert checkpoint["model_config"]["n_embd"] == 32
+    # The merged config: preset defaults and command-line overrides, with "auto" resolved.
+    assert checkpoint["train_config"]["batch_size"] == 4
+    assert checkpoint["train_config"]["learning_rate"] == 1e-2
+    assert checkpoint["train_config"]["device"] == "cpu" and checkpoint["train_config"]["dtype"] == "float32"
+    assert not any(k.startswith(("_orig_mod.", "module.")) for k in checkpoint["model"])
+    assert checkpoint["best_val_loss"] == read_log(trained)[1][40][1]
+
+
+@pytest.mark.skipif(not (REPO / "sample.py").exists(), reason="sample.py is not in this checkout yet")
+def test_sample_py_reads_the_checkpoint(trained):
+    result = subprocess.run([sys.executable, str(REPO / "sample.py"), f"--out_dir={trained}", "--device=cpu",
+                             "--num_samples=1", "--max_new_tokens=40", "--start=ROMEO:", "--seed=1"],
+                            capture_output=True, text=True, env=ENV, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "ROMEO:" in result.stdout and len(result.stdout) > 40
+
+
+def test_bpe_dataset_embeds_its_tokenizer_in_the_checkpoint(tmp_path):
+    # A byte-level "BPE" of 256 byte tokens and no merges, plus <|endoftext|> = 256: the shard ids are the bytes.
+    bpe = tmp_path / "bpe"
+    bpe.mkdir()
+    text = "to be or not to be, that is the question. " * 400
+    ids = np.array([256] + list(text.encode()), dtype=np.uint16)
+    np.save(bpe / "train_000000.npy", ids[:15000])
+    np.save(bpe / "val_000000.npy", ids[15000:])
+    ranks = "".join(f"{base64.b64encode(bytes([i])).decode()} {i}\n" for i in range(256))
+    (bpe / "tokenizer.tiktoken").write_text(ranks)
+    info = {"pattern": r"\S+|\s+", "special_tokens": {"<|endoftext|>": 256}, "vocab_size": 257, "num_merges": 0}
+    (bpe / "tokenizer.json").write_text(json.dumps(info))
+    meta = {"version": 1, "vocab_size": 257, "eot_token": 256, "dtype": "uint16", "max_token_id": 256,
+            "tokenizer": {"kind": "bpe", "path": "elsewhere", "sha256": "0"}, "source": "test",
+            "num_chars": len(text), "tokens": {"train": 15000, "val": len(ids) - 15000},
+            "shards": {"train": ["train_000000.npy"], "val": ["val_000000.npy"]}}
+    (bpe / "meta.json").write_text(json.dumps(meta))
+    train(bpe, tmp_path / "out", "--max_iters=1", "--eval_interval=1", "--total_batch_size=None")
+    checkpoint = load(tmp_path / "out" / "ckpt.pt")
+    assert checkpoint["tokenizer"] == {"kind": "bpe", "ranks": ranks, "pattern": info["pattern"],
+                                       "special_tokens": info["special_tokens"]}
+    assert checkpoint["model_config"]["vocab_size"] == 257
+
+
+# -----------------------------------------------------------------------------------------------------
+# several processes = one process with the same global batch
+
+# 8 steps of 256 tokens: one process accumulates 2 micro-steps of 4 x 32 tokens, two processes do one each.
+SAME_GLOBAL_BATCH = ["--total_batch_size=256", "--max_iters=8", "--eval_interval=4", "--lr_decay_iters=8",
+                     "--always_save_checkpoint=True"]
+# The processes sum their gradients in another order than the accumulation does, so the weights differ by
+# float32 rounding (~1e-7 relative), which grows a little over the steps: 1e-4 on the losses is far below
+# what a wrong batch or a missing gradient average would give (>1e-2).
+TOLERANCE = 1e-4
+
+
+@pytest.fixture(scope="module")
+def one_process(dataset, tmp_path_factory):
+    out_dir = tmp_path_factory.mktemp("one") / "out"
+    train(dataset, out_dir, *SAME_GLOBAL_BATCH)
+    return read_log(out_dir)
+
+
+def assert_same_losses(out_dir, one_process):
+    steps, evals = read_log(out_dir)
+    reference_steps, reference_evals = one_process
+    assert sorted(steps) == sorted(reference_steps) == list(range(1, 9))
+    assert sorted(evals) == sorted(reference_evals) == [0, 4, 8]
+    for it in steps:
+        assert steps[it] == pytest.approx(reference_steps[it], abs=TOLERANCE), it
+    for it in evals:
+        assert evals[it] == pytest.approx(reference_evals[it], abs=TOLERANCE), it
+    # Only rank 0 writes: one line per iteration in the log, nothing but the checkpoint and the log.
+    lines = (out_dir / "log.jsonl").read_text().splitlines()
+    assert len(lines) == len(steps) + len(evals)
+    assert sorted(p.name for p in out_dir.iterdir()) == ["ckpt.pt", "log.jsonl"]
+    assert load(out_dir / "ckpt.pt")["iter_num"] == 8
+
+
+def test_torchrun_two_processes_equal_one(dataset, tmp_path, one_process):
+    out_dir = tmp_path / "out"
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                             TRAIN, f"--dataset={dataset}", f"--out_dir={out_dir}", *TINY, *SAME_GLOBAL_BATCH],
+                            capture_output=True, text=True, env=ENV, timeout=240, cwd=tmp_path)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "2 process(es)" in result.stdout
+    assert result.stdout.count("eval iter 8:") == 1  # rank 1 prints nothing
+    assert_same_losses(out_dir, one_process)
+
+
+def test_slurm_variables_two_processes_equal_one(dataset, tmp_path, one_process):
+    # What srun gives each task, plus MASTER_ADDR/MASTER_PORT from the sbatch script; no torchrun variables.
+    out_dir = tmp_path / "out"
+    port = free_port()
+    tasks = [subprocess.Popen([sys.executable, TRAIN, f"--dataset={dataset}", f"--out_dir={out_dir}", *TINY,
+                               *SAME_GLOBAL_BATCH],
+                              env={**ENV, "SLURM_PROCID": str(task), "SLURM_NTASKS": "2", "SLURM_LOCALID": str(task),
+                                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+             for task in range(2)]
+    outputs = [task.communicate(timeout=240) for task in tasks]
+    assert [task.returncode for task in tasks] == [0, 0], outputs
+    assert "2 process(es)" in outputs[0][0] and "eval iter" not in outputs[1][0]
+    assert_same_losses(out_dir, one_process)
+
+
+# -----------------------------------------------------------------------------------------------------
+# resume and preemption
+
+def test_resume_continues_exactly(dataset, tmp_path):
+    # Dropout and 2 micro-steps, so the torch RNG and both data generators must come back as they were.
+    args = ["--dropout=0.1", "--total_batch_size=256", "--eval_interval=4", "--lr_decay_iters=12",
+            "--always_save_checkpoint=True"]
+    train(dataset, tmp_path / "whole", *args, "--max_iters=12", "--milestones=[4,10]")
+    train(dataset, tmp_path / "halves", *args, "--max_iters=6")
+    assert load(tmp_path / "halves" / "ckpt.pt")["iter_num"] == 6
+    result = train(dataset, tmp_path / "halves", *args, "--max_iters=12", "--init_from=resume")
+    assert "resuming at iter 6" in result.stdout
+    whole_steps, whole_evals = read_log(tmp_path / "whole")
+    halves_steps, halves_evals = read_log(tmp_path / "halves")
+    assert halves_steps == whole_steps  # bit for bit: equal floats, not approximately
+    assert halves_evals.pop(6) and halves_evals == whole_evals  # the first half's last eval is extra
+    whole, halves = load(tmp_path / "whole" / "ckpt.pt"), load(tmp_path / "halves" / "ckpt.pt")
+    assert whole["iter_num"] == halves["iter_num"] == 12
+    assert all(torch.equal(whole["model"][k], halves["model"][k]) for k in whole["model"])
+    # Milestone copies, kept beside ckpt.pt at the iterations asked for.
+    assert [load(tmp_path / "whole" / f"ckpt_{it}.pt")["iter_num"] for it in (4, 10)] == [4, 10]
+
+
+def test_sigterm_finishes_the_step_saves_and_exits_cleanly(dataset, tmp_path):
+    # In float16, so that the GradScaler's state goes through the checkpoint too (autocast works on the CPU).
+    out_dir = tmp_path / "out"
+    process = subprocess.Popen([sys.executable, TRAIN, f"--dataset={dataset}", f"--out_dir={out_dir}", *TINY,
+                                "--max_iters=1000000", "--eval_interval=100000", "--total_batch_size=None",
+                                "--dtype=float16"],
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV, cwd=tmp_path)
+    output = []
+    for line in process.stdout:  # wait until it is training
+        output.append(line)
+        if line.startswith("iter 3:"):
+            process.send_signal(signal.SIGTERM)
+            break
+    output.append(process.stdout.read())
+    assert process.wait(timeout=60) == 0, "".join(output)
+    assert "stopped by SIGTERM" in "".join(output)
+    checkpoint = load(out_dir / "ckpt.pt")
+    stopped_at = checkpoint["iter_num"]
+    assert stopped_at >= 3 and checkpoint["optimizer"] is not None
+    assert checkpoint["scaler"]["_growth_tracker"] == stopped_at  # steps since the scale last changed: all
+    assert max(read_log(out_dir)[0]) == stopped_at  # the step in flight was finished and logged, no more
+    train(dataset, out_dir, "--init_from=resume", f"--max_iters={stopped_at + 2}", "--eval_interval=100000",
+          "--total_batch_size=None", "--dtype=float16")
+    resumed = load(out_dir / "ckpt.pt")
+    assert resumed["iter_num"] == stopped_at + 2
+    assert resumed["scaler"]["_growth_tracker"] == stopped_at + 2  # the scaler went on, it did not restart
+
+
+def test_non_finite_loss_stops_with_the_iteration(dataset, tmp_path):
+    # A learning rate of 1e30 without clipping blows the weights up within a few steps.
+    result = subprocess.run([sys.executable, TRAIN, f"--dataset={dataset}", f"--out_dir={tmp_path / 'out'}", *TINY,
+                             "--learning_rate=1e30", "--warmup_iters=0", "--grad_clip=0", "--max_iters=50",
+                             "--total_batch_size=None"], capture_output=True, text=True, env=ENV, timeout=120)
+    assert result.returncode == 1
+    assert result.stderr.startswith("error: the loss is ") and " at iter " in result.stderr
+    assert "learning_rate" in result.stderr and result.stderr.count("\n") == 1
+
+
+# -----------------------------------------------------------------------------------------------------
+# user mistakes: one line on stderr, a non-zero exit, no traceback
+
+@pytest.mark.parametrize("args, message", [
+    (["--batch_size=abc"], "batch_size must be int, got 'abc'"),
+    (["--batchsize=3"], "unknown setting 'batchsize' (did you mean 'batch_size'?)"),
+    (["PRESET"], "PRESET: unknown setting 'learning_rat'"),
+    (["--vocab_size=10"], "vocab_size=10 but the dataset's vocabulary has"),
+    (["--total_batch_size=1000"], "not a multiple of batch_size*block_size*world_size = 4*32*1 = 128"),
+    (["--dataset=DIR/nowhere"], "python prepare_data.py"),
+])
+def test_user_mistakes_get_one_line(dataset, tmp_path, args, message):
+    preset = tmp_path / "preset.py"
+    preset.write_text("batch_size = 8\nlearning_rat = 1e-3\n")
+    args = [a.replace("PRESET", str(preset)).replace("DIR", str(tmp_path)) for a in args]
+    message = message.replace("PRESET", str(preset))
+    result = subprocess.run([sys.executable, TRAIN, f"--dataset={dataset}", f"--out_dir={tmp_path / 'out'}", *TINY,
+                             *args], capture_output=True, text=True, env=ENV, timeout=120, cwd=tmp_path)
+    assert result.returncode != 0
+    assert result.stderr.count("\n") == 1 and result.stderr.startswith("error: "), result.stderr
+    assert message in result.stderr
+    assert not (tmp_path / "out").exists()

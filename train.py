@@ -1,0 +1,548 @@
+"""
+Pretrain the GPT of model.py on the token shards of prepare_data.py: on a laptop CPU, one GPU, many GPUs
+(torchrun) or many nodes (torchrun or SLURM's srun).
+
+    python train.py config/shakespeare_char.py                        # a preset: a file of assignments
+    python train.py config/shakespeare_char.py --batch_size=32        # then --key=value overrides
+    python train.py config/shakespeare_char.py --init_from=resume     # go on exactly from out_dir/ckpt.pt
+    torchrun --standalone --nproc_per_node=8 train.py config/lillm.py
+    torchrun --nnodes=2 --node_rank=0 --nproc_per_node=8 --master_addr=10.0.0.1 --master_port=29500 \
+        train.py config/lillm.py                                      # and --node_rank=1 on the other node
+    srun python train.py config/lillm.py                              # SLURM: see the README's sbatch example
+
+Every global in the settings block below is a setting. Preset files run first, in order, then each
+--key=value replaces one setting; the value must have the setting's type. `python train.py --help` lists them.
+SIGTERM or Ctrl-C finishes the current step, saves out_dir/ckpt.pt and exits with status 0.
+"""
+import ast
+import builtins
+import difflib
+import json
+import math
+import os
+import random
+import signal
+import sys
+import time
+from contextlib import nullcontext
+from dataclasses import asdict, fields
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from model import GPT, CheckpointError, GPTConfig, load_checkpoint, save_checkpoint
+
+_names_before_settings = set(globals())
+# -----------------------------------------------------------------------------------------------------
+# settings; the defaults train the lilLM model on FineWeb (config/lillm.py says the same, explicitly)
+# I/O
+out_dir = "out"                  # ckpt.pt, the milestone copies ckpt_<iter>.pt and log.jsonl go here
+dataset = "data/fineweb"         # a directory written by prepare_data.py: shards and meta.json
+init_from = "scratch"            # "scratch", or "resume" from out_dir/ckpt.pt
+eval_interval = 1000             # estimate train/val loss (and maybe save) every this many iterations
+eval_iters = 100                 # batches per split in each estimate, shared out among the ranks
+log_interval = 10                # print the step loss and the speed every this many iterations
+always_save_checkpoint = False   # save at every eval, not only when val loss improved
+milestones = []                  # iterations at which to keep a copy of the checkpoint, ckpt_<iter>.pt
+wandb_log = False                # log evals to Weights & Biases (imported only when on)
+wandb_project = "lillm"
+wandb_run_name = "run"
+# batch: total_batch_size is the one that matters to the optimization; the others fit it to the hardware
+batch_size = 32                  # sequences per device in one forward/backward (micro-step)
+block_size = 512                 # tokens per sequence: the model's context length
+total_batch_size = 524288        # tokens per optimizer step over all ranks and micro-steps (None: no accumulation)
+# model; vocab_size comes from the dataset's meta.json unless set (to pad it, e.g. 50257 -> 50304)
+vocab_size = None
+n_layer = 12
+n_head = 16
+n_kv_head = 8                    # key/value heads shared by the query heads (grouped-query attention); None: n_head
+n_embd = 512
+dropout = 0.0
+# optimizer: AdamW; learning rate warms up linearly, follows a cosine down to min_lr, then stays flat
+learning_rate = 1e-3
+min_lr = 1e-4
+max_iters = 20000                # optimizer steps in all
+warmup_iters = 700
+lr_decay_iters = 20000           # where the cosine reaches min_lr; usually max_iters
+weight_decay = 0.1
+beta1 = 0.9
+beta2 = 0.95
+grad_clip = 1.0                  # clip the gradient's global norm to this; 0 turns clipping off
+# system
+device = "auto"                  # "auto" picks cuda, then mps, then cpu; or name one: "cpu", "cuda", "mps"
+dtype = "auto"                   # "auto": bfloat16 where the GPU has it, else float16, float32 off the GPU
+compile = "auto"                 # torch.compile: "auto" means on CUDA only (on the CPU it costs more than it saves)
+seed = 1337
+# -----------------------------------------------------------------------------------------------------
+config_keys = [k for k in globals() if k not in _names_before_settings and not k.startswith("_")]
+defaults = {k: globals()[k] for k in config_keys}
+# Besides its default's type, a setting whose default is None or "auto" takes one more.
+extra_types = {"vocab_size": int, "total_batch_size": type(None), "n_kv_head": type(None), "compile": bool}
+rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0)))  # known before any setup, for fail()
+
+
+def fail(message):
+    """A user mistake: one line on stderr (from the first rank only) and a non-zero exit, never a traceback."""
+    if rank == 0:
+        print(f"error: {message}", file=sys.stderr, flush=True)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    sys.exit(1)
+
+
+def checked(key, value, origin):
+    """The value if the setting `key` takes its type (an int is fine for a float), else fail() saying why."""
+    if key not in defaults:
+        close = difflib.get_close_matches(key, config_keys, n=1)
+        fail(f"{origin}: unknown setting {key!r}" + (f" (did you mean {close[0]!r}?)" if close else "")
+             + "; `python train.py --help` lists them")
+    allowed = {type(defaults[key])} | ({extra_types[key]} if key in extra_types else set())
+    if type(value) is int and float in allowed:
+        value = float(value)
+    if type(value) not in allowed:
+        names = " or ".join(sorted("None" if t is type(None) else t.__name__ for t in allowed))
+        fail(f"{origin}: {key} must be {names}, got {value!r} ({type(value).__name__})")
+    return value
+
+
+if any(arg in ("-h", "--help") for arg in sys.argv[1:]):
+    print(__doc__.strip() + "\n\nsettings and their defaults:")
+    for key in config_keys:
+        print(f"  --{key}={defaults[key]!r}")
+    sys.exit(0)
+presets = []
+for arg in sys.argv[1:]:
+    if not arg.startswith("--"):
+        # A preset: plain Python assignments, run in a namespace that starts from the current settings.
+        presets.append(arg)
+        if not os.path.isfile(arg):
+            fail(f"no preset file {arg!r} (expected a file like config/shakespeare_char.py, or --key=value)")
+        namespace = {k: globals()[k] for k in config_keys}
+        try:
+            with open(arg) as f:
+                exec(builtins.compile(f.read(), arg, "exec"), namespace)
+        except Exception as e:
+            fail(f"{arg}: {type(e).__name__}: {e}")
+        for key, value in namespace.items():
+            if not key.startswith("_") and not callable(value) and type(value).__name__ != "module":
+                globals()[key] = checked(key, value, arg)
+    else:
+        key, has_value, text = arg[2:].partition("=")
+        if not has_value:
+            fail(f"{arg}: expected --key=value")
+        try:
+            value = ast.literal_eval(text)  # numbers, True/False/None, lists, quoted strings
+        except (ValueError, SyntaxError):
+            value = text  # a bare word, e.g. --dataset=data/tiny: a string
+        globals()[key] = checked(key, value, arg)
+if init_from not in ("scratch", "resume"):
+    fail(f"init_from must be 'scratch' or 'resume', got {init_from!r}")
+if dtype not in ("auto", "float32", "bfloat16", "float16"):
+    fail(f"dtype must be 'auto', 'float32', 'bfloat16' or 'float16', got {dtype!r}")
+if compile not in ("auto", True, False):
+    fail(f"compile must be 'auto', True or False, got {compile!r}")
+if not all(type(m) is int for m in milestones):
+    fail(f"milestones must be a list of iteration numbers, got {milestones!r}")
+if n_kv_head is None:
+    n_kv_head = n_head  # plain multi-head attention
+if n_embd % n_head or n_head % n_kv_head or (n_embd // n_head) % 2:
+    fail(f"n_embd={n_embd}, n_head={n_head}, n_kv_head={n_kv_head}: n_head must divide n_embd into an even head "
+         f"size (rotary embeddings rotate pairs), and n_kv_head must divide n_head")
+for key in ("batch_size", "block_size", "eval_interval", "eval_iters", "log_interval", "max_iters"):
+    if globals()[key] < (key != "max_iters"):  # max_iters=0 only evaluates
+        fail(f"{key} must be positive, got {globals()[key]}")
+
+# -----------------------------------------------------------------------------------------------------
+# who we are: torchrun sets RANK, WORLD_SIZE and LOCAL_RANK; under srun only SLURM's own variables exist
+if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+elif int(os.environ.get("SLURM_NTASKS", 1)) > 1:
+    rank, world_size = int(os.environ["SLURM_PROCID"]), int(os.environ["SLURM_NTASKS"])
+    local_rank = int(os.environ.get("SLURM_LOCALID", 0))
+    if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
+        fail("SLURM with several tasks: export MASTER_ADDR (the first node) and MASTER_PORT in the sbatch "
+             "script (see the README)")
+else:
+    rank, world_size, local_rank = 0, 1, 0
+ddp = world_size > 1
+master = rank == 0  # the only rank that prints, logs and writes files
+
+if device == "auto":
+    device = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
+device_type = "cuda" if device.startswith("cuda") else device.split(":")[0]
+if device_type == "cuda":
+    if not torch.cuda.is_available():
+        fail(f"device={device!r} but this torch sees no CUDA GPU; use --device=cpu")
+    if ddp or device == "cuda":
+        # One GPU per process. srun may have hidden the others (CUDA_VISIBLE_DEVICES), hence the modulo.
+        device = f"cuda:{local_rank % torch.cuda.device_count()}"
+    torch.cuda.set_device(device)
+if dtype == "auto":
+    dtype = "float32" if device_type != "cuda" else "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
+if compile == "auto":
+    compile = device_type == "cuda"
+
+# -----------------------------------------------------------------------------------------------------
+# the dataset, and the model's shape (from the checkpoint when resuming)
+meta_path = os.path.join(dataset, "meta.json")
+if not os.path.exists(meta_path):
+    fail(f"no dataset at {dataset!r} ({meta_path} is missing): make it first with "
+         f"`python prepare_data.py --data <source> --tokenizer <dir|gpt2|char> --out {dataset}`"
+         + (f" (the exact command is at the top of {presets[-1]})" if presets else "") + ", or point --dataset at one")
+with open(meta_path) as f:
+    meta = json.load(f)
+if meta.get("version") != 1:
+    fail(f"{meta_path} has version {meta.get('version')!r}; this train.py reads version 1: run prepare_data.py again")
+
+checkpoint = None
+if init_from == "resume":
+    try:
+        checkpoint = load_checkpoint(os.path.join(out_dir, "ckpt.pt"), map_location="cpu")
+    except CheckpointError as e:
+        fail(f"cannot resume: {e}")
+    missing = [k for k in ("optimizer", "scaler", "iter_num", "best_val_loss", "rng") if k not in checkpoint]
+    if missing or checkpoint["optimizer"] is None:
+        fail(f"cannot resume from {out_dir}/ckpt.pt: it lacks the training state ({', '.join(missing) or 'optimizer'}); "
+             f"only a checkpoint written by train.py can be resumed")
+    for key, value in checkpoint["model_config"].items():
+        if key in defaults and globals()[key] not in (None, value):
+            if master:
+                print(f"note: resuming keeps the checkpoint's {key}={value!r} (not {globals()[key]!r})")
+        if key in defaults:
+            globals()[key] = value
+if vocab_size is None:
+    vocab_size = meta["vocab_size"]
+if vocab_size < meta["vocab_size"] or meta["max_token_id"] >= vocab_size:
+    fail(f"vocab_size={vocab_size} but the dataset's vocabulary has {meta['vocab_size']} ids (largest token id "
+         f"{meta['max_token_id']}): leave vocab_size unset to take meta.json's, or set it at least that large")
+
+# The batch is chosen in tokens per optimizer step, as the learning rate is tuned for it: more GPUs or a
+# smaller per-device batch_size (to fit memory) then change only how many micro-steps accumulate it.
+tokens_per_micro_step = batch_size * block_size * world_size
+if total_batch_size is None:
+    total_batch_size = tokens_per_micro_step
+if total_batch_size % tokens_per_micro_step:
+    fail(f"total_batch_size={total_batch_size} tokens is not a multiple of batch_size*block_size*world_size = "
+         f"{batch_size}*{block_size}*{world_size} = {tokens_per_micro_step}: change one of them so that it divides")
+grad_accum_steps = total_batch_size // tokens_per_micro_step  # micro-steps per rank per optimizer step
+config = {k: globals()[k] for k in config_keys}  # the merged settings, with "auto" and None resolved
+if master:
+    print("config: " + ", ".join(f"{k}={v!r}" for k, v in config.items()))
+    print(f"{world_size} process(es) on {device} in {dtype}; tokens per step: total_batch_size {total_batch_size} = "
+          f"batch_size {batch_size} x block_size {block_size} x world_size {world_size} x accumulation {grad_accum_steps}")
+
+
+def split_windows(split):
+    """The shard paths of a split, and the cumulative count of block_size+1 token windows in each."""
+    paths = [os.path.join(dataset, name) for name in meta["shards"][split]]
+    for path in paths:
+        if not os.path.exists(path):
+            fail(f"{path} is missing though {meta_path} lists it: run prepare_data.py again")
+    counts = np.array([max(0, len(np.load(p, mmap_mode="r")) - block_size) for p in paths], dtype=np.int64)
+    if counts.sum() == 0:
+        fail(f"the {split} split of {dataset} has fewer than block_size+1 = {block_size + 1} tokens in any shard")
+    return paths, counts, np.cumsum(counts)
+
+
+windows = {split: split_windows(split) for split in ("train", "val")}
+
+
+def get_batch(split, generator):
+    """batch_size random windows of the split, drawn uniformly over all of its shards with the generator."""
+    paths, counts, window_ends = windows[split]
+    starts = torch.randint(int(window_ends[-1]), (batch_size,), generator=generator).numpy()
+    shard_of = np.searchsorted(window_ends, starts, side="right")
+    offsets = starts - (window_ends[shard_of] - counts[shard_of])
+    rows = np.empty((batch_size, block_size + 1), dtype=np.int64)
+    for shard in np.unique(shard_of):
+        # Opened for this batch and dropped after it: a memmap kept for the whole run holds on to every
+        # page it touched, and the process's memory grows with the dataset (nanoGPT's leak).
+        tokens = np.load(paths[shard], mmap_mode="r")
+        for row in np.flatnonzero(shard_of == shard):
+            rows[row] = tokens[offsets[row]:offsets[row] + block_size + 1]
+    batch = torch.from_numpy(rows)
+    x, y = batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
+    if device_type == "cuda":
+        # Pinned memory lets the copy run asynchronously while the GPU works on the previous micro-step.
+        return x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
+    return x.to(device), y.to(device)
+
+
+# Data order. The global batch of each step is made of num_slots micro-batches; slot j has its own
+# generator seeded with seed + j, and rank r draws slots r*grad_accum_steps ... So the data depend on the
+# global batch, not on how many processes share it: 1 process with 2 micro-steps sees what 2 processes see.
+num_slots = world_size * grad_accum_steps
+train_generators = [torch.Generator().manual_seed(seed + rank * grad_accum_steps + m) for m in range(grad_accum_steps)]
+
+
+def next_train_batch(micro_step):
+    """Draw the batch of a micro-step. A checkpoint needs slot 0's state from before its pending draw."""
+    global pending_data_state
+    if micro_step == 0:
+        pending_data_state = train_generators[0].get_state()
+    return get_batch("train", train_generators[micro_step])
+
+
+def get_lr(it):
+    """Linear warmup from ~0, cosine from learning_rate down to min_lr at lr_decay_iters, then min_lr."""
+    if it < warmup_iters:
+        return learning_rate * (it + 1) / (warmup_iters + 1)
+    if it >= lr_decay_iters:
+        return min_lr
+    progress = (it - warmup_iters) / max(1, lr_decay_iters - warmup_iters)
+    return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (learning_rate - min_lr)
+
+
+# -----------------------------------------------------------------------------------------------------
+# processes, precision, model, optimizer
+if ddp:
+    # NCCL between GPUs; gloo on the CPU (it is what the tests run). MASTER_ADDR/PORT come from the environment.
+    dist.init_process_group(backend="nccl" if device_type == "cuda" else "gloo", rank=rank, world_size=world_size)
+if master:
+    os.makedirs(out_dir, exist_ok=True)
+torch.manual_seed(seed)  # the same initial weights on every rank and in every run
+torch.set_float32_matmul_precision("high")  # TF32 matmuls on Ampere and later: ~free speed in float32 parts
+torch.backends.cudnn.allow_tf32 = True
+ptdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+autocast = nullcontext() if dtype == "float32" else torch.autocast(device_type=device_type, dtype=ptdtype)
+
+if checkpoint is not None:
+    model_config = GPTConfig(**checkpoint["model_config"])
+else:
+    model_config = GPTConfig(**{f.name: globals()[f.name] for f in fields(GPTConfig) if f.name in defaults})
+raw_model = GPT(model_config)  # the plain module: its state_dict has no "_orig_mod." or "module." prefixes
+if checkpoint is not None:
+    raw_model.load_state_dict(checkpoint["model"])
+raw_model.to(device)
+optimizer = raw_model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), device_type)
+# float16 has too little range for small gradients: the scaler multiplies the loss first, and skips a
+# step whose gradients overflowed. bfloat16 and float32 need none of it.
+scaler = torch.amp.GradScaler("cuda" if device_type == "cuda" else "cpu", enabled=dtype == "float16")
+iter_num, best_val_loss = 0, float("inf")
+if checkpoint is not None:
+    optimizer.load_state_dict(checkpoint["optimizer"])
+    if checkpoint["scaler"] is not None:
+        scaler.load_state_dict(checkpoint["scaler"])
+    iter_num, best_val_loss = checkpoint["iter_num"], checkpoint["best_val_loss"]
+model = torch.compile(raw_model) if compile else raw_model  # for evaluation: no DDP machinery needed
+train_model = DDP(model, device_ids=[torch.cuda.current_device()] if device_type == "cuda" else None) if ddp else model
+
+# Every random state, so that a resumed run goes on exactly as if it never stopped: a fresh seed would
+# repeat the first batches (nanoGPT's issue #467), and dropout masks would differ.
+torch.manual_seed(seed + rank)  # dropout differs between ranks, as their data do
+random.seed(seed + rank)
+np.random.seed(seed + rank)
+if checkpoint is not None and checkpoint["rng"] is not None:
+    rng = checkpoint["rng"]
+    if len(rng["ranks"]) == world_size:
+        mine = rng["ranks"][rank]
+        random.setstate(mine["python"])
+        numpy_state = dict(mine["numpy"], state=dict(mine["numpy"]["state"]))
+        numpy_state["state"]["key"] = np.array(numpy_state["state"]["key"], dtype=np.uint32)
+        np.random.set_state(numpy_state)
+        torch.set_rng_state(mine["torch"])
+        if device_type == "cuda" and mine["cuda"] is not None:
+            torch.cuda.set_rng_state(mine["cuda"])
+    if len(rng["data"]) == num_slots:
+        for m, generator in enumerate(train_generators):
+            generator.set_state(rng["data"][rank * grad_accum_steps + m])
+    else:
+        # Another global batch shape: the old order can't continue, so start a new one, not the first one again.
+        if master:
+            print(f"note: the checkpoint has {len(rng['data'])} data streams, this run {num_slots}: new data order")
+        for m, generator in enumerate(train_generators):
+            generator.manual_seed(seed + 1_000_003 * iter_num + rank * grad_accum_steps + m)
+
+
+def rng_states():
+    """This rank's random states, plain enough for torch.load(weights_only=True)."""
+    numpy_state = np.random.get_state(legacy=False)
+    numpy_state["state"]["key"] = numpy_state["state"]["key"].tolist()
+    return {"python": random.getstate(), "numpy": numpy_state, "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state() if device_type == "cuda" else None}
+
+
+if meta["tokenizer"]["kind"] == "bpe":
+    # The checkpoint carries the tokenizer itself, so sampling needs no dataset directory.
+    try:
+        with open(os.path.join(dataset, "tokenizer.tiktoken")) as f:
+            ranks_text = f.read()
+        with open(os.path.join(dataset, "tokenizer.json")) as f:
+            tokenizer_info = json.load(f)
+    except OSError as e:
+        fail(f"{dataset} lacks its tokenizer files ({e.strerror}: {e.filename}): run prepare_data.py again")
+    tokenizer = {"kind": "bpe", "ranks": ranks_text, "pattern": tokenizer_info["pattern"],
+                 "special_tokens": tokenizer_info["special_tokens"]}
+elif meta["tokenizer"]["kind"] == "tiktoken":
+    tokenizer = {"kind": "tiktoken", "name": meta["tokenizer"]["name"]}
+else:
+    tokenizer = {"kind": "char", "chars": meta["chars"]}
+
+
+def save(path):
+    """Write a checkpoint (all ranks must call: the random states of every rank are gathered)."""
+    mine = {"rng": rng_states(), "data": [pending_data_state] + [g.get_state() for g in train_generators[1:]]}
+    everyone = [None] * world_size
+    if ddp:
+        dist.all_gather_object(everyone, mine)
+    else:
+        everyone = [mine]
+    if master:
+        save_checkpoint(path, {
+            "version": 1, "model": raw_model.state_dict(), "model_config": asdict(model_config),
+            "train_config": config, "iter_num": iter_num, "best_val_loss": best_val_loss,
+            "optimizer": optimizer.state_dict(), "scaler": scaler.state_dict() if scaler.is_enabled() else None,
+            "rng": {"ranks": [e["rng"] for e in everyone], "data": [s for e in everyone for s in e["data"]]},
+            "tokenizer": tokenizer, "dataset": meta})
+
+
+@torch.no_grad()
+def estimate_loss():
+    """Mean loss over eval_iters fixed batches per split, shared out among the ranks: batch k always has the
+    same seed, so successive evals compare like with like and the number of processes doesn't matter."""
+    model.eval()
+    losses = {}
+    for split_index, split in enumerate(("train", "val")):
+        total = torch.zeros(2, device=device)  # sum of batch losses, number of batches
+        for k in range(rank, eval_iters, world_size):
+            generator = torch.Generator().manual_seed(seed + 10**9 + 2 * k + split_index)  # apart from training's
+            x, y = get_batch(split, generator)
+            with autocast:
+                _, loss = model(x, y)
+            total += torch.stack([loss.float(), torch.ones((), device=device)])
+        if ddp:
+            dist.all_reduce(total)
+        losses[split] = (total[0] / total[1]).item()
+    model.train()
+    return losses
+
+
+def finite(number):
+    """JSON has no NaN: MFU is NaN where the device's peak is unknown (the CPU), and None in log.jsonl."""
+    return None if number is None or math.isnan(number) else number
+
+
+def percent(mfu):
+    return "n/a" if finite(mfu) is None else f"{mfu * 100:.1f}%"
+
+
+def log_json(record):
+    with open(os.path.join(out_dir, "log.jsonl"), "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+stop_signal = None
+
+
+def request_stop(signum, frame):
+    """SIGTERM (SLURM preemption, torchrun shutting down) or Ctrl-C: stop after this step, with a checkpoint."""
+    global stop_signal
+    if stop_signal == "SIGINT" and signum == signal.SIGINT:
+        raise KeyboardInterrupt  # Ctrl-C twice: stop now, without saving
+    stop_signal = signal.Signals(signum).name
+    if master:
+        print(f"{stop_signal}: finishing this step, then saving a checkpoint and exiting", flush=True)
+
+
+signal.signal(signal.SIGTERM, request_stop)
+signal.signal(signal.SIGINT, request_stop)
+if master:
+    print(f"model: {raw_model.get_num_params():,} parameters; {'resuming at iter ' + str(iter_num) if checkpoint else 'from scratch'}")
+    if checkpoint is None and os.path.exists(os.path.join(out_dir, "log.jsonl")):
+        os.remove(os.path.join(out_dir, "log.jsonl"))  # a new run, a new log
+    if wandb_log:
+        import wandb
+        wandb.init(project=wandb_project, name=wandb_run_name, config=config)
+checkpoint = None  # free its memory: everything is loaded
+
+# -----------------------------------------------------------------------------------------------------
+# the training loop. At the top of iteration iter_num, iter_num steps are done and the first micro-batch
+# of the next one is already drawn: that is the state a checkpoint records.
+x, y = next_train_batch(0)
+interval_start, interval_steps, eval_interval_seconds, eval_interval_steps = time.time(), 0, 0.0, 0
+while True:
+    lr = get_lr(iter_num)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    last_iter = iter_num >= max_iters
+    if iter_num % eval_interval == 0 or last_iter:
+        losses = estimate_loss()
+        # Speed over the training steps since the last eval (None before the first step).
+        tokens_per_sec = total_batch_size * eval_interval_steps / eval_interval_seconds if eval_interval_steps else None
+        mfu = raw_model.estimate_mfu(batch_size * grad_accum_steps, eval_interval_seconds / eval_interval_steps) if eval_interval_steps else None
+        if master:
+            print(f"eval iter {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}, lr {lr:.3g}, "
+                  f"{tokens_per_sec or 0:,.0f} tokens/s, mfu {percent(mfu)}", flush=True)
+            record = {"iter": iter_num, "tokens": iter_num * total_batch_size, "train_loss": losses["train"],
+                      "val_loss": losses["val"], "lr": lr, "tokens_per_sec": tokens_per_sec, "mfu": finite(mfu)}
+            log_json(record)
+            if wandb_log:
+                wandb.log(record, step=iter_num)
+        eval_interval_seconds, eval_interval_steps = 0.0, 0
+        improved = losses["val"] < best_val_loss
+        best_val_loss = min(best_val_loss, losses["val"])
+        if iter_num > 0 and (improved or always_save_checkpoint):
+            save(os.path.join(out_dir, "ckpt.pt"))
+        interval_start = time.time()  # evaluating is not training time
+    if iter_num in milestones and iter_num > 0:  # again after a resume at this iteration: the same state
+        save(os.path.join(out_dir, f"ckpt_{iter_num}.pt"))
+    if last_iter:
+        break
+
+    step_start = time.time()
+    step_loss = torch.zeros((), device=device)
+    for micro_step in range(grad_accum_steps):
+        if ddp:
+            # Gradients are averaged across ranks in the backward of the last micro-step only; before it,
+            # each rank just accumulates its own.
+            train_model.require_backward_grad_sync = micro_step == grad_accum_steps - 1
+        with autocast:
+            _, loss = train_model(x, y)
+            loss = loss / grad_accum_steps  # so the accumulated gradient is that of the mean over the step
+        step_loss += loss.detach()
+        x, y = next_train_batch((micro_step + 1) % grad_accum_steps)  # drawn while the GPU still computes
+        scaler.scale(loss).backward()
+    if grad_clip > 0:
+        scaler.unscale_(optimizer)
+        torch.nn.utils.clip_grad_norm_(raw_model.parameters(), grad_clip)
+    scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+    # One small all-reduce a step: the mean loss of the global batch, and whether any rank got a signal.
+    # Every rank must agree to stop at the same step, or the others would wait for it forever.
+    status = torch.stack([step_loss.float(), torch.tensor(float(stop_signal is not None), device=device)])
+    if ddp:
+        dist.all_reduce(status)
+    loss_sum, stop_votes = status.tolist()
+    step_loss_value = loss_sum / world_size
+    iter_num += 1
+    step_seconds = time.time() - step_start
+    eval_interval_seconds, eval_interval_steps = eval_interval_seconds + step_seconds, eval_interval_steps + 1
+    interval_steps += 1
+    if not math.isfinite(step_loss_value):
+        fail(f"the loss is {step_loss_value} at iter {iter_num}: training diverged. Lower learning_rate, lengthen "
+             f"warmup_iters, keep grad_clip on, or use bfloat16/float32 over float16; "
+             f"--init_from=resume restarts from the last checkpoint")
+    if iter_num % log_interval == 0 and master:
+        seconds = time.time() - interval_start
+        mfu = raw_model.estimate_mfu(batch_size * grad_accum_steps, seconds / interval_steps)
+        tokens_per_sec = total_batch_size * interval_steps / seconds
+        eta = (max_iters - iter_num) * seconds / interval_steps
+        print(f"iter {iter_num}: loss {step_loss_value:.4f}, {seconds / interval_steps * 1000:.1f} ms/step, "
+              f"{tokens_per_sec:,.0f} tokens/s, mfu {percent(mfu)}, eta {eta / 60:.1f} min", flush=True)
+        log_json({"iter": iter_num, "loss": step_loss_value, "lr": lr, "ms_per_step": seconds / interval_steps * 1000,
+                  "tokens_per_sec": tokens_per_sec, "mfu": finite(mfu)})
+    if iter_num % log_interval == 0:
+        interval_start, interval_steps = time.time(), 0
+    if stop_votes > 0:
+        save(os.path.join(out_dir, "ckpt.pt"))
+        if master:
+            print(f"stopped by {stop_signal or 'another rank'} after iter {iter_num}; {out_dir}/ckpt.pt saved: "
+                  f"go on with --init_from=resume", flush=True)
+        break
+
+if ddp:
+    dist.destroy_process_group()
