@@ -211,12 +211,11 @@ def first_chars(documents, num_chars):
     """The first num_chars characters of the stream, document by document; the last one is cut to fit."""
     remaining = num_chars
     for document in documents(num_chars):
-        if remaining <= 0:
-            return
-        if len(document) > remaining:
-            document = document[:remaining]
+        document = document[:remaining]
         remaining -= len(document)
         yield document
+        if remaining == 0:
+            return  # before the source is asked for one more document: it may be slow to fetch, or malformed
 
 
 # ---------------------------------------------------------------- the tokenizer

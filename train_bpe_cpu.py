@@ -182,12 +182,11 @@ def first_chars(documents, num_chars):
     """The first num_chars characters of the stream, document by document; the last one is cut to fit."""
     remaining = num_chars
     for document in documents(num_chars):
-        if remaining <= 0:
-            return
-        if len(document) > remaining:
-            document = document[:remaining]
+        document = document[:remaining]
         remaining -= len(document)
         yield document
+        if remaining == 0:
+            return  # before the source is asked for one more document: it may be slow to fetch, or malformed
 
 
 # ---------------------------------------------------------------- step 2: pre-tokenize and deduplicate
@@ -294,7 +293,7 @@ def train(chunk_counts, vocab_size):
     ids, prev_pos, next_pos, weight = build_symbols(chunk_counts)
     total_tokens = sum(weight)  # tokens of the training text before any merge: its UTF-8 bytes
     pair_counts, pair_positions = count_pairs(ids, next_pos, weight)
-    # A max-heap of (-count, left, right): the smallest (left, right) comes first among equal counts, which
+    # A max-heap of (-count, (left, right)): the smallest (left, right) comes first among equal counts, which
     # is exactly our tie-break. Counts change after every merge; rather than finding and fixing old entries,
     # we push the new count and skip entries that no longer match when they come out ("lazy deletion").
     heap = [(-count, pair) for pair, count in pair_counts.items()]
@@ -304,8 +303,8 @@ def train(chunk_counts, vocab_size):
     progress = tqdm(total=num_merges, unit="merge", desc="merging", mininterval=0.5)
     while len(merges) < num_merges and heap:
         negative_count, pair = heapq.heappop(heap)
-        if pair_counts.get(pair, 0) != -negative_count or negative_count == 0:
-            continue
+        if pair_counts.get(pair, 0) != -negative_count:
+            continue  # stale: the pair's count has changed since this entry was pushed
         new_id = 256 + len(merges)
         merges.append((pair, new_id))
         changed, tokens_saved = merge_pair(pair, new_id, ids, prev_pos, next_pos, weight, pair_counts, pair_positions)

@@ -194,12 +194,11 @@ def first_chars(documents, num_chars):
     """The first num_chars characters of the stream, document by document; the last one is cut to fit."""
     remaining = num_chars
     for document in documents(num_chars):
-        if remaining <= 0:
-            return
-        if len(document) > remaining:
-            document = document[:remaining]
+        document = document[:remaining]
         remaining -= len(document)
         yield document
+        if remaining == 0:
+            return  # before the source is asked for one more document: it may be slow to fetch, or malformed
 
 
 # ---------------------------------------------------------------- step 2: pre-tokenize and deduplicate
@@ -222,38 +221,37 @@ def count_chunks(documents, split_pattern, num_chars, workers=1):
     are in flight, so memory stays bounded however long the stream is: the reader waits for the counters."""
     chunk_counts = Counter()
     chars_read = 0
-    progress = tqdm(total=num_chars, unit="char", unit_scale=True, desc="reading", mininterval=0.5)
-    if workers <= 1:
-        for document in documents:
-            chunk_counts.update(split_pattern.findall(document))
-            chars_read += len(document)
-            progress.update(len(document))
-        progress.close()
-        return chunk_counts, chars_read
-    # fork starts a worker in milliseconds (spawn re-imports torch in each). A forked child could not use CUDA,
-    # but these only run the regex. macOS can't fork safely, so it spawns.
-    with multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn").Pool(workers) as pool:
-        in_flight = collections.deque()
-
-        def collect_oldest():
-            counts, batch_chars = in_flight.popleft()
-            chunk_counts.update(counts.get())
-            progress.update(batch_chars)
-
-        batch, batch_chars = [], 0
-        for document in itertools.chain(documents, [None]):
-            if document is not None:
-                batch.append(document)
-                batch_chars += len(document)
+    # A context manager closes the bar even when reading fails, so an error line starts on a line of its own.
+    with tqdm(total=num_chars, unit="char", unit_scale=True, desc="reading", mininterval=0.5) as progress:
+        if workers <= 1:
+            for document in documents:
+                chunk_counts.update(split_pattern.findall(document))
                 chars_read += len(document)
-            if batch and (document is None or batch_chars >= PARALLEL_BATCH_CHARS):
-                in_flight.append((pool.apply_async(count_batch, (split_pattern.pattern, batch)), batch_chars))
-                batch, batch_chars = [], 0
-                while len(in_flight) > 2 * workers:
-                    collect_oldest()
-        while in_flight:
-            collect_oldest()
-    progress.close()
+                progress.update(len(document))
+            return chunk_counts, chars_read
+        # fork starts a worker in milliseconds (spawn re-imports torch in each). A forked child could not use CUDA,
+        # but these only run the regex. macOS can't fork safely, so it spawns.
+        with multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn").Pool(workers) as pool:
+            in_flight = collections.deque()
+
+            def collect_oldest():
+                counts, batch_chars = in_flight.popleft()
+                chunk_counts.update(counts.get())
+                progress.update(batch_chars)
+
+            batch, batch_chars = [], 0
+            for document in itertools.chain(documents, [None]):
+                if document is not None:
+                    batch.append(document)
+                    batch_chars += len(document)
+                    chars_read += len(document)
+                if batch and (document is None or batch_chars >= PARALLEL_BATCH_CHARS):
+                    in_flight.append((pool.apply_async(count_batch, (split_pattern.pattern, batch)), batch_chars))
+                    batch, batch_chars = [], 0
+                    while len(in_flight) > 2 * workers:
+                        collect_oldest()
+            while in_flight:
+                collect_oldest()
     return chunk_counts, chars_read
 
 

@@ -202,12 +202,11 @@ def first_chars(documents, num_chars):
     """The first num_chars characters of the stream, document by document; the last one is cut to fit."""
     remaining = num_chars
     for document in documents(num_chars):
-        if remaining <= 0:
-            return
-        if len(document) > remaining:
-            document = document[:remaining]
+        document = document[:remaining]
         remaining -= len(document)
         yield document
+        if remaining == 0:
+            return  # before the source is asked for one more document: it may be slow to fetch, or malformed
 
 
 
@@ -284,24 +283,24 @@ def count_chunks(documents, split_pattern, share_chars, show_progress, pool=None
     """Split each document with the pattern and count distinct chunks. Chunks never cross documents."""
     chunk_counts = Counter()
     chars_read = 0
-    progress = tqdm(total=share_chars, unit="char", unit_scale=True, desc="reading (rank 0's share)",
-                    mininterval=0.5, disable=not show_progress)
-    if pool is None:
-        for document in documents:
-            chunk_counts.update(split_pattern.findall(document))
-            chars_read += len(document)
-            progress.update(len(document))
-    else:
-        pending = deque()
-        for batch, batch_chars in batches(documents):
-            pending.append(pool.apply_async(count_batch, (batch,)))
-            chars_read += batch_chars
-            progress.update(batch_chars)
-            while len(pending) > 2 * workers:
-                chunk_counts.update(pending.popleft().get())
-        for result in pending:
-            chunk_counts.update(result.get())
-    progress.close()
+    # A context manager closes the bar even when reading fails, so an error line starts on a line of its own.
+    with tqdm(total=share_chars, unit="char", unit_scale=True, desc="reading (rank 0's share)",
+              mininterval=0.5, disable=not show_progress) as progress:
+        if pool is None:
+            for document in documents:
+                chunk_counts.update(split_pattern.findall(document))
+                chars_read += len(document)
+                progress.update(len(document))
+        else:
+            pending = deque()
+            for batch, batch_chars in batches(documents):
+                pending.append(pool.apply_async(count_batch, (batch,)))
+                chars_read += batch_chars
+                progress.update(batch_chars)
+                while len(pending) > 2 * workers:
+                    chunk_counts.update(pending.popleft().get())
+            for result in pending:
+                chunk_counts.update(result.get())
     return chunk_counts, chars_read
 
 

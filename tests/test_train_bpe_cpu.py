@@ -153,6 +153,10 @@ def test_num_chars_cuts_the_stream_exactly(tmp_path):
     assert json.loads((tmp_path / "a" / "tokenizer.json").read_text())["num_chars"] == 5
     result = run_cli("--data", tmp_path / "d.jsonl", "-v", 260, "-n", 100, "--out", tmp_path / "b", cwd=tmp_path)
     assert result.returncode == 0 and "ran out after 9 characters" in result.stdout
+    # -n ending exactly at a document's end reads no further: a malformed line after it is never seen.
+    (tmp_path / "e.jsonl").write_text(json.dumps({"text": "abc"}) + "\nnot json\n")
+    result = run_cli("--data", tmp_path / "e.jsonl", "-v", 260, "-n", 3, "--out", tmp_path / "c", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
 
 
 def test_local_txt_jsonl_parquet_and_directory(tmp_path):

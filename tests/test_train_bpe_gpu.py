@@ -255,3 +255,13 @@ def test_device_cuda_without_gpu_is_one_line_suggesting_cpu(tmp_path):
     assert len(error_lines) == 1 and "--device cpu" in error_lines[0], result.stderr
     assert "Traceback" not in result.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_an_error_while_reading_is_a_line_of_its_own_on_the_command_line(tmp_path):
+    # The reading bar must be closed before the error is printed, or the error lands at the end of its line.
+    (tmp_path / "bad.jsonl").write_text('{"text": "fine"}\n[1, 2]\n')
+    result = run_cli(SCRIPT, "--data", tmp_path / "bad.jsonl", "--device", "cpu", "--out", tmp_path / "out", cwd=tmp_path)
+    assert result.returncode != 0
+    error_lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(error_lines) == 1 and "is not a JSON object" in error_lines[0], result.stderr
+    assert not (tmp_path / "out").exists()
