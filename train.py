@@ -61,6 +61,7 @@ n_kv_head = 8                    # key/value heads shared by the query heads (gr
 n_embd = 512
 dropout = 0.0
 # optimizer: AdamW; learning rate warms up linearly, follows a cosine down to min_lr, then stays flat
+muon = False                     # Muon for the matrices in the blocks, AdamW for the rest (model.MuonAdamW)
 learning_rate = 1e-3
 min_lr = 1e-4
 max_iters = 20000                # optimizer steps in all
@@ -213,6 +214,9 @@ if init_from == "resume":
                 print(f"note: resuming keeps the checkpoint's {key}={value!r} (not {globals()[key]!r})")
         if key in defaults:
             globals()[key] = value
+    if checkpoint.get("train_config", {}).get("muon", False) != muon:
+        fail(f"{out_dir}/ckpt.pt was trained with muon={not muon}: resume with --muon={not muon}, or the optimizer "
+             f"state will not fit")
 if vocab_size is None:
     vocab_size = meta["vocab_size"]
 if vocab_size < meta["vocab_size"] or meta["max_token_id"] >= vocab_size:
@@ -317,7 +321,8 @@ raw_model = GPT(model_config)  # the plain module: its state_dict has no "_orig_
 if checkpoint is not None:
     raw_model.load_state_dict(checkpoint["model"])
 raw_model.to(device)
-optimizer = raw_model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), device_type)
+optimizer = raw_model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), device_type,
+                                           "muon" if muon else "adamw")
 # float16 has too little range for small gradients: the scaler multiplies the loss first, and skips a
 # step whose gradients overflowed. bfloat16 and float32 need none of it.
 scaler = torch.amp.GradScaler("cuda" if device_type == "cuda" else "cpu", enabled=dtype == "float16")
