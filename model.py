@@ -36,7 +36,8 @@ class GPTConfig:
     rope_theta: float = 10000.0  # base of the rotary frequencies
     norm_eps: float = 1e-5
     ffn_hidden: int = 0          # SwiGLU hidden size; 0 = the rule below
-    ffn_multiple_of: int = 128   # the rule: 8/3 * n_embd rounded up to a multiple of this
+    ffn_ratio: float = 8 / 3     # the rule: ffn_ratio * n_embd rounded up to a multiple of ffn_multiple_of
+    ffn_multiple_of: int = 128
     dropout: float = 0.0         # pretraining on lots of data does not need it
     bias: bool = False           # biases in the Linear layers; off, like Llama
 
@@ -47,7 +48,7 @@ class GPTConfig:
         # all; rounding to 256 would give 1536 and 42.0M.
         if self.ffn_hidden:
             return self.ffn_hidden
-        return self.ffn_multiple_of * math.ceil(8 * self.n_embd / 3 / self.ffn_multiple_of)
+        return self.ffn_multiple_of * math.ceil(self.ffn_ratio * self.n_embd / self.ffn_multiple_of)
 
 
 class RMSNorm(nn.Module):
@@ -373,7 +374,7 @@ def orthogonalize(matrices, steps=5):
     x = matrices.bfloat16()
     wide = x.size(-2) <= x.size(-1)
     if not wide:  # work on the wide orientation: X X^T is then the smaller square
-        x = x.mT
+        x = x.mT.contiguous()
     x = x / (x.norm(dim=(-2, -1), keepdim=True) + 1e-7)  # all singular values <= the Frobenius norm = 1
     for _ in range(steps):
         gram = x @ x.mT
@@ -411,19 +412,25 @@ class MuonAdamW(torch.optim.Optimizer):
 
     def _muon_step(self, group, params):
         lr, momentum = group["lr"], group["momentum"]
-        # Matrices of one shape are orthogonalized together, as one batched matmul per Newton-Schulz step.
+        # Matrices of one shape are orthogonalized together, as one batched matmul per Newton-Schulz step; a tall
+        # matrix joins the wide ones of its transposed shape (the orthogonal factor of W^T is that of W, transposed).
         by_shape = {}
         for p in params:
-            by_shape.setdefault(p.shape, []).append(p)
-        for shape, same_shape in by_shape.items():
+            by_shape.setdefault((min(p.shape), max(p.shape)), []).append(p)
+        for (rows, cols), same_shape in by_shape.items():
             grads = [p.grad for p in same_shape]
-            buffers = [self.state[p].setdefault("momentum_buffer", torch.zeros_like(p)) for p in same_shape]
+            for p in same_shape:
+                if "momentum_buffer" not in self.state[p]:
+                    self.state[p]["momentum_buffer"] = torch.zeros_like(p)
+            buffers = [self.state[p]["momentum_buffer"] for p in same_shape]
             torch._foreach_lerp_(buffers, grads, 1 - momentum)  # buffer = momentum-weighted mean of gradients
             # Nesterov: step along the gradient plus the buffer, i.e. where the momentum is about to take us.
             nesterov = torch._foreach_lerp(grads, buffers, momentum)
-            directions = orthogonalize(torch.stack(nesterov), group["ns_steps"]).to(same_shape[0].dtype)
+            wide = torch.stack([g if g.size(0) == rows else g.mT for g in nesterov])
+            directions = orthogonalize(wide, group["ns_steps"]).to(same_shape[0].dtype).unbind(0)
+            directions = [d if p.size(0) == rows else d.mT for d, p in zip(directions, same_shape)]
             torch._foreach_mul_(same_shape, 1 - lr * group["weight_decay"])
-            torch._foreach_add_(same_shape, directions.unbind(0), alpha=-lr * 0.2 * max(shape) ** 0.5)
+            torch._foreach_add_(same_shape, directions, alpha=-lr * 0.2 * cols ** 0.5)
 
     def _adamw_step(self, group, params):
         lr, (beta1, beta2), eps = group["lr"], group["betas"], group["eps"]

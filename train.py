@@ -59,6 +59,7 @@ n_layer = 12
 n_head = 16
 n_kv_head = 8                    # key/value heads shared by the query heads (grouped-query attention); None: n_head
 n_embd = 512
+ffn_ratio = 8 / 3                # SwiGLU hidden size / n_embd (rounded up to a multiple of 128); 8/3 keeps GPT-2's size
 dropout = 0.0
 # optimizer: AdamW; learning rate warms up linearly, follows a cosine down to min_lr, then stays flat
 muon = False                     # Muon for the matrices in the blocks, AdamW for the rest (model.MuonAdamW)

@@ -333,18 +333,21 @@ def test_orthogonalize_is_close_to_the_svd_polar_factor(shape):
 
 
 def test_muon_step_is_the_scaled_orthogonal_direction():
+    # A wide and a tall matrix, orthogonalized together in one batch (the tall one transposed).
     torch.manual_seed(0)
-    weight = torch.nn.Parameter(torch.randn(8, 24))
-    start = weight.detach().clone()
-    weight.grad = torch.randn(8, 24)
+    weights = [torch.nn.Parameter(torch.randn(8, 24)), torch.nn.Parameter(torch.randn(24, 8))]
+    starts = [w.detach().clone() for w in weights]
+    for w in weights:
+        w.grad = torch.randn_like(w)
     lr, weight_decay = 0.1, 0.5
-    optimizer = MuonAdamW([{"params": [weight], "use_muon": True, "weight_decay": weight_decay}], lr=lr, momentum=0.0)
+    optimizer = MuonAdamW([{"params": weights, "use_muon": True, "weight_decay": weight_decay}], lr=lr, momentum=0.0)
     optimizer.step()
-    # With no momentum the direction is the gradient's; decay shrinks the weight first; RMS 0.2 x lr.
-    step = (start * (1 - lr * weight_decay) - weight.detach()) / (lr * 0.2 * 24 ** 0.5)
-    u, _, vh = torch.linalg.svd(weight.grad, full_matrices=False)
-    assert F.cosine_similarity(step.flatten(), (u @ vh).flatten(), dim=0) > 0.97
-    assert 0.15 < (weight.detach() - start * (1 - lr * weight_decay)).pow(2).mean().sqrt() / lr < 0.25
+    for weight, start in zip(weights, starts):
+        # With no momentum the direction is the gradient's; decay shrinks the weight first; RMS 0.2 x lr.
+        step = start * (1 - lr * weight_decay) - weight.detach()
+        u, _, vh = torch.linalg.svd(weight.grad, full_matrices=False)
+        assert F.cosine_similarity(step.flatten(), (u @ vh).flatten(), dim=0) > 0.97
+        assert 0.15 < step.pow(2).mean().sqrt() / lr < 0.25
 
 
 def test_muon_momentum_is_nesterov():
