@@ -67,21 +67,24 @@ class RMSNorm(nn.Module):
 
 
 def rope_tables(head_dim, length, theta):
-    """cos and sin of the rotation angle of every (position, frequency) pair: two (length, head_dim/2) tables."""
+    """The rotation of every (position, channel), as two (length, head_dim) tables laid out for apply_rope: the
+    cosines repeated for both halves of the channels, and the sines with the first half negated."""
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
-    angles = torch.outer(torch.arange(length, dtype=torch.float32), inv_freq)
-    return angles.cos(), angles.sin()
+    angles = torch.outer(torch.arange(length, dtype=torch.float32), inv_freq)  # (length, head_dim/2)
+    cos, sin = angles.cos(), angles.sin()
+    return torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)
 
 
 def apply_rope(x, cos, sin):
     # Why rotary embeddings over GPT-2's learned absolute ones: rotating query and key channel pairs by an
     # angle proportional to the position makes q.k depend only on the distance between the two tokens, with no
     # parameters. Pairs here are (i, i + head_dim/2) ("rotate half"); any fixed pairing has the same property.
-    # x: (B, heads, T, head_dim); cos, sin: (T, head_dim/2)
-    x1, x2 = x.float().chunk(2, dim=-1)
-    cos, sin = cos.float(), sin.float()
-    rotated = torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
-    return rotated.type_as(x)
+    # The pair (x1, x2) becomes (x1 cos - x2 sin, x2 cos + x1 sin): that is x * cos + (x2, x1) * sin with the
+    # sign in the sin table, 4 ops instead of 7 (a tenth of a CPU training step), and the same bits.
+    # x: (B, heads, T, head_dim); cos, sin: (T, head_dim) from rope_tables
+    x_float = x.float()
+    x1, x2 = x_float.chunk(2, dim=-1)
+    return (x_float * cos + torch.cat([x2, x1], dim=-1) * sin).type_as(x)
 
 
 def _sdpa_has_gqa():
@@ -433,18 +436,25 @@ class MuonAdamW(torch.optim.Optimizer):
             torch._foreach_add_(same_shape, directions, alpha=-lr * 0.2 * cols ** 0.5)
 
     def _adamw_step(self, group, params):
+        # AdamW, on whole lists of tensors at once (torch._foreach_*: one call per line, not one per tensor).
         lr, (beta1, beta2), eps = group["lr"], group["betas"], group["eps"]
         for p in params:
-            state = self.state[p]
-            if not state:
-                state["step"], state["exp_avg"], state["exp_avg_sq"] = 0, torch.zeros_like(p), torch.zeros_like(p)
-            state["step"] += 1
-            state["exp_avg"].lerp_(p.grad, 1 - beta1)
-            state["exp_avg_sq"].mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
-            # Both averages start at 0 and are biased toward it for the first ~1/(1 - beta) steps: divide it out.
-            denominator = (state["exp_avg_sq"] / (1 - beta2 ** state["step"])).sqrt_().add_(eps)
-            p.mul_(1 - lr * group["weight_decay"])
-            p.addcdiv_(state["exp_avg"], denominator, value=-lr / (1 - beta1 ** state["step"]))
+            if not self.state[p]:
+                self.state[p].update(step=0, exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
+            self.state[p]["step"] += 1
+        step = self.state[params[0]]["step"]  # the group's tensors are stepped together
+        grads = [p.grad for p in params]
+        exp_avgs = [self.state[p]["exp_avg"] for p in params]
+        exp_avg_sqs = [self.state[p]["exp_avg_sq"] for p in params]
+        torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)  # running means of the gradient and its square
+        torch._foreach_mul_(exp_avg_sqs, beta2)
+        torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
+        # Both averages start at 0 and are biased toward it for the first ~1/(1 - beta) steps: divide it out.
+        denominators = torch._foreach_div(exp_avg_sqs, 1 - beta2 ** step)
+        torch._foreach_sqrt_(denominators)
+        torch._foreach_add_(denominators, eps)
+        torch._foreach_mul_(params, 1 - lr * group["weight_decay"])
+        torch._foreach_addcdiv_(params, exp_avgs, denominators, value=-lr / (1 - beta1 ** step))
 
 def top_k_filter(logits, k):
     """Set every logit below the k-th largest to -inf (ties with the k-th are kept)."""

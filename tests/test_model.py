@@ -79,6 +79,20 @@ def test_rope_scores_depend_only_on_relative_position(q_pos, k_pos, shift, seed)
         assert score(q_pos, k_pos) != pytest.approx(score(q_pos, q_pos), rel=1e-6, abs=1e-6)
 
 
+
+def test_apply_rope_is_the_rotate_half_formula_bit_for_bit():
+    # The tables fold the sign into sin; the result must be exactly (x1 cos - x2 sin, x2 cos + x1 sin) with the
+    # angles position * theta^(-2i/head_dim), computed here from scratch.
+    head_dim, length = 8, 5
+    x = torch.randn(2, 3, length, head_dim, generator=torch.Generator().manual_seed(7))
+    cos, sin = rope_tables(head_dim, length, theta=10000.0)
+    angles = torch.outer(torch.arange(length, dtype=torch.float32),
+                         1.0 / 10000.0 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    x1, x2 = x[..., :head_dim // 2], x[..., head_dim // 2:]
+    expected = torch.cat([x1 * angles.cos() - x2 * angles.sin(), x1 * angles.sin() + x2 * angles.cos()], dim=-1)
+    assert torch.equal(apply_rope(x, cos, sin), expected)
+    assert apply_rope(x.bfloat16(), cos, sin).dtype == torch.bfloat16
+
 def hand_attention(attn, x, cos, sin):
     """Causal multi-head attention written out: per-head softmax(q k^T / sqrt(d) + causal mask) v. A key/value
     head serves query heads h with h // (n_head / n_kv_head) equal to it."""
@@ -105,6 +119,14 @@ def test_attention_equals_multi_head_attention_by_hand(n_kv_head):
     cos, sin = model.rope_cos[:11], model.rope_sin[:11]
     torch.testing.assert_close(attn(x, cos, sin), hand_attention(attn, x, cos, sin), rtol=1e-5, atol=1e-6)
 
+
+@pytest.mark.parametrize("ratio, n_embd, hidden", [(8 / 3, 128, 384), (8 / 3, 768, 2048), (2.0, 128, 256),
+                                                   (2.0, 384, 768), (4.0, 100, 512)])
+def test_ffn_ratio_rounds_up_to_a_multiple_of_128(ratio, n_embd, hidden):
+    config = GPTConfig(n_embd=n_embd, n_head=4, n_kv_head=2, ffn_ratio=ratio)
+    assert config.ffn_hidden_size == hidden
+    small = tiny_config(ffn_ratio=ratio)
+    assert GPT(small).transformer.h[0].mlp.c_up.out_features == small.ffn_hidden_size
 
 def test_lillm_parameter_count_matches_the_architecture_formula():
     config = GPTConfig()

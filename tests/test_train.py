@@ -227,10 +227,12 @@ def test_slurm_variables_two_processes_equal_one(dataset, tmp_path, one_process)
 # -----------------------------------------------------------------------------------------------------
 # resume and preemption
 
-def test_resume_continues_exactly(dataset, tmp_path):
-    # Dropout and 2 micro-steps, so the torch RNG and both data generators must come back as they were.
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_resume_continues_exactly(dataset, tmp_path, optimizer):
+    # Dropout and 2 micro-steps, so the torch RNG and both data generators must come back as they were; with
+    # Muon, its momentum buffers and the AdamW moments of the other tensors too.
     args = ["--dropout=0.1", "--total_batch_size=256", "--eval_interval=4", "--lr_decay_iters=12",
-            "--always_save_checkpoint=True"]
+            "--always_save_checkpoint=True", f"--muon={optimizer == 'muon'}"]
     train(dataset, tmp_path / "whole", *args, "--max_iters=12", "--milestones=[4,10]")
     train(dataset, tmp_path / "halves", *args, "--max_iters=6")
     assert load(tmp_path / "halves" / "ckpt.pt")["iter_num"] == 6
@@ -245,6 +247,12 @@ def test_resume_continues_exactly(dataset, tmp_path):
     assert all(torch.equal(whole["model"][k], halves["model"][k]) for k in whole["model"])
     # Milestone copies, kept beside ckpt.pt at the iterations asked for.
     assert [load(tmp_path / "whole" / f"ckpt_{it}.pt")["iter_num"] for it in (4, 10)] == [4, 10]
+    # Resuming with the other optimizer is refused in one line: its state would not fit.
+    result = subprocess.run([sys.executable, TRAIN, f"--dataset={dataset}", f"--out_dir={tmp_path / 'whole'}", *TINY,
+                             *args, "--max_iters=14", "--init_from=resume", f"--muon={optimizer != 'muon'}"],
+                            capture_output=True, text=True, env=ENV, timeout=120, cwd=tmp_path)
+    assert result.returncode == 1 and result.stderr.count("\n") == 1
+    assert f"was trained with muon={optimizer == 'muon'}" in result.stderr
 
 
 def test_sigterm_finishes_the_step_saves_and_exits_cleanly(dataset, tmp_path):
