@@ -392,7 +392,8 @@ class MuonAdamW(torch.optim.Optimizer):
     Why Muon (Jordan et al. 2024, used by modded-nanogpt and nanochat): the gradient of a weight matrix is
     dominated by a few directions, and AdamW's step follows them. Muon takes the momentum of each matrix and
     replaces it with its nearest orthogonal matrix: the same directions, all moved by the same amount. On the CPU
-    Shakespeare recipe (bench/bench_train.py) it reaches in 2000 steps the val loss AdamW reaches in ~4000.
+    Shakespeare recipe (bench/bench_train.py) it reaches val loss 1.56 in 2000 steps where AdamW reaches 1.68;
+    AdamW needs steps of twice the tokens to match it.
     The embedding, the output head and the gains are not hidden-layer matrices, and AdamW suits them better.
 
     The orthogonal step has entries of size 1/sqrt(max(rows, cols)); scaling it by 0.2 * sqrt(max(rows, cols))
