@@ -3,7 +3,8 @@ lilLM's model: a Llama-3-style GPT in one file, shared by train.py and sample.py
 
 Compared with GPT-2 (nanoGPT), it swaps in the parts that later models settled on: RMSNorm, rotary position
 embeddings, a SwiGLU MLP and grouped-query attention, with tied input/output embeddings and no biases.
-It also holds a KV cache for generation and the checkpoint format (save_checkpoint / load_checkpoint).
+It also holds a KV cache for generation, the Muon optimizer (MuonAdamW, which train.py's --muon=True picks)
+and the checkpoint format (save_checkpoint / load_checkpoint).
 
     from model import GPTConfig, GPT
     model = GPT(GPTConfig())                              # the lilLM preset, 39,596,544 parameters
@@ -363,6 +364,38 @@ class GPT(nn.Module):
 
 
 
+def top_k_filter(logits, k):
+    """Set every logit below the k-th largest to -inf (ties with the k-th are kept)."""
+    k = min(k, logits.size(-1))
+    kth_largest = torch.topk(logits, k, dim=-1).values[..., -1:]
+    return logits.masked_fill(logits < kth_largest, float("-inf"))
+
+
+def top_p_filter(logits, p):
+    """Nucleus filtering: keep the smallest set of most likely tokens whose probabilities sum to at least p
+    (always at least the most likely one); set the others to -inf."""
+    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+    sorted_probs = F.softmax(sorted_logits.float(), dim=-1)
+    mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs  # probability of the tokens ranked above
+    remove_sorted = mass_before >= p  # the set already reached p without this token
+    remove_sorted[..., 0] = False
+    remove = torch.zeros_like(remove_sorted).scatter(-1, order, remove_sorted)
+    return logits.masked_fill(remove, float("-inf"))
+
+
+def sample_next_token(logits, temperature=1.0, top_k=None, top_p=None, generator=None):
+    """logits (B, vocab) -> next token ids (B, 1). temperature <= 0 (or None) means greedy: the argmax."""
+    if temperature is None or temperature <= 0:
+        return torch.argmax(logits, dim=-1, keepdim=True)
+    logits = logits.float() / temperature
+    if top_k is not None and top_k > 0:
+        logits = top_k_filter(logits, top_k)
+    if top_p is not None and top_p < 1.0:
+        logits = top_p_filter(logits, top_p)
+    probs = F.softmax(logits, dim=-1)
+    return torch.multinomial(probs, num_samples=1, generator=generator)
+
+
 # ---- the Muon optimizer ----
 
 def orthogonalize(matrices, steps=5):
@@ -371,8 +404,8 @@ def orthogonalize(matrices, steps=5):
 
     Each step maps X to a X + b (X X^T) X + c (X X^T)^2 X, an odd polynomial that acts on every singular value
     alone: p(s) = a s + b s^3 + c s^5. The coefficients (Keller Jordan's, for Muon) make p steep at 0 and keep it
-    near 1 beyond, so five steps take any singular value in (0, 1] close to 1. Only matmuls: fast in bfloat16,
-    unlike an SVD."""
+    near 1 beyond, so five steps take every singular value from 0.003 to 1 (after the division by the Frobenius
+    norm) into about 0.7..1.2; smaller ones grow, but less. Only matmuls: fast in bfloat16, unlike an SVD."""
     a, b, c = 3.4445, -4.7750, 2.0315
     x = matrices.bfloat16()
     wide = x.size(-2) <= x.size(-1)
@@ -456,37 +489,6 @@ class MuonAdamW(torch.optim.Optimizer):
         torch._foreach_add_(denominators, eps)
         torch._foreach_mul_(params, 1 - lr * group["weight_decay"])
         torch._foreach_addcdiv_(params, exp_avgs, denominators, value=-lr / (1 - beta1 ** step))
-
-def top_k_filter(logits, k):
-    """Set every logit below the k-th largest to -inf (ties with the k-th are kept)."""
-    k = min(k, logits.size(-1))
-    kth_largest = torch.topk(logits, k, dim=-1).values[..., -1:]
-    return logits.masked_fill(logits < kth_largest, float("-inf"))
-
-
-def top_p_filter(logits, p):
-    """Nucleus filtering: keep the smallest set of most likely tokens whose probabilities sum to at least p
-    (always at least the most likely one); set the others to -inf."""
-    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-    sorted_probs = F.softmax(sorted_logits.float(), dim=-1)
-    mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs  # probability of the tokens ranked above
-    remove_sorted = mass_before >= p  # the set already reached p without this token
-    remove_sorted[..., 0] = False
-    remove = torch.zeros_like(remove_sorted).scatter(-1, order, remove_sorted)
-    return logits.masked_fill(remove, float("-inf"))
-
-
-def sample_next_token(logits, temperature=1.0, top_k=None, top_p=None, generator=None):
-    """logits (B, vocab) -> next token ids (B, 1). temperature <= 0 (or None) means greedy: the argmax."""
-    if temperature is None or temperature <= 0:
-        return torch.argmax(logits, dim=-1, keepdim=True)
-    logits = logits.float() / temperature
-    if top_k is not None and top_k > 0:
-        logits = top_k_filter(logits, top_k)
-    if top_p is not None and top_p < 1.0:
-        logits = top_p_filter(logits, top_p)
-    probs = F.softmax(logits, dim=-1)
-    return torch.multinomial(probs, num_samples=1, generator=generator)
 
 
 # ---- peak FLOP/s of the device, for MFU ----

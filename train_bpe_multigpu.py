@@ -821,6 +821,10 @@ if __name__ == "__main__":
     except UserError as error:
         say(f"error: {error}", file=sys.stderr)
         exit_code = 1
+        if RANK != 0:
+            # Every rank stops on the same error, but only rank 0 says it. torchrun stops all ranks as soon as one
+            # fails: were this rank first, rank 0 could be stopped before printing (seen once under load).
+            time.sleep(5)
     except RuntimeError as error:
         # gloo reports a timeout or a closed socket as a plain RuntimeError, NCCL as a DistError: both name
         # their transport. Anything else is a bug, and keeps its traceback.
