@@ -248,11 +248,12 @@ class GPT(nn.Module):
             loss = None
         return logits, loss
 
-    def configure_optimizers(self, weight_decay, learning_rate, betas, device_type, optimizer="adamw"):
+    def configure_optimizers(self, weight_decay, learning_rate, betas, device_type, optimizer="adamw", verbose=True):
         """optimizer="adamw": AdamW with weight decay on the matrices (2+ dims: Linear weights, the embedding) and
         none on the 1-D tensors (norm gains, biases): decaying a gain toward 0 only fights the norm.
         optimizer="muon": Muon for the matrices inside the blocks, AdamW for the embedding and the gains (MuonAdamW
-        below); one learning rate serves both."""
+        below); one learning rate serves both. verbose=False keeps it quiet (train.py's ranks other than 0)."""
+        log = print if verbose else (lambda *args, **kwargs: None)
         params = [p for p in self.parameters() if p.requires_grad]
         if optimizer == "muon":
             block_matrices = [p for p in self.transformer.h.parameters() if p.requires_grad and p.dim() == 2]
@@ -261,7 +262,7 @@ class GPT(nn.Module):
             groups = [{"params": block_matrices, "weight_decay": weight_decay, "use_muon": True},
                       {"params": [p for p in others if p.dim() >= 2], "weight_decay": weight_decay},
                       {"params": [p for p in others if p.dim() < 2], "weight_decay": 0.0}]
-            print(f"optimizer: Muon for {len(block_matrices)} matrices in the blocks "
+            log(f"optimizer: Muon for {len(block_matrices)} matrices in the blocks "
                   f"({sum(p.numel() for p in block_matrices):,} params), AdamW for {len(others)} other tensors "
                   f"({sum(p.numel() for p in others):,} params)")
             return MuonAdamW(groups, lr=learning_rate, betas=betas)
@@ -270,7 +271,7 @@ class GPT(nn.Module):
         decay = [p for p in params if p.dim() >= 2]
         no_decay = [p for p in params if p.dim() < 2]
         groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-        print(f"optimizer: {len(decay)} decayed tensors ({sum(p.numel() for p in decay):,} params), "
+        log(f"optimizer: {len(decay)} decayed tensors ({sum(p.numel() for p in decay):,} params), "
               f"{len(no_decay)} not decayed ({sum(p.numel() for p in no_decay):,} params)")
         # The fused kernel does the whole update in one launch instead of a dozen per tensor. torch < 2.0 has no
         # `fused` argument (the V100 machine with torch 1.13), and some devices lack the kernel: fall back.
@@ -279,11 +280,11 @@ class GPT(nn.Module):
             try:
                 optimizer = torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=True)
             except (RuntimeError, TypeError, ValueError) as err:
-                print(f"optimizer: fused AdamW unavailable here ({str(err).splitlines()[0]}), using the default")
+                log(f"optimizer: fused AdamW unavailable here ({str(err).splitlines()[0]}), using the default")
         fused = optimizer is not None
         if optimizer is None:
             optimizer = torch.optim.AdamW(groups, lr=learning_rate, betas=betas)
-        print(f"optimizer: using fused AdamW: {fused}")
+        log(f"optimizer: using fused AdamW: {fused}")
         return optimizer
 
     def estimate_mfu(self, fwdbwd_per_iter, dt):

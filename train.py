@@ -323,7 +323,7 @@ if checkpoint is not None:
     raw_model.load_state_dict(checkpoint["model"])
 raw_model.to(device)
 optimizer = raw_model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), device_type,
-                                           "muon" if muon else "adamw")
+                                           "muon" if muon else "adamw", verbose=master)
 # float16 has too little range for small gradients: the scaler multiplies the loss first, and skips a
 # step whose gradients overflowed. bfloat16 and float32 need none of it.
 scaler = torch.amp.GradScaler("cuda" if device_type == "cuda" else "cpu", enabled=dtype == "float16")

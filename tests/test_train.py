@@ -204,7 +204,7 @@ def test_torchrun_two_processes_equal_one(dataset, tmp_path, one_process):
                             capture_output=True, text=True, env=ENV, timeout=240, cwd=tmp_path)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "2 process(es)" in result.stdout
-    assert result.stdout.count("eval iter 8:") == 1  # rank 1 prints nothing
+    assert result.stdout.count("eval iter 8:") == 1 and result.stdout.count("optimizer:") == 2  # rank 1: nothing
     assert_same_losses(out_dir, one_process)
 
 
