@@ -26,6 +26,7 @@ import socket
 import sys
 import sysconfig
 import time
+import urllib.parse
 from collections import Counter
 from pathlib import Path
 
@@ -42,151 +43,14 @@ out = None  # output directory; default tokenizers/<source>_v<vocab_size>
 # and whitespace, so that merges never glue a word to the punctuation or the space after it.
 pattern = r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]++[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+"""
 EOT = "<|endoftext|>"
-HUB_DATASETS = {"fineweb": "HuggingFaceFW/fineweb", "fineweb-edu": "HuggingFaceFW/fineweb-edu"}
+HUB_DATASETS = {"fineweb": ("HuggingFaceFW/fineweb", "sample-10BT", None),  # (repository, config, parquet files)
+                "fineweb-edu": ("HuggingFaceFW/fineweb-edu", "sample-10BT", None)}
 LOCAL_SUFFIXES = (".txt", ".jsonl", ".parquet")
 # -----------------------------------------------------------------------------
 
 
 class UserError(Exception):
     """A mistake in the input: printed as one line, never as a traceback."""
-
-
-# ---------------------------------------------------------------- step 1: reading text
-
-
-def hub_reachable(timeout=3.0):
-    """`datasets` retries an unreachable Hub for ~25 s with a screenful of warnings; a socket says it in 3."""
-    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0"):
-        return False
-    try:
-        socket.create_connection(("huggingface.co", 443), timeout=timeout).close()
-        return True
-    except OSError:
-        return False
-
-
-def stream_hub(name):
-    """FineWeb's sample-10BT, streamed: documents arrive as we read them, nothing is downloaded whole."""
-    import datasets
-
-    try:
-        rows = datasets.load_dataset(HUB_DATASETS[name], name="sample-10BT", split="train", streaming=True)
-    except Exception as error:  # the Hub answered, but not with the dataset: say why in one line
-        raise UserError(f"can't open {HUB_DATASETS[name]} ({type(error).__name__}: {str(error).splitlines()[0]}); "
-                        "use local files: --data path/to/files")
-    for row in rows:
-        yield row["text"]
-
-
-def stdlib_documents():
-    """The offline corpus: every .py file of the standard library, one document each, in sorted order.
-    Several MB of real, human-written code and docstrings, on every machine that runs this script."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    for path in sorted(root.rglob("*.py")):
-        if "site-packages" in path.parts:
-            continue
-        yield path.read_text(encoding="utf-8", errors="replace")
-
-
-class BadUTF8:
-    """Counts the invalid UTF-8 sequences replaced with U+FFFD, so we can warn once at the end."""
-    count = 0
-
-
-def decode_utf8(raw, decoder=None, final=True):
-    """Decode, replacing invalid bytes. A real U+FFFD in the input is not counted as a replacement."""
-    text = decoder.decode(raw, final) if decoder else raw.decode("utf-8", errors="replace")
-    if "\ufffd" in text:
-        BadUTF8.count += text.count("\ufffd") - raw.count("\ufffd".encode())
-    return text
-
-
-def read_txt(path, budget):
-    """A .txt file is one document; read no more of it than the character budget needs."""
-    # An incremental decoder holds back a multi-byte character cut at the end of a block instead of
-    # replacing it; only truly invalid bytes become U+FFFD.
-    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-    pieces, have = [], 0
-    with open(path, "rb") as f:
-        while have < budget:
-            block = f.read(1 << 24)
-            pieces.append(decode_utf8(block, decoder, final=not block))
-            have += len(pieces[-1])
-            if not block:
-                break
-    yield "".join(pieces)[:budget]
-
-
-def read_jsonl(path):
-    with open(path, "rb") as f:
-        for line_number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(decode_utf8(line))
-                yield record["text"]
-            except (json.JSONDecodeError, KeyError, TypeError):
-                raise UserError(f"{path}:{line_number} is not a JSON object with a \"text\" field; "
-                                "each line of a .jsonl file must look like {\"text\": \"...\"}")
-
-
-def read_parquet(path):
-    """Parquet goes through `datasets`, the same streaming code that reads FineWeb from the Hub."""
-    import datasets
-
-    rows = datasets.load_dataset("parquet", data_files=str(path), split="train", streaming=True)
-    for row in rows:
-        if "text" not in row:
-            raise UserError(f"{path} has no \"text\" column (columns: {', '.join(row)})")
-        yield row["text"]
-
-
-def local_files(path):
-    path = Path(path)
-    if path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.suffix in LOCAL_SUFFIXES and p.is_file())
-        if not files:
-            raise UserError(f"{path} holds no .txt, .jsonl or .parquet files; point --data at text files")
-        return files
-    if path.suffix not in LOCAL_SUFFIXES:
-        raise UserError(f"--data {path}: unknown file type; use a .txt, .jsonl or .parquet file, a directory, "
-                        "or fineweb / fineweb-edu")
-    return [path]
-
-
-def open_source(data, data_was_named):
-    """Returns (documents, name, description). `documents(budget)` yields documents as strings."""
-    if data in HUB_DATASETS:
-        if hub_reachable():
-            return (lambda budget: stream_hub(data)), data, f"{HUB_DATASETS[data]} sample-10BT"
-        if data_was_named:
-            raise UserError(f"can't reach the Hugging Face Hub for --data {data}; "
-                            "train on local files instead: --data path/to/files")
-        print(f"can't reach the Hugging Face Hub for {data}: using the offline corpus, the Python standard library's source")
-        return (lambda budget: stdlib_documents()), "stdlib", "Python standard library source (offline fallback)"
-    if not Path(data).exists():
-        raise UserError(f"--data {data}: no such file or directory; give a .txt/.jsonl/.parquet path, "
-                        "a directory of them, or fineweb / fineweb-edu")
-    files = local_files(data)
-    readers = {".txt": read_txt, ".jsonl": lambda path, budget: read_jsonl(path),
-               ".parquet": lambda path, budget: read_parquet(path)}
-
-    def documents(budget):
-        for path in files:
-            yield from readers[path.suffix](path, budget)
-
-    return documents, Path(data).stem, str(data)
-
-
-def first_chars(documents, num_chars):
-    """The first num_chars characters of the stream, document by document; the last one is cut to fit."""
-    remaining = num_chars
-    for document in documents(num_chars):
-        document = document[:remaining]
-        remaining -= len(document)
-        yield document
-        if remaining == 0:
-            return  # before the source is asked for one more document: it may be slow to fetch, or malformed
 
 
 # ---------------------------------------------------------------- step 2: pre-tokenize and deduplicate
@@ -345,6 +209,167 @@ def save_tokenizer(out_dir, merges, info):
     ranks = "".join(f"{base64.b64encode(token).decode()} {rank}\n" for rank, token in enumerate(vocab))
     write_atomically(out_dir / "tokenizer.tiktoken", ranks)
     write_atomically(out_dir / "tokenizer.json", json.dumps(info, indent=2, ensure_ascii=False) + "\n")
+
+
+# ---------------------------------------------------------------- reading text (the same in every script)
+# .txt and .jsonl are read with the standard library: `datasets`' loaders would turn CRLF into LF (no longer
+# byte-identical to rustbpe), stop at invalid UTF-8, and cost seconds of start-up. The Hub and parquet go
+# through `datasets`. Bad input becomes one UserError line naming the file and the line or row.
+
+
+def hub_problem(timeout=3.0):
+    """Why the Hub can't be used, or None. `datasets` retries an unreachable Hub for ~25 s with a screenful of
+    warnings; a socket to the endpoint huggingface_hub will use (HF_ENDPOINT, e.g. a mirror) says it in 3."""
+    for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
+        if os.environ.get(name, "").upper() in ("1", "ON", "YES", "TRUE"):  # huggingface_hub's own rule
+            return f"the Hugging Face Hub is off ({name}={os.environ[name]})"
+    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
+    try:
+        url = urllib.parse.urlsplit(endpoint)
+        socket.create_connection((url.hostname or "", url.port or (443 if url.scheme == "https" else 80)), timeout).close()
+        return None
+    except (OSError, ValueError):
+        return f"can't reach the Hugging Face Hub at {endpoint}"
+
+
+def datasets_texts(where, node=None, **load):
+    """The "text" of each row of datasets.load_dataset(**load), streamed: nothing is downloaded whole.
+    node=(rank, world_size) keeps only that rank's share, split by `datasets` itself."""
+    import datasets
+
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its errors reach the user as our one line
+    try:
+        rows = datasets.load_dataset(split="train", streaming=True, **load)
+        if node is not None:
+            from datasets.distributed import split_dataset_by_node
+            rows = split_dataset_by_node(rows, *node)
+        for number, row in enumerate(rows, 1):
+            text = row.get("text")
+            if not isinstance(text, str):
+                problem = (f"is {'null' if text is None else type(text).__name__}, not a string" if "text" in row
+                           else f"is missing (columns: {', '.join(row)})")
+                raise UserError(f"{where}, row {number}: \"text\" {problem}; it must be a column of strings")
+            yield row["text"]
+    except UserError:
+        raise
+    except Exception as error:  # no such dataset, a corrupt file (ArrowInvalid), a dropped connection
+        reason = f"{type(error).__name__}: {error}".splitlines()[0]
+        raise UserError(f"can't read {where} ({reason}); check it, or use other files: --data path/to/files")
+
+
+def stdlib_documents():
+    """The offline corpus: every .py file of the standard library, one document each, in sorted order.
+    Several MB of real, human-written code and docstrings, on every machine that runs this script."""
+    for path in sorted(Path(sysconfig.get_paths()["stdlib"]).rglob("*.py")):
+        if "site-packages" not in path.parts:
+            yield path.read_text(encoding="utf-8", errors="replace")
+
+
+class BadUTF8:
+    """Counts the invalid UTF-8 sequences replaced with U+FFFD, so we can warn once at the end."""
+    count = 0
+
+
+def decode_utf8(raw, decoder=None, final=True):
+    """Decode, replacing invalid bytes. A real U+FFFD in the input is not counted as a replacement."""
+    text = decoder.decode(raw, final) if decoder else raw.decode("utf-8", errors="replace")
+    if "\ufffd" in text:
+        BadUTF8.count += text.count("\ufffd") - raw.count("\ufffd".encode())
+    return text
+
+
+def read_txt(path, budget):
+    """A .txt file is one document, CRLF kept; read no more of it than the character budget needs."""
+    # An incremental decoder holds back a multi-byte character cut at the end of a block instead of
+    # replacing it; only truly invalid bytes become U+FFFD.
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    pieces, have = [], 0
+    with open(path, "rb") as f:
+        while have < budget:
+            block = f.read(1 << 24)
+            pieces.append(decode_utf8(block, decoder, final=not block))
+            have += len(pieces[-1])
+            if not block:
+                break
+    yield "".join(pieces)[:budget]
+
+
+def read_jsonl(path, start=0, end=None):
+    """One {"text": "..."} per line. Given byte offsets, only the lines whose first byte lies in [start, end):
+    ranges that tile a file (0..a, a..b, b..None) read every line exactly once, and never cut one."""
+    with open(path, "rb") as f:
+        if start > 0:
+            f.seek(start - 1)
+            f.readline()  # the line holding byte start-1 began before start: it is the previous range's
+        position = f.tell()
+        for number, line in enumerate(f, 1):
+            if end is not None and position >= end:
+                return
+            where = f"{path}:{number}" if start == 0 else f"{path} (the line at byte {position})"
+            position += len(line)
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(decode_utf8(line))
+            except ValueError:
+                record = None
+            if not isinstance(record, dict) or not isinstance(record.get("text"), str):
+                raise UserError(f"{where} is not a JSON object with a string \"text\" field; "
+                                "each line of a .jsonl file must look like {\"text\": \"...\"}")
+            yield record["text"]
+
+
+def local_files(path):
+    """The file itself, or a directory's .txt/.jsonl/.parquet files in sorted order."""
+    path = Path(path)
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.suffix in LOCAL_SUFFIXES and p.is_file())
+        if not files:
+            raise UserError(f"{path} holds no .txt, .jsonl or .parquet files; point --data at text files")
+        return files
+    if path.suffix not in LOCAL_SUFFIXES:
+        raise UserError(f"--data {path}: unknown file type; use a .txt, .jsonl or .parquet file, a directory, "
+                        f"or one of {', '.join(HUB_DATASETS)}")
+    return [path]
+
+
+def open_source(data, data_was_named):
+    """Returns (documents, name, description); `documents(budget)` yields documents as strings. When the Hub
+    can't be used, the default source falls back to the offline corpus; a source named with --data refuses."""
+    if data in HUB_DATASETS:
+        repository, config, files = HUB_DATASETS[data]
+        problem = hub_problem()
+        if problem is None:  # parquet files named by path: never the repository's old loading script
+            load = dict(path="parquet", data_files=f"hf://datasets/{repository}/{files}") if files else \
+                dict(path=repository, name=config)
+            return (lambda budget: datasets_texts(repository, **load)), data, f"{repository} {config or ''}".strip()
+        if data_was_named:
+            raise UserError(f"{problem}, needed for --data {data}; use local files instead: --data path/to/files")
+        print(f"warning: {problem}: using the offline corpus, the Python standard library's source", file=sys.stderr)
+        return (lambda budget: stdlib_documents()), "stdlib", "Python standard library source (offline fallback)"
+    if not Path(data).exists():
+        raise UserError(f"--data {data}: no such file or directory; give a .txt/.jsonl/.parquet path, "
+                        f"a directory of them, or one of {', '.join(HUB_DATASETS)}")
+    files = local_files(data)
+    readers = {".txt": read_txt, ".jsonl": lambda path, budget: read_jsonl(path),
+               ".parquet": lambda path, budget: datasets_texts(path, path="parquet", data_files=str(path))}
+
+    def documents(budget):
+        for path in files:
+            yield from readers[path.suffix](path, budget)
+
+    return documents, Path(data).stem, str(data)
+
+
+def first_chars(documents, num_chars):
+    """The first num_chars characters of the stream, document by document; the last one is cut to fit."""
+    remaining = num_chars
+    for document in documents(num_chars):
+        document = document[:remaining]
+        remaining -= len(document)
+        yield document
+        if remaining == 0:
+            return  # before the source is asked for one more document: it may be slow to fetch, or malformed
 
 
 # ---------------------------------------------------------------- the run
