@@ -1,0 +1,239 @@
+"""The text reader that the four text-reading scripts share, tested once.
+
+The scripts carry identical copies of one section (checked here), so its bad-input table runs in-process
+against one copy, train_bpe_cpu.py's; one command line run per kind of error shows it reaching the user as a
+single `error:` line.
+"""
+import importlib.util
+import json
+import os
+import random
+import re
+import socket
+import socketserver
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+SECTION = "# ---------------------------------------------------------------- reading text (the same in every script)"
+SCRIPTS = ["train_bpe_cpu.py", "train_bpe_gpu.py", "train_bpe_multigpu.py", "prepare_data.py"]
+
+
+def load_script(name):
+    spec = importlib.util.spec_from_file_location(f"{name}_for_reader_tests", REPO / name)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+reader = load_script("train_bpe_cpu.py")
+
+
+def reader_section(script):
+    text = (REPO / script).read_text()
+    assert SECTION in text, f"{script} has no reader section"
+    section = text[text.index(SECTION):]
+    return section[:section.index("\n# ----", len(SECTION))].rstrip()
+
+
+def test_the_four_scripts_carry_the_same_reader():
+    sections = {script: reader_section(script) for script in SCRIPTS}
+    assert len(set(sections.values())) == 1, [s for s in SCRIPTS if sections[s] != sections[SCRIPTS[0]]]
+
+
+def read(data, budget=10**9):
+    return list(reader.first_chars(reader.open_source(str(data), True)[0], budget))
+
+
+# ---------------------------------------------------------------- good input: the same documents, byte for byte
+
+
+def test_txt_jsonl_parquet_and_a_directory(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    docs = ["First\r\ndocument.\r\n", "Second one, with ünïcode.", "Third: 中文 and 😀"]
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    (folder / "a.txt").write_bytes(docs[0].encode())  # CRLF kept: rustbpe sees the bytes as they are
+    (folder / "b.jsonl").write_text(json.dumps({"text": docs[1], "id": 1}) + "\n\n  \n")
+    pq.write_table(pa.table({"text": [docs[2]], "id": [7]}), folder / "c.parquet")
+    (folder / "notes.md").write_text("not read: not a text source")
+    assert read(folder / "a.txt") == docs[:1]
+    assert read(folder / "b.jsonl") == docs[1:2]
+    assert read(folder / "c.parquet") == docs[2:]
+    assert read(folder) == docs  # a directory: its text files in sorted order
+    assert read(folder, 8) == ["First\r\nd"]
+
+
+def test_invalid_utf8_is_replaced_and_counted(tmp_path):
+    (tmp_path / "bad.txt").write_bytes(b"good \xff\xfe and \xe2\x82 more " + "real \ufffd".encode())
+    (tmp_path / "bad.jsonl").write_bytes(b'{"text": "x\xff"}\n')
+    reader.BadUTF8.count = 0
+    assert read(tmp_path / "bad.txt") == ["good \ufffd\ufffd and \ufffd more real \ufffd"]
+    assert read(tmp_path / "bad.jsonl") == ["x\ufffd"]
+    assert reader.BadUTF8.count == 4  # three in the .txt (the real U+FFFD is not one), one in the .jsonl
+
+
+def test_a_txt_file_is_read_only_as_far_as_the_budget_needs():
+    # /dev/zero never ends: only a reader that stops at its budget returns
+    assert list(reader.read_txt("/dev/zero", 5)) == ["\0" * 5]
+
+
+def test_byte_ranges_read_every_line_exactly_once(tmp_path):
+    lines = [json.dumps({"text": f"doc {i} " + "é中😀\r\n" * (i % 4)}) for i in range(40)]
+    raw = ("\n".join(lines[:20]) + "\n\n\r\n" + "\r\n".join(lines[20:])).encode()  # blank lines, CRLF, no last \n
+    path = tmp_path / "d.jsonl"
+    path.write_bytes(raw)
+    whole = list(reader.read_jsonl(path))
+    assert len(whole) == 40
+    rng = random.Random(0)
+    for parts in (1, 2, 3, 5, 40, 200):
+        cuts = [0, *sorted(rng.sample(range(1, len(raw) + 5), parts - 1)), None]
+        shares = [list(reader.read_jsonl(path, cuts[i], cuts[i + 1])) for i in range(parts)]
+        assert sum(shares, []) == whole, cuts
+    # a range starting exactly at a line's first byte owns that line
+    second = raw.index(b"\n") + 1
+    assert list(reader.read_jsonl(path, second, second + 1)) == whole[1:2]
+
+
+def test_offline_corpus_is_the_standard_library_in_sorted_order(monkeypatch, capsys):
+    import sysconfig
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    documents, name, _ = reader.open_source("fineweb", data_was_named=False)
+    first = min(p for p in Path(sysconfig.get_paths()["stdlib"]).rglob("*.py") if "site-packages" not in p.parts)
+    assert name == "stdlib" and read_first(documents) == first.read_text(encoding="utf-8", errors="replace")
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.startswith("warning: the Hugging Face Hub is off (HF_HUB_OFFLINE=1)")
+
+
+def read_first(documents):
+    return next(iter(documents(10**9)))
+
+
+# ---------------------------------------------------------------- bad input: one UserError line naming where
+
+
+BAD_JSONL_LINES = {
+    "text is a number": '{"text": 42}',
+    "text is null": '{"text": null}',
+    "no text field": '{"body": "x"}',
+    "a list": '[1, 2]',
+    "a bool": 'true',
+    "a string": '"just text"',
+    "not json": '{"text": "unclosed',
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_JSONL_LINES))
+def test_bad_jsonl_line_names_file_and_line(tmp_path, case):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"text": "fine"}\n\n' + BAD_JSONL_LINES[case] + "\n")
+    with pytest.raises(reader.UserError, match=r"bad\.jsonl:3 is not a JSON object with a string \"text\" field"):
+        read(path)
+    start = len('{"text": "fine"}\n\n')  # read as a byte range, the line is named by its first byte
+    with pytest.raises(reader.UserError, match=f"the line at byte {start}"):
+        list(reader.read_jsonl(path, start - 1))
+
+
+def test_bad_parquet_is_one_line(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    pq.write_table(pa.table({"text": ["a", None]}), tmp_path / "nulls.parquet")
+    pq.write_table(pa.table({"text": [1, 2]}), tmp_path / "ints.parquet")
+    pq.write_table(pa.table({"body": ["x"]}), tmp_path / "nocolumn.parquet")
+    (tmp_path / "corrupt.parquet").write_bytes(b"PAR1" + bytes(range(256)) * 2 + b"PAR1")
+    expected = {"nulls": 'nulls.parquet, row 2: "text" is null, not a string',
+                "ints": 'ints.parquet, row 1: "text" is int, not a string',
+                "nocolumn": 'nocolumn.parquet, row 1: "text" is missing (columns: body)',
+                "corrupt": "corrupt.parquet (ArrowInvalid: "}
+    for name, message in expected.items():
+        with pytest.raises(reader.UserError, match=re.escape(message)) as error:
+            read(tmp_path / f"{name}.parquet")
+        assert "\n" not in str(error.value)
+
+
+def test_missing_unknown_and_empty_directory(tmp_path):
+    (tmp_path / "notes.md").write_text("x")
+    (tmp_path / "empty").mkdir()
+    for data, message in [(tmp_path / "no.txt", "no such file or directory"), (tmp_path / "notes.md", "unknown file type"),
+                          (tmp_path / "empty", "holds no .txt, .jsonl or .parquet files")]:
+        with pytest.raises(reader.UserError, match=message):
+            read(data)
+
+
+# ---------------------------------------------------------------- the Hub: offline switches and HF_ENDPOINT
+
+
+@pytest.fixture
+def online(monkeypatch):
+    for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "HF_ENDPOINT"):
+        monkeypatch.delenv(name, raising=False)
+    return monkeypatch
+
+
+@pytest.mark.parametrize("name", ["HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"])
+def test_offline_switches_are_honoured(online, name):
+    online.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # were it probed, the message would name it
+    online.setenv(name, "1")
+    assert reader.hub_problem() == f"the Hugging Face Hub is off ({name}=1)"
+    online.setenv(name, "0")
+    assert "127.0.0.1:9" in reader.hub_problem()
+
+
+class CountingHandler(socketserver.BaseRequestHandler):
+    connections = 0
+    connected = threading.Event()
+
+    def handle(self):
+        CountingHandler.connections += 1
+        CountingHandler.connected.set()
+        if self.request.recv(1024):  # an HTTP request: answer it, a mirror that lacks the file
+            self.request.sendall(b"HTTP/1.0 404 Not Found\r\nContent-Length: 0\r\n\r\n")
+
+
+def test_the_probe_goes_to_the_mirror_in_hf_endpoint(online):
+    with socketserver.ThreadingTCPServer(("127.0.0.1", 0), CountingHandler) as server:
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        online.setenv("HF_ENDPOINT", f"http://127.0.0.1:{server.server_address[1]}")
+        CountingHandler.connections = 0
+        assert reader.hub_problem() is None
+        assert CountingHandler.connected.wait(10)
+        server.shutdown()
+    assert CountingHandler.connections == 1
+
+
+def closed_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_an_unreachable_endpoint_is_named(online, capsys):
+    endpoint = f"http://127.0.0.1:{closed_port()}"
+    online.setenv("HF_ENDPOINT", endpoint)
+    with pytest.raises(reader.UserError, match=f"can't reach the Hugging Face Hub at {endpoint}, needed for --data fineweb"):
+        reader.open_source("fineweb", data_was_named=True)
+    assert reader.open_source("fineweb", data_was_named=False)[1] == "stdlib"
+    assert f"warning: can't reach the Hugging Face Hub at {endpoint}: using the offline corpus" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- through the command line: one line, no traceback
+
+
+def test_reader_errors_reach_the_user_as_one_line(tmp_path):
+    (tmp_path / "bad.jsonl").write_text('{"text": "fine"}\n{"text": 42}\n')
+    endpoint = f"http://127.0.0.1:{closed_port()}"
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")}
+    for data, message in [(tmp_path / "bad.jsonl", "bad.jsonl:2 is not a JSON object"),
+                          ("fineweb-edu", f"can't reach the Hugging Face Hub at {endpoint}, needed for --data fineweb-edu")]:
+        result = subprocess.run([sys.executable, str(REPO / "train_bpe_cpu.py"), "--data", str(data), "-v", "260",
+                                 "--out", str(tmp_path / "tok")], cwd=tmp_path, capture_output=True, text=True,
+                                env=dict(env, HF_ENDPOINT=endpoint), timeout=120)
+        assert result.returncode == 1
+        error_lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+        assert len(error_lines) == 1 and message in error_lines[0], result.stderr
+        assert "Traceback" not in result.stderr and not (tmp_path / "tok").exists()
