@@ -7,12 +7,12 @@ Train a byte-level BPE tokenizer on the CPU: exact, and fast enough for real dat
 It writes tokenizers/<source>_v<vocab_size>/tokenizer.tiktoken (tiktoken's rank file) and tokenizer.json
 (pattern and special tokens). The README shows how to load them into tiktoken.
 
-How it works, in four steps:
-1. Read the first n characters of a document stream (FineWeb by default, or local files).
-2. Split every document into chunks with a regex, and count each distinct chunk once. A corpus of a
+How it works, in three steps, after reading the first n characters of a document stream (FineWeb by
+default, or local files; the "reading text" section near the end, the same in every script):
+1. Split every document into chunks with a regex, and count each distinct chunk once. A corpus of a
    million words has only tens of thousands of distinct words, so all later work shrinks by 10-100x.
-3. Count adjacent token pairs inside the distinct chunks, weighted by chunk frequency.
-4. Repeatedly merge the most frequent pair. The naive way recounts every pair after every merge; here each
+2. Count adjacent token pairs inside the distinct chunks, weighted by chunk frequency.
+3. Repeatedly merge the most frequent pair. The naive way recounts every pair after every merge; here each
    merge only visits the places where the merged pair occurs, and a heap finds the next best pair.
 """
 
@@ -22,6 +22,7 @@ import codecs
 import heapq
 import json
 import os
+import signal
 import socket
 import sys
 import sysconfig
@@ -46,6 +47,7 @@ EOT = "<|endoftext|>"
 HUB_DATASETS = {"fineweb": ("HuggingFaceFW/fineweb", "sample-10BT", None),  # (repository, config, parquet files)
                 "fineweb-edu": ("HuggingFaceFW/fineweb-edu", "sample-10BT", None)}
 LOCAL_SUFFIXES = (".txt", ".jsonl", ".parquet")
+TOKENIZER_FILES = ("tokenizer.tiktoken", "tokenizer.json", "tokenizer.tiktoken.tmp", "tokenizer.json.tmp")
 # -----------------------------------------------------------------------------
 
 
@@ -53,22 +55,40 @@ class UserError(Exception):
     """A mistake in the input: printed as one line, never as a traceback."""
 
 
-# ---------------------------------------------------------------- step 2: pre-tokenize and deduplicate
+# ---------------------------------------------------------------- step 1: pre-tokenize and deduplicate
+
+
+def time_is_up(signum, frame):
+    raise TimeoutError
 
 
 def count_chunks(documents, split_pattern, num_chars):
     """Split each document with the pattern and count distinct chunks. Chunks never cross documents."""
+    signal.signal(signal.SIGPROF, time_is_up)
     chunk_counts = Counter()
     chars_read = 0
     with tqdm(total=num_chars, unit="char", unit_scale=True, desc="reading", mininterval=0.5) as progress:
-        for document in documents:
-            chunk_counts.update(split_pattern.findall(document))
+        for number, document in enumerate(documents, 1):
+            # A pattern that backtracks catastrophically ((a|a)+b on a run of a's) would hang here with no
+            # word. regex's own timeout= makes every match 3x slower, so a CPU-time alarm watches each
+            # document instead: a second, plus 10 s per million characters (GPT-4's pattern needs 0.3 s).
+            signal.setitimer(signal.ITIMER_PROF, 1 + len(document) / 1e5)
+            try:
+                chunk_counts.update(split_pattern.findall(document))
+            except TimeoutError:
+                raise UserError(f"--pattern {split_pattern.pattern!r} backtracks catastrophically: it ran past the "
+                                f"time limit on document {number} ({document[:30]!r}...); simplify the pattern")
+            finally:
+                signal.setitimer(signal.ITIMER_PROF, 0)
             chars_read += len(document)
             progress.update(len(document))
+    if "" in chunk_counts:  # a pattern like \b matches nothing in some places only: BPE needs whole chunks
+        raise UserError(f"--pattern {split_pattern.pattern!r} matches the empty string; every match must take at "
+                        "least one character (x+, not x*)")
     return chunk_counts, chars_read
 
 
-# ---------------------------------------------------------------- step 3: pair counts over distinct chunks
+# ---------------------------------------------------------------- step 2: pair counts over distinct chunks
 #
 # All distinct chunks live in one flat list of token ids, as doubly linked lists: next_pos[i] is the position
 # of the token after i in the same chunk (-1 at the chunk's end), prev_pos[i] the one before. Merging a pair
@@ -107,7 +127,7 @@ def count_pairs(ids, next_pos, weight):
     return pair_counts, pair_positions
 
 
-# ---------------------------------------------------------------- step 4: the merge loop
+# ---------------------------------------------------------------- step 3: the merge loop
 
 
 def merge_pair(pair, new_id, ids, prev_pos, next_pos, weight, pair_counts, pair_positions):
@@ -212,14 +232,14 @@ def save_tokenizer(out_dir, merges, info):
 
 
 # ---------------------------------------------------------------- reading text (the same in every script)
-# .txt and .jsonl are read with the standard library: `datasets`' loaders would turn CRLF into LF (no longer
-# byte-identical to rustbpe), stop at invalid UTF-8, and cost seconds of start-up. The Hub and parquet go
-# through `datasets`. Bad input becomes one UserError line naming the file and the line or row.
+# .txt and .jsonl go through the standard library: `datasets`' loaders turn CRLF into LF (no longer
+# byte-identical to rustbpe), stop at invalid UTF-8, and take seconds to start. The Hub and parquet go
+# through `datasets`. Bad input is one UserError naming the file and its line or row.
 
 
 def hub_problem(timeout=3.0):
-    """Why the Hub can't be used, or None. `datasets` retries an unreachable Hub for ~25 s with a screenful of
-    warnings; a socket to the endpoint huggingface_hub will use (HF_ENDPOINT, e.g. a mirror) says it in 3."""
+    """None if the Hub can be used, else why not. A socket to the endpoint huggingface_hub will use
+    (HF_ENDPOINT: a mirror) answers in 3 s; `datasets` would retry for ~25 s with a screenful of warnings."""
     for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
         if os.environ.get(name, "").upper() in ("1", "ON", "YES", "TRUE"):  # huggingface_hub's own rule
             return f"the Hugging Face Hub is off ({name}={os.environ[name]})"
@@ -227,28 +247,23 @@ def hub_problem(timeout=3.0):
     try:
         url = urllib.parse.urlsplit(endpoint)
         socket.create_connection((url.hostname or "", url.port or (443 if url.scheme == "https" else 80)), timeout).close()
-        return None
     except (OSError, ValueError):
         return f"can't reach the Hugging Face Hub at {endpoint}"
 
 
 def datasets_texts(where, node=None, **load):
     """The "text" of each row of datasets.load_dataset(**load), streamed: nothing is downloaded whole.
-    node=(rank, world_size) keeps only that rank's share, split by `datasets` itself."""
+    node=(rank, world_size) keeps that rank's share, as datasets.distributed.split_dataset_by_node splits it."""
     import datasets
+    from datasets.distributed import split_dataset_by_node
 
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its errors reach the user as our one line
     try:
         rows = datasets.load_dataset(split="train", streaming=True, **load)
-        if node is not None:
-            from datasets.distributed import split_dataset_by_node
-            rows = split_dataset_by_node(rows, *node)
-        for number, row in enumerate(rows, 1):
-            text = row.get("text")
-            if not isinstance(text, str):
-                problem = (f"is {'null' if text is None else type(text).__name__}, not a string" if "text" in row
-                           else f"is missing (columns: {', '.join(row)})")
-                raise UserError(f"{where}, row {number}: \"text\" {problem}; it must be a column of strings")
+        for number, row in enumerate(rows if node is None else split_dataset_by_node(rows, *node), 1):
+            if not isinstance(row.get("text"), str):
+                raise UserError(f"{where}, row {number}: \"text\" is {row.get('text')!r:.20}, not a string "
+                                f"(columns: {', '.join(row)})")
             yield row["text"]
     except UserError:
         raise
@@ -280,9 +295,7 @@ def decode_utf8(raw, decoder=None, final=True):
 
 def read_txt(path, budget):
     """A .txt file is one document, CRLF kept; read no more of it than the character budget needs."""
-    # An incremental decoder holds back a multi-byte character cut at the end of a block instead of
-    # replacing it; only truly invalid bytes become U+FFFD.
-    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")  # keeps a character cut between blocks
     pieces, have = [], 0
     with open(path, "rb") as f:
         while have < budget:
@@ -295,7 +308,7 @@ def read_txt(path, budget):
 
 
 def read_jsonl(path, start=0, end=None):
-    """One {"text": "..."} per line. Given byte offsets, only the lines whose first byte lies in [start, end):
+    """One {"text": "..."} per line. Given byte offsets, only the lines whose first byte is in [start, end):
     ranges that tile a file (0..a, a..b, b..None) read every line exactly once, and never cut one."""
     with open(path, "rb") as f:
         if start > 0:
@@ -305,7 +318,6 @@ def read_jsonl(path, start=0, end=None):
         for number, line in enumerate(f, 1):
             if end is not None and position >= end:
                 return
-            where = f"{path}:{number}" if start == 0 else f"{path} (the line at byte {position})"
             position += len(line)
             if not line.strip():
                 continue
@@ -314,6 +326,7 @@ def read_jsonl(path, start=0, end=None):
             except ValueError:
                 record = None
             if not isinstance(record, dict) or not isinstance(record.get("text"), str):
+                where = f"{path}:{number}" if start == 0 else f"{path} (the line at byte {position - len(line)})"
                 raise UserError(f"{where} is not a JSON object with a string \"text\" field; "
                                 "each line of a .jsonl file must look like {\"text\": \"...\"}")
             yield record["text"]
@@ -339,9 +352,9 @@ def open_source(data, data_was_named):
     if data in HUB_DATASETS:
         repository, config, files = HUB_DATASETS[data]
         problem = hub_problem()
-        if problem is None:  # parquet files named by path: never the repository's old loading script
-            load = dict(path="parquet", data_files=f"hf://datasets/{repository}/{files}") if files else \
-                dict(path=repository, name=config)
+        if problem is None:  # parquet files named by path: never a repository's old loading script
+            load = dict(path="parquet", data_files=f"hf://datasets/{repository}/{files}") if files else dict(
+                path=repository, name=config)
             return (lambda budget: datasets_texts(repository, **load)), data, f"{repository} {config or ''}".strip()
         if data_was_named:
             raise UserError(f"{problem}, needed for --data {data}; use local files instead: --data path/to/files")
@@ -385,6 +398,30 @@ def parse_args(argv):
     return parser.parse_args(argv)
 
 
+def check_out_dir(out_dir):
+    """Find a bad --out before any work: a file on the way, no permission, or a directory that holds
+    something else (a dataset from prepare_data.py: its tokenizer files would be overwritten)."""
+    for path in [out_dir, *out_dir.parents]:
+        if path.exists() and not path.is_dir():
+            raise UserError(f"--out {out_dir}: {path} is a file, not a directory; give a directory path")
+    if out_dir.is_dir():
+        others = sorted(p.name for p in out_dir.iterdir() if p.name not in TOKENIZER_FILES)
+        if others:
+            what = "a dataset directory" if {"meta.json", "progress.json"} & set(others) else "not a tokenizer directory"
+            raise UserError(f"--out {out_dir} is {what} (it holds {others[0]}); give a new or a tokenizer directory")
+    created = [p for p in [out_dir, *out_dir.parents] if not p.exists()]
+    try:  # write and remove a probe file: the only sure test (root passes os.access checks on /proc)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "tokenizer.json.tmp").write_text("")
+        (out_dir / "tokenizer.json.tmp").unlink()
+    except OSError as error:
+        raise UserError(f"--out {out_dir} can't be written ({error.strerror or error}); give a directory you can write")
+    finally:
+        for path in created:  # leave nothing behind: the tokenizer is written only once it exists
+            if path.is_dir():
+                path.rmdir()
+
+
 def run(argv):
     args = parse_args(argv)
     if not 256 <= args.vocab_size <= 2**31 - 1:
@@ -395,10 +432,12 @@ def run(argv):
         split_pattern = regex.compile(args.pattern)
     except regex.error as error:
         raise UserError(f"--pattern does not compile ({error}); check the regex, or leave --pattern out for GPT-4's")
+    if split_pattern.fullmatch(""):  # '' or 'x*' would give empty chunks, which hold no bytes to merge
+        raise UserError(f"--pattern {args.pattern!r} matches the empty string; every match must take at least one "
+                        "character (x+, not x*)")
     documents, source_name, source = open_source(args.data or data, data_was_named=args.data is not None)
     out_dir = Path(args.out or f"tokenizers/{source_name}_v{args.vocab_size}")
-    if out_dir.exists() and not out_dir.is_dir():
-        raise UserError(f"--out {out_dir} is a file; give a directory")
+    check_out_dir(out_dir)
 
     t0 = time.time()
     chunk_counts, chars_read = count_chunks(first_chars(documents, args.num_chars), split_pattern, args.num_chars)
@@ -406,7 +445,7 @@ def run(argv):
     if chars_read == 0:
         raise UserError(f"the corpus {source} is empty: no text to train on; point --data at files with text in them")
     if BadUTF8.count:
-        print(f"warning: {BadUTF8.count} invalid UTF-8 sequences were replaced with U+FFFD")
+        print(f"warning: {BadUTF8.count} invalid UTF-8 sequences were replaced with U+FFFD", file=sys.stderr)
     if chars_read < args.num_chars:
         print(f"the source ran out after {chars_read:,} characters (asked for {args.num_chars:,}); training on those")
     print(f"read {chars_read:,} characters: {sum(chunk_counts.values()):,} chunks, {len(chunk_counts):,} distinct")
@@ -419,17 +458,9 @@ def run(argv):
         print(f"stopped early after {num_merges} merges: no pairs left to merge (vocab {256 + num_merges} < {args.vocab_size})")
 
     eot_id = 256 + num_merges
-    info = {
-        "pattern": args.pattern,
-        "special_tokens": {EOT: eot_id},
-        "vocab_size": eot_id + 1,
-        "num_merges": num_merges,
-        "num_chars": chars_read,
-        "source": source,
-        "trainer": "train_bpe_cpu.py",
-        "seconds": round(t2 - t0, 3),
-        "stop_reason": stop_reason,
-    }
+    info = {"pattern": args.pattern, "special_tokens": {EOT: eot_id}, "vocab_size": eot_id + 1,
+            "num_merges": num_merges, "num_chars": chars_read, "source": source, "trainer": "train_bpe_cpu.py",
+            "seconds": round(t2 - t0, 3), "stop_reason": stop_reason}
     save_tokenizer(out_dir, merges, info)
     total_bytes = sum(len(chunk.encode("utf-8")) * count for chunk, count in chunk_counts.items())
     print(f"reading + pre-tokenizing {t1 - t0:.2f}s | merging {t2 - t1:.2f}s ({num_merges / max(t2 - t1, 1e-9):,.0f} merges/s) "

@@ -146,9 +146,9 @@ def test_bad_parquet_is_one_line(tmp_path):
     pq.write_table(pa.table({"text": [1, 2]}), tmp_path / "ints.parquet")
     pq.write_table(pa.table({"body": ["x"]}), tmp_path / "nocolumn.parquet")
     (tmp_path / "corrupt.parquet").write_bytes(b"PAR1" + bytes(range(256)) * 2 + b"PAR1")
-    expected = {"nulls": 'nulls.parquet, row 2: "text" is null, not a string',
-                "ints": 'ints.parquet, row 1: "text" is int, not a string',
-                "nocolumn": 'nocolumn.parquet, row 1: "text" is missing (columns: body)',
+    expected = {"nulls": 'nulls.parquet, row 2: "text" is None, not a string',
+                "ints": 'ints.parquet, row 1: "text" is 1, not a string',
+                "nocolumn": 'nocolumn.parquet, row 1: "text" is None, not a string (columns: body)',
                 "corrupt": "corrupt.parquet (ArrowInvalid: "}
     for name, message in expected.items():
         with pytest.raises(reader.UserError, match=re.escape(message)) as error:
