@@ -29,6 +29,7 @@ import argparse
 import base64
 import codecs
 import hashlib
+import itertools
 import json
 import os
 import shutil
@@ -37,7 +38,8 @@ import struct
 import sys
 import sysconfig
 import time
-from collections import deque
+import urllib.parse
+from collections import deque, namedtuple
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -74,188 +76,24 @@ class UserError(Exception):
     """A mistake in the input: printed as one line, never as a traceback."""
 
 
-# ---------------------------------------------------------------- reading text (the same in every script)
+# ---------------------------------------------------------------- step 1: the tokenizer
+
+Tokenizer = namedtuple("Tokenizer", "kind encoder vocab_size eot meta name")
 
 
-def hub_reachable(timeout=3.0):
-    """`datasets` retries an unreachable Hub for ~25 s with a screenful of warnings; a socket says it in 3."""
-    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0"):
-        return False
-    try:
-        socket.create_connection(("huggingface.co", 443), timeout=timeout).close()
-        return True
-    except OSError:
-        return False
-
-
-def stream_hub(name):
-    """A Hub dataset, streamed: documents arrive as we read them, nothing is downloaded whole."""
-    import datasets
-
-    repository, config, files = HUB_DATASETS[name]
-    try:
-        if files:
-            rows = datasets.load_dataset("parquet", data_files=f"hf://datasets/{repository}/{files}", split="train",
-                                         streaming=True)
-        else:
-            rows = datasets.load_dataset(repository, name=config, split="train", streaming=True)
-    except Exception as error:  # the Hub answered, but not with the dataset: say why in one line
-        raise UserError(f"can't open {repository} ({type(error).__name__}: {str(error).splitlines()[0]}); "
-                        "use local files: --data path/to/files")
-    for row in rows:
-        yield row["text"]
-
-
-def stdlib_documents():
-    """The offline corpus: every .py file of the standard library, one document each, in sorted order.
-    Several MB of real, human-written code and docstrings, on every machine that runs this script."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    for path in sorted(root.rglob("*.py")):
-        if "site-packages" in path.parts:
-            continue
-        yield path.read_text(encoding="utf-8", errors="replace")
-
-
-class BadUTF8:
-    """Counts the invalid UTF-8 sequences replaced with U+FFFD, so we can warn once at the end."""
-    count = 0
-
-
-def decode_utf8(raw, decoder=None, final=True):
-    """Decode, replacing invalid bytes. A real U+FFFD in the input is not counted as a replacement."""
-    text = decoder.decode(raw, final) if decoder else raw.decode("utf-8", errors="replace")
-    if "\ufffd" in text:
-        BadUTF8.count += text.count("\ufffd") - raw.count("\ufffd".encode())
-    return text
-
-
-def read_txt(path, budget):
-    """A .txt file is one document; read no more of it than the character budget needs."""
-    # An incremental decoder holds back a multi-byte character cut at the end of a block instead of
-    # replacing it; only truly invalid bytes become U+FFFD.
-    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-    pieces, have = [], 0
-    with open(path, "rb") as f:
-        while have < budget:
-            block = f.read(1 << 24)
-            pieces.append(decode_utf8(block, decoder, final=not block))
-            have += len(pieces[-1])
-            if not block:
-                break
-    yield "".join(pieces)[:budget]
-
-
-def read_jsonl(path):
-    with open(path, "rb") as f:
-        for line_number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(decode_utf8(line))
-                yield record["text"]
-            except (json.JSONDecodeError, KeyError, TypeError):
-                raise UserError(f"{path}:{line_number} is not a JSON object with a \"text\" field; "
-                                "each line of a .jsonl file must look like {\"text\": \"...\"}")
-
-
-def read_parquet(path):
-    """Parquet goes through `datasets`, the same streaming code that reads FineWeb from the Hub."""
-    import datasets
-
-    rows = datasets.load_dataset("parquet", data_files=str(path), split="train", streaming=True)
-    for row in rows:
-        if "text" not in row:
-            raise UserError(f"{path} has no \"text\" column (columns: {', '.join(row)})")
-        yield row["text"]
-
-
-def local_files(path):
-    path = Path(path)
-    if path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.suffix in LOCAL_SUFFIXES and p.is_file())
-        if not files:
-            raise UserError(f"{path} holds no .txt, .jsonl or .parquet files; point --data at text files")
-        return files
-    if path.suffix not in LOCAL_SUFFIXES:
-        raise UserError(f"--data {path}: unknown file type; use a .txt, .jsonl or .parquet file, a directory, "
-                        f"or one of {', '.join(HUB_DATASETS)}")
-    return [path]
-
-
-def open_source(data, data_was_named):
-    """Returns (documents, name, description). `documents(budget)` yields documents as strings."""
-    if data in HUB_DATASETS:
-        if hub_reachable():
-            repository, config, _ = HUB_DATASETS[data]
-            return (lambda budget: stream_hub(data)), data, f"{repository} {config or ''}".strip()
-        if data_was_named:
-            raise UserError(f"can't reach the Hugging Face Hub for --data {data}; "
-                            "use local files instead: --data path/to/files")
-        print(f"can't reach the Hugging Face Hub for {data}: using the offline corpus, the Python standard library's source")
-        return (lambda budget: stdlib_documents()), "stdlib", "Python standard library source (offline fallback)"
-    if not Path(data).exists():
-        raise UserError(f"--data {data}: no such file or directory; give a .txt/.jsonl/.parquet path, "
-                        f"a directory of them, or one of {', '.join(HUB_DATASETS)}")
-    files = local_files(data)
-    readers = {".txt": read_txt, ".jsonl": lambda path, budget: read_jsonl(path),
-               ".parquet": lambda path, budget: read_parquet(path)}
-
-    def documents(budget):
-        for path in files:
-            yield from readers[path.suffix](path, budget)
-
-    return documents, Path(data).stem, str(data)
-
-
-def first_chars(documents, num_chars):
-    """The first num_chars characters of the stream, document by document; the last one is cut to fit."""
-    remaining = num_chars
-    for document in documents(num_chars):
-        document = document[:remaining]
-        remaining -= len(document)
-        yield document
-        if remaining == 0:
-            return  # before the source is asked for one more document: it may be slow to fetch, or malformed
-
-
-# ---------------------------------------------------------------- the tokenizer
-
-
-def sha256_of(path):
-    with open(path, "rb") as f:
-        return hashlib.sha256(f.read()).hexdigest()
-
-
-def load_bpe_dir(directory):
-    """A directory from train_bpe_*.py -> (tiktoken.Encoding, vocab_size, eot id). Read fresh every time."""
-    import tiktoken
-
-    ranks_path, info_path = Path(directory, "tokenizer.tiktoken"), Path(directory, "tokenizer.json")
-    for path in (ranks_path, info_path):
-        if not path.is_file():
-            raise UserError(f"--tokenizer {directory}: {path.name} is missing; give a directory written by "
+def load_tokenizer(name):
+    """--tokenizer: a directory from train_bpe_*.py, a tiktoken name, or char (its vocabulary comes later,
+    from the data). `meta` goes into meta.json; `name` into the default output directory."""
+    if name == "char":
+        return Tokenizer("char", None, None, None, {"kind": "char"}, "char")
+    if os.sep in name or name.startswith(".") or Path(name).exists():
+        if not Path(name).is_dir():
+            raise UserError(f"--tokenizer {name}: no such directory; give a directory written by "
                             "train_bpe_cpu.py, a tiktoken name (gpt2, cl100k_base, o200k_base) or char")
-    try:
-        with open(info_path) as f:
-            info = json.load(f)
-        with open(ranks_path, "rb") as f:
-            ranks = {base64.b64decode(token, validate=True): int(rank)
-                     for token, rank in (line.split() for line in f if line.strip())}
-        if sorted(ranks.values()) != list(range(len(ranks))):
-            raise ValueError("ranks are not 0..V-1, each once")
-        encoder = tiktoken.Encoding(name=str(directory), pat_str=info["pattern"], mergeable_ranks=ranks,
-                                    special_tokens=info["special_tokens"])
-        eot = info["special_tokens"][EOT]
-        if info.get("vocab_size", encoder.n_vocab) != encoder.n_vocab:
-            raise ValueError(f"vocab_size {info['vocab_size']} but the files hold {encoder.n_vocab} ids")
-    except Exception as error:  # any broken file: say which directory, and why, in one line
-        reason = f"{type(error).__name__}: {error}".splitlines()[0]
-        raise UserError(f"--tokenizer {directory} is broken ({reason}); re-run train_bpe_cpu.py to rewrite it")
-    return encoder, encoder.n_vocab, eot
-
-
-def load_tiktoken_name(name):
-    """tiktoken's own encodings. The first use downloads the ranks (a few MB) and caches them."""
+        encoder, eot = load_bpe_dir(name)
+        sha256 = hashlib.sha256(Path(name, "tokenizer.tiktoken").read_bytes()).hexdigest()
+        return Tokenizer("bpe", encoder, encoder.n_vocab, eot, {"kind": "bpe", "path": name, "sha256": sha256},
+                         Path(name).resolve().name)
     import tiktoken
 
     try:
@@ -265,16 +103,43 @@ def load_tiktoken_name(name):
     if name not in known:
         raise UserError(f"--tokenizer {name}: not a directory, not char, and not a tiktoken encoding "
                         f"({', '.join(known)}); check the spelling or the path")
-    try:
+    try:  # the first use downloads the ranks (a few MB) and caches them
         encoder = tiktoken.get_encoding(name)
     except Exception as error:  # requests' connection errors and friends: the download failed
-        reason = f"{type(error).__name__}".splitlines()[0]
-        raise UserError(f"--tokenizer {name}: tiktoken could not download its ranks ({reason}); this needs "
-                        "internet once (then it is cached), or use a BPE directory from train_bpe_cpu.py")
-    return encoder, encoder.n_vocab, encoder.eot_token
+        raise UserError(f"--tokenizer {name}: tiktoken could not download its ranks ({type(error).__name__}); this "
+                        "needs internet once (then it is cached), or use a BPE directory from train_bpe_cpu.py")
+    return Tokenizer("tiktoken", encoder, encoder.n_vocab, encoder.eot_token, {"kind": "tiktoken", "name": name}, name)
 
 
-# ---------------------------------------------------------------- encoding, in parallel threads
+def load_bpe_dir(directory):
+    """A directory from train_bpe_*.py -> (tiktoken.Encoding, eot id). Any broken file is one line."""
+    import regex
+    import tiktoken
+
+    for file in ("tokenizer.tiktoken", "tokenizer.json"):
+        if not Path(directory, file).is_file():
+            raise UserError(f"--tokenizer {directory}: {file} is missing; give a directory written by "
+                            "train_bpe_cpu.py, a tiktoken name (gpt2, cl100k_base, o200k_base) or char")
+    try:
+        info = json.loads(Path(directory, "tokenizer.json").read_text())
+        with open(Path(directory, "tokenizer.tiktoken"), "rb") as f:
+            ranks = {base64.b64decode(token, validate=True): int(rank)
+                     for token, rank in (line.split() for line in f if line.strip())}
+        if sorted(ranks.values()) != list(range(len(ranks))):
+            raise ValueError("ranks are not 0..V-1, each once")
+        if regex.compile(info["pattern"]).fullmatch(""):  # tiktoken would panic on its empty chunks
+            raise ValueError(f"its pattern {info['pattern']!r} matches the empty string")
+        encoder = tiktoken.Encoding(name=str(directory), pat_str=info["pattern"], mergeable_ranks=ranks,
+                                    special_tokens=info["special_tokens"])
+        if info.get("vocab_size", encoder.n_vocab) != encoder.n_vocab:
+            raise ValueError(f"vocab_size {info['vocab_size']} but the files hold {encoder.n_vocab} ids")
+        return encoder, info["special_tokens"][EOT]
+    except Exception as error:  # any broken file: say which directory, and why, in one line
+        reason = f"{type(error).__name__}: {error}".splitlines()[0]
+        raise UserError(f"--tokenizer {directory} is broken ({reason}); re-run train_bpe_cpu.py to rewrite it")
+
+
+# ---------------------------------------------------------------- step 2: encoding, in parallel threads
 #
 # tiktoken's Rust core releases the GIL while it encodes, so threads run on every core without the cost of
 # a process pool (pickling every document to a worker and every token array back). encode_to_numpy hands
@@ -283,7 +148,7 @@ def load_tiktoken_name(name):
 # encode_ordinary_batch itself, and a process pool 8% more.
 
 
-def encode_batch(texts, encoder, eot, char_codes, dtype, vocab_size):
+def encode_batch(texts, tok, char_codes, dtype):
     """Encode documents -> (all tokens, one array, EOT before each document; per-document lengths)."""
     pieces, lengths = [], []
     for text in texts:
@@ -297,47 +162,47 @@ def encode_batch(texts, encoder, eot, char_codes, dtype, vocab_size):
         else:
             # allowed_special=set() and disallowed_special=() make this encode_ordinary: "<|endoftext|>"
             # written in a document is plain text, never the special token.
-            pieces.append(np.array([eot], dtype=np.uint32))
-            pieces.append(encoder.encode_to_numpy(text, allowed_special=set(), disallowed_special=()))
+            pieces.append(np.array([tok.eot], dtype=np.uint32))
+            pieces.append(tok.encoder.encode_to_numpy(text, allowed_special=set(), disallowed_special=()))
         lengths.append(len(pieces[-1]) + (char_codes is None))
     tokens = np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.uint32)
     # Never overflow silently: every id must fit the vocabulary, and the vocabulary the dtype.
+    vocab_size = len(char_codes) if char_codes is not None else tok.vocab_size
     assert len(tokens) == 0 or int(tokens.max()) < vocab_size <= np.iinfo(dtype).max + 1, "token id overflow"
     return tokens.astype(dtype), lengths
 
 
-def encoded_documents(documents, start, encode, pool, max_in_flight):
-    """Yield (index, tokens, num_chars) for each document from `start` on, in order. Batches are encoded by
-    the thread pool while this thread reads ahead; at most max_in_flight batches wait, so memory stays flat
-    however long the stream is."""
-    in_flight = deque()
-    batch, batch_size = [], 0
-    index = -1
-
-    def collect():
-        first_index, texts_chars, future = in_flight.popleft()
-        tokens, lengths = future.result()
-        offsets = np.cumsum([0] + lengths)
-        for k, length in enumerate(lengths):
-            yield first_index + k, tokens[offsets[k]:offsets[k + 1]], texts_chars[k]
-
+def batches(documents, start):
+    """(index of its first document, texts): about batch_chars characters each, from document `start` on."""
+    batch, size = [], 0
     for index, text in enumerate(documents):
-        if index < start:  # resuming: these documents are in finished shards already
-            continue
-        batch.append(text)
-        batch_size += len(text)
-        if batch_size >= batch_chars:
-            in_flight.append((index - len(batch) + 1, [len(t) for t in batch], pool.submit(encode, batch)))
-            batch, batch_size = [], 0
-            while len(in_flight) > max_in_flight:
-                yield from collect()
+        if index >= start:  # resuming: the documents before `start` are in finished shards already
+            batch.append(text)
+            size += len(text)
+            if size >= batch_chars:
+                yield index - len(batch) + 1, batch
+                batch, size = [], 0
     if batch:
-        in_flight.append((index - len(batch) + 1, [len(t) for t in batch], pool.submit(encode, batch)))
-    while in_flight:
-        yield from collect()
+        yield index - len(batch) + 1, batch
 
 
-# ---------------------------------------------------------------- shards
+def encoded_documents(documents, start, encode, pool, max_in_flight):
+    """(index, tokens, num_chars) of each document from `start` on, in order. The pool encodes batches while
+    this thread reads ahead, at most max_in_flight batches: memory stays flat however long the stream is."""
+    in_flight = deque()
+    for batch in itertools.chain(batches(documents, start), [None]):  # None: the end, collect the rest
+        if batch is not None:
+            first, texts = batch
+            in_flight.append((first, [len(text) for text in texts], pool.submit(encode, texts)))
+        while in_flight and (batch is None or len(in_flight) > max_in_flight):
+            first, chars, future = in_flight.popleft()
+            tokens, lengths = future.result()
+            offsets = np.cumsum([0, *lengths])
+            for k, count in enumerate(chars):
+                yield first + k, tokens[offsets[k]:offsets[k + 1]], count
+
+
+# ---------------------------------------------------------------- step 3: shards
 #
 # A .npy file is a short header (magic, version, a Python dict literal with dtype and shape) and then the
 # raw array. We write a fixed 128-byte header slot first, stream the tokens after it as they come (no
@@ -398,6 +263,21 @@ class ShardWriter:
         on_finish(position)
 
 
+def check_shards(out_dir, saved, shard_size):
+    """The shards that meta.json or progress.json lists are all there, whole: each but a split's last holds
+    shard_size tokens. A deleted or cut shard can't be rebuilt alone, so say how to rebuild it all."""
+    for split in ("val", "train"):
+        for k, name in enumerate(saved["shards"][split]):
+            try:
+                whole = Path(name).name == name and len(np.load(out_dir / name, mmap_mode="r")) == min(
+                    shard_size, saved["tokens"][split] - k * shard_size)
+            except (OSError, ValueError):
+                whole = False
+            if not whole:
+                raise UserError(f"--out {out_dir}: the shard {name} is missing or damaged; delete {out_dir} and run "
+                                "the same command again to rebuild it")
+
+
 def write_json(path, obj):
     """Write JSON under a temporary name, then rename: readers never see half a file."""
     tmp = Path(str(path) + ".tmp")
@@ -408,10 +288,216 @@ def write_json(path, obj):
     os.replace(tmp, path)
 
 
+# ---------------------------------------------------------------- step 4: val first, then train
+#
+# The validation split is the first documents until it holds --val_tokens tokens (at least one document,
+# never the last); a source of one single document gives its last 10% of tokens to val instead. The
+# splitter runs one document late, so it knows which one is last, and keeps the counters that decide the
+# split in the resume state: a resumed run makes the very same choices.
+
+COUNTERS = ("tokens_before", "chars_before", "documents_before", "val_count", "val_documents", "val_closed")
+
+
+class Splitter:
+    def __init__(self, out_dir, dtype, progress, args):
+        self.writers = {split: ShardWriter(out_dir, split, dtype, args.shard_size, progress) for split in ("val", "train")}
+        self.progress, self.progress_path, self.val_tokens = progress, out_dir / "progress.json", args.val_tokens
+        self.resume = (progress["document"], progress["offset"])
+        # Counters as they stood before the document being routed: saved with each finished shard.
+        self.counters = {key: progress[key] for key in COUNTERS}
+
+    def save(self, position):
+        self.progress["document"], self.progress["offset"] = position
+        self.progress.update(self.counters)
+        write_json(self.progress_path, self.progress)
+
+    def route(self, index, tokens, chars, is_last):
+        """Send one document's tokens to val or train (from the resume offset, for the document resumed in)."""
+        counters, val, train = self.counters, self.writers["val"], self.writers["train"]
+        skip = self.resume[1] if index == self.resume[0] else 0
+        if is_last and counters["documents_before"] == 0:  # one single document (tinyshakespeare)
+            cut = min(len(tokens) - 1, len(tokens) * 9 // 10)
+            train.add(tokens[skip:cut], index, skip, self.save)
+            train.finish((index, cut), self.save)
+            val.add(tokens[max(skip, cut):], index, max(skip, cut), self.save)
+        elif not counters["val_closed"] and not is_last and (
+                counters["val_documents"] == 0 or counters["val_count"] < self.val_tokens):
+            val.add(tokens[skip:], index, skip, self.save)
+            counters["val_count"] += len(tokens)
+            counters["val_documents"] += 1
+        else:
+            if not counters["val_closed"]:
+                counters["val_closed"] = True
+                val.finish((index, 0), self.save)
+            train.add(tokens[skip:], index, skip, self.save)
+        counters["tokens_before"] += len(tokens)
+        counters["chars_before"] += chars
+        counters["documents_before"] += 1
+
+    def finish(self, next_document):
+        """The last, partial shard of each split, saved with the position of the document after the last."""
+        for split in ("train", "val"):
+            self.writers[split].finish((next_document, 0), self.save)
+
+
+# ---------------------------------------------------------------- reading text (the same in every script)
+# .txt and .jsonl go through the standard library: `datasets`' loaders turn CRLF into LF (no longer
+# byte-identical to rustbpe), stop at invalid UTF-8, and take seconds to start. The Hub and parquet go
+# through `datasets`. Bad input is one UserError naming the file and its line or row.
+
+
+def hub_problem(timeout=3.0):
+    """None if the Hub can be used, else why not. A socket to the endpoint huggingface_hub will use
+    (HF_ENDPOINT: a mirror) answers in 3 s; `datasets` would retry for ~25 s with a screenful of warnings."""
+    for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
+        if os.environ.get(name, "").upper() in ("1", "ON", "YES", "TRUE"):  # huggingface_hub's own rule
+            return f"the Hugging Face Hub is off ({name}={os.environ[name]})"
+    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
+    try:
+        url = urllib.parse.urlsplit(endpoint)
+        socket.create_connection((url.hostname or "", url.port or (443 if url.scheme == "https" else 80)), timeout).close()
+    except (OSError, ValueError):
+        return f"can't reach the Hugging Face Hub at {endpoint}"
+
+
+def datasets_texts(where, node=None, **load):
+    """The "text" of each row of datasets.load_dataset(**load), streamed: nothing is downloaded whole.
+    node=(rank, world_size) keeps that rank's share, as datasets.distributed.split_dataset_by_node splits it."""
+    import datasets
+    from datasets.distributed import split_dataset_by_node
+
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its errors reach the user as our one line
+    try:
+        rows = datasets.load_dataset(split="train", streaming=True, **load)
+        for number, row in enumerate(rows if node is None else split_dataset_by_node(rows, *node), 1):
+            if not isinstance(row.get("text"), str):
+                raise UserError(f"{where}, row {number}: \"text\" is {row.get('text')!r:.20}, not a string "
+                                f"(columns: {', '.join(row)})")
+            yield row["text"]
+    except UserError:
+        raise
+    except Exception as error:  # no such dataset, a corrupt file (ArrowInvalid), a dropped connection
+        reason = f"{type(error).__name__}: {error}".splitlines()[0]
+        raise UserError(f"can't read {where} ({reason}); check it, or use other files: --data path/to/files")
+
+
+def stdlib_documents():
+    """The offline corpus: every .py file of the standard library, one document each, in sorted order.
+    Several MB of real, human-written code and docstrings, on every machine that runs this script."""
+    for path in sorted(Path(sysconfig.get_paths()["stdlib"]).rglob("*.py")):
+        if "site-packages" not in path.parts:
+            yield path.read_text(encoding="utf-8", errors="replace")
+
+
+class BadUTF8:
+    """Counts the invalid UTF-8 sequences replaced with U+FFFD, so we can warn once at the end."""
+    count = 0
+
+
+def decode_utf8(raw, decoder=None, final=True):
+    """Decode, replacing invalid bytes. A real U+FFFD in the input is not counted as a replacement."""
+    text = decoder.decode(raw, final) if decoder else raw.decode("utf-8", errors="replace")
+    if "\ufffd" in text:
+        BadUTF8.count += text.count("\ufffd") - raw.count("\ufffd".encode())
+    return text
+
+
+def read_txt(path, budget):
+    """A .txt file is one document, CRLF kept; read no more of it than the character budget needs."""
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")  # keeps a character cut between blocks
+    pieces, have = [], 0
+    with open(path, "rb") as f:
+        while have < budget:
+            block = f.read(1 << 24)
+            pieces.append(decode_utf8(block, decoder, final=not block))
+            have += len(pieces[-1])
+            if not block:
+                break
+    yield "".join(pieces)[:budget]
+
+
+def read_jsonl(path, start=0, end=None):
+    """One {"text": "..."} per line. Given byte offsets, only the lines whose first byte is in [start, end):
+    ranges that tile a file (0..a, a..b, b..None) read every line exactly once, and never cut one."""
+    with open(path, "rb") as f:
+        if start > 0:
+            f.seek(start - 1)
+            f.readline()  # the line holding byte start-1 began before start: it is the previous range's
+        position = f.tell()
+        for number, line in enumerate(f, 1):
+            if end is not None and position >= end:
+                return
+            position += len(line)
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(decode_utf8(line))
+            except ValueError:
+                record = None
+            if not isinstance(record, dict) or not isinstance(record.get("text"), str):
+                where = f"{path}:{number}" if start == 0 else f"{path} (the line at byte {position - len(line)})"
+                raise UserError(f"{where} is not a JSON object with a string \"text\" field; "
+                                "each line of a .jsonl file must look like {\"text\": \"...\"}")
+            yield record["text"]
+
+
+def local_files(path):
+    """The file itself, or a directory's .txt/.jsonl/.parquet files in sorted order."""
+    path = Path(path)
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.suffix in LOCAL_SUFFIXES and p.is_file())
+        if not files:
+            raise UserError(f"{path} holds no .txt, .jsonl or .parquet files; point --data at text files")
+        return files
+    if path.suffix not in LOCAL_SUFFIXES:
+        raise UserError(f"--data {path}: unknown file type; use a .txt, .jsonl or .parquet file, a directory, "
+                        f"or one of {', '.join(HUB_DATASETS)}")
+    return [path]
+
+
+def open_source(data, data_was_named):
+    """Returns (documents, name, description); `documents(budget)` yields documents as strings. When the Hub
+    can't be used, the default source falls back to the offline corpus; a source named with --data refuses."""
+    if data in HUB_DATASETS:
+        repository, config, files = HUB_DATASETS[data]
+        problem = hub_problem()
+        if problem is None:  # parquet files named by path: never a repository's old loading script
+            load = dict(path="parquet", data_files=f"hf://datasets/{repository}/{files}") if files else dict(
+                path=repository, name=config)
+            return (lambda budget: datasets_texts(repository, **load)), data, f"{repository} {config or ''}".strip()
+        if data_was_named:
+            raise UserError(f"{problem}, needed for --data {data}; use local files instead: --data path/to/files")
+        print(f"warning: {problem}: using the offline corpus, the Python standard library's source", file=sys.stderr)
+        return (lambda budget: stdlib_documents()), "stdlib", "Python standard library source (offline fallback)"
+    if not Path(data).exists():
+        raise UserError(f"--data {data}: no such file or directory; give a .txt/.jsonl/.parquet path, "
+                        f"a directory of them, or one of {', '.join(HUB_DATASETS)}")
+    files = local_files(data)
+    readers = {".txt": read_txt, ".jsonl": lambda path, budget: read_jsonl(path),
+               ".parquet": lambda path, budget: datasets_texts(path, path="parquet", data_files=str(path))}
+
+    def documents(budget):
+        for path in files:
+            yield from readers[path.suffix](path, budget)
+
+    return documents, Path(data).stem, str(data)
+
+
+def first_chars(documents, num_chars):
+    """The first num_chars characters of the stream, document by document; the last one is cut to fit."""
+    remaining = num_chars
+    for document in documents(num_chars):
+        document = document[:remaining]
+        remaining -= len(document)
+        yield document
+        if remaining == 0:
+            return  # before the source is asked for one more document: it may be slow to fetch, or malformed
+
+
 # ---------------------------------------------------------------- the run
 
 
-def run(argv):
+def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokenizer", default=tokenizer, help="a BPE directory from train_bpe_*.py, a tiktoken name (gpt2, cl100k_base, o200k_base), or char")
     parser.add_argument("--data", default=None, help=f"{' | '.join(HUB_DATASETS)} | path to .txt/.jsonl/.parquet or a directory (default {data})")
@@ -422,233 +508,173 @@ def run(argv):
     parser.add_argument("--val_tokens", type=int, default=val_tokens, help=f"tokens of the first documents kept for validation (default {val_tokens:,})")
     parser.add_argument("--workers", type=int, default=workers, help="tokenizer threads (default: every core)")
     args = parser.parse_args(argv)
-    t0 = time.time()
-
     if args.tokenizer is None:
         raise UserError("--tokenizer is required: a directory from train_bpe_cpu.py (e.g. tokenizers/stdlib_v1000), "
                         "a tiktoken name (gpt2) or char")
     for flag in ("num_chars", "max_tokens", "shard_size", "val_tokens", "workers"):
-        value = getattr(args, flag)
-        if value is not None and value <= 0:
-            raise UserError(f"--{flag} {value}: must be a positive number")
+        if getattr(args, flag) is not None and getattr(args, flag) <= 0:
+            raise UserError(f"--{flag} {getattr(args, flag)}: must be a positive number")
+    return args
 
-    # --- the source, and the tokenizer
-    documents, source_name, source = open_source(args.data or data, args.data is not None)
-    budget = args.num_chars or sys.maxsize
 
-    def text_stream():
-        return first_chars(documents, budget)
-
-    token_kind = "char" if args.tokenizer == "char" else "bpe" if (
-        os.sep in args.tokenizer or args.tokenizer.startswith(".") or Path(args.tokenizer).exists()) else "tiktoken"
-    if token_kind == "bpe" and not Path(args.tokenizer).is_dir():
-        raise UserError(f"--tokenizer {args.tokenizer}: no such directory; give a directory written by "
-                        "train_bpe_cpu.py, a tiktoken name (gpt2, cl100k_base, o200k_base) or char")
-    if token_kind == "bpe":
-        encoder, vocab_size, eot = load_bpe_dir(args.tokenizer)
-        tokenizer_meta = {"kind": "bpe", "path": str(args.tokenizer),
-                          "sha256": sha256_of(Path(args.tokenizer, "tokenizer.tiktoken"))}
-        tokenizer_name = Path(args.tokenizer).resolve().name
-    elif token_kind == "tiktoken":
-        encoder, vocab_size, eot = load_tiktoken_name(args.tokenizer)
-        tokenizer_meta, tokenizer_name = {"kind": "tiktoken", "name": args.tokenizer}, args.tokenizer
-    else:
-        encoder, eot, vocab_size = None, None, None  # the vocabulary comes from the data, below
-        tokenizer_meta, tokenizer_name = {"kind": "char"}, "char"
-
-    # --- the output directory: new, or a run of the very same arguments to finish
-    # data/tinyshakespeare_char, data/fineweb_gpt2; a tokenizer named after its source (stdlib_v1000) keeps
-    # its name alone rather than data/stdlib_stdlib_v1000.
-    default_name = tokenizer_name if tokenizer_name.startswith(source_name + "_") else f"{source_name}_{tokenizer_name}"
-    out_dir = Path(args.out or Path("data", default_name))
+def open_out_dir(out_dir, run_args):
+    """The resume state: fresh for a new directory, the saved one for a run of the very same arguments on the
+    same source files, None for a dataset that is already complete."""
     for parent in [out_dir, *out_dir.parents]:
         if parent.exists() and not parent.is_dir():
             raise UserError(f"--out {out_dir}: {parent} is a file, not a directory; give a directory path")
-    # Everything that decides the bytes of the shards. Worker count and batch size don't.
-    run_args = {"source": source, "tokenizer": tokenizer_meta, "num_chars": args.num_chars,
-                "max_tokens": args.max_tokens, "shard_size": args.shard_size, "val_tokens": args.val_tokens}
-    comparable = {**run_args, "tokenizer": {k: v for k, v in tokenizer_meta.items() if k != "path"}}
-    meta_path, progress_path = out_dir / "meta.json", out_dir / "progress.json"
-    previous = None
-    for path in (meta_path, progress_path):
-        if previous is None and path.exists():
+    saved = None
+    for path in (out_dir / "meta.json", out_dir / "progress.json"):
+        if saved is None and path.exists():
             try:
-                with open(path) as f:
-                    previous = json.load(f)["args"]
-            except (OSError, ValueError, KeyError):
+                saved = json.loads(path.read_text())
+                previous = {**saved["args"], "tokenizer": {k: v for k, v in saved["args"]["tokenizer"].items() if k != "path"}}
+            except (OSError, ValueError, KeyError, TypeError, AttributeError):
                 raise UserError(f"--out {out_dir}: {path.name} is unreadable; delete {out_dir} to start over")
-    if previous is not None:
-        previous_comparable = {**previous, "tokenizer": {k: v for k, v in previous["tokenizer"].items() if k != "path"}}
-        differences = [key for key in comparable if comparable[key] != previous_comparable.get(key)]
-        if differences:
-            key = differences[0]
-            raise UserError(f"--out {out_dir} was made with other arguments ({key}: {previous_comparable.get(key)!r}, "
-                            f"now {comparable[key]!r}); use another --out, or delete it to start over")
-        if meta_path.exists():
-            print(f"{out_dir} is already complete with these arguments; nothing to do")
-            return
-    elif out_dir.exists() and any(not path.name.endswith(".tmp") for path in out_dir.iterdir()):
-        raise UserError(f"--out {out_dir} is not empty and was not made by prepare_data.py; give a new directory")
+    if saved is None:
+        if out_dir.exists() and any(not path.name.endswith(".tmp") for path in out_dir.iterdir()):
+            raise UserError(f"--out {out_dir} is not empty and was not made by prepare_data.py; give a new directory")
+        return {"args": run_args, "chars": None, "document": 0, "offset": 0, **{key: 0 for key in COUNTERS},
+                "val_closed": False, "shards": {"val": [], "train": []}, "tokens": {"val": 0, "train": 0}, "max_token_id": -1}
+    # Everything that decides the bytes of the shards must match (worker count and batch size don't).
+    now = {**run_args, "tokenizer": {k: v for k, v in run_args["tokenizer"].items() if k != "path"}}
+    for key in now:
+        if key == "files" and now[key] != previous.get(key):
+            raise UserError(f"--out {out_dir} was made from other source files or another version of them (their "
+                            f"sizes or times differ); delete {out_dir} to start over, or use another --out")
+        if now[key] != previous.get(key):
+            raise UserError(f"--out {out_dir} was made with other arguments ({key}: {previous.get(key)!r}, "
+                            f"now {now[key]!r}); use another --out, or delete it to start over")
+    check_shards(out_dir, saved, run_args["shard_size"])
+    if (out_dir / "meta.json").exists():
+        return None
+    print(f"resuming {out_dir}: {len(saved['shards']['val'])} val and {len(saved['shards']['train'])} train shards "
+          f"are finished; skipping {saved['document']:,} documents")
+    return saved
 
-    if progress_path.exists():
-        with open(progress_path) as f:
-            progress = json.load(f)
-        print(f"resuming {out_dir}: {len(progress['shards']['val'])} val and {len(progress['shards']['train'])} "
-              f"train shards are finished; skipping {progress['document']:,} documents")
-    else:
-        progress = {"args": run_args, "chars": None, "document": 0, "offset": 0,
-                    "tokens_before": 0, "chars_before": 0, "documents_before": 0,
-                    "val_count": 0, "val_documents": 0, "val_closed": False,
-                    "shards": {"val": [], "train": []}, "tokens": {"val": 0, "train": 0}, "max_token_id": -1}
+
+def give_up(out_dir, created_out, message):
+    """Nothing useful was written: leave no directory that looks like a dataset behind."""
+    for path in out_dir.iterdir():
+        if path.name.startswith(("progress.json", "tokenizer.", "train_", "val_")):
+            path.unlink()
+    if created_out:
+        out_dir.rmdir()
+    raise UserError(message)
+
+
+def char_vocabulary(text_stream, max_tokens):
+    """char level, pass 1: every distinct character of the data, sorted (a char is a token: stop at max_tokens)."""
+    distinct, seen = set(), 0
+    for text in tqdm(text_stream(), unit=" docs", desc="pass 1: characters", mininterval=0.5):
+        distinct.update(text)
+        seen += len(text)
+        if max_tokens and seen >= max_tokens:
+            break
+    return sorted(distinct)
+
+
+def run(argv):
+    args = parse_args(argv)
+    t0 = time.time()
+    # --- the source, the tokenizer, and the output directory: new, or a run of the same arguments to finish
+    documents, source_name, source = open_source(args.data or data, args.data is not None)
+    tok = load_tokenizer(args.tokenizer)
+    # data/tinyshakespeare_char, data/fineweb_gpt2; a tokenizer named after its source (stdlib_v1000) keeps
+    # its name alone rather than data/stdlib_stdlib_v1000.
+    out_dir = Path(args.out or Path("data", tok.name if tok.name.startswith(source_name + "_") else f"{source_name}_{tok.name}"))
+    # What identifies a local source is its files' paths, sizes and times: a changed source is never mixed in.
+    files = None if (args.data or data) in HUB_DATASETS else [
+        [str(path), path.stat().st_size, path.stat().st_mtime_ns] for path in local_files(args.data)]
+    run_args = {"source": source, "tokenizer": tok.meta, "num_chars": args.num_chars, "max_tokens": args.max_tokens,
+                "shard_size": args.shard_size, "val_tokens": args.val_tokens, "files": files}
+    progress = open_out_dir(out_dir, run_args)
     created_out = not out_dir.exists()
     out_dir.mkdir(parents=True, exist_ok=True)
-    write_json(progress_path, progress)  # first, so that a directory with anything in it is recognized as ours
-    if token_kind == "bpe":  # the dataset carries its tokenizer, so it stays usable on its own
+    if tok.kind == "bpe":  # the dataset carries its tokenizer, so it stays usable on its own
         for name in ("tokenizer.tiktoken", "tokenizer.json"):
             shutil.copyfile(Path(args.tokenizer, name), out_dir / (name + ".tmp"))
             os.replace(out_dir / (name + ".tmp"), out_dir / name)
-
-    def give_up(message):
-        """Nothing useful was written: leave no directory that looks like a dataset behind."""
-        for path in out_dir.iterdir():
-            if path.name.startswith(("progress.json", "tokenizer.", "train_", "val_")):
-                path.unlink()
-        if created_out:
-            out_dir.rmdir()
-        raise UserError(message)
+    if progress is None:
+        print(f"{out_dir} is already complete with these arguments; nothing to do")
+        return
+    write_json(out_dir / "progress.json", progress)  # early, so that a directory with anything in it is ours
+    text_stream = lambda: first_chars(documents, args.num_chars or sys.maxsize)  # noqa: E731
 
     # --- char level: a first pass over the data finds the vocabulary (saved, so a resume skips it)
-    char_codes = None
-    if token_kind == "char":
+    char_codes, vocab_size = None, tok.vocab_size
+    if tok.kind == "char":
         if progress["chars"] is None:
-            distinct, seen = set(), 0
-            for text in tqdm(text_stream(), unit=" docs", desc="pass 1: characters", mininterval=0.5):
-                distinct.update(text)
-                seen += len(text)
-                if args.max_tokens and seen >= args.max_tokens:  # a char is a token: the rest is not needed
-                    break
-            progress["chars"] = sorted(distinct)
+            progress["chars"] = char_vocabulary(text_stream, args.max_tokens)
+            write_json(out_dir / "progress.json", progress)
         if not progress["chars"]:
-            give_up(f"the dataset {source} is empty: no text to tokenize; point --data at files with text in them")
+            give_up(out_dir, created_out, f"the dataset {source} is empty: no text to tokenize; point --data at files with text in them")
         char_codes = np.array([ord(c) for c in progress["chars"]], dtype=np.uint32)
         vocab_size = len(char_codes)
     # uint16 holds ids up to 65535, half the disk and memory bandwidth of uint32; bigger vocabularies
     # (o200k_base, or a char vocabulary of a multilingual corpus) switch to uint32.
     dtype = np.uint16 if vocab_size <= 1 << 16 else np.uint32
-    write_json(progress_path, progress)
 
-    # --- encode, route each document to val or train, write shards
-    writers = {split: ShardWriter(out_dir, split, dtype, args.shard_size, progress) for split in ("val", "train")}
-    resume_document, resume_offset = progress["document"], progress["offset"]
-    # Counters as they stood before the document being routed: with them a resumed run makes the same choices.
-    counters = {key: progress[key] for key in ("tokens_before", "chars_before", "documents_before",
-                                                 "val_count", "val_documents", "val_closed")}
-
-    def save_progress(position):
-        progress["document"], progress["offset"] = position
-        progress.update(counters)
-        write_json(progress_path, progress)
-
-    def route(index, tokens, chars, is_last):
-        """Send one document's tokens to val or train. Runs one document late, so it knows the last one."""
-        skip = resume_offset if index == resume_document else 0
-        if is_last and counters["documents_before"] == 0:
-            # One single document (tinyshakespeare): its last 10% of tokens are the validation split.
-            cut = min(len(tokens) - 1, len(tokens) * 9 // 10)
-            writers["train"].add(tokens[skip:cut], index, skip, save_progress)
-            writers["train"].finish((index, cut), save_progress)
-            start = max(skip, cut)
-            writers["val"].add(tokens[start:], index, start, save_progress)
-        elif not counters["val_closed"] and not is_last and (
-                counters["val_documents"] == 0 or counters["val_count"] < args.val_tokens):
-            writers["val"].add(tokens[skip:], index, skip, save_progress)
-            counters["val_count"] += len(tokens)
-            counters["val_documents"] += 1
-        else:
-            if not counters["val_closed"]:
-                counters["val_closed"] = True
-                writers["val"].finish((index, 0), save_progress)
-            writers["train"].add(tokens[skip:], index, skip, save_progress)
-        counters["tokens_before"] += len(tokens)
-        counters["chars_before"] += chars
-        counters["documents_before"] += 1
-
-    def encode(texts):
-        return encode_batch(texts, encoder, eot, char_codes, dtype, vocab_size)
-
-    pending = None
-    total = counters["tokens_before"]  # tokens of the documents before the resume point, for --max_tokens
-    t1 = time.time()
-    progress_bar = tqdm(unit=" docs", desc="tokenizing", mininterval=0.5, initial=resume_document)
-    new_tokens = 0
+    # --- encode in the pool's threads, route each document to val or train, write shards
+    splitter = Splitter(out_dir, dtype, progress, args)
+    total = progress["tokens_before"]  # tokens of the documents before the resume point, for --max_tokens
+    pending, new_tokens, t1 = None, 0, time.time()
+    bar = tqdm(unit=" docs", desc="tokenizing", mininterval=0.5, initial=progress["document"])
     with ThreadPoolExecutor(args.workers) as pool:
         try:
             # A resumed run that had reached --max_tokens only lacked meta.json: don't read on.
             reached_max = bool(args.max_tokens) and total >= args.max_tokens
-            stream = () if reached_max else encoded_documents(text_stream(), resume_document, encode, pool,
-                                                              max_in_flight=2 * args.workers)
+            stream = () if reached_max else encoded_documents(
+                text_stream(), progress["document"], lambda texts: encode_batch(texts, tok, char_codes, dtype), pool,
+                max_in_flight=2 * args.workers)
             for index, tokens, chars in stream:
-                progress_bar.update(1)
+                bar.update(1)
                 if chars == 0:  # an empty document holds no text: it is skipped, with no EOT of its own
                     continue
                 last = bool(args.max_tokens) and total + len(tokens) >= args.max_tokens
-                if last:
-                    tokens = tokens[:args.max_tokens - total]
+                tokens = tokens[:args.max_tokens - total] if last else tokens
                 total += len(tokens)
                 new_tokens += len(tokens)
                 if pending is not None:
-                    route(*pending, is_last=False)
+                    splitter.route(*pending, is_last=False)
                 pending = (index, tokens, chars)
-                if progress_bar.n % 64 == 0:
-                    progress_bar.set_postfix_str(f"{new_tokens / max(time.time() - t1, 1e-9):,.0f} tokens/s", refresh=False)
+                if bar.n % 64 == 0:
+                    bar.set_postfix_str(f"{new_tokens / max(time.time() - t1, 1e-9):,.0f} tokens/s", refresh=False)
                 if last:
                     break
-            progress_bar.set_postfix_str(f"{new_tokens / max(time.time() - t1, 1e-9):,.0f} tokens/s")
         finally:
-            progress_bar.close()
+            bar.close()
             pool.shutdown(cancel_futures=True)
     if pending is not None:
-        if counters["documents_before"] == 0 and len(pending[1]) < 2:
-            give_up(f"the dataset {source} is a single character: too little to split into train and val")
-        route(*pending, is_last=True)
-        # The last, partial shard of each split. The counters now include the last document, so the
-        # position saved with them is the start of the next one.
-        for split in ("train", "val"):
-            writers[split].finish((pending[0] + 1, 0), save_progress)
-    elif counters["documents_before"] == 0:
-        give_up(f"the dataset {source} is empty: no text to tokenize; point --data at files with text in them")
+        if splitter.counters["documents_before"] == 0 and len(pending[1]) < 2:
+            give_up(out_dir, created_out, f"the dataset {source} is a single character: too little to split into train and val")
+        splitter.route(*pending, is_last=True)
+        splitter.finish(pending[0] + 1)
+    elif splitter.counters["documents_before"] == 0:
+        give_up(out_dir, created_out, f"the dataset {source} is empty: no text to tokenize; point --data at files with text in them")
     # (else: a resumed run whose every shard was finished; only meta.json was missing)
     t2 = time.time()
 
     # --- meta.json, last: its presence says the dataset is complete
-    meta = {
-        "version": 1,
-        "vocab_size": vocab_size,
-        "eot_token": eot,
-        "dtype": np.dtype(dtype).name,
-        "max_token_id": progress["max_token_id"],
-        "tokenizer": tokenizer_meta,
-        "source": source,
-        "num_chars": counters["chars_before"],
-        "tokens": progress["tokens"],
-        "shards": progress["shards"],
-        "args": run_args,
-    }
-    if token_kind == "char":
+    counters, tokens = splitter.counters, progress["tokens"]
+    meta = {"version": 1, "vocab_size": vocab_size, "eot_token": tok.eot, "dtype": np.dtype(dtype).name,
+            "max_token_id": progress["max_token_id"], "tokenizer": tok.meta, "source": source,
+            "num_chars": counters["chars_before"], "tokens": tokens, "shards": progress["shards"], "args": run_args}
+    if tok.kind == "char":
         meta["chars"] = progress["chars"]
-    write_json(meta_path, meta)
-    progress_path.unlink()
+    write_json(out_dir / "meta.json", meta)
+    (out_dir / "progress.json").unlink()
     for leftover in out_dir.glob("*.tmp"):  # a shard a killed run had begun and this one finished
         leftover.unlink()
     if BadUTF8.count:
-        print(f"warning: {BadUTF8.count} invalid UTF-8 sequences were replaced with U+FFFD")
+        print(f"warning: {BadUTF8.count} invalid UTF-8 sequences were replaced with U+FFFD", file=sys.stderr)
     if args.num_chars and counters["chars_before"] < args.num_chars and not args.max_tokens:
         print(f"the source ran out after {counters['chars_before']:,} characters (asked for {args.num_chars:,})")
-    tokens_total = progress["tokens"]["train"] + progress["tokens"]["val"]
-    if progress["tokens"]["val"] > tokens_total / 2:
-        print(f"warning: val holds {progress['tokens']['val']:,} of {tokens_total:,} tokens; lower --val_tokens")
-    print(f"wrote {out_dir}: {progress['tokens']['train']:,} train tokens in {len(progress['shards']['train'])} shards, "
-          f"{progress['tokens']['val']:,} val tokens in {len(progress['shards']['val'])}, {np.dtype(dtype).name}, "
+    if tokens["val"] > (tokens["train"] + tokens["val"]) / 2:
+        print(f"warning: val holds {tokens['val']:,} of {tokens['train'] + tokens['val']:,} tokens; lower --val_tokens",
+              file=sys.stderr)
+    print(f"wrote {out_dir}: {tokens['train']:,} train tokens in {len(progress['shards']['train'])} shards, "
+          f"{tokens['val']:,} val tokens in {len(progress['shards']['val'])}, {np.dtype(dtype).name}, "
           f"from {counters['documents_before']:,} documents")
     print(f"tokenizing {t2 - t1:.2f}s ({new_tokens / max(t2 - t1, 1e-9):,.0f} tokens/s) | total {t2 - t0:.2f}s")
 
