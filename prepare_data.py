@@ -68,7 +68,6 @@ HUB_DATASETS = {
     "tinystories": ("roneneldan/TinyStories", None, None),
 }
 LOCAL_SUFFIXES = (".txt", ".jsonl", ".parquet")
-TIKTOKEN_NAMES = ("gpt2", "r50k_base", "p50k_base", "cl100k_base", "o200k_base")
 # -----------------------------------------------------------------------------
 
 
@@ -96,10 +95,7 @@ def load_tokenizer(name):
                          Path(name).resolve().name)
     import tiktoken
 
-    try:
-        known = tiktoken.list_encoding_names()
-    except Exception:
-        known = list(TIKTOKEN_NAMES)
+    known = tiktoken.list_encoding_names()
     if name not in known:
         raise UserError(f"--tokenizer {name}: not a directory, not char, and not a tiktoken encoding "
                         f"({', '.join(known)}); check the spelling or the path")
@@ -290,10 +286,8 @@ def write_json(path, obj):
 
 # ---------------------------------------------------------------- step 4: val first, then train
 #
-# The validation split is the first documents until it holds --val_tokens tokens (at least one document,
-# never the last); a source of one single document gives its last 10% of tokens to val instead. The
-# splitter runs one document late, so it knows which one is last, and keeps the counters that decide the
-# split in the resume state: a resumed run makes the very same choices.
+# The split follows the rule of the docstring. The splitter runs one document late, so it knows which one
+# is last, and keeps the counters that decide the split in the resume state: a resumed run makes the same choices.
 
 COUNTERS = ("tokens_before", "chars_before", "documents_before", "val_count", "val_documents", "val_closed")
 

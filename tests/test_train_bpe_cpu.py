@@ -202,8 +202,9 @@ BAD_INPUTS = {  # the reader's own bad input (files, lines, the Hub) is tested o
     "n zero": (["-n", "0"], "must be positive"),
     "n negative": (["-n", "-5"], "must be positive"),
     "bad pattern": (["--pattern", "(unclosed"], "--pattern does not compile"),
-    "empty pattern": (["--pattern", ""], "matches the empty string"),
-    "pattern matching empty": (["--pattern", "x*"], "matches the empty string"),
+    # up front: before the reader meets the bad line of BAD.jsonl
+    "empty pattern": (["--pattern", "", "--data", "BAD.jsonl"], "matches the empty string"),
+    "pattern matching empty": (["--pattern", "x*", "--data", "BAD.jsonl"], "matches the empty string"),
     "pattern matching empty in places": (["--pattern", r"\b|\w+"], "matches the empty string"),
     "catastrophic pattern": (["--pattern", r"(?:a|a)+b|\s", "--data", "RUNS.txt"],
                              "backtracks catastrophically: it ran past the time limit on document 1 ('aaaa"),
@@ -223,6 +224,7 @@ def test_bad_input_is_one_clear_line(tmp_path, case):
     (tmp_path / "SMALL.md").write_text("text")
     (tmp_path / "EMPTY.txt").write_text("")
     (tmp_path / "RUNS.txt").write_text("a" * 40 + " x")
+    (tmp_path / "BAD.jsonl").write_text('{"text": 42}\n')
     for directory, names in {"DATASET": ["meta.json", "train_000000.npy", "tokenizer.json"], "FOREIGN": ["notes.txt"]}.items():
         (tmp_path / directory).mkdir()
         for name in names:
