@@ -483,3 +483,7 @@ def test_a_deleted_or_cut_shard_is_found_on_rerun(tmp_path, docs, bpe_dir):
     shutil.rmtree(tmp_path / "ds")
     prepare(*args, cwd=tmp_path)
     assert read_dataset(tmp_path / "ds")[0]["shards"] == meta["shards"]
+    # train.py's advice for a dataset that lacks its tokenizer files works too: the rerun puts them back
+    (tmp_path / "ds" / "tokenizer.tiktoken").unlink()
+    assert "already complete" in prepare(*args, cwd=tmp_path).stdout
+    assert (tmp_path / "ds" / "tokenizer.tiktoken").read_bytes() == (bpe_dir / "tokenizer.tiktoken").read_bytes()
