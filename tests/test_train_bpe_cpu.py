@@ -159,6 +159,19 @@ def test_num_chars_cuts_the_stream_exactly(tmp_path):
     assert result.returncode == 0, result.stderr
 
 
+def test_cli_on_a_directory_equals_rustbpe_on_its_documents(tmp_path):
+    """The reader's documents (test_reader.py) reach the trainer unchanged: CRLF and all, file by file."""
+    docs = ["First document,\r\nwith CRLF.\r\n" * 5, "Second one, with ünïcode 中文 😀. " * 5, "third third third"]
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    (folder / "a.txt").write_bytes(docs[0].encode())
+    (folder / "b.jsonl").write_text("".join(json.dumps({"text": doc}) + "\n" for doc in docs[1:]))
+    result = run_cli("--data", folder, "-v", 300, "--out", tmp_path / "tok", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    encoding, _ = load_encoding(tmp_path / "tok")
+    assert [encoding.decode_single_token_bytes(r) for r in range(encoding.n_vocab - 1)] == rustbpe_vocab(docs, 300)[:encoding.n_vocab - 1]
+
+
 def test_offline_fallback_is_the_standard_library(tmp_path):
     result = run_cli("-v", 300, "-n", 50_000, cwd=tmp_path)
     assert result.returncode == 0, result.stderr
