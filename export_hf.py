@@ -122,6 +122,10 @@ else:
             f"what tokenizer.json is built from: run once where tiktoken can download it (it caches it)")
     # tiktoken keeps the ranks and pattern in private attributes; they are the whole definition of the encoding.
     ranks, pattern, special_tokens = encoding._mergeable_ranks, encoding._pat_str, dict(encoding._special_tokens)
+largest_id = max([*ranks.values(), *special_tokens.values()])
+if largest_id >= cfg.vocab_size:
+    die(f"the tokenizer has ids up to {largest_id}, beyond the model's vocab_size={cfg.vocab_size}: the checkpoint's "
+        f"tokenizer and model don't match")
 EOT = "<|endoftext|>"
 eot_id = special_tokens.get(EOT)  # bos and eos, when the tokenizer has it: every training document starts with it
 
