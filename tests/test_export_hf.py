@@ -1,6 +1,7 @@
 """export_hf.py through its command line: the exported directory, loaded by transformers with no custom code, must
 give model.py's logits and greedy tokens, and tiktoken's tokens. The checkpoints are tiny, trained here for a few
-steps and saved with save_checkpoint; every export_hf.py run starts at once, in parallel, in one fixture."""
+steps and saved with save_checkpoint. Two exports run as programs (a good one and a refusal); the other cases run
+export_hf.py's command line in this process, which saves a torch import (~2 s) per case."""
 import base64
 import contextlib
 import inspect
@@ -43,8 +44,6 @@ MODELS = {
     # Multi-head (one key/value head per query head), with the biases that Llama's config can also switch on.
     "mha_bias": GPTConfig(vocab_size=401, n_embd=32, n_layer=1, n_head=2, n_kv_head=2, block_size=64, bias=True),
 }
-
-
 EXPORT = os.path.join(REPO, "export_hf.py")
 
 
