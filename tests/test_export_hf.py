@@ -45,6 +45,7 @@ MODELS = {
     "mha_bias": GPTConfig(vocab_size=401, n_embd=32, n_layer=1, n_head=2, n_kv_head=2, block_size=64, bias=True),
 }
 EXPORT = os.path.join(REPO, "export_hf.py")
+TIKTOKEN_NAME = "lillm_export_test"
 
 
 def start_export(*args):
@@ -162,9 +163,17 @@ def exported(tmp_path_factory):
     gpt2_config = GPTConfig(vocab_size=50304, n_embd=16, n_layer=1, n_head=2, n_kv_head=1, block_size=16)
     save(root / "gpt2", GPT(gpt2_config), {"kind": "tiktoken", "name": "gpt2"})
     results["gpt2"] = export_here(f"--out_dir={root / 'gpt2'}", f"--hf_dir={root / 'hf_gpt2'}")
+    # The tiktoken branch offline: our BPE registered with tiktoken under a name (tiktoken's plugin table).
+    tiktoken.list_encoding_names()  # fills the table
+    tiktoken.registry.ENCODING_CONSTRUCTORS[TIKTOKEN_NAME] = lambda: dict(
+        name=TIKTOKEN_NAME, pat_str=offline_tokenizer["pattern"], special_tokens=offline_tokenizer["special_tokens"],
+        mergeable_ranks=tiktoken_from(offline_tokenizer)._mergeable_ranks)
+    save(root / "named", GPT(MODELS["gqa"]), {"kind": "tiktoken", "name": TIKTOKEN_NAME})
+    results["named"] = export_here(f"--out_dir={root / 'named'}", f"--hf_dir={root / 'hf_named'}")
+    del tiktoken.registry.ENCODING_CONSTRUCTORS[TIKTOKEN_NAME]
 
     results.update({case: finish(process) for case, process in processes.items()})
-    for name in MODELS:
+    for name in (*MODELS, "named"):
         assert results[name].returncode == 0, results[name].stderr
     return {"root": root, "results": results, "bad": bad, "tokenizer": offline_tokenizer, "tokens": tokens}
 
@@ -225,8 +234,9 @@ def test_greedy_generation_equals_ours(exported, loaded, name):
     assert len(set(expected[0, 10:].tolist())) >= 5  # a varied continuation, not one token repeated
 
 
-def test_same_tokens_as_tiktoken_offline(exported):
-    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(str(exported["root"] / "hf_gqa"))
+@pytest.mark.parametrize("hf_dir", ["hf_gqa", "hf_named"])  # our BPE from the checkpoint / by tiktoken name
+def test_same_tokens_as_tiktoken_offline(exported, hf_dir):
+    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(str(exported["root"] / hf_dir))
     encoding = tiktoken_from(exported["tokenizer"])
     for text in OFFLINE_DOCS + EDGE_CASES + ["".join(EDGE_CASES)]:
         ids = hf_tokenizer.encode(text)
@@ -235,6 +245,22 @@ def test_same_tokens_as_tiktoken_offline(exported):
     # <|endoftext|> in the text is the special token, as in sample.py's prompts.
     assert hf_tokenizer.encode("a<|endoftext|>b") == encoding.encode("a<|endoftext|>b", allowed_special="all")
     assert hf_tokenizer.eos_token == hf_tokenizer.bos_token == "<|endoftext|>"
+
+
+def test_a_chunk_that_is_a_token_stays_whole(tmp_path):
+    """tiktoken takes a chunk that is a token as that token, even where merging could not reach it: here "bc" joins
+    first and leaves [a, bc, d], which no listed pair joins further, yet "abcd" is a token."""
+    tokens = [bytes([byte]) for byte in range(256)] + [b"bc", b"ab", b"cd", b"abcd"]
+    tokenizer = {"kind": "bpe", "ranks": "".join(f"{base64.b64encode(token).decode()} {rank}\n"
+                                                 for rank, token in enumerate(tokens)),
+                 "pattern": r"\S+|\s+", "special_tokens": {"<|endoftext|>": 260}}
+    save(tmp_path / "out", GPT(GPTConfig(vocab_size=261, n_embd=16, n_layer=1, n_head=2, n_kv_head=1,
+                                         block_size=16)), tokenizer)
+    assert export_here(f"--out_dir={tmp_path / 'out'}", f"--hf_dir={tmp_path / 'hf'}").returncode == 0
+    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
+    for text in ("abcd", "abcd abc bcd"):
+        assert hf_tokenizer.encode(text) == tiktoken_from(tokenizer).encode_ordinary(text)
+    assert hf_tokenizer.encode("abcd") == [259]
 
 
 def test_same_tokens_as_tiktoken_on_real_text(corpus, tmp_path):
@@ -252,7 +278,7 @@ def test_same_tokens_as_tiktoken_on_real_text(corpus, tmp_path):
     with open(corpus("enwiki.jsonl"), encoding="utf-8") as f:
         wiki = [json.loads(next(f))["text"] for _ in range(100)]
     # Every translation's first 5,000 characters: all the scripts, in a third of the time of the whole texts.
-    texts = [doc[:5000] for doc in udhr] + wiki + [corpus("tinyshakespeare.txt").read_text()[:100_000]]
+    texts = [doc[:5000] for doc in udhr] + wiki + [corpus("tinyshakespeare.txt").read_text()[:100_000]] + EDGE_CASES
     for text, ids in zip(texts, hf_tokenizer(texts)["input_ids"]):
         assert ids == encoding.encode_ordinary(text), repr(text[:80])
         assert hf_tokenizer.decode(ids) == text
