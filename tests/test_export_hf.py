@@ -131,7 +131,7 @@ def train_a_little(config, tokens):
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
-    """Train the tokenizers and models, then run every export_hf.py case at once; returns paths and results."""
+    """Train a tokenizer and the models, then export them and the bad inputs; returns paths and results."""
     root = tmp_path_factory.mktemp("export")
     (root / "offline.jsonl").write_text("".join(json.dumps({"text": doc}) + "\n" for doc in OFFLINE_DOCS))
     offline_tokenizer = checkpoint_tokenizer(train_tokenizer(root / "offline.jsonl", OFFLINE_VOCAB, root / "tok"))
