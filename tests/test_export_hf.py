@@ -1,0 +1,307 @@
+"""export_hf.py through its command line: the exported directory, loaded by transformers with no custom code, must
+give model.py's logits and greedy tokens, and tiktoken's tokens. The checkpoints are tiny, trained here for a few
+steps and saved with save_checkpoint. Two exports run as programs (a good one and a refusal); the other cases run
+export_hf.py's command line in this process, which saves a torch import (~2 s) per case."""
+import base64
+import contextlib
+import inspect
+import io
+import json
+import os
+import runpy
+import subprocess
+import sys
+from dataclasses import asdict
+
+import pytest
+import tiktoken
+import torch
+
+REPO = os.path.join(os.path.dirname(__file__), "..")
+sys.path.insert(0, REPO)
+from model import GPT, GPTConfig, load_checkpoint, model_from_checkpoint, save_checkpoint  # noqa: E402
+
+transformers = pytest.importorskip("transformers")
+safetensors_torch = pytest.importorskip("safetensors.torch")
+
+# Real text that every Python install carries (stdlib source), and a few scripts of 2, 3 and 4 UTF-8 bytes.
+OFFLINE_DOCS = [inspect.getsource(module) for module in (json.decoder, json.encoder, base64)] + [
+    "Héllo wörld, ça va? Übermäßig schön; naïve café. " * 8,
+    "日本語のテキストです。東京と大阪、京都。 " * 8,
+    "Привет, мир! Как дела? 한국어 텍스트입니다. مرحبا بالعالم " * 8,
+    "Emoji 🙂🚀👩‍👩‍👧‍👦 and symbols → ≤ ≥ € 12345 6789.01 " * 8,
+]
+# Where tokenizers most often disagree: whitespace runs and line ends, digit groups, contractions, joiners.
+EDGE_CASES = ["", " ", "  ", "\n", "\n\n\n", " \n ", "\t\t x", "a  b   c    ", "trailing   ", "   leading",
+              "\r\n\r\n", "x\r\ny", "x\n\n  y", "1", "12", "123", "1234", "12345678901", "3.14159", "1,000,000",
+              " 2024-11-23", "A1B22C333", "don't I'LL we've THEY'RE 'S", "😀", "👩‍👩‍👧‍👦", "🙂🚀x", "e\u0301",
+              "ﬁ ß ǅ", "\u00a0nbsp\u00a0", "\u3000全角", "a\u200bb", "𝔘𝔫𝔦𝔠𝔬𝔡𝔢 𐍈", "\x00\x01\x7f", "    def f(x):\n"]
+OFFLINE_VOCAB = 400  # byte tokens + merges; <|endoftext|> is id 400
+MODELS = {
+    # GQA, a SwiGLU hidden size from ffn_ratio 3.5 (8/3 would give 128, not 192), and non-default theta and eps.
+    "gqa": GPTConfig(vocab_size=448, n_embd=48, n_layer=2, n_head=4, n_kv_head=2, block_size=96, ffn_ratio=3.5,
+                     ffn_multiple_of=32, rope_theta=500.0, norm_eps=1e-6),
+    # Multi-head (one key/value head per query head), with the biases that Llama's config can also switch on.
+    "mha_bias": GPTConfig(vocab_size=401, n_embd=32, n_layer=1, n_head=2, n_kv_head=2, block_size=64, bias=True),
+}
+EXPORT = os.path.join(REPO, "export_hf.py")
+TIKTOKEN_NAME = "lillm_export_test"
+
+
+def start_export(*args):
+    """export_hf.py as a program, in the background."""
+    return subprocess.Popen([sys.executable, EXPORT, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env=dict(os.environ, PYTHONIOENCODING="utf-8"))
+
+
+def finish(process):
+    stdout, stderr = process.communicate(timeout=300)
+    return subprocess.CompletedProcess(process.args, process.returncode, stdout.decode(), stderr.decode())
+
+
+def export_here(*args):
+    """export_hf.py's command line run in this process (runpy, as `python export_hf.py ARGS` would), so the other
+    cases don't pay torch's import each. An exception it lets escape (a traceback) fails the test with it."""
+    argv, stderr = sys.argv, io.StringIO()
+    sys.argv = [EXPORT, *args]
+    try:
+        with contextlib.redirect_stderr(stderr):
+            runpy.run_path(EXPORT, run_name="__main__")
+        returncode = 0
+    except SystemExit as exit_:
+        returncode = exit_.code
+    finally:
+        sys.argv = argv
+    return subprocess.CompletedProcess(args, returncode, "", stderr.getvalue())
+
+
+def train_tokenizer(data_path, vocab_size, out):
+    subprocess.run([sys.executable, os.path.join(REPO, "train_bpe_cpu.py"), "--data", str(data_path),
+                    "-v", str(vocab_size), "-n", "100000000", "--out", str(out)], check=True, capture_output=True)
+    return out
+
+
+def checkpoint_tokenizer(directory):
+    """A tokenizer directory as train.py stores it in a checkpoint."""
+    with open(directory / "tokenizer.json") as f:
+        info = json.load(f)
+    return {"kind": "bpe", "ranks": (directory / "tokenizer.tiktoken").read_text(), "pattern": info["pattern"],
+            "special_tokens": info["special_tokens"]}
+
+
+def tiktoken_from(tokenizer):
+    """The test's own route from a checkpoint's tokenizer entry to tiktoken (as sample.py and the README do)."""
+    ranks = {base64.b64decode(token): int(rank)
+             for token, rank in (line.split() for line in tokenizer["ranks"].splitlines() if line.strip())}
+    return tiktoken.Encoding(name="test", pat_str=tokenizer["pattern"], mergeable_ranks=ranks,
+                             special_tokens=tokenizer["special_tokens"])
+
+
+def save(path, model, tokenizer):
+    save_checkpoint(str(path / "ckpt.pt"), {
+        "model": model.state_dict(), "model_config": asdict(model.config), "train_config": {}, "iter_num": 20,
+        "best_val_loss": 0.0, "optimizer": None, "scaler": None, "rng": None, "tokenizer": tokenizer, "dataset": None})
+
+
+def train_a_little(config, tokens):
+    """A few AdamW steps on real tokens, so that the exported weights are not an initialization. The matrices start
+    at N(0, 0.2), ten times GPT-2's init: the greedy continuation then changes with the context (at 0.02 it repeats
+    one token), so the generation test compares 50 different decisions."""
+    torch.manual_seed(0)
+    model = GPT(config)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() == 2:
+                param.normal_(0.0, 0.2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    data = torch.tensor(tokens)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matmuls: one thread is faster, and much faster on a busy machine
+    for _ in range(10):
+        starts = torch.randint(0, len(data) - config.block_size - 1, (4,))
+        x = torch.stack([data[s:s + config.block_size] for s in starts])
+        y = torch.stack([data[s + 1:s + 1 + config.block_size] for s in starts])
+        _, loss = model(x, y)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    torch.set_num_threads(threads)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """Train a tokenizer and the models, then export them and the bad inputs; returns paths and results."""
+    root = tmp_path_factory.mktemp("export")
+    (root / "offline.jsonl").write_text("".join(json.dumps({"text": doc}) + "\n" for doc in OFFLINE_DOCS))
+    offline_tokenizer = checkpoint_tokenizer(train_tokenizer(root / "offline.jsonl", OFFLINE_VOCAB, root / "tok"))
+    tokens = [t for doc in OFFLINE_DOCS for t in tiktoken_from(offline_tokenizer).encode_ordinary(doc)]
+    for name, config in MODELS.items():
+        save(root / name, train_a_little(config, tokens), offline_tokenizer)
+    # Two runs as programs (a good export and a refusal), the other cases in this process.
+    processes = {"gqa": start_export(f"--out_dir={root / 'gqa'}", f"--hf_dir={root / 'hf_gqa'}")}
+    (root / "foreign").mkdir()
+    torch.save({"weights": torch.zeros(2)}, root / "foreign" / "ckpt.pt")
+    processes["not ours"] = start_export(f"--out_dir={root / 'foreign'}", f"--hf_dir={root / 'hf_foreign'}")
+    results = {"mha_bias": export_here(f"--out_dir={root / 'mha_bias'}", f"--hf_dir={root / 'hf_mha_bias'}")}
+
+    # Bad input: no checkpoint, a file that isn't ours (above), a char-level model, an hf_dir that holds something.
+    (root / "empty").mkdir()
+    char_config = GPTConfig(vocab_size=70, n_embd=16, n_layer=1, n_head=2, n_kv_head=1, block_size=16)
+    save(root / "char", GPT(char_config), {"kind": "char", "chars": [chr(32 + i) for i in range(70)]})
+    (root / "hf_taken").mkdir()
+    (root / "hf_taken" / "keep.txt").write_text("mine")
+    bad = {"no checkpoint": (root / "empty", "no checkpoint at"),
+           "not ours": (root / "foreign", "is not a lilLM checkpoint"),
+           "char level": (root / "char", "char-level"),
+           "hf_dir taken": (root / "gqa", "already exists and is not an empty directory")}
+    for case in ("no checkpoint", "char level", "hf_dir taken"):
+        out_dir = bad[case][0]
+        hf_dir = root / "hf_taken" if case == "hf_dir taken" else root / f"hf_{out_dir.name}"
+        results[case] = export_here(f"--out_dir={out_dir}", f"--hf_dir={hf_dir}")
+    # A tiktoken name: exported where tiktoken has (or can download) gpt2's ranks, else refused in one line.
+    gpt2_config = GPTConfig(vocab_size=50304, n_embd=16, n_layer=1, n_head=2, n_kv_head=1, block_size=16)
+    save(root / "gpt2", GPT(gpt2_config), {"kind": "tiktoken", "name": "gpt2"})
+    results["gpt2"] = export_here(f"--out_dir={root / 'gpt2'}", f"--hf_dir={root / 'hf_gpt2'}")
+    # The tiktoken branch offline: our BPE registered with tiktoken under a name (tiktoken's plugin table).
+    tiktoken.list_encoding_names()  # fills the table
+    tiktoken.registry.ENCODING_CONSTRUCTORS[TIKTOKEN_NAME] = lambda: dict(
+        name=TIKTOKEN_NAME, pat_str=offline_tokenizer["pattern"], special_tokens=offline_tokenizer["special_tokens"],
+        mergeable_ranks=tiktoken_from(offline_tokenizer)._mergeable_ranks)
+    save(root / "named", GPT(MODELS["gqa"]), {"kind": "tiktoken", "name": TIKTOKEN_NAME})
+    results["named"] = export_here(f"--out_dir={root / 'named'}", f"--hf_dir={root / 'hf_named'}")
+    del tiktoken.registry.ENCODING_CONSTRUCTORS[TIKTOKEN_NAME]
+
+    results.update({case: finish(process) for case, process in processes.items()})
+    for name in (*MODELS, "named"):
+        assert results[name].returncode == 0, results[name].stderr
+    return {"root": root, "results": results, "bad": bad, "tokenizer": offline_tokenizer, "tokens": tokens}
+
+
+@pytest.fixture(scope="module")
+def loaded(exported):
+    """(model.py's model, transformers' model) per exported checkpoint."""
+    pairs = {}
+    for name in MODELS:
+        ours = model_from_checkpoint(load_checkpoint(str(exported["root"] / name / "ckpt.pt"))).eval()
+        theirs = transformers.AutoModelForCausalLM.from_pretrained(str(exported["root"] / f"hf_{name}")).eval()
+        pairs[name] = (ours, theirs)
+    return pairs
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_same_logits_on_random_and_real_tokens(exported, loaded, name):
+    ours, theirs = loaded[name]
+    assert isinstance(theirs, transformers.LlamaForCausalLM) and theirs.dtype == torch.float32
+    config = ours.config
+    generator = torch.Generator().manual_seed(1)
+    random_ids = torch.randint(0, config.vocab_size, (3, config.block_size), generator=generator)
+    real = torch.tensor(exported["tokens"][:4 * config.block_size]).view(4, config.block_size)
+    for ids in (random_ids, real, real[:1, :7]):
+        with torch.no_grad():
+            our_logits, _ = ours(ids, targets=ids)  # with targets: logits at every position
+            their_logits = theirs(ids).logits
+        assert their_logits.shape == our_logits.shape
+        assert (their_logits - our_logits).abs().max().item() < 1e-5
+
+
+def test_the_files_say_what_the_model_is(exported, loaded):
+    ours, _ = loaded["gqa"]
+    hf_dir = exported["root"] / "hf_gqa"
+    config = json.loads((hf_dir / "config.json").read_text())
+    assert config["intermediate_size"] == ours.config.ffn_hidden_size == 192
+    assert (config["num_key_value_heads"], config["rope_theta"], config["rms_norm_eps"]) == (2, 500.0, 1e-6)
+    assert config["bos_token_id"] == config["eos_token_id"] == OFFLINE_VOCAB
+    assert config["max_position_embeddings"] == ours.config.block_size and config["tie_word_embeddings"]
+    # Our hand-written safetensors, read by the safetensors package: every tensor, once, bit for bit.
+    tensors = safetensors_torch.load_file(str(hf_dir / "model.safetensors"))
+    state = ours.state_dict()
+    assert len(tensors) == len(state) - 1  # the tied output head is stored once, as the embedding
+    assert torch.equal(tensors["model.embed_tokens.weight"], state["lm_head.weight"])
+    assert torch.equal(tensors["model.layers.1.self_attn.k_proj.weight"], state["transformer.h.1.attn.c_k.weight"])
+    assert torch.equal(tensors["model.layers.1.mlp.down_proj.weight"], state["transformer.h.1.mlp.c_proj.weight"])
+    assert not [name for name in os.listdir(exported["root"]) if ".tmp." in name]  # no temporary directory left
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_greedy_generation_equals_ours(exported, loaded, name):
+    ours, theirs = loaded[name]
+    prompt = torch.tensor([exported["tokens"][100:110]])
+    expected = ours.generate(prompt, 50, temperature=0)
+    # eos_token_id=None: model.generate doesn't stop at <|endoftext|>, so neither may transformers.
+    got = theirs.generate(prompt, max_new_tokens=50, do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert got.tolist() == expected.tolist()
+    assert len(set(expected[0, 10:].tolist())) >= 5  # a varied continuation, not one token repeated
+
+
+@pytest.mark.parametrize("hf_dir", ["hf_gqa", "hf_named"])  # our BPE from the checkpoint / by tiktoken name
+def test_same_tokens_as_tiktoken_offline(exported, hf_dir):
+    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(str(exported["root"] / hf_dir))
+    encoding = tiktoken_from(exported["tokenizer"])
+    for text in OFFLINE_DOCS + EDGE_CASES + ["".join(EDGE_CASES)]:
+        ids = hf_tokenizer.encode(text)
+        assert ids == encoding.encode_ordinary(text), repr(text[:80])
+        assert hf_tokenizer.decode(ids) == text
+    # <|endoftext|> in the text is the special token, as in sample.py's prompts.
+    assert hf_tokenizer.encode("a<|endoftext|>b") == encoding.encode("a<|endoftext|>b", allowed_special="all")
+    assert hf_tokenizer.eos_token == hf_tokenizer.bos_token == "<|endoftext|>"
+
+
+def test_a_chunk_that_is_a_token_stays_whole(tmp_path):
+    """tiktoken takes a chunk that is a token as that token, even where merging could not reach it: here "bc" joins
+    first and leaves [a, bc, d], which no listed pair joins further, yet "abcd" is a token."""
+    tokens = [bytes([byte]) for byte in range(256)] + [b"bc", b"ab", b"cd", b"abcd"]
+    tokenizer = {"kind": "bpe", "ranks": "".join(f"{base64.b64encode(token).decode()} {rank}\n"
+                                                 for rank, token in enumerate(tokens)),
+                 "pattern": r"\S+|\s+", "special_tokens": {"<|endoftext|>": 260}}
+    save(tmp_path / "out", GPT(GPTConfig(vocab_size=261, n_embd=16, n_layer=1, n_head=2, n_kv_head=1,
+                                         block_size=16)), tokenizer)
+    assert export_here(f"--out_dir={tmp_path / 'out'}", f"--hf_dir={tmp_path / 'hf'}").returncode == 0
+    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
+    for text in ("abcd", "abcd abc bcd"):
+        assert hf_tokenizer.encode(text) == tiktoken_from(tokenizer).encode_ordinary(text)
+    assert hf_tokenizer.encode("abcd") == [259]
+
+
+def test_same_tokens_as_tiktoken_on_real_text(corpus, tmp_path):
+    """A tokenizer trained by train_bpe_cpu.py on the start of every UDHR translation (all its scripts), exported,
+    encodes every translation, Wikipedia and Shakespeare exactly as tiktoken does."""
+    udhr = [json.loads(line)["text"] for line in corpus("udhr.jsonl").read_text().splitlines()]
+    (tmp_path / "udhr_starts.jsonl").write_text("".join(json.dumps({"text": doc[:1500]}) + "\n" for doc in udhr))
+    tokenizer = checkpoint_tokenizer(train_tokenizer(tmp_path / "udhr_starts.jsonl", 1000, tmp_path / "tok"))
+    save(tmp_path / "out", GPT(GPTConfig(vocab_size=1024, n_embd=16, n_layer=1, n_head=2, n_kv_head=1,
+                                         block_size=16)), tokenizer)
+    result = export_here(f"--out_dir={tmp_path / 'out'}", f"--hf_dir={tmp_path / 'hf'}")
+    assert result.returncode == 0, result.stderr
+    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
+    encoding = tiktoken_from(tokenizer)
+    with open(corpus("enwiki.jsonl"), encoding="utf-8") as f:
+        wiki = [json.loads(next(f))["text"] for _ in range(100)]
+    # Every translation's first 5,000 characters: all the scripts, in a third of the time of the whole texts.
+    texts = [doc[:5000] for doc in udhr] + wiki + [corpus("tinyshakespeare.txt").read_text()[:100_000]] + EDGE_CASES
+    for text, ids in zip(texts, hf_tokenizer(texts)["input_ids"]):
+        assert ids == encoding.encode_ordinary(text), repr(text[:80])
+        assert hf_tokenizer.decode(ids) == text
+
+
+@pytest.mark.parametrize("case", ["no checkpoint", "not ours", "char level", "hf_dir taken"])
+def test_bad_input_gets_one_line_and_writes_nothing(exported, case):
+    result = exported["results"][case]
+    out_dir, message = exported["bad"][case]
+    assert result.returncode == 1
+    assert result.stderr.startswith("error: ") and message in result.stderr and result.stderr.count("\n") == 1
+    root = exported["root"]
+    assert not (root / f"hf_{out_dir.name}").exists() or case == "hf_dir taken"
+    assert os.listdir(root / "hf_taken") == ["keep.txt"] and (root / "hf_taken" / "keep.txt").read_text() == "mine"
+
+
+def test_tiktoken_name_exports_or_refuses_in_one_line(exported):
+    result = exported["results"]["gpt2"]
+    if result.returncode != 0:  # offline, with no cached copy of gpt2's ranks
+        assert result.stderr.startswith("error: can't load the tiktoken encoding 'gpt2'")
+        assert result.stderr.count("\n") == 1
+        return
+    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(str(exported["root"] / "hf_gpt2"))
+    encoding = tiktoken.get_encoding("gpt2")
+    for text in OFFLINE_DOCS + EDGE_CASES:
+        assert hf_tokenizer.encode(text) == encoding.encode_ordinary(text), repr(text[:80])
