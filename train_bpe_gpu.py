@@ -353,13 +353,18 @@ def merge_on_device(arrays, vocab_size, device):
                 for _ in range(merges_now):
                     one_merge()
             progress.update(merges_now)
-            if state[DONE.value].item():  # the one host read of these merges
+            if merges_done(state):
                 break
     num_merges = int(state[NEXT.value]) - 256
     pairs = merges[:2 * num_merges].view(-1, 2).tolist()
     # Each merged occurrence saved one token per occurrence of its chunk: the DEAD positions' weights.
     saved = int(t["weight"][t["tokens"] == DEAD.value].sum())
     return [((left, right), 256 + i) for i, (left, right) in enumerate(pairs)], arrays["total_bytes"] - saved
+
+
+def merges_done(state):
+    """The one host read of a group of merges: here, and only here, the host waits for the device."""
+    return bool(state[DONE.value].item())
 
 
 def train(chunk_counts, vocab_size, device="cpu"):
