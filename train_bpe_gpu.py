@@ -61,6 +61,9 @@ HUB_DATASETS = {"fineweb": ("HuggingFaceFW/fineweb", "sample-10BT", None),  # (r
 LOCAL_SUFFIXES = (".txt", ".jsonl", ".parquet")
 TOKENIZER_FILES = ("tokenizer.tiktoken", "tokenizer.json", "tokenizer.tiktoken.tmp", "tokenizer.json.tmp")
 device = None  # cuda when torch sees a GPU, else cpu (Triton's interpreter: exact, slow)
+# Kernel shapes in Triton's interpreter: programs, positions per block, dirty rows per block, rows per block of
+# choose_pair. The tests shrink them to run the many-block paths a GPU takes.
+INTERPRETER_SHAPE = (1, 1024, 64, 1024)
 MERGES_PER_READ = 16  # merges launched (on CUDA: one graph replay) per host read of the "done" flag
 PARALLEL_CHARS = 1 << 24  # from this many characters on, pre-tokenize .jsonl files on every core
 RANGE_BYTES = 1 << 23  # the byte range of a .jsonl file that one worker reads at a time
@@ -105,6 +108,11 @@ class UserError(Exception):
 # Runs ("aaaa") are the hard case: every position of the run matches (a, a), but BPE merges left to right
 # without overlap, the 1st, 3rd, 5th... of each run. A position decides alone by counting the a's before it
 # in its run (walking prev_pos): it merges when that number is even.
+#
+# Memory: the count matrix is the budget, 4 V^2 bytes (int32; int64 only past 2^31 pairs of text): 16 GiB at
+# V = 65534. Per position of the distinct chunks, ~40 bytes (five int32 arrays, lists and scratch 16), and
+# deduplication keeps positions few: 2.5 M for all of enwiki's 56 M characters, ~0.2 GB. So -v 65534 needs
+# ~16.5 GiB plus the CUDA context: it fits a 24 GB card.
 
 NEXT, NEW, A, B, DONE, START, LENGTH, SURVIVORS, DIRTY = (tl.constexpr(i) for i in range(9))  # slots of `state`
 DEAD = tl.constexpr(-2)  # the token of an unlinked position (the right half of a merged pair)
@@ -200,7 +208,10 @@ def apply_merges(state, list_buffer, scratch, list_start, list_len, tokens, next
             unmarked = (i < length) & (mark_p != 2 * new) & (mark_p != 2 * new + 1)
             survives = unmarked & (tl.load(tokens + p, mask=unmarked, other=-1) == a)
             for k in tl.static_range(2):  # append to a list: one atomic add reserves the block's slots
-                counter, buffer, keep = (state + SURVIVORS, scratch, survives) if k == 0 else (list_len + new, new_list, merged)
+                if k == 0:
+                    counter, buffer, keep = state + SURVIVORS, scratch, survives
+                else:
+                    counter, buffer, keep = list_len + new, new_list, merged
                 slot = tl.atomic_add(counter, tl.sum(keep.to(tl.int32), axis=0)) + tl.cumsum(keep.to(tl.int32), axis=0) - 1
                 tl.store(buffer + slot, p, mask=keep)
             right = tl.load(next_pos + p, mask=merged, other=END)
@@ -240,7 +251,10 @@ def apply_merges(state, list_buffer, scratch, list_start, list_len, tokens, next
             # (x, new) and (new, y_new) gain w. The lane whose add comes last sees the final count, so the atomic
             # max of every lane's key is the final key, whatever the order.
             for k in tl.static_range(2):
-                row, col, gain = (x.to(tl.int64), new + zero, has_x) if k == 0 else (new + zero, y_new.to(tl.int64), has_y)
+                if k == 0:
+                    row, col, gain = x.to(tl.int64), new + zero, has_x
+                else:
+                    row, col, gain = new + zero, y_new.to(tl.int64), has_y
                 total = tl.atomic_add(counts + row * V + col, w, mask=gain) + w
                 tl.atomic_max(row_key + row, (total.to(tl.int64) << ID_BITS) | (LOW - col), mask=gain)
 
@@ -322,14 +336,14 @@ def merge_on_device(arrays, vocab_size, device):
     merges = torch.zeros(2 * max(V - 256, 1), dtype=torch.int64, device=device)
     # On a GPU: a few programs per SM, each looping over blocks. The interpreter runs programs one after
     # another in numpy, so there one program with wide blocks is fastest.
-    interpreted = device.type == "cpu"
-    grid = (1,) if interpreted else (4 * torch.cuda.get_device_properties(device).multi_processor_count,)
-    block, rows = (1024, 64) if interpreted else (256, 4)
+    programs, block, rows, choose_block = INTERPRETER_SHAPE if device.type == "cpu" else \
+        (4 * torch.cuda.get_device_properties(device).multi_processor_count, 256, 4, 4096)
+    grid = (programs,)
     lists = (t["list_buffer"], scratch, t["list_start"], t["list_len"])
 
     def one_merge():
         choose_pair[(1,)](state, row_key, fresh_key, dirty_flag, dirty_rows, t["list_start"], t["list_len"], merges,
-                          V, BLOCK=1024)
+                          V, BLOCK=choose_block)
         find_occurrences[grid](state, t["list_buffer"], t["tokens"], t["next_pos"], t["prev_pos"], mark, END,
                                BLOCK=block)
         apply_merges[grid](state, *lists, t["tokens"], t["next_pos"], t["prev_pos"], mark, t["weight"], counts,

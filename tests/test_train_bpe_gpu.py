@@ -83,6 +83,14 @@ def test_edge_cases_equal_rustbpe_and_cpu_trainer(name):
     assert ours == cpu_trainer_vocab(docs, 280)
 
 
+def test_many_programs_and_small_blocks_give_the_same_merges(monkeypatch):
+    # The interpreter's default is one program with one wide block: here 3 programs stride over blocks of 16
+    # positions, appends to the lists cross blocks, and choose_pair compares rows across blocks of 16.
+    monkeypatch.setattr(bpe, "INTERPRETER_SHAPE", (2, 16, 2, 16))
+    docs = EDGE_CASES["alternating pairs"] + ["aaa aaaaa aaaaaaa aaaaaaaa " * 3] + generated_docs(12, 4)
+    assert our_vocab(docs, 276) == cpu_trainer_vocab(docs, 276)
+
+
 def test_runs_are_merged_left_to_right_without_overlap():
     # Runs of 1..9 "a": (a, a) is merged at positions 0, 2, 4... of each run, so an odd run keeps a lone "a".
     chunk_counts = Counter({"a" * length: 1 for length in range(1, 10)})
