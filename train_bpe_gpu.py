@@ -387,14 +387,14 @@ def train(chunk_counts, vocab_size, device="cpu"):
 
 
 # ---------------------------------------------------------------- reading text (the same in every script)
-# .txt and .jsonl are read with the standard library: `datasets`' loaders would turn CRLF into LF (no longer
-# byte-identical to rustbpe), stop at invalid UTF-8, and cost seconds of start-up. The Hub and parquet go
-# through `datasets`. Bad input becomes one UserError line naming the file and the line or row.
+# .txt and .jsonl go through the standard library: `datasets`' loaders turn CRLF into LF (no longer
+# byte-identical to rustbpe), stop at invalid UTF-8, and take seconds to start. The Hub and parquet go
+# through `datasets`. Bad input is one UserError naming the file and its line or row.
 
 
 def hub_problem(timeout=3.0):
-    """Why the Hub can't be used, or None. `datasets` retries an unreachable Hub for ~25 s with a screenful of
-    warnings; a socket to the endpoint huggingface_hub will use (HF_ENDPOINT, e.g. a mirror) says it in 3."""
+    """None if the Hub can be used, else why not. A socket to the endpoint huggingface_hub will use
+    (HF_ENDPOINT: a mirror) answers in 3 s; `datasets` would retry for ~25 s with a screenful of warnings."""
     for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
         if os.environ.get(name, "").upper() in ("1", "ON", "YES", "TRUE"):  # huggingface_hub's own rule
             return f"the Hugging Face Hub is off ({name}={os.environ[name]})"
@@ -402,28 +402,23 @@ def hub_problem(timeout=3.0):
     try:
         url = urllib.parse.urlsplit(endpoint)
         socket.create_connection((url.hostname or "", url.port or (443 if url.scheme == "https" else 80)), timeout).close()
-        return None
     except (OSError, ValueError):
         return f"can't reach the Hugging Face Hub at {endpoint}"
 
 
 def datasets_texts(where, node=None, **load):
     """The "text" of each row of datasets.load_dataset(**load), streamed: nothing is downloaded whole.
-    node=(rank, world_size) keeps only that rank's share, split by `datasets` itself."""
+    node=(rank, world_size) keeps that rank's share, as datasets.distributed.split_dataset_by_node splits it."""
     import datasets
+    from datasets.distributed import split_dataset_by_node
 
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its errors reach the user as our one line
     try:
         rows = datasets.load_dataset(split="train", streaming=True, **load)
-        if node is not None:
-            from datasets.distributed import split_dataset_by_node
-            rows = split_dataset_by_node(rows, *node)
-        for number, row in enumerate(rows, 1):
-            text = row.get("text")
-            if not isinstance(text, str):
-                problem = (f"is {'null' if text is None else type(text).__name__}, not a string" if "text" in row
-                           else f"is missing (columns: {', '.join(row)})")
-                raise UserError(f"{where}, row {number}: \"text\" {problem}; it must be a column of strings")
+        for number, row in enumerate(rows if node is None else split_dataset_by_node(rows, *node), 1):
+            if not isinstance(row.get("text"), str):
+                raise UserError(f"{where}, row {number}: \"text\" is {row.get('text')!r:.20}, not a string "
+                                f"(columns: {', '.join(row)})")
             yield row["text"]
     except UserError:
         raise
@@ -455,9 +450,7 @@ def decode_utf8(raw, decoder=None, final=True):
 
 def read_txt(path, budget):
     """A .txt file is one document, CRLF kept; read no more of it than the character budget needs."""
-    # An incremental decoder holds back a multi-byte character cut at the end of a block instead of
-    # replacing it; only truly invalid bytes become U+FFFD.
-    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")  # keeps a character cut between blocks
     pieces, have = [], 0
     with open(path, "rb") as f:
         while have < budget:
@@ -470,7 +463,7 @@ def read_txt(path, budget):
 
 
 def read_jsonl(path, start=0, end=None):
-    """One {"text": "..."} per line. Given byte offsets, only the lines whose first byte lies in [start, end):
+    """One {"text": "..."} per line. Given byte offsets, only the lines whose first byte is in [start, end):
     ranges that tile a file (0..a, a..b, b..None) read every line exactly once, and never cut one."""
     with open(path, "rb") as f:
         if start > 0:
@@ -480,7 +473,6 @@ def read_jsonl(path, start=0, end=None):
         for number, line in enumerate(f, 1):
             if end is not None and position >= end:
                 return
-            where = f"{path}:{number}" if start == 0 else f"{path} (the line at byte {position})"
             position += len(line)
             if not line.strip():
                 continue
@@ -489,6 +481,7 @@ def read_jsonl(path, start=0, end=None):
             except ValueError:
                 record = None
             if not isinstance(record, dict) or not isinstance(record.get("text"), str):
+                where = f"{path}:{number}" if start == 0 else f"{path} (the line at byte {position - len(line)})"
                 raise UserError(f"{where} is not a JSON object with a string \"text\" field; "
                                 "each line of a .jsonl file must look like {\"text\": \"...\"}")
             yield record["text"]
@@ -514,9 +507,9 @@ def open_source(data, data_was_named):
     if data in HUB_DATASETS:
         repository, config, files = HUB_DATASETS[data]
         problem = hub_problem()
-        if problem is None:  # parquet files named by path: never the repository's old loading script
-            load = dict(path="parquet", data_files=f"hf://datasets/{repository}/{files}") if files else \
-                dict(path=repository, name=config)
+        if problem is None:  # parquet files named by path: never a repository's old loading script
+            load = dict(path="parquet", data_files=f"hf://datasets/{repository}/{files}") if files else dict(
+                path=repository, name=config)
             return (lambda budget: datasets_texts(repository, **load)), data, f"{repository} {config or ''}".strip()
         if data_was_named:
             raise UserError(f"{problem}, needed for --data {data}; use local files instead: --data path/to/files")
