@@ -326,14 +326,12 @@ def merge_on_device(arrays, vocab_size, device):
     END = t["tokens"].numel() - 2
     counts = torch.zeros(V * V, dtype=t["weight"].dtype, device=device)
     counts.index_add_(0, t.pop("pairs"), t.pop("pair_weights"))
-    mark = torch.zeros(END + 2, dtype=torch.int32, device=device)
-    scratch = torch.empty_like(t["list_buffer"])
-    row_key, fresh_key = torch.zeros(V, dtype=torch.int64, device=device), torch.zeros(V, dtype=torch.int64, device=device)
-    dirty_flag, dirty_rows = torch.zeros(V, dtype=torch.int32, device=device), torch.zeros(V, dtype=torch.int32, device=device)
+    zeros = lambda size, dtype: torch.zeros(size, dtype=dtype, device=device)  # noqa: E731
+    mark, scratch = zeros(END + 2, torch.int32), torch.empty_like(t["list_buffer"])
+    row_key, fresh_key, dirty_flag, dirty_rows = zeros(V, torch.int64), zeros(V, torch.int64), zeros(V, torch.int32), zeros(V, torch.int32)
     dirty_flag[:256], dirty_rows[:256] = 1, torch.arange(256, device=device)  # the first refresh makes all rows' keys
-    state = torch.zeros(16, dtype=torch.int64, device=device)
+    state, merges = zeros(16, torch.int64), zeros(2 * max(V - 256, 1), torch.int64)
     state[NEXT.value], state[DIRTY.value] = 256, 256
-    merges = torch.zeros(2 * max(V - 256, 1), dtype=torch.int64, device=device)
     # On a GPU: a few programs per SM, each looping over blocks. The interpreter runs programs one after
     # another in numpy, so there one program with wide blocks is fastest.
     programs, block, rows, choose_block = INTERPRETER_SHAPE if device.type == "cpu" else \
@@ -663,18 +661,16 @@ def check_out_dir(out_dir):
 
 def pick_device(name):
     """cuda runs the kernels compiled; cpu runs them in Triton's interpreter (numpy), for testing."""
-    chosen = name or ("cuda" if torch.cuda.is_available() else "cpu")
-    interpreted = triton.knobs.runtime.interpret
-    if chosen.startswith("cuda") and (not torch.cuda.is_available() or interpreted):
-        raise UserError(f"--device {chosen}: no CUDA GPU here (or TRITON_INTERPRET=1 is set); use --device cpu, or "
-                        "train_bpe_cpu.py, the better choice on a CPU")
-    if chosen == "cpu" and not interpreted:
-        raise UserError("--device cpu runs the kernels in Triton's interpreter: set TRITON_INTERPRET=1 (slow), or use "
-                        "train_bpe_cpu.py, the better choice on a CPU")
+    chosen, interpreted = name or ("cuda" if torch.cuda.is_available() else "cpu"), triton.knobs.runtime.interpret
     if chosen != "cpu" and not chosen.startswith("cuda"):
-        raise UserError(f"--device {chosen}: not supported (Triton runs on CUDA GPUs); use cuda, or cpu for testing, "
-                        "or train_bpe_cpu.py")
-    return torch.device(chosen)
+        problem = "not supported (Triton runs on CUDA GPUs); use cuda, or cpu for testing"
+    elif chosen == "cpu" and not interpreted:
+        problem = "runs the kernels in Triton's interpreter: set TRITON_INTERPRET=1 (slow)"
+    elif chosen != "cpu" and (interpreted or not torch.cuda.is_available()):
+        problem = "no CUDA GPU here (or TRITON_INTERPRET=1 is set); use --device cpu"
+    else:
+        return torch.device(chosen)
+    raise UserError(f"--device {chosen}: {problem}, or train_bpe_cpu.py, the better choice on a CPU")
 
 
 def check_memory(vocab_size, itemsize, device):
@@ -731,7 +727,7 @@ def run(argv):
     arrays = chunks_to_arrays(chunk_counts, args.vocab_size)
     check_memory(args.vocab_size, arrays["weight"].itemsize, train_device)  # int64 counts past 2^31 pairs
     print(f"{len(arrays['tokens']) - 2:,} token positions in the distinct chunks, on {train_device}")
-    t_layout = time.time()
+    t_layout = time.time()  # merging includes compiling the kernels on a machine's first run (then cached)
     merges, total_tokens = merge_on_device(arrays, args.vocab_size, train_device)
     t2 = time.time()
     num_merges = len(merges)
