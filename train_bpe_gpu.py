@@ -1,38 +1,35 @@
 """
 Train a byte-level BPE tokenizer with the merge loop on a GPU: the same merges as train_bpe_cpu.py and rustbpe.
 
-    python train_bpe_gpu.py -v 1000 -n 1048576                      # cuda when torch sees a GPU, else cpu
+    python train_bpe_gpu.py -v 1000 -n 1048576                      # on a CUDA GPU
     python train_bpe_gpu.py --data ../shared/corpora/enwiki.jsonl -v 65534 -n 134217728
-    python train_bpe_gpu.py -v 1000 --device cpu                    # no GPU: the same tensor program, slower
+    python train_bpe_gpu.py -v 300 -n 65536 --device cpu            # no GPU: Triton's interpreter, for testing
 
-The flags, the output (tokenizers/<source>_v<vocab_size>/tokenizer.tiktoken and tokenizer.json) and the
-algorithm are train_bpe_cpu.py's; only --device is new. Steps 1-2 (reading, pre-tokenizing, deduplicating) run
-on the CPU, on every core for large n. Steps 3-4 are the lesson of this file: the incremental merge loop, which
-is a sequence of tiny data-dependent decisions on the CPU, rewritten as a few whole-tensor operations per merge
-with a single host-device sync, so that a GPU can run it. Read the comments of step 3 and step 4.
+The flags and the output (tokenizers/<source>_v<vocab_size>/tokenizer.tiktoken and tokenizer.json) are
+train_bpe_cpu.py's, which is the readable reference of the algorithm. This file is the lesson of how such a
+sequential algorithm becomes fast on a GPU: merge k needs the counts left by merge k-1, so the merges can't run
+in parallel, but the work inside one merge can, and the host must stay out of the way. Each merge is four small
+Triton kernels that read and write only device memory; the host launches them (on CUDA, 16 merges at a time as
+one recorded CUDA graph) and reads one flag per 16 merges: "done yet?". Reading and pre-tokenizing the text runs
+on every CPU core.
 
-How it works, in four steps:
-1. Read the first n characters of a document stream (FineWeb by default, or local files).
-2. Split every document into chunks with a regex, and count each distinct chunk once.
-3. Lay the distinct chunks out as flat device tensors: token ids, linked-list neighbours, chunk weights.
-4. Repeatedly merge the most frequent pair (ties: the smallest (left, right)), left to right without overlap,
-   updating a dense pair-count matrix by deltas around the occurrences of the merged pair only.
+--device cpu runs the very same kernels in Triton's interpreter (TRITON_INTERPRET=1, set here when torch sees
+no GPU): that is how the tests check them on a machine without a GPU. It is slow: on a CPU, use train_bpe_cpu.py.
 """
 
 import argparse
 import base64
 import codecs
-import collections
-import contextlib
-import itertools
-import multiprocessing
 import json
+import multiprocessing
 import os
 import resource
+import signal
 import socket
 import sys
 import sysconfig
 import time
+import urllib.parse
 from collections import Counter
 from pathlib import Path
 
@@ -40,6 +37,14 @@ import numpy as np
 import regex
 import torch
 from tqdm import tqdm
+
+os.environ.setdefault("TRITON_INTERPRET", "0" if torch.cuda.is_available() else "1")  # read when triton is imported
+try:
+    import triton
+    import triton.language as tl
+except ImportError:
+    sys.exit("error: train_bpe_gpu.py needs triton (pip install triton; CUDA builds of torch bring it). "
+             "Without a GPU, train_bpe_cpu.py is the better choice.")
 
 # -----------------------------------------------------------------------------
 # defaults, each overridable from the command line
@@ -51,11 +56,17 @@ out = None  # output directory; default tokenizers/<source>_v<vocab_size>
 # and whitespace, so that merges never glue a word to the punctuation or the space after it.
 pattern = r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]++[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+"""
 EOT = "<|endoftext|>"
-HUB_DATASETS = {"fineweb": "HuggingFaceFW/fineweb", "fineweb-edu": "HuggingFaceFW/fineweb-edu"}
+HUB_DATASETS = {"fineweb": ("HuggingFaceFW/fineweb", "sample-10BT", None),  # (repository, config, parquet files)
+                "fineweb-edu": ("HuggingFaceFW/fineweb-edu", "sample-10BT", None)}
 LOCAL_SUFFIXES = (".txt", ".jsonl", ".parquet")
-device = None  # cuda when torch sees a GPU, else cpu (same result, slower); mps is accepted, untested so far
-PARALLEL_CHARS = 1 << 24  # from this many characters on, pre-tokenize on every core
-PARALLEL_BATCH_CHARS = 1 << 22  # characters per batch sent to a pre-tokenizing worker
+TOKENIZER_FILES = ("tokenizer.tiktoken", "tokenizer.json", "tokenizer.tiktoken.tmp", "tokenizer.json.tmp")
+device = None  # cuda when torch sees a GPU, else cpu (Triton's interpreter: exact, slow)
+# Kernel shapes in Triton's interpreter: programs, positions per block, dirty rows per block, rows per block of
+# choose_pair. The tests shrink them to run the many-block paths a GPU takes.
+INTERPRETER_SHAPE = (1, 1024, 64, 1024)
+MERGES_PER_READ = 16  # merges launched (on CUDA: one graph replay) per host read of the "done" flag
+PARALLEL_CHARS = 1 << 24  # from this many characters on, pre-tokenize .jsonl files on every core
+RANGE_BYTES = 1 << 23  # the byte range of a .jsonl file that one worker reads at a time
 # -----------------------------------------------------------------------------
 
 
@@ -63,41 +74,363 @@ class UserError(Exception):
     """A mistake in the input: printed as one line, never as a traceback."""
 
 
-# ---------------------------------------------------------------- step 1: reading text
+# ---------------------------------------------------------------- the lesson: one BPE merge as four kernels
+#
+# The distinct chunks of the corpus lie in flat arrays, one slot per byte ("position"), as in train_bpe_cpu.py:
+#   tokens[p]      the token at p: -1 on the two spare slots END and END+1, DEAD once p was a merged right half
+#   next_pos[p]    the next live position of the same chunk, or END; prev_pos[p] likewise. Merging unlinks the
+#                  right half of a pair, as in a linked list: tokens never move, so positions stay valid names.
+#   weight[p]      how often p's chunk occurs in the corpus
+#   counts[l*V+r]  the weighted count of pair (l, r): a dense V x V matrix, so a count is one address
+#   lists          the positions holding each token id, one region of list_buffer per id: merging (a, b)
+#                  visits only the positions that hold a, never whole chunks.
+#
+# Choosing the pair must not scan V^2 counts. row_key[l] is the exact largest key of row l, where the key of a
+# pair is count << 20 | (2^20 - 1 - r): the largest key is the largest count, ties to the smallest right id.
+# Across rows, the smallest left id wins a tie of counts. (One key count << 32 | (65535-l) << 16 | (65535-r)
+# for the whole pair would make the choice a single max, but caps counts at 2^31 and ids at 65535; per-row keys
+# keep counts exact to 2^43 and vocabularies to 2^20, for one more reduction in a kernel that is not the cost.)
+# Only pairs with the new token grow in a merge: atomic_max raises their row's key, so it stays exact. A count
+# that shrinks leaves its row's key too high only if that pair was the row's maximum: such a row is "dirty"
+# (rare) and is recomputed from its row of the matrix.
+#
+# The four kernels of a merge, each safe without locks because of who writes what:
+#   choose_pair        one program: reads the row keys, writes the merge's state (a, b, new id, list bounds).
+#   find_occurrences   a program per block of a's positions: decides which ones merge and only writes its own
+#                      positions' marks (mark[p] = 2 new for a left half, 2 new + 1 for its right half).
+#   apply_merges       the same blocks: each merged occurrence rewrites the positions it owns, and fixes the
+#                      counts around it with atomic adds (additions commute, so their order can't matter).
+#   refresh_rows       recomputes dirty rows' maxima, and compacts a's list.
+# State that the host would otherwise read (a, b, list bounds) lives in a small device tensor `state`: the host
+# never waits for the device inside the loop. The programs of a kernel loop over blocks with a stride, so the
+# grid has a fixed size known before the data: that is what lets CUDA record 16 merges as one graph.
+#
+# Runs ("aaaa") are the hard case: every position of the run matches (a, a), but BPE merges left to right
+# without overlap, the 1st, 3rd, 5th... of each run. A position decides alone by counting the a's before it
+# in its run (walking prev_pos): it merges when that number is even.
+#
+# Memory: the count matrix is the budget, 4 V^2 bytes (int32; int64 only past 2^31 pairs of text): 16 GiB at
+# V = 65534. Per position of the distinct chunks, ~40 bytes (five int32 arrays, lists and scratch 16), and
+# deduplication keeps positions few: 2.5 M for all of enwiki's 56 M characters, ~0.2 GB. So -v 65534 needs
+# ~16.5 GiB plus the CUDA context: it fits a 24 GB card.
+
+NEXT, NEW, A, B, DONE, START, LENGTH, SURVIVORS, DIRTY = (tl.constexpr(i) for i in range(9))  # slots of `state`
+DEAD = tl.constexpr(-2)  # the token of an unlinked position (the right half of a merged pair)
+ID_BITS = tl.constexpr(20)  # a key's low bits hold 2^20 - 1 - right id
+LOW = tl.constexpr((1 << 20) - 1)
 
 
-def hub_reachable(timeout=3.0):
-    """`datasets` retries an unreachable Hub for ~25 s with a screenful of warnings; a socket says it in 3."""
-    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0"):
-        return False
+@triton.jit
+def choose_pair(state, row_key, fresh_key, dirty_flag, dirty_rows, list_start, list_len, merges, V,
+                BLOCK: tl.constexpr):
+    """One program. Nothing else runs during it, so it may read and write anything."""
+    if tl.load(state + DONE) == 0:
+        # The rows refresh_rows recomputed (as maxima in fresh_key) become exact again.
+        dirty = tl.load(state + DIRTY)
+        for first in range(0, dirty, BLOCK):
+            i = first + tl.arange(0, BLOCK)
+            rows = tl.load(dirty_rows + i, mask=i < dirty, other=0)
+            tl.store(row_key + rows, tl.load(fresh_key + rows, mask=i < dirty), mask=i < dirty)
+            tl.store(fresh_key + rows, 0, mask=i < dirty)
+            tl.store(dirty_flag + rows, 0, mask=i < dirty)
+        tl.store(state + DIRTY, 0)
+        # The largest count over all rows; blocks go in increasing row order, and the first row wins a tie.
+        new = tl.load(state + NEXT)
+        best_count = tl.full((), 0, tl.int64)
+        best_row = tl.full((), 0, tl.int64)
+        for first in range(0, new, BLOCK):
+            rows = first + tl.arange(0, BLOCK)
+            count = tl.load(row_key + rows, mask=rows < new, other=0) >> ID_BITS
+            block_best = tl.max(count, axis=0)
+            block_row = tl.min(tl.where(count == block_best, rows, new), axis=0).to(tl.int64)
+            best_row = tl.where(block_best > best_count, block_row, best_row)
+            best_count = tl.maximum(block_best, best_count)
+        if (best_count == 0) | (new >= V):
+            tl.store(state + DONE, 1)
+        else:
+            right = LOW - (tl.load(row_key + best_row) & LOW)
+            tl.store(merges + 2 * (new - 256), best_row)
+            tl.store(merges + 2 * (new - 256) + 1, right)
+            tl.store(state + NEW, new)
+            tl.store(state + NEXT, new + 1)
+            tl.store(state + A, best_row)
+            tl.store(state + B, right)
+            tl.store(state + START, tl.load(list_start + best_row))
+            tl.store(state + LENGTH, tl.load(list_len + best_row))
+            tl.store(state + SURVIVORS, 0)
+            # The new token's list goes after the last list made, which is new - 1's (the bytes' for 256).
+            tl.store(list_start + new, tl.load(list_start + new - 1) + tl.load(list_len + new - 1))
+            tl.store(list_len + new, 0)
+
+
+@triton.jit
+def find_occurrences(state, list_buffer, tokens, next_pos, prev_pos, mark, END, BLOCK: tl.constexpr):
+    """Reads only, except mark[p] and mark[next_pos[p]] for its own candidates p. Those are distinct slots for
+    distinct merged p: two merged occurrences never share a position (no overlap), and next_pos is one-to-one."""
+    if tl.load(state + DONE) == 0:
+        a, b, new = tl.load(state + A), tl.load(state + B), tl.load(state + NEW)
+        start, length = tl.load(state + START), tl.load(state + LENGTH)
+        for first in range(tl.program_id(0) * BLOCK, length, tl.num_programs(0) * BLOCK):
+            i = first + tl.arange(0, BLOCK)
+            p = tl.load(list_buffer + start + i, mask=i < length, other=END)
+            right = tl.load(next_pos + p)
+            merge = (tl.load(tokens + p) == a) & (tl.load(tokens + right) == b)
+            if a == b:  # count the a's before p in its run: even -> p merges (left to right, no overlap)
+                odd = merge & False
+                q = tl.load(prev_pos + p)
+                walking = merge & (tl.load(tokens + q) == a)
+                while tl.max(walking.to(tl.int32), axis=0) > 0:  # as many steps as the longest run in the block
+                    odd = odd ^ walking
+                    q = tl.load(prev_pos + q, mask=walking, other=END)
+                    walking = walking & (tl.load(tokens + q) == a)
+                merge = merge & ~odd
+            tl.store(mark + p, 2 * new, mask=merge)
+            tl.store(mark + right, 2 * new + 1, mask=merge)
+
+
+@triton.jit
+def apply_merges(state, list_buffer, scratch, list_start, list_len, tokens, next_pos, prev_pos, mark, weight,
+                 counts, row_key, dirty_flag, dirty_rows, V, END, BLOCK: tl.constexpr):
+    """Each merged occurrence (p, right) is handled by one lane, which writes only what it owns: tokens,
+    next_pos and prev_pos of p and right, and prev_pos of the position after right unless that one is itself
+    merged (then its own lane links it). It reads a neighbour's token only when the marks say that no lane
+    writes it: a neighbour that merges too is known from its mark, without reading what it becomes."""
+    if tl.load(state + DONE) == 0:
+        a, b, new = tl.load(state + A), tl.load(state + B), tl.load(state + NEW)
+        start, length = tl.load(state + START), tl.load(state + LENGTH)
+        new_list = list_buffer + tl.load(list_start + new)
+        for first in range(tl.program_id(0) * BLOCK, length, tl.num_programs(0) * BLOCK):
+            i = first + tl.arange(0, BLOCK)
+            p = tl.load(list_buffer + start + i, mask=i < length, other=END)
+            mark_p = tl.load(mark + p)
+            merged = (i < length) & (mark_p == 2 * new)
+            # a's list keeps the positions that still hold a; the merged ones join the new token's list.
+            unmarked = (i < length) & (mark_p != 2 * new) & (mark_p != 2 * new + 1)
+            survives = unmarked & (tl.load(tokens + p, mask=unmarked, other=-1) == a)
+            for k in tl.static_range(2):  # append to a list: one atomic add reserves the block's slots
+                if k == 0:
+                    counter, buffer, keep = state + SURVIVORS, scratch, survives
+                else:
+                    counter, buffer, keep = list_len + new, new_list, merged
+                slot = tl.atomic_add(counter, tl.sum(keep.to(tl.int32), axis=0)) + tl.cumsum(keep.to(tl.int32), axis=0) - 1
+                tl.store(buffer + slot, p, mask=keep)
+            right = tl.load(next_pos + p, mask=merged, other=END)
+            before = tl.load(prev_pos + p, mask=merged, other=END)
+            after = tl.load(next_pos + right, mask=merged, other=END)
+            w = tl.load(weight + p, mask=merged, other=0)
+            before_merged = merged & (tl.load(mark + before, mask=merged, other=0) == 2 * new + 1)
+            after_merged = merged & (tl.load(mark + after, mask=merged, other=0) == 2 * new)
+            # The neighbours' tokens before this merge. x = -1 means none: the chunk's start, or the right half
+            # of the previous merged occurrence, whose lane already counts the pair between the two.
+            x = tl.load(tokens + before, mask=merged & ~before_merged, other=-1)
+            y = tl.where(after_merged, a, tl.load(tokens + after, mask=merged & ~after_merged, other=-1))
+            y_new = tl.where(after_merged, new, y)
+            has_x, has_y = merged & (x >= 0), merged & (y >= 0)
+            # Relink and rename: right is unlinked, p becomes the new token.
+            tl.store(tokens + p, new, mask=merged)
+            tl.store(tokens + right, DEAD, mask=merged)
+            tl.store(next_pos + p, after, mask=merged)
+            tl.store(prev_pos + after, p, mask=has_y & ~after_merged)
+            tl.store(prev_pos + p, tl.load(prev_pos + before, mask=before_merged, other=END), mask=before_merged)
+            # Counts: (a, b), (x, a) and (b, y) lose w. If a pair was its row's maximum, the row is listed as
+            # dirty (once: by the lane that flips dirty_flag). Reading row_key while other lanes raise it is
+            # safe: a raised key is a pair with the new token, above all the row held, so the key is right.
+            zero = 0 * x.to(tl.int64)  # a scalar made a block, for the pairs that are the same in every lane
+            for k in tl.static_range(3):
+                if k == 0:
+                    row, col, lose = a + zero, b + zero, merged
+                elif k == 1:
+                    row, col, lose = x.to(tl.int64), a + zero, has_x
+                else:
+                    row, col, lose = b + zero, y.to(tl.int64), has_y
+                tl.atomic_add(counts + row * V + col, -w, mask=lose)
+                was_max = lose & ((tl.load(row_key + row, mask=lose, other=0) & LOW) == LOW - col)
+                first = was_max & (tl.atomic_xchg(dirty_flag + row, 1, mask=was_max) == 0)
+                slot = tl.atomic_add(state + DIRTY, tl.sum(first.to(tl.int32), axis=0)) + tl.cumsum(first.to(tl.int32), axis=0) - 1
+                tl.store(dirty_rows + slot, row.to(tl.int32), mask=first)
+            # (x, new) and (new, y_new) gain w. The lane whose add comes last sees the final count, so the atomic
+            # max of every lane's key is the final key, whatever the order.
+            for k in tl.static_range(2):
+                if k == 0:
+                    row, col, gain = x.to(tl.int64), new + zero, has_x
+                else:
+                    row, col, gain = new + zero, y_new.to(tl.int64), has_y
+                total = tl.atomic_add(counts + row * V + col, w, mask=gain) + w
+                tl.atomic_max(row_key + row, (total.to(tl.int64) << ID_BITS) | (LOW - col), mask=gain)
+
+
+@triton.jit
+def refresh_rows(state, list_buffer, scratch, list_len, counts, fresh_key, dirty_rows, V, ROWS: tl.constexpr,
+                 BLOCK: tl.constexpr):
+    """Work items are (ROWS dirty rows, slice of BLOCK columns), spread over the programs, so one dirty row of 65534
+    columns still uses the whole GPU. Reads counts, which nothing writes now, and takes the max of each slice
+    into fresh_key with atomic_max (order-free). Copies a's surviving positions back, one slot per lane."""
+    if tl.load(state + DONE) == 0:
+        if tl.load(state + NEW) >= 256:
+            a, survivors = tl.load(state + A), tl.load(state + SURVIVORS)
+            a_list = list_buffer + tl.load(state + START)
+            for first in range(tl.program_id(0) * BLOCK, survivors, tl.num_programs(0) * BLOCK):
+                i = first + tl.arange(0, BLOCK)
+                tl.store(a_list + i, tl.load(scratch + i, mask=i < survivors), mask=i < survivors)
+            if tl.program_id(0) == 0:
+                tl.store(list_len + a, survivors)
+        columns, dirty = tl.load(state + NEXT), tl.load(state + DIRTY)
+        slices = tl.cdiv(columns, BLOCK)
+        for item in range(tl.program_id(0), tl.cdiv(dirty, ROWS) * slices, tl.num_programs(0)):
+            i = (item // slices) * ROWS + tl.arange(0, ROWS)
+            row = tl.load(dirty_rows + i, mask=i < dirty, other=0).to(tl.int64)
+            col = (item % slices) * BLOCK + tl.arange(0, BLOCK)
+            count = tl.load(counts + row[:, None] * V + col[None, :], mask=(i < dirty)[:, None] & (col < columns)[None, :],
+                            other=0).to(tl.int64)
+            key = tl.where(count > 0, (count << ID_BITS) | (LOW - col[None, :]), 0)
+            tl.atomic_max(fresh_key + row, tl.max(key, axis=1), mask=i < dirty)
+
+
+def chunks_to_arrays(chunk_counts, vocab_size):
+    """The distinct chunks (2+ bytes: a single byte has no pair) as the flat arrays above, built in numpy."""
+    chunks = [chunk.encode("utf-8") for chunk in chunk_counts]
+    lengths = np.fromiter(map(len, chunks), np.int64, len(chunks))
+    counts = np.fromiter(chunk_counts.values(), np.int64, len(chunks))
+    total_bytes = int((lengths * counts).sum())  # tokens of the training text before any merge
+    keep = lengths >= 2
+    chunks, lengths, counts = [c for c, k in zip(chunks, keep) if k], lengths[keep], counts[keep]
+    L = END = int(lengths.sum())
+    ends = np.cumsum(lengths)
+    tokens = np.full(L + 2, -1, np.int32)
+    tokens[:L] = np.frombuffer(b"".join(chunks), np.uint8)
+    next_pos, prev_pos = np.arange(1, L + 3, dtype=np.int32), np.arange(-1, L + 1, dtype=np.int32)
+    next_pos[ends - 1], prev_pos[ends - lengths] = END, END
+    next_pos[L:], prev_pos[L:] = END, END
+    # Counts are sums of weights: int32 holds them, and halves the matrix, below 2^31 pairs of text.
+    count_dtype = np.int32 if int(((lengths - 1) * counts).sum()) < 2**31 else np.int64
+    weight = np.zeros(L + 2, count_dtype)
+    weight[:L] = np.repeat(counts, lengths)
+    left = np.flatnonzero(next_pos[:L] != END)  # every position with a right neighbour starts a pair
+    order = np.argsort(tokens[left], kind="stable")  # the 256 byte lists, one after another
+    list_buffer = np.zeros(2 * len(left) + 1, np.int32)  # each merge appends as many positions as it kills
+    list_buffer[:len(left)] = left[order]
+    list_len = np.zeros(vocab_size, np.int64)
+    list_len[:256] = np.bincount(tokens[left], minlength=256)
+    list_start = np.zeros(vocab_size, np.int64)
+    list_start[1:256] = np.cumsum(list_len[:255])
+    pairs = tokens[left].astype(np.int64) * vocab_size + tokens[left + 1]
+    return dict(tokens=tokens, next_pos=next_pos, prev_pos=prev_pos, weight=weight, list_buffer=list_buffer,
+                list_start=list_start, list_len=list_len, pairs=pairs, pair_weights=weight[left],
+                total_bytes=total_bytes)
+
+
+def merge_on_device(arrays, vocab_size, device):
+    """The merge loop: MERGES_PER_READ merges per host read. Returns the merges and the token count after them."""
+    V, device = vocab_size, torch.device(device)
+    t = {name: torch.from_numpy(array).to(device) for name, array in arrays.items() if name != "total_bytes"}
+    END = t["tokens"].numel() - 2
+    counts = torch.zeros(V * V, dtype=t["weight"].dtype, device=device)
+    counts.index_add_(0, t.pop("pairs"), t.pop("pair_weights"))
+    zeros = lambda size, dtype: torch.zeros(size, dtype=dtype, device=device)  # noqa: E731
+    mark, scratch = zeros(END + 2, torch.int32), torch.empty_like(t["list_buffer"])
+    row_key, fresh_key, dirty_flag, dirty_rows = zeros(V, torch.int64), zeros(V, torch.int64), zeros(V, torch.int32), zeros(V, torch.int32)
+    dirty_flag[:256], dirty_rows[:256] = 1, torch.arange(256, device=device)  # the first refresh makes all rows' keys
+    state, merges = zeros(16, torch.int64), zeros(2 * max(V - 256, 1), torch.int64)
+    state[NEXT.value], state[DIRTY.value] = 256, 256
+    # On a GPU: a few programs per SM, each looping over blocks. The interpreter runs programs one after
+    # another in numpy, so there one program with wide blocks is fastest.
+    programs, block, rows, choose_block = INTERPRETER_SHAPE if device.type == "cpu" else \
+        (4 * torch.cuda.get_device_properties(device).multi_processor_count, 256, 4, 4096)
+    grid = (programs,)
+    lists = (t["list_buffer"], scratch, t["list_start"], t["list_len"])
+
+    def one_merge():
+        choose_pair[(1,)](state, row_key, fresh_key, dirty_flag, dirty_rows, t["list_start"], t["list_len"], merges,
+                          V, BLOCK=choose_block)
+        find_occurrences[grid](state, t["list_buffer"], t["tokens"], t["next_pos"], t["prev_pos"], mark, END,
+                               BLOCK=block)
+        apply_merges[grid](state, *lists, t["tokens"], t["next_pos"], t["prev_pos"], mark, t["weight"], counts,
+                           row_key, dirty_flag, dirty_rows, V, END, BLOCK=block)
+        refresh_rows[grid](state, t["list_buffer"], scratch, t["list_len"], counts, fresh_key, dirty_rows, V,
+                           ROWS=rows, BLOCK=block)
+
+    refresh_rows[grid](state, t["list_buffer"], scratch, t["list_len"], counts, fresh_key, dirty_rows, V, ROWS=rows, BLOCK=block)
+    graph = None
+    with tqdm(total=V - 256, unit="merge", desc="merging", mininterval=0.5) as progress:
+        for group in range(0, V - 256, MERGES_PER_READ):
+            merges_now = min(MERGES_PER_READ, V - 256 - group)
+            if graph is None and group > 0 and merges_now == MERGES_PER_READ and device.type == "cuda":
+                graph = torch.cuda.CUDAGraph()  # the kernels are compiled by now: record a group once, replay it
+                with torch.cuda.graph(graph):
+                    for _ in range(MERGES_PER_READ):
+                        one_merge()
+            if graph is not None and merges_now == MERGES_PER_READ:
+                graph.replay()
+            else:
+                for _ in range(merges_now):
+                    one_merge()
+            progress.update(merges_now)
+            if merges_done(state):
+                break
+    num_merges = int(state[NEXT.value]) - 256
+    pairs = merges[:2 * num_merges].view(-1, 2).tolist()
+    # Each merged occurrence saved one token per occurrence of its chunk: the DEAD positions' weights.
+    saved = int(t["weight"][t["tokens"] == DEAD.value].sum())
+    return [((left, right), 256 + i) for i, (left, right) in enumerate(pairs)], arrays["total_bytes"] - saved
+
+
+def merges_done(state):
+    """The one host read of a group of merges: here, and only here, the host waits for the device."""
+    return bool(state[DONE.value].item())
+
+
+def train(chunk_counts, vocab_size, device="cpu"):
+    """The BPE merges, in order: a list of ((left id, right id), new id); and the token count after them."""
+    return merge_on_device(chunks_to_arrays(chunk_counts, vocab_size), vocab_size, device)
+
+
+# ---------------------------------------------------------------- reading text (the same in every script)
+# .txt and .jsonl go through the standard library: `datasets`' loaders turn CRLF into LF (no longer
+# byte-identical to rustbpe), stop at invalid UTF-8, and take seconds to start. The Hub and parquet go
+# through `datasets`. Bad input is one UserError naming the file and its line or row.
+
+
+def hub_problem(timeout=3.0):
+    """None if the Hub can be used, else why not. A socket to the endpoint huggingface_hub will use
+    (HF_ENDPOINT: a mirror) answers in 3 s; `datasets` would retry for ~25 s with a screenful of warnings."""
+    for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
+        if os.environ.get(name, "").upper() in ("1", "ON", "YES", "TRUE"):  # huggingface_hub's own rule
+            return f"the Hugging Face Hub is off ({name}={os.environ[name]})"
+    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
     try:
-        socket.create_connection(("huggingface.co", 443), timeout=timeout).close()
-        return True
-    except OSError:
-        return False
+        url = urllib.parse.urlsplit(endpoint)
+        socket.create_connection((url.hostname or "", url.port or (443 if url.scheme == "https" else 80)), timeout).close()
+    except (OSError, ValueError):
+        return f"can't reach the Hugging Face Hub at {endpoint}"
 
 
-def stream_hub(name):
-    """FineWeb's sample-10BT, streamed: documents arrive as we read them, nothing is downloaded whole."""
+def datasets_texts(where, node=None, **load):
+    """The "text" of each row of datasets.load_dataset(**load), streamed: nothing is downloaded whole.
+    node=(rank, world_size) keeps that rank's share, as datasets.distributed.split_dataset_by_node splits it."""
     import datasets
+    from datasets.distributed import split_dataset_by_node
 
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its errors reach the user as our one line
     try:
-        rows = datasets.load_dataset(HUB_DATASETS[name], name="sample-10BT", split="train", streaming=True)
-    except Exception as error:  # the Hub answered, but not with the dataset: say why in one line
-        raise UserError(f"can't open {HUB_DATASETS[name]} ({type(error).__name__}: {str(error).splitlines()[0]}); "
-                        "use local files: --data path/to/files")
-    for row in rows:
-        yield row["text"]
+        rows = datasets.load_dataset(split="train", streaming=True, **load)
+        for number, row in enumerate(rows if node is None else split_dataset_by_node(rows, *node), 1):
+            if not isinstance(row.get("text"), str):
+                raise UserError(f"{where}, row {number}: \"text\" is {row.get('text')!r:.20}, not a string "
+                                f"(columns: {', '.join(row)})")
+            yield row["text"]
+    except UserError:
+        raise
+    except Exception as error:  # no such dataset, a corrupt file (ArrowInvalid), a dropped connection
+        reason = f"{type(error).__name__}: {error}".splitlines()[0]
+        raise UserError(f"can't read {where} ({reason}); check it, or use other files: --data path/to/files")
 
 
 def stdlib_documents():
     """The offline corpus: every .py file of the standard library, one document each, in sorted order.
     Several MB of real, human-written code and docstrings, on every machine that runs this script."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    for path in sorted(root.rglob("*.py")):
-        if "site-packages" in path.parts:
-            continue
-        yield path.read_text(encoding="utf-8", errors="replace")
+    for path in sorted(Path(sysconfig.get_paths()["stdlib"]).rglob("*.py")):
+        if "site-packages" not in path.parts:
+            yield path.read_text(encoding="utf-8", errors="replace")
 
 
 class BadUTF8:
@@ -114,10 +447,8 @@ def decode_utf8(raw, decoder=None, final=True):
 
 
 def read_txt(path, budget):
-    """A .txt file is one document; read no more of it than the character budget needs."""
-    # An incremental decoder holds back a multi-byte character cut at the end of a block instead of
-    # replacing it; only truly invalid bytes become U+FFFD.
-    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    """A .txt file is one document, CRLF kept; read no more of it than the character budget needs."""
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")  # keeps a character cut between blocks
     pieces, have = [], 0
     with open(path, "rb") as f:
         while have < budget:
@@ -129,31 +460,33 @@ def read_txt(path, budget):
     yield "".join(pieces)[:budget]
 
 
-def read_jsonl(path):
+def read_jsonl(path, start=0, end=None):
+    """One {"text": "..."} per line. Given byte offsets, only the lines whose first byte is in [start, end):
+    ranges that tile a file (0..a, a..b, b..None) read every line exactly once, and never cut one."""
     with open(path, "rb") as f:
-        for line_number, line in enumerate(f, 1):
+        if start > 0:
+            f.seek(start - 1)
+            f.readline()  # the line holding byte start-1 began before start: it is the previous range's
+        position = f.tell()
+        for number, line in enumerate(f, 1):
+            if end is not None and position >= end:
+                return
+            position += len(line)
             if not line.strip():
                 continue
             try:
                 record = json.loads(decode_utf8(line))
-                yield record["text"]
-            except (json.JSONDecodeError, KeyError, TypeError):
-                raise UserError(f"{path}:{line_number} is not a JSON object with a \"text\" field; "
+            except ValueError:
+                record = None
+            if not isinstance(record, dict) or not isinstance(record.get("text"), str):
+                where = f"{path}:{number}" if start == 0 else f"{path} (the line at byte {position - len(line)})"
+                raise UserError(f"{where} is not a JSON object with a string \"text\" field; "
                                 "each line of a .jsonl file must look like {\"text\": \"...\"}")
-
-
-def read_parquet(path):
-    """Parquet goes through `datasets`, the same streaming code that reads FineWeb from the Hub."""
-    import datasets
-
-    rows = datasets.load_dataset("parquet", data_files=str(path), split="train", streaming=True)
-    for row in rows:
-        if "text" not in row:
-            raise UserError(f"{path} has no \"text\" column (columns: {', '.join(row)})")
-        yield row["text"]
+            yield record["text"]
 
 
 def local_files(path):
+    """The file itself, or a directory's .txt/.jsonl/.parquet files in sorted order."""
     path = Path(path)
     if path.is_dir():
         files = sorted(p for p in path.rglob("*") if p.suffix in LOCAL_SUFFIXES and p.is_file())
@@ -162,26 +495,30 @@ def local_files(path):
         return files
     if path.suffix not in LOCAL_SUFFIXES:
         raise UserError(f"--data {path}: unknown file type; use a .txt, .jsonl or .parquet file, a directory, "
-                        "or fineweb / fineweb-edu")
+                        f"or one of {', '.join(HUB_DATASETS)}")
     return [path]
 
 
 def open_source(data, data_was_named):
-    """Returns (documents, name, description). `documents(budget)` yields documents as strings."""
+    """Returns (documents, name, description); `documents(budget)` yields documents as strings. When the Hub
+    can't be used, the default source falls back to the offline corpus; a source named with --data refuses."""
     if data in HUB_DATASETS:
-        if hub_reachable():
-            return (lambda budget: stream_hub(data)), data, f"{HUB_DATASETS[data]} sample-10BT"
+        repository, config, files = HUB_DATASETS[data]
+        problem = hub_problem()
+        if problem is None:  # parquet files named by path: never a repository's old loading script
+            load = dict(path="parquet", data_files=f"hf://datasets/{repository}/{files}") if files else dict(
+                path=repository, name=config)
+            return (lambda budget: datasets_texts(repository, **load)), data, f"{repository} {config or ''}".strip()
         if data_was_named:
-            raise UserError(f"can't reach the Hugging Face Hub for --data {data}; "
-                            "train on local files instead: --data path/to/files")
-        print(f"can't reach the Hugging Face Hub for {data}: using the offline corpus, the Python standard library's source")
+            raise UserError(f"{problem}, needed for --data {data}; use local files instead: --data path/to/files")
+        print(f"warning: {problem}: using the offline corpus, the Python standard library's source", file=sys.stderr)
         return (lambda budget: stdlib_documents()), "stdlib", "Python standard library source (offline fallback)"
     if not Path(data).exists():
         raise UserError(f"--data {data}: no such file or directory; give a .txt/.jsonl/.parquet path, "
-                        "a directory of them, or fineweb / fineweb-edu")
+                        f"a directory of them, or one of {', '.join(HUB_DATASETS)}")
     files = local_files(data)
     readers = {".txt": read_txt, ".jsonl": lambda path, budget: read_jsonl(path),
-               ".parquet": lambda path, budget: read_parquet(path)}
+               ".parquet": lambda path, budget: datasets_texts(path, path="parquet", data_files=str(path))}
 
     def documents(budget):
         for path in files:
@@ -201,277 +538,72 @@ def first_chars(documents, num_chars):
             return  # before the source is asked for one more document: it may be slow to fetch, or malformed
 
 
-# ---------------------------------------------------------------- step 2: pre-tokenize and deduplicate
+# ---------------------------------------------------------------- pre-tokenizing, on every core
 
 
-def count_batch(pattern_text, documents):
-    """Runs in a worker process: the distinct chunks of a batch of documents, with their counts."""
-    split_pattern = regex.compile(pattern_text)  # regex caches compiled patterns, so this is paid once
-    chunk_counts = Counter()
-    for document in documents:
-        chunk_counts.update(split_pattern.findall(document))
-    return chunk_counts
+def time_is_up(signum, frame):
+    raise TimeoutError
 
 
-def count_chunks(documents, split_pattern, num_chars, workers=1):
-    """Split each document with the pattern and count distinct chunks. Chunks never cross documents.
+def split_documents(documents, pattern_text, budget, progress=None):
+    """The distinct chunks of the documents with their counts, up to `budget` characters (the last document cut).
+    A pattern that backtracks catastrophically ((a|a)+b on a run of a's) would hang with no word: a CPU-time
+    alarm watches each document, a second plus 10 s per million characters (GPT-4's pattern needs 0.3 s)."""
+    split_pattern, chunk_counts, chars = regex.compile(pattern_text), Counter(), 0
+    signal.signal(signal.SIGPROF, time_is_up)
+    for number, document in enumerate(documents, 1):
+        document = document[:budget - chars]
+        signal.setitimer(signal.ITIMER_PROF, 1 + len(document) / 1e5)
+        try:
+            chunk_counts.update(split_pattern.findall(document))
+        except TimeoutError:
+            raise UserError(f"--pattern {pattern_text!r} backtracks catastrophically: it ran past the time limit on "
+                            f"document {number} ({document[:30]!r}...); simplify the pattern")
+        finally:
+            signal.setitimer(signal.ITIMER_PROF, 0)
+        chars += len(document)
+        if progress:
+            progress.update(len(document))
+        if chars == budget:
+            break
+    return chunk_counts, chars
 
-    With workers > 1, batches of ~PARALLEL_BATCH_CHARS characters go to a pool of processes (the regex holds
-    the GIL, so threads would not help), and their Counters are added up here. At most two batches per worker
-    are in flight, so memory stays bounded however long the stream is: the reader waits for the counters."""
-    chunk_counts = Counter()
-    chars_read = 0
-    # A context manager closes the bar even when reading fails, so an error line starts on a line of its own.
+
+def split_byte_range(pattern_text, path, start, end, budget):
+    """In a worker process: reads its own lines of a .jsonl file, so the parent never decodes or sends text."""
+    BadUTF8.count = 0
+    return *split_documents(read_jsonl(path, start, end), pattern_text, budget), BadUTF8.count
+
+
+def count_chunks(documents, files, pattern_text, num_chars):
+    """Chunk counts of the first num_chars characters. Large .jsonl inputs are cut into byte ranges that worker
+    processes read themselves (the regex holds the GIL: threads would not help); the parent only adds up the
+    Counters, in file order. The range where the budget runs out is redone here with the exact remainder."""
     with tqdm(total=num_chars, unit="char", unit_scale=True, desc="reading", mininterval=0.5) as progress:
-        if workers <= 1:
-            for document in documents:
-                chunk_counts.update(split_pattern.findall(document))
-                chars_read += len(document)
-                progress.update(len(document))
-            return chunk_counts, chars_read
-        # fork starts a worker in milliseconds (spawn re-imports torch in each). A forked child could not use CUDA,
-        # but these only run the regex. macOS can't fork safely, so it spawns.
-        with multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn").Pool(workers) as pool:
-            in_flight = collections.deque()
-
-            def collect_oldest():
-                counts, batch_chars = in_flight.popleft()
-                chunk_counts.update(counts.get())
-                progress.update(batch_chars)
-
-            batch, batch_chars = [], 0
-            for document in itertools.chain(documents, [None]):
-                if document is not None:
-                    batch.append(document)
-                    batch_chars += len(document)
-                    chars_read += len(document)
-                if batch and (document is None or batch_chars >= PARALLEL_BATCH_CHARS):
-                    in_flight.append((pool.apply_async(count_batch, (split_pattern.pattern, batch)), batch_chars))
-                    batch, batch_chars = [], 0
-                    while len(in_flight) > 2 * workers:
-                        collect_oldest()
-            while in_flight:
-                collect_oldest()
-    return chunk_counts, chars_read
+        if num_chars < PARALLEL_CHARS or not files or any(path.suffix != ".jsonl" for path in files):
+            chunk_counts, chars = split_documents(first_chars(documents, num_chars), pattern_text, num_chars, progress)
+        else:
+            ranges = [(pattern_text, path, start, start + RANGE_BYTES, num_chars) for path in files
+                      for start in range(0, os.path.getsize(path), RANGE_BYTES)]
+            chunk_counts, chars = Counter(), 0
+            # fork starts a worker in milliseconds (spawn would re-import torch); macOS can't fork safely.
+            with multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn").Pool() as pool:
+                for job, (counts, range_chars, bad_utf8) in zip(ranges, pool.imap(unpack_split, ranges)):
+                    if chars + range_chars > num_chars:
+                        counts, range_chars, bad_utf8 = split_byte_range(*job[:4], num_chars - chars)
+                    chunk_counts.update(counts)
+                    chars, BadUTF8.count = chars + range_chars, BadUTF8.count + bad_utf8
+                    progress.update(range_chars)
+                    if chars == num_chars:
+                        break
+    if "" in chunk_counts:  # a pattern like \b matches nothing in some places only: BPE needs whole chunks
+        raise UserError(f"--pattern {pattern_text!r} matches the empty string; every match must take at least one "
+                        "character (x+, not x*)")
+    return chunk_counts, chars
 
 
-# ---------------------------------------------------------------- step 3: the distinct chunks as device tensors
-#
-# The CPU trainer walks Python lists one occurrence at a time. A GPU is fast only when one operation touches
-# many elements at once, and slow (microseconds per launch, and more per host-device sync) when the host
-# decides every small step. So every step below is shaped as a few whole-tensor operations, and the host
-# learns only one small thing per merge: which pair won. The layout is the CPU trainer's, as tensors:
-#
-#   tokens[pos]    the token id at a position of the flattened distinct chunks (-1 past a chunk's end)
-#   next_pos[pos]  the position of the next live token of the same chunk, or END; prev_pos likewise
-#   weight[pos]    how often the chunk that holds pos occurs in the corpus
-#
-# Merging never moves tokens: the right half of a pair is unlinked, as in a linked list, so no compaction of
-# the token tensor is ever needed and positions stay valid as names. Two spare positions at the end make the
-# masked ("branch-free") writes below possible: END = L behaves like "no neighbour" (its token is -1, so it
-# matches nothing), and DUMP = L + 1 is a scratch slot that absorbs the writes of lanes that don't apply.
-#
-# The memory budget. Per position of the distinct chunks: tokens, next_pos and prev_pos 8 B each (int64,
-# torch's index type: ids index the count matrix and positions index the tensors with no conversion op),
-# weight 4 B, position lists up to 16 B: about 45 B. Deduplication makes the positions few: all of enwiki
-# (56 M characters) has 2.5 M, so ~0.1 GB. The dense pair-count matrix (below) costs 4 V^2 bytes: 4 MB at
-# V = 1000, 16 GiB at V = 65534. That matrix is the budget. Squeezing tokens into int16 (with a zig-zag map to
-# reach 65534 ids, as the seed did) would save 6 B of ~45 per position, ~15 MB on all of enwiki, and cost a
-# conversion on every access: it does not pay.
-
-DEAD = -2  # the token id of an unlinked position (the right half of a merged pair)
-
-
-def chunks_to_tensors(chunk_counts, device):
-    """Flatten the distinct chunks (only those with 2+ bytes: a single byte has no pair) into device tensors."""
-    chunks = [chunk.encode("utf-8") for chunk in chunk_counts]
-    lengths = np.fromiter(map(len, chunks), np.int64, len(chunks))
-    counts = np.fromiter(chunk_counts.values(), np.int64, len(chunks))
-    total_bytes = int((lengths * counts).sum())  # tokens of the training text before any merge
-    keep = lengths >= 2
-    chunks = [chunk for chunk, kept in zip(chunks, keep) if kept]
-    lengths, counts = lengths[keep], counts[keep]
-    L = int(lengths.sum())
-    END, DUMP = L, L + 1
-    tokens = np.full(L + 2, -1, np.int64)
-    tokens[:L] = np.frombuffer(b"".join(chunks), np.uint8)
-    ends = np.cumsum(lengths)  # one past each chunk's last byte
-    next_pos = np.arange(1, L + 3, dtype=np.int64)
-    next_pos[ends - 1] = END
-    next_pos[L:] = END
-    prev_pos = np.arange(-1, L + 1, dtype=np.int64)
-    prev_pos[ends - lengths] = END
-    prev_pos[L:] = END
-    weight = np.zeros(L + 2, np.int64)
-    weight[:L] = np.repeat(counts, lengths)
-    # Pair counts are sums of weights: int32 holds them (and halves the matrix) unless the corpus has 2^31
-    # pairs or more, about 2^29 characters of text.
-    total_pairs = int(((lengths - 1) * counts).sum())
-    count_dtype = torch.int32 if total_pairs < 2**31 else torch.int64
-    as_tensor = lambda array, dtype: torch.from_numpy(array).to(device=device, dtype=dtype)
-    return (as_tensor(tokens, torch.int64), as_tensor(next_pos, torch.int64), as_tensor(prev_pos, torch.int64),
-            as_tensor(weight, count_dtype), total_bytes)
-
-
-# ---------------------------------------------------------------- step 4: the merge loop, on the device
-#
-# Three structures replace the CPU trainer's dict of pair counts, dict of pair positions and heap:
-#
-# 1. pair_counts: a dense [V, V] matrix, count of pair (left, right) at [left, right]. Adding deltas for a whole
-#    merge is then one index_add_ over flat indices left * V + right (duplicates accumulate), with no hashing.
-#
-# 2. row_bound[left]: the largest count in row `left`, or more: a lazy heap. Counts that grow (only pairs with
-#    the new token grow) raise the bound with one scatter_reduce("amax"), which keeps it exact. A row where a
-#    count shrank keeps its old bound, now too high, and is flagged inexact (row_exact). To choose a pair,
-#    recompute the few inexact rows with the highest bounds, then take the argmax over all bounds: if the
-#    winning row is exact, every other row's true maximum is at most its bound, so the winner is the true
-#    best. If not, repeat (rare; each round makes more rows exact, so it ends). torch.argmax returns the first
-#    index among equal values, so the smallest left id wins a tie between rows, and inside the row the
-#    smallest right id: the tie-break comes for free.
-#
-# 3. Position lists, one per token id, in one flat buffer (list_start, list_len per id): the positions that
-#    hold that id, in increasing order. A merge of (a, b) reads the list of a: its cost follows the
-#    occurrences of a, never the length of the chunks. Entries go stale (the position now holds another id,
-#    or is dead) and are filtered when read; the list of a is then rewritten without them, so it only shrinks.
-#    The positions of the new token are appended at the end of the buffer. Each merge kills as many positions
-#    as it appends, so a buffer of 2 L always suffices.
-#
-# Everything a merge does runs over the candidate list with masks (`selected` lanes do the work, the others
-# write to DUMP or add 0), so the host never needs the number of matches: one .tolist() per merge fetches the
-# winning pair, its count and where its list lies, and the rest is queued on the device without waiting.
-#
-# Runs of one token ("aaaa") are where naive parallel merging goes wrong: every position of the run matches
-# (a, a), but left to right without overlap takes the 1st, 3rd, 5th... of each maximal run of adjacent
-# matches. Two scans find that parity for all runs at once: cumsum numbers the matches, cummax carries the
-# number of the run's first match forward, and a match is taken when its distance from that first match is
-# even.
-
-
-@contextlib.contextmanager
-def one_thread_on_cpu(device):
-    """A merge is ~50 small tensor operations: on the CPU, worker threads cost more to wake than they save,
-    and on a busy machine their spin-waiting made the merge loop 25x slower (measured). So: one thread."""
-    threads = torch.get_num_threads()
-    if torch.device(device).type == "cpu":
-        torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-
-
-def train(chunk_counts, vocab_size, device="cpu"):
-    """The BPE merges, in order: a list of ((left id, right id), new id); and the token count after them."""
-    with one_thread_on_cpu(device):
-        return merge_on_device(chunks_to_tensors(chunk_counts, device), vocab_size)
-
-
-def merge_on_device(layout, vocab_size, rows_to_verify=8):
-    tokens, next_pos, prev_pos, weight, total_bytes = layout
-    device = tokens.device
-    L = tokens.numel() - 2
-    END, DUMP = L, L + 1
-    V = vocab_size
-    count_dtype = weight.dtype
-    # Initial pair counts: every left position whose right neighbour is in the same chunk.
-    left_positions = torch.nonzero(next_pos[:L] != END).squeeze(1)
-    pair_counts = torch.zeros(V * V, dtype=count_dtype, device=device)
-    pair_index = tokens[left_positions] * V + tokens[next_pos[left_positions]]
-    pair_counts.index_add_(0, pair_index, weight[left_positions])
-    pair_counts_2d = pair_counts.view(V, V)
-    row_bound = torch.zeros(V, dtype=count_dtype, device=device)
-    row_bound[:256] = pair_counts_2d[:256, :256].max(dim=1).values
-    row_exact = torch.ones(V + 1, dtype=torch.bool, device=device)  # [V] is a dump slot for masked lanes
-    # Position lists of the 256 byte ids, built with one stable sort; a position at a chunk's end can never
-    # be the left half of a pair, and stays at the end forever, so it needs no list.
-    list_buffer = torch.zeros(2 * left_positions.numel() + 1, dtype=torch.int64, device=device)
-    BUFFER_DUMP = list_buffer.numel() - 1
-    byte_ids, order = torch.sort(tokens[left_positions], stable=True)
-    list_buffer[:order.numel()] = left_positions[order]
-    list_len = torch.zeros(V, dtype=torch.int64, device=device)
-    list_len[:256] = torch.bincount(byte_ids, minlength=256)
-    list_start = torch.zeros(V, dtype=torch.int64, device=device)
-    list_start[1:256] = torch.cumsum(list_len[:255], 0)
-    append_at = torch.tensor(order.numel(), dtype=torch.int64, device=device)
-
-    merges = []
-    progress = tqdm(total=V - 256, unit="merge", desc="merging", mininterval=0.5)
-    for new_id in range(256, V):
-        # --- choose: verify the rows with the highest bounds, then take the argmax of all bounds
-        while True:
-            inexact_bounds = torch.where(row_exact[:new_id], -1, row_bound[:new_id])
-            verified = torch.topk(inexact_bounds, min(rows_to_verify, new_id)).indices
-            row_bound[verified] = pair_counts_2d[verified, :new_id].max(dim=1).values
-            row_exact.index_fill_(0, verified, True)
-            best_row = torch.argmax(row_bound[:new_id])
-            best_col = torch.argmax(pair_counts_2d[best_row, :new_id])
-            stats = torch.stack([best_row, best_col, pair_counts_2d[best_row, best_col].long(),
-                                 row_exact[best_row].long(), list_start[best_row], list_len[best_row]])
-            a, b, best_count, exact, start, length = stats.tolist()  # the one host-device sync of a merge
-            if exact:
-                break
-        if best_count == 0:
-            break  # no pair left anywhere
-        merges.append(((a, b), new_id))
-
-        # --- find the occurrences: candidates are the positions that held `a`; keep those followed by `b`
-        candidates = list_buffer[start:start + length].clone()
-        right = next_pos[candidates]
-        match = (tokens[candidates] == a) & (tokens[right] == b)
-        if a == b:  # inside a run of adjacent matches, take every other one, starting with the first
-            chained = match & (tokens[prev_pos[candidates]] == a)  # the previous position is a match too
-            match_number = torch.cumsum(match, 0)
-            run_first = torch.cummax(torch.where(match & ~chained, match_number, 0), 0).values
-            selected = match & ((match_number - run_first) % 2 == 0)
-        else:  # (a, b) can't overlap itself when a != b
-            selected = match
-
-        # --- the neighbours, read before anything changes
-        before, after = prev_pos[candidates], next_pos[right]
-        token_before, token_after = tokens[before], tokens[after]
-        count = torch.where(selected, weight[candidates], 0)
-        # Unlink the right halves first: then a left neighbour that is DEAD is the right half of the previous
-        # occurrence ("abab", or a run "aaaa"), whose pair that occurrence already accounts for.
-        tokens.index_fill_(0, torch.where(selected, right, DUMP), DEAD)
-        has_before = selected & (tokens[before] >= 0)  # not past the chunk's start (-1), not DEAD
-        has_after = selected & (after != END)
-        count_before = torch.where(has_before, count, 0)
-        count_after = torch.where(has_after, count, 0)
-        # Remove the old pairs: (x, a) before, (a, b) itself, (b, y) after.
-        row_exact.index_fill_(0, torch.where(has_before, token_before, V), False)
-        row_exact[a] = row_exact[b] = False  # fills through views: a list index would be copied from the host
-        pair_counts.index_add_(0, torch.cat([torch.where(has_before, token_before * V + a, 0),
-                                             torch.full_like(candidates, a * V + b),
-                                             torch.where(has_after, b * V + token_after, 0)]),
-                               -torch.cat([count_before, count, count_after]))
-        # Merge: the left half becomes new_id and links to the token after the right half.
-        left_halves = torch.where(selected, candidates, DUMP)
-        tokens.index_fill_(0, left_halves, new_id)
-        next_pos[left_halves] = after
-        prev_pos[torch.where(has_after, after, DUMP)] = candidates
-        # Add the new pairs: (x, new) before and (new, y) after. y is read again: it is new_id itself when the
-        # next occurrence starts right after this one.
-        new_pairs = torch.cat([torch.where(has_before, token_before * V + new_id, 0),
-                               torch.where(has_after, new_id * V + tokens[after], 0)])
-        pair_counts.index_add_(0, new_pairs, torch.cat([count_before, count_after]))
-        # Only pairs with new_id grew: raising their rows' bounds keeps every bound an upper bound, and an exact
-        # one exact. (Masked lanes point at pair (0, 0), whose count can't exceed row 0's bound: a no-op.)
-        row_bound.scatter_reduce_(0, new_pairs // V, pair_counts[new_pairs], "amax")
-
-        # --- the position lists: a's list loses the positions that no longer hold a, new_id's gets the merged
-        # positions (in increasing order, as cumsum keeps the order of the lanes)
-        still_a = tokens[candidates] == a
-        list_buffer[torch.where(still_a, torch.cumsum(still_a, 0) + (start - 1), BUFFER_DUMP)] = candidates
-        list_len[a] = still_a.sum()
-        list_buffer[torch.where(selected, torch.cumsum(selected, 0) + (append_at - 1), BUFFER_DUMP)] = candidates
-        list_start[new_id] = append_at
-        num_selected = selected.sum()
-        list_len[new_id] = num_selected
-        append_at += num_selected
-        progress.update(1)
-    progress.close()
-    # Each merged occurrence saved one token per occurrence of its chunk: the DEAD positions' weights.
-    return merges, total_bytes - int(weight[tokens == DEAD].sum())
+def unpack_split(job):
+    return split_byte_range(*job)
 
 
 # ---------------------------------------------------------------- output
@@ -503,41 +635,52 @@ def save_tokenizer(out_dir, merges, info):
 # ---------------------------------------------------------------- the run
 
 
+def check_out_dir(out_dir):
+    """Find a bad --out before any work: a file on the way, no permission, or a directory that holds
+    something else (a dataset from prepare_data.py: its tokenizer files would be overwritten)."""
+    for path in [out_dir, *out_dir.parents]:
+        if path.exists() and not path.is_dir():
+            raise UserError(f"--out {out_dir}: {path} is a file, not a directory; give a directory path")
+    if out_dir.is_dir():
+        others = sorted(p.name for p in out_dir.iterdir() if p.name not in TOKENIZER_FILES)
+        if others:
+            what = "a dataset directory" if {"meta.json", "progress.json"} & set(others) else "not a tokenizer directory"
+            raise UserError(f"--out {out_dir} is {what} (it holds {others[0]}); give a new or a tokenizer directory")
+    created = [p for p in [out_dir, *out_dir.parents] if not p.exists()]
+    try:  # write and remove a probe file: the only sure test (root passes os.access checks on /proc)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "tokenizer.json.tmp").write_text("")
+        (out_dir / "tokenizer.json.tmp").unlink()
+    except OSError as error:
+        raise UserError(f"--out {out_dir} can't be written ({error.strerror or error}); give a directory you can write")
+    finally:
+        for path in created:  # leave nothing behind: the tokenizer is written only once it exists
+            if path.is_dir():
+                path.rmdir()
+
+
 def pick_device(name):
-    if name is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        chosen = torch.device(name)
-    except RuntimeError:
-        raise UserError(f"--device {name}: unknown device; use cuda, cpu or mps")
-    if chosen.type == "cuda" and not torch.cuda.is_available():
-        raise UserError(f"--device {name}: torch sees no CUDA GPU on this machine; use --device cpu (same result, slower)")
-    if chosen.type == "mps" and not torch.backends.mps.is_available():
-        raise UserError(f"--device {name}: MPS (Apple GPU) is not available here; use --device cpu (same result, slower)")
-    if chosen.type not in ("cuda", "cpu", "mps"):
-        raise UserError(f"--device {name}: not supported; use cuda, cpu or mps")
-    return chosen
+    """cuda runs the kernels compiled; cpu runs them in Triton's interpreter (numpy), for testing."""
+    chosen, interpreted = name or ("cuda" if torch.cuda.is_available() else "cpu"), triton.knobs.runtime.interpret
+    if chosen != "cpu" and not chosen.startswith("cuda"):
+        problem = "not supported (Triton runs on CUDA GPUs); use cuda, or cpu for testing"
+    elif chosen == "cpu" and not interpreted:
+        problem = "runs the kernels in Triton's interpreter: set TRITON_INTERPRET=1 (slow)"
+    elif chosen != "cpu" and (interpreted or not torch.cuda.is_available()):
+        problem = "no CUDA GPU here (or TRITON_INTERPRET=1 is set); use --device cpu"
+    else:
+        return torch.device(chosen)
+    raise UserError(f"--device {chosen}: {problem}, or train_bpe_cpu.py, the better choice on a CPU")
 
 
-def device_memory(device):
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).total_memory
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")  # cpu, and mps's unified memory
-
-
-def synchronize(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    elif device.type == "mps":
-        torch.mps.synchronize()
-
-
-def peak_memory(device):
-    if device.type == "cuda":
-        return f"{torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB on {torch.cuda.get_device_name(device)}"
-    if device.type == "mps":
-        return f"{torch.mps.driver_allocated_memory() / 2**30:.2f} GiB held by the MPS driver at the end"
-    return f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB (the process's peak resident memory)"
+def check_memory(vocab_size, itemsize, device):
+    """The dense V x V count matrix is the memory budget: 16 GiB at V = 65534 with int32 counts."""
+    total = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else \
+        os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if itemsize * vocab_size**2 > 0.8 * total:
+        raise UserError(f"-v {vocab_size} needs a {itemsize * vocab_size**2 / 2**30:.1f} GiB pair-count matrix "
+                        f"({itemsize} V^2 bytes), more than {device} can spare ({total / 2**30:.1f} GiB); use a "
+                        "smaller -v, or train_bpe_cpu.py")
 
 
 def parse_args(argv):
@@ -547,52 +690,45 @@ def parse_args(argv):
     parser.add_argument("--data", default=None, help=f"fineweb | fineweb-edu | path to .txt/.jsonl/.parquet or a directory (default {data})")
     parser.add_argument("--out", default=out, help="output directory (default tokenizers/<source>_v<vocab_size>)")
     parser.add_argument("--pattern", default=pattern, help="the pre-tokenizer regex (default GPT-4's)")
-    parser.add_argument("--device", default=device, help="cuda | cpu | mps (default: cuda when available, else cpu)")
+    parser.add_argument("--device", default=device, help="cuda | cpu (Triton's interpreter; default: cuda when available)")
     return parser.parse_args(argv)
 
 
 def run(argv):
     args = parse_args(argv)
-    if not 256 <= args.vocab_size <= 2**31 - 1:
-        raise UserError(f"-v {args.vocab_size}: vocab_size must be between 256 (the bytes alone) and 2^31-1; try -v 1000")
+    if not 256 <= args.vocab_size <= 2**20:
+        raise UserError(f"-v {args.vocab_size}: vocab_size must be between 256 (the bytes alone) and 2^20; try -v 1000")
     if args.num_chars <= 0:
         raise UserError(f"-n {args.num_chars}: the number of characters must be positive; try -n 1048576")
     try:
         split_pattern = regex.compile(args.pattern)
     except regex.error as error:
         raise UserError(f"--pattern does not compile ({error}); check the regex, or leave --pattern out for GPT-4's")
+    if split_pattern.fullmatch(""):  # '' or 'x*' would give empty chunks, which hold no bytes to merge
+        raise UserError(f"--pattern {args.pattern!r} matches the empty string; every match must take at least one "
+                        "character (x+, not x*)")
     train_device = pick_device(args.device)
-    # The dense [V, V] pair-count matrix must fit (int32 here; int64, twice as big, past 2^31 pairs of text).
-    matrix_bytes = 4 * args.vocab_size**2
-    if matrix_bytes > 0.8 * device_memory(train_device):
-        raise UserError(f"-v {args.vocab_size} needs a {matrix_bytes / 2**30:.1f} GiB pair-count matrix (4 V^2 bytes), "
-                        f"more than {train_device} can spare ({device_memory(train_device) / 2**30:.1f} GiB); "
-                        "use a smaller -v, or train_bpe_cpu.py")
+    check_memory(args.vocab_size, 4, train_device)
     documents, source_name, source = open_source(args.data or data, data_was_named=args.data is not None)
+    files = local_files(args.data) if args.data and Path(args.data).exists() else []
     out_dir = Path(args.out or f"tokenizers/{source_name}_v{args.vocab_size}")
-    if out_dir.exists() and not out_dir.is_dir():
-        raise UserError(f"--out {out_dir} is a file; give a directory")
+    check_out_dir(out_dir)
 
     t0 = time.time()
-    workers = os.cpu_count() if args.num_chars >= PARALLEL_CHARS else 1
-    chunk_counts, chars_read = count_chunks(first_chars(documents, args.num_chars), split_pattern, args.num_chars,
-                                            workers)
+    chunk_counts, chars_read = count_chunks(documents, files, args.pattern, args.num_chars)
     t1 = time.time()
     if chars_read == 0:
         raise UserError(f"the corpus {source} is empty: no text to train on; point --data at files with text in them")
     if BadUTF8.count:
-        print(f"warning: {BadUTF8.count} invalid UTF-8 sequences were replaced with U+FFFD")
+        print(f"warning: {BadUTF8.count} invalid UTF-8 sequences were replaced with U+FFFD", file=sys.stderr)
     if chars_read < args.num_chars:
         print(f"the source ran out after {chars_read:,} characters (asked for {args.num_chars:,}); training on those")
     print(f"read {chars_read:,} characters: {sum(chunk_counts.values()):,} chunks, {len(chunk_counts):,} distinct")
-
-    with one_thread_on_cpu(train_device):
-        layout = chunks_to_tensors(chunk_counts, train_device)
-        synchronize(train_device)
-        t_layout = time.time()
-        print(f"{layout[0].numel() - 2:,} token positions in the distinct chunks, on {train_device}")
-        merges, total_tokens = merge_on_device(layout, args.vocab_size)
-        del layout
+    arrays = chunks_to_arrays(chunk_counts, args.vocab_size)
+    check_memory(args.vocab_size, arrays["weight"].itemsize, train_device)  # int64 counts past 2^31 pairs
+    print(f"{len(arrays['tokens']) - 2:,} token positions in the distinct chunks, on {train_device}")
+    t_layout = time.time()  # merging includes compiling the kernels on a machine's first run (then cached)
+    merges, total_tokens = merge_on_device(arrays, args.vocab_size, train_device)
     t2 = time.time()
     num_merges = len(merges)
     stop_reason = "vocab_size reached" if 256 + num_merges == args.vocab_size else "no pairs left to merge"
@@ -600,24 +736,16 @@ def run(argv):
         print(f"stopped early after {num_merges} merges: no pairs left to merge (vocab {256 + num_merges} < {args.vocab_size})")
 
     eot_id = 256 + num_merges
-    info = {
-        "pattern": args.pattern,
-        "special_tokens": {EOT: eot_id},
-        "vocab_size": eot_id + 1,
-        "num_merges": num_merges,
-        "num_chars": chars_read,
-        "source": source,
-        "trainer": "train_bpe_gpu.py",
-        "device": str(train_device),
-        "seconds": round(t2 - t0, 3),
-        "stop_reason": stop_reason,
-    }
+    info = {"pattern": args.pattern, "special_tokens": {EOT: eot_id}, "vocab_size": eot_id + 1,
+            "num_merges": num_merges, "num_chars": chars_read, "source": source, "trainer": "train_bpe_gpu.py",
+            "device": str(train_device), "seconds": round(t2 - t0, 3), "stop_reason": stop_reason}
     save_tokenizer(out_dir, merges, info)
     total_bytes = sum(len(chunk.encode("utf-8")) * count for chunk, count in chunk_counts.items())
-    print(f"reading + pre-tokenizing {t1 - t0:.2f}s ({workers} process{'es' * (workers > 1)}) | to {train_device} "
-          f"{t_layout - t1:.2f}s | merging {t2 - t_layout:.2f}s ({num_merges / max(t2 - t_layout, 1e-9):,.0f} merges/s) "
-          f"| total {t2 - t0:.2f}s")
-    print(f"peak memory: {peak_memory(train_device)}")
+    print(f"reading + pre-tokenizing {t1 - t0:.2f}s | layout {t_layout - t1:.2f}s | merging {t2 - t_layout:.2f}s "
+          f"({num_merges / max(t2 - t_layout, 1e-9):,.0f} merges/s) | total {t2 - t0:.2f}s")
+    peak = torch.cuda.max_memory_allocated(train_device) if train_device.type == "cuda" else \
+        resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    print(f"peak memory: {peak / 2**30:.2f} GiB ({'device' if train_device.type == 'cuda' else 'process resident'})")
     print(f"compression on the training text: {total_bytes / max(total_tokens, 1):.3f} bytes/token "
           f"({total_bytes:,} bytes -> {total_tokens:,} tokens)")
     print(f"wrote {out_dir}/tokenizer.tiktoken and tokenizer.json ({EOT} = {eot_id}, vocab_size {eot_id + 1})")

@@ -2,7 +2,7 @@
 train_bpe_gpu.py against rustbpe (and train_bpe_cpu.py at small sizes) on the same documents, in one run.
 
     python bench/bench_bpe_gpu.py                                    # -n 1048576 -v 1000, default device
-    python bench/bench_bpe_gpu.py --device cpu --repeats 3           # no GPU: correctness and a CPU figure
+    python bench/bench_bpe_gpu.py --device cpu --repeats 1           # no GPU: the kernels in Triton's interpreter
     python bench/bench_bpe_gpu.py -n 134217728 -v 65534 --repeats 1  # the big target (on a GPU machine)
     python bench/bench_bpe_gpu.py --pack enwiki_64M.jsonl.xz -n 67108864   # a small copy to carry to a GPU box
 
@@ -12,6 +12,7 @@ the trainers' -n does and written to one temporary .jsonl, which both of our scr
 command line, so their times are end to end (interpreter start, reading, pre-tokenizing, merging, writing).
 rustbpe gets the same documents from memory, so its time leaves out reading the file: a small edge for it.
 Every run's merges are compared with rustbpe's, byte for byte. We print medians over --repeats.
+--count_reads also runs the merge loop once in this process with every host read counted (the tests' counter).
 """
 
 import argparse
@@ -40,6 +41,7 @@ parser.add_argument("--device", default=None, help="passed to train_bpe_gpu.py (
 parser.add_argument("--repeats", type=int, default=3)
 parser.add_argument("--cpu_trainer", choices=["auto", "yes", "no"], default="auto",
                     help="also run train_bpe_cpu.py (auto: when n <= 2^24)")
+parser.add_argument("--count_reads", action="store_true", help="count host reads per merge (one more merge loop)")
 parser.add_argument("--pack", default=None, help="write the first n characters to this .jsonl.xz / .jsonl.gz and exit")
 args = parser.parse_args()
 
@@ -121,6 +123,7 @@ with tempfile.TemporaryDirectory() as scratch:
         merges_per_second = float(re.search(r"\(([\d,]+) merges/s\)", stdout).group(1).replace(",", ""))
         phases = re.search(r"reading \+ pre-tokenizing.*", stdout).group(0)
         memory = re.search(r"peak memory: (.*)", stdout).group(1)
+        peak_memory = memory
         positions = re.search(r"([\d,]+) token positions", stdout).group(1)
         same = "same merges" if vocab == reference else "DIFFERENT MERGES"
         own_total = float(re.search(r"\| total ([\d.]+)s", stdout).group(1))
@@ -148,5 +151,24 @@ for name, runs in rows.items():
     rate = f"{statistics.median(rates):,.0f}" if rates else "-"
     notes = sorted({run[2] for run in runs})
     print(f"| {name} | {seconds:.2f} | {own:.2f} | {rate} | {seconds / rust_seconds:.2f}x | {own / rust_seconds:.2f}x | {', '.join(notes)} |")
+print(f"\ntrain_bpe_gpu.py peak memory: {peak_memory}")
+if args.count_reads:  # in this process, after the timed runs: the counting modes slow every tensor operation
+    import regex
+    from collections import Counter
+
+    sys.path.insert(0, str(REPO / "tests"))
+    import train_bpe_gpu as bpe
+    from test_train_bpe_gpu import CountHostReads
+
+    chunk_counts = Counter()
+    for doc in docs:
+        chunk_counts.update(regex.findall(GPT4_PATTERN, doc))
+    arrays = bpe.chunks_to_arrays(chunk_counts, args.vocab_size)
+    device = args.device or ("cuda" if bpe.torch.cuda.is_available() else "cpu")
+    with CountHostReads() as reads:
+        merges, _ = bpe.merge_on_device(arrays, args.vocab_size, device)
+    kinds = ", ".join(f"{kind} {count}" for kind, count in sorted(reads.counts.items()))
+    print(f"host reads in the merge loop: {max(reads.counts.values()) / len(merges):.3f} per merge, the largest kind "
+          f"({kinds}) over {len(merges)} merges")
 if any("DIFFERENT" in run[2] for runs in rows.values() for run in runs):
     sys.exit("some trainer's merges differ from rustbpe's")
