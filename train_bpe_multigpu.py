@@ -459,17 +459,25 @@ def first_chars(documents, num_chars):
 
 # ---------------------------------------------------------------- this rank's part of the source
 #
-# Local files are laid end to end as one byte range, and rank r gets bytes [r S / W, (r + 1) S / W). A document
-# belongs to the range that holds its FIRST byte: a .jsonl line, a whole .txt file, or a parquet row group
-# (placed at its share of the file's bytes). So each document is read whole, by exactly one rank, and a rank
-# seeks straight to its range: nobody reads the others' text. A Hub stream is split by `datasets` itself.
+# Local files are laid end to end, and rank r gets bytes [r S / W, (r + 1) S / W). A document belongs to the
+# range that holds its FIRST byte: a .jsonl line, a whole .txt file, or a parquet row group (placed at its
+# share of the file's bytes). So each document is read whole, by exactly one rank, and a rank seeks straight
+# to its range: nobody reads the others' text. A Hub stream is split by `datasets` itself.
+
+
+def my_documents(name, source, rank, world_size, budget, record):
+    """This rank's documents (a generator: nothing is read yet), and the files they come from."""
+    if name in HUB_DATASETS and not source.startswith("Python standard library"):
+        repository, config, _ = HUB_DATASETS[name]
+        return datasets_texts(repository, node=(rank, world_size), path=repository, name=config), []
+    files = local_files(name) if name not in HUB_DATASETS else [  # or the offline corpus, a .py file a document
+        path for path in sorted(Path(sysconfig.get_paths()["stdlib"]).rglob("*.py")) if "site-packages" not in path.parts]
+    return part_documents(files, rank, world_size, budget, record), files
 
 
 def part_documents(files, rank, world_size, budget, record):
-    """This rank's documents, in order, each whole: a UserError names the first bad one."""
     sizes = [path.stat().st_size for path in files]
-    lo, hi = sum(sizes) * rank // world_size, sum(sizes) * (rank + 1) // world_size
-    record["bytes"] = [lo, hi]
+    lo, hi = record["bytes"] = [sum(sizes) * rank // world_size, sum(sizes) * (rank + 1) // world_size]
     for path, first, size in zip(files, accumulate([0] + sizes), sizes):
         if size == 0 or first + size <= lo or first >= hi:
             continue
@@ -490,11 +498,10 @@ def parquet_row_groups(path, first, size, lo, hi):
             if lo <= first + size * group // parquet.num_row_groups < hi:
                 for text in parquet.read_row_group(group, columns=["text"]).column(0).to_pylist():
                     if not isinstance(text, str):
-                        raise UserError(f"{path}, row group {group}: \"text\" is "
-                                        f"{'null' if text is None else type(text).__name__}, not a string; "
-                                        "it must be a column of strings")
+                        raise UserError(f"{path}, row group {group}: \"text\" is {type(text).__name__}, not a "
+                                        "string; it must be a column of strings")
                     yield text
-    except UserError:
+    except (UserError, GeneratorExit):
         raise
     except Exception as error:  # not parquet, corrupt, no "text" column
         reason = f"{type(error).__name__}: {error}".splitlines()[0]
@@ -502,8 +509,8 @@ def parquet_row_groups(path, first, size, lo, hi):
 
 
 def take(documents, budget, record):
-    """Documents up to this rank's share of -n, the last one cut to fit; stops before asking the source for
-    one more (it may be slow to fetch, or malformed). Records what was read."""
+    """Documents up to this rank's share of -n, the last one cut to fit. Stops before asking the source for one
+    more (it may be slow to fetch, or malformed)."""
     record.update(documents=0, chars=0, cut=False)
     for text in documents if budget > 0 else ():
         kept = text[:budget - record["chars"]]
@@ -515,11 +522,10 @@ def take(documents, budget, record):
 
 # ---------------------------------------------------------------- pre-tokenize, count, cache
 #
-# The regex is the slow part of reading (a few million characters per second per core), so a big part is
-# split by worker processes: batches of whole documents go out, Counters come back and are summed. At most two
-# batches per worker are in flight, so RAM stays bounded. The regex has a time limit per document (generous:
-# 100k characters a second), so a pattern that backtracks catastrophically stops with its name, not a hang.
-BATCH_CHARS = 1 << 20
+# The regex is the slow part of reading (a few million characters a second per core), so a big part goes to
+# worker processes in batches of whole documents; Counters come back and are summed. At most two batches per
+# worker are in flight, so RAM stays bounded. A time limit per document (10 s + 10 us a character) turns a
+# pattern that backtracks catastrophically into one line instead of a hang.
 SPLIT = None  # the compiled pattern, in this process and in each worker
 
 
@@ -530,39 +536,36 @@ def start_worker(pattern_text):
 
 def count_batch(documents):
     counts = Counter()
-    for number, document in enumerate(documents):
+    for document in documents:
         try:
             counts.update(SPLIT.findall(document, timeout=10 + len(document) / 1e5))
         except TimeoutError:
-            raise UserError(f"--pattern takes too long on a document of {len(document):,} characters (it "
-                            f"starts {document[:40]!r}): it backtracks catastrophically; simplify it")
+            raise UserError(f"--pattern {SPLIT.pattern!r} backtracks catastrophically on the document that starts "
+                            f"{document[:40]!r}; simplify the pattern")
     return counts
 
 
 def count_chunks(documents, share_chars, show_progress, pool, workers):
-    """Count distinct chunks of this rank's documents. Chunks never cross documents."""
-    chunk_counts, pending, batch, batch_chars = Counter(), deque(), [], 0
-    with tqdm(total=share_chars, unit="char", unit_scale=True, desc="reading (rank 0's part)",
-              mininterval=0.5, disable=not show_progress) as progress:
+    chunk_counts, pending, batch = Counter(), deque(), []
+    with tqdm(total=share_chars, unit="char", unit_scale=True, desc="reading (rank 0's part)", mininterval=0.5,
+              disable=not show_progress) as progress:
         for document in documents:
             progress.update(len(document))
             batch.append(document)
-            batch_chars += len(document)
-            if batch_chars >= BATCH_CHARS:
+            if progress.n // 2**20 > (progress.n - len(document)) // 2**20:  # a batch per MiB of characters
                 pending.append(pool.apply_async(count_batch, (batch,)))
-                batch, batch_chars = [], 0
+                batch = []
                 while len(pending) > 2 * workers:
                     chunk_counts.update(pending.popleft().get())
-        pending.append(pool.apply_async(count_batch, (batch,)))
-        for result in pending:
+        for result in [*pending, pool.apply_async(count_batch, (batch,))]:
             chunk_counts.update(result.get())
     return chunk_counts
 
 
-# The cache holds what the merge loop needs, as plain .npy arrays (no pickle: loading it can't run code): the
-# UTF-8 bytes of this rank's distinct chunks of 2+ bytes, concatenated, the length of each and how often it
-# occurs. The .json, written last, holds the statistics, what was read, and a sha256 of all of it: a cache
-# without it is incomplete, and one that does not match it (edited, or half-copied) is counted again.
+# The cache holds what the merge loop needs, as plain .npy files (no pickle: loading one can't run code): the
+# UTF-8 bytes of this rank's distinct chunks of 2+ bytes, concatenated, and the length and count of each. The
+# .json, written last, holds the statistics, what was read, and a sha256 of it all: a cache without it is
+# incomplete, and one that does not match it (edited, half-copied) is counted again.
 
 
 def cache_key(args, source, files, world_size):
@@ -584,8 +587,7 @@ def write_cache(prefix, chunk_counts, record):
     lengths = np.fromiter(map(len, chunks), np.int64, len(chunks))
     counts = np.fromiter(chunk_counts.values(), np.int64, len(chunks))
     keep = lengths >= 2  # single-byte chunks hold no pair: they only count in the statistics
-    arrays = [np.frombuffer(b"".join(chunk for chunk, kept in zip(chunks, keep) if kept), np.uint8),
-              lengths[keep], counts[keep]]
+    arrays = [np.frombuffer(b"".join(c for c, kept in zip(chunks, keep) if kept), np.uint8), lengths[keep], counts[keep]]
     stats = {"chunks": int(counts.sum()), "distinct": len(chunks), "total_bytes": int((lengths * counts).sum()),
              "total_pairs": int(((lengths - 1) * counts).sum()), "bad_utf8": BadUTF8.count, "part": record}
     prefix.parent.mkdir(parents=True, exist_ok=True)
@@ -600,8 +602,7 @@ def read_cache(prefix):
     """(bytes, lengths, counts, stats) memory-mapped; None when absent, "tampered" when it fails its checksum."""
     try:
         stats = json.loads(prefix.with_suffix(".json").read_text())
-        arrays = [np.load(prefix.with_suffix(f".{name}.npy"), mmap_mode="r", allow_pickle=False)
-                  for name in ("bytes", "lengths", "counts")]
+        arrays = [np.load(prefix.with_suffix(f".{name}.npy"), mmap_mode="r") for name in ("bytes", "lengths", "counts")]
         expected = stats.pop("sha256")
     except (OSError, ValueError, KeyError, AttributeError):
         return None
@@ -707,19 +708,6 @@ def validate(args):
     out_dir = Path(args.out or f"tokenizers/{source_name}_v{args.vocab_size}")
     check_out_dir(out_dir)
     return source_name, source, out_dir
-
-
-def my_documents(name, source, rank, world_size, budget, record):
-    """This rank's part of the source named --data (validate() has checked that it can be read)."""
-    if source.startswith("Python standard library"):  # the offline corpus: the standard library's .py files, one document each
-        root = Path(sysconfig.get_paths()["stdlib"])
-        files = [path for path in sorted(root.rglob("*.py")) if "site-packages" not in path.parts]
-        return part_documents(files, rank, world_size, budget, record), files
-    if name in HUB_DATASETS:
-        repository, config, _ = HUB_DATASETS[name]
-        return datasets_texts(repository, node=(rank, world_size), path=repository, name=config), []
-    files = local_files(name)
-    return part_documents(files, rank, world_size, budget, record), files
 
 
 def setup_process_group(device_name, timeout_s):

@@ -304,3 +304,37 @@ def test_nccl_on_one_gpu_equals_rustbpe(tmp_path):
     result = subprocess.run(command, cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=240)
     assert result.returncode == 0 and "backend nccl" in result.stdout, result.stdout + result.stderr
     assert (tmp_path / "tok" / "tokenizer.tiktoken").read_bytes() == rustbpe_file(docs, 500)
+
+
+def test_the_merge_loop_reads_the_device_once_per_merge_counting_every_kind(monkeypatch):
+    """In this process, a world of one: every read of a tensor's value by the host is counted, whether
+    .item(), .tolist(), int(), bool(), float() or a 0-dim tensor used as an index (all but .tolist() dispatch
+    _local_scalar_dense; .tolist() is counted by wrapping it). The loop may read once per merge."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class CountReads(TorchDispatchMode):
+        reads = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            CountReads.reads += func is torch.ops.aten._local_scalar_dense.default
+            return func(*args, **(kwargs or {}))
+
+    tolist = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda self: (setattr(CountReads, "reads", CountReads.reads + 1),
+                                                                tolist(self))[1])
+    chunk_counts = Counter(regex_chunk for doc in EDGE_CASES[:4] + [words(i, 100) for i in range(2)]
+                           for regex_chunk in mg.regex.findall(mg.pattern, doc))
+    chunks = [chunk.encode() for chunk in chunk_counts if len(chunk.encode()) >= 2]
+    blob = np.frombuffer(b"".join(chunks), np.uint8)
+    lengths = np.array([len(chunk) for chunk in chunks])
+    counts = np.array([chunk_counts[chunk.decode()] for chunk in chunks])
+    tensors = mg.chunks_to_tensors(blob, lengths, counts, torch.int32, torch.device("cpu"))
+    torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
+    try:
+        with CountReads():
+            merges, _, loop = mg.train(*tensors, 400, int(((lengths - 1) * counts).sum()), torch.device("cpu"), False)
+    finally:
+        torch.distributed.destroy_process_group()
+    assert len(merges) == 400 - 256 and loop["second_rounds"] > 0  # MANY_NEIGHBOURS overflows one round
+    # one read per choice (a merge, or a second round), and the final int() of the tokens saved
+    assert CountReads.reads == len(merges) + loop["second_rounds"] + 1, (CountReads.reads, len(merges), loop)
