@@ -637,7 +637,7 @@ def save_tokenizer(out_dir, merges, info):
 # ---------------------------------------------------------------- the run
 
 RANK = int(os.environ.get("RANK", "0"))  # torchrun sets it before we start: rank 0 alone speaks
-OUR_FILES = {"tokenizer.tiktoken", "tokenizer.json", ".probe"}
+OUR_FILES = {"tokenizer.tiktoken", "tokenizer.json", "tokenizer.tiktoken.tmp", "tokenizer.json.tmp", ".probe"}
 
 
 def say(*args, **kwargs):
@@ -707,7 +707,7 @@ def validate(args):
         _, source_name, source = open_source(args.data or data, data_was_named=args.data is not None)
     out_dir = Path(args.out or f"tokenizers/{source_name}_v{args.vocab_size}")
     check_out_dir(out_dir)
-    return source_name, source, out_dir
+    return source, out_dir
 
 
 def setup_process_group(device_name, timeout_s):
@@ -738,7 +738,7 @@ def peak_memory_mb(run_device):
 
 def run(argv):
     args = parse_args(argv)
-    source_name, source, out_dir = validate(args)
+    source, out_dir = validate(args)
 
     # --- this rank's part, pre-tokenized and counted, or the counts cached by an earlier run
     t0 = time.time()
@@ -747,75 +747,63 @@ def run(argv):
     documents, files = my_documents(args.data or data, source, rank, world_size, share_chars, record)
     prefix = Path(args.cache_dir) / cache_key(args, source, files, world_size) / f"rank{rank}"
     cached = None if args.no_cache else read_cache(prefix)
-    tampered, from_cache = cached == "tampered", isinstance(cached, tuple)
     cores = len(os.sched_getaffinity(0)) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     num_workers = args.workers or (max(cores, 1) if share_chars >= 2**24 else 1)
     # Workers are forked now, before the process group starts its threads: a fork copies only the calling
     # thread, and could copy a lock that another thread holds, held forever. One worker is a thread.
     start_worker(args.pattern)
-    pool = None if from_cache else multiprocessing.pool.ThreadPool(1) if num_workers == 1 else \
+    pool = None if isinstance(cached, tuple) else multiprocessing.pool.ThreadPool(1) if num_workers == 1 else \
         multiprocessing.get_context("fork").Pool(num_workers, start_worker, (args.pattern,))
     rank, world_size, run_device = setup_process_group(args.device, args.timeout)
     say(f"{world_size} rank(s), backend {dist.get_backend()}, device {args.device}")
-    error = None
-    if not from_cache:
-        try:
-            chunk_counts = count_chunks(take(documents, share_chars, record), share_chars, rank == 0, pool, num_workers)
-            try:
-                write_cache(prefix, chunk_counts, record)
-            except OSError as os_error:
-                raise UserError(f"can't write the cache in {prefix.parent} ({os_error.strerror}); "
-                                "give a writable folder: --cache_dir path/to/folder")
-            del chunk_counts
+    error, state = None, "reused" if isinstance(cached, tuple) else cached or "counted"
+    try:
+        if pool is not None:
+            write_cache(prefix, count_chunks(take(documents, share_chars, record), share_chars, rank == 0, pool,
+                                             num_workers), record)
             cached = read_cache(prefix)
-        except UserError as user_error:
-            error = str(user_error)
-        finally:
-            if pool is not None:
-                pool.terminate()
+    except UserError as user_error:
+        error = str(user_error)
+    except OSError as os_error:
+        error = f"can't write the cache in {prefix.parent} ({os_error.strerror}); give a writable --cache_dir"
+    finally:
+        if pool is not None:
+            pool.terminate()
     # A reading error happens on one rank (the one whose part holds the bad line): share it, so that every
     # rank stops together and rank 0 reports it, instead of the others waiting for the lost rank.
-    errors = [None] * world_size
-    dist.all_gather_object(errors, error)
-    if any(errors):
-        raise UserError(next(e for e in errors if e))
-    blob, lengths, counts, stats = cached
     parts = [None] * world_size
-    dist.all_gather_object(parts, (stats["part"], stats["distinct"], from_cache, tampered))
-    keys = ["chunks", "distinct", "total_bytes", "total_pairs", "bad_utf8"]
-    totals = torch.tensor([stats[key] for key in keys], dtype=torch.int64, device=run_device)
-    dist.all_reduce(totals)
-    total = dict(zip(keys, totals.tolist()), chars=sum(part["chars"] for part, *_ in parts))
-    reused = sum(reused for *_, reused, _ in parts)
+    dist.all_gather_object(parts, error or (cached[3], state))
+    if any(isinstance(part, str) for part in parts):
+        raise UserError(next(part for part in parts if isinstance(part, str)))
+    blob, lengths, counts, _ = cached
+    total = {key: sum(stats[key] for stats, _ in parts) for key in ("chunks", "total_bytes", "total_pairs", "bad_utf8")}
+    total["chars"], states = sum(stats["part"]["chars"] for stats, _ in parts), [state for _, state in parts]
     t1 = time.time()
     if total["chars"] == 0:
         raise UserError(f"the corpus {source} is empty: no text to train on; point --data at files with text in them")
-    if any(tampered for *_, tampered in parts):
+    if "tampered" in states:
         say("warning: a cached part did not match its checksum (edited or half-copied): counted again", file=sys.stderr)
-    if reused:
-        say(f"cache: {reused} of {world_size} ranks reused their counted chunks from {prefix.parent} "
+    if "reused" in states:
+        say(f"cache: {states.count('reused')} of {world_size} ranks reused their counted chunks from {prefix.parent} "
             "(skipped reading and pre-tokenizing; --no_cache counts again)")
     if total["bad_utf8"]:
         say(f"warning: {total['bad_utf8']} invalid UTF-8 sequences were replaced with U+FFFD", file=sys.stderr)
     if total["chars"] < args.num_chars:
         say(f"the source ran out after {total['chars']:,} characters (asked for {args.num_chars:,}); training on those")
-    say(f"read {total['chars']:,} characters: {total['chunks']:,} chunks, {total['distinct']:,} distinct per rank summed")
-    say("per-rank part (characters, distinct chunks): " + ", ".join(f"{p['chars']:,}/{d:,}" for p, d, *_ in parts))
+    say(f"read {total['chars']:,} characters, {total['chunks']:,} chunks; per-rank part (characters, distinct chunks): "
+        + ", ".join(f"{stats['part']['chars']:,}/{stats['distinct']:,}" for stats, _ in parts))
 
     # --- the merges, each rank in its own chunks and its own rows of the count matrix
     count_dtype = torch.int32 if total["total_pairs"] < 2**31 else torch.int64  # no count exceeds the total
     tokens, next_pos, prev_pos, weight = chunks_to_tensors(blob, lengths, counts, count_dtype, run_device)
-    del blob, lengths, counts
     if run_device.type == "cuda":
         torch.cuda.synchronize(run_device)  # CUDA copies are queued: wait, or their time lands in the merge phase
     t2 = time.time()
     merges, tokens_saved, loop = train(tokens, next_pos, prev_pos, weight, args.vocab_size, total["total_pairs"],
                                        run_device, show_progress=rank == 0)
-    saved = torch.tensor([tokens_saved], dtype=torch.int64, device=run_device)
-    dist.all_reduce(saved)
     t3 = time.time()
-    peaks = [None] * world_size
-    dist.all_gather_object(peaks, peak_memory_mb(run_device))
+    ends = [None] * world_size
+    dist.all_gather_object(ends, (tokens_saved, peak_memory_mb(run_device)))
     num_merges, eot_id = len(merges), 256 + len(merges)
     stop_reason = "vocab_size reached" if eot_id == args.vocab_size else "no pairs left to merge"
     if stop_reason != "vocab_size reached":
@@ -824,18 +812,18 @@ def run(argv):
         save_tokenizer(out_dir, merges, {
             "pattern": args.pattern, "special_tokens": {EOT: eot_id}, "vocab_size": eot_id + 1, "num_merges": num_merges,
             "num_chars": total["chars"], "source": source, "trainer": "train_bpe_multigpu.py", "world_size": world_size,
-            "seconds": round(t3 - t0, 3), "stop_reason": stop_reason, "read": [part for part, *_ in parts]})
-        total_tokens = total["total_bytes"] - int(saved)
-        say(f"{'loading the cache' if reused == world_size else 'reading + pre-tokenizing'} {t1 - t0:.2f}s | to "
-            f"{args.device} {t2 - t1:.2f}s | merging {t3 - t2:.2f}s ({num_merges / max(t3 - t2, 1e-9):,.0f} merges/s) "
-            f"| total {t3 - t0:.2f}s")
-        say(f"per merge: {loop['collectives'] / max(num_merges, 1):.2f} collectives, {loop['host_reads'] / max(num_merges, 1):.2f}"
-            f" host reads; {loop['second_rounds']} merges needed a second all_to_all")
+            "seconds": round(t3 - t0, 3), "stop_reason": stop_reason, "read": [stats["part"] for stats, _ in parts]})
+        tokens_left = total["total_bytes"] - sum(saved for saved, _ in ends)
+        say(f"{'loading the cache' if states.count('reused') == world_size else 'reading + pre-tokenizing'} "
+            f"{t1 - t0:.2f}s | to {args.device} {t2 - t1:.2f}s | merging {t3 - t2:.2f}s "
+            f"({num_merges / max(t3 - t2, 1e-9):,.0f} merges/s) | total {t3 - t0:.2f}s")
+        per_merge = {key: value / max(num_merges, 1) for key, value in loop.items()}
+        say(f"per merge: {per_merge['collectives']:.2f} collectives, {per_merge['host_reads']:.2f} host reads; "
+            f"{loop['second_rounds']} merges needed a second all_to_all")
         say(f"{'peak device memory' if args.device == 'cuda' else 'peak RSS'} per rank: "
-            + ", ".join(f"{peak:,.0f} MiB" for peak in peaks))
-        say(f"compression on the training text: {total['total_bytes'] / max(total_tokens, 1):.3f} bytes/token "
-            f"({total['total_bytes']:,} bytes -> {total_tokens:,} tokens)")
-        say(f"wrote {out_dir}/tokenizer.tiktoken and tokenizer.json ({EOT} = {eot_id}, vocab_size {eot_id + 1})")
+            + ", ".join(f"{peak:,.0f} MiB" for _, peak in ends))
+        say(f"compression: {total['total_bytes'] / max(tokens_left, 1):.3f} bytes/token; wrote {out_dir}/tokenizer.tiktoken"
+            f" and tokenizer.json ({EOT} = {eot_id}, vocab_size {eot_id + 1})")
     dist.barrier()  # nobody leaves (and tears the group down) while rank 0 still writes
 
 
