@@ -28,9 +28,9 @@ import hashlib
 import io
 import json
 import multiprocessing
-import multiprocessing.pool
 import os
 import resource
+import signal
 import socket
 import sys
 import sysconfig
@@ -297,14 +297,14 @@ def train(tokens, next_pos, prev_pos, weight, vocab_size, total_pairs, device, s
 
 
 # ---------------------------------------------------------------- reading text (the same in every script)
-# .txt and .jsonl are read with the standard library: `datasets`' loaders would turn CRLF into LF (no longer
-# byte-identical to rustbpe), stop at invalid UTF-8, and cost seconds of start-up. The Hub and parquet go
-# through `datasets`. Bad input becomes one UserError line naming the file and the line or row.
+# .txt and .jsonl go through the standard library: `datasets`' loaders turn CRLF into LF (no longer
+# byte-identical to rustbpe), stop at invalid UTF-8, and take seconds to start. The Hub and parquet go
+# through `datasets`. Bad input is one UserError naming the file and its line or row.
 
 
 def hub_problem(timeout=3.0):
-    """Why the Hub can't be used, or None. `datasets` retries an unreachable Hub for ~25 s with a screenful of
-    warnings; a socket to the endpoint huggingface_hub will use (HF_ENDPOINT, e.g. a mirror) says it in 3."""
+    """None if the Hub can be used, else why not. A socket to the endpoint huggingface_hub will use
+    (HF_ENDPOINT: a mirror) answers in 3 s; `datasets` would retry for ~25 s with a screenful of warnings."""
     for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
         if os.environ.get(name, "").upper() in ("1", "ON", "YES", "TRUE"):  # huggingface_hub's own rule
             return f"the Hugging Face Hub is off ({name}={os.environ[name]})"
@@ -312,28 +312,23 @@ def hub_problem(timeout=3.0):
     try:
         url = urllib.parse.urlsplit(endpoint)
         socket.create_connection((url.hostname or "", url.port or (443 if url.scheme == "https" else 80)), timeout).close()
-        return None
     except (OSError, ValueError):
         return f"can't reach the Hugging Face Hub at {endpoint}"
 
 
 def datasets_texts(where, node=None, **load):
     """The "text" of each row of datasets.load_dataset(**load), streamed: nothing is downloaded whole.
-    node=(rank, world_size) keeps only that rank's share, split by `datasets` itself."""
+    node=(rank, world_size) keeps that rank's share, as datasets.distributed.split_dataset_by_node splits it."""
     import datasets
+    from datasets.distributed import split_dataset_by_node
 
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its errors reach the user as our one line
     try:
         rows = datasets.load_dataset(split="train", streaming=True, **load)
-        if node is not None:
-            from datasets.distributed import split_dataset_by_node
-            rows = split_dataset_by_node(rows, *node)
-        for number, row in enumerate(rows, 1):
-            text = row.get("text")
-            if not isinstance(text, str):
-                problem = (f"is {'null' if text is None else type(text).__name__}, not a string" if "text" in row
-                           else f"is missing (columns: {', '.join(row)})")
-                raise UserError(f"{where}, row {number}: \"text\" {problem}; it must be a column of strings")
+        for number, row in enumerate(rows if node is None else split_dataset_by_node(rows, *node), 1):
+            if not isinstance(row.get("text"), str):
+                raise UserError(f"{where}, row {number}: \"text\" is {row.get('text')!r:.20}, not a string "
+                                f"(columns: {', '.join(row)})")
             yield row["text"]
     except UserError:
         raise
@@ -365,9 +360,7 @@ def decode_utf8(raw, decoder=None, final=True):
 
 def read_txt(path, budget):
     """A .txt file is one document, CRLF kept; read no more of it than the character budget needs."""
-    # An incremental decoder holds back a multi-byte character cut at the end of a block instead of
-    # replacing it; only truly invalid bytes become U+FFFD.
-    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")  # keeps a character cut between blocks
     pieces, have = [], 0
     with open(path, "rb") as f:
         while have < budget:
@@ -380,7 +373,7 @@ def read_txt(path, budget):
 
 
 def read_jsonl(path, start=0, end=None):
-    """One {"text": "..."} per line. Given byte offsets, only the lines whose first byte lies in [start, end):
+    """One {"text": "..."} per line. Given byte offsets, only the lines whose first byte is in [start, end):
     ranges that tile a file (0..a, a..b, b..None) read every line exactly once, and never cut one."""
     with open(path, "rb") as f:
         if start > 0:
@@ -390,7 +383,6 @@ def read_jsonl(path, start=0, end=None):
         for number, line in enumerate(f, 1):
             if end is not None and position >= end:
                 return
-            where = f"{path}:{number}" if start == 0 else f"{path} (the line at byte {position})"
             position += len(line)
             if not line.strip():
                 continue
@@ -399,6 +391,7 @@ def read_jsonl(path, start=0, end=None):
             except ValueError:
                 record = None
             if not isinstance(record, dict) or not isinstance(record.get("text"), str):
+                where = f"{path}:{number}" if start == 0 else f"{path} (the line at byte {position - len(line)})"
                 raise UserError(f"{where} is not a JSON object with a string \"text\" field; "
                                 "each line of a .jsonl file must look like {\"text\": \"...\"}")
             yield record["text"]
@@ -424,9 +417,9 @@ def open_source(data, data_was_named):
     if data in HUB_DATASETS:
         repository, config, files = HUB_DATASETS[data]
         problem = hub_problem()
-        if problem is None:  # parquet files named by path: never the repository's old loading script
-            load = dict(path="parquet", data_files=f"hf://datasets/{repository}/{files}") if files else \
-                dict(path=repository, name=config)
+        if problem is None:  # parquet files named by path: never a repository's old loading script
+            load = dict(path="parquet", data_files=f"hf://datasets/{repository}/{files}") if files else dict(
+                path=repository, name=config)
             return (lambda budget: datasets_texts(repository, **load)), data, f"{repository} {config or ''}".strip()
         if data_was_named:
             raise UserError(f"{problem}, needed for --data {data}; use local files instead: --data path/to/files")
@@ -524,40 +517,63 @@ def take(documents, budget, record):
 #
 # The regex is the slow part of reading (a few million characters a second per core), so a big part goes to
 # worker processes in batches of whole documents; Counters come back and are summed. At most two batches per
-# worker are in flight, so RAM stays bounded. A time limit per document (10 s + 10 us a character) turns a
-# pattern that backtracks catastrophically into one line instead of a hang.
+# worker are in flight, so RAM stays bounded. A CPU-time alarm per document (1 s + 10 us a character) turns a
+# pattern that backtracks catastrophically into one line instead of a hang (regex's own timeout= would make
+# every findall ~3x slower); signals reach only a main thread, so each process counts in its own.
 SPLIT = None  # the compiled pattern, in this process and in each worker
+
+
+def time_is_up(signum, frame):
+    raise TimeoutError
 
 
 def start_worker(pattern_text):
     global SPLIT
     SPLIT = regex.compile(pattern_text)
+    signal.signal(signal.SIGPROF, time_is_up)
 
 
 def count_batch(documents):
     counts = Counter()
     for document in documents:
         try:
-            counts.update(SPLIT.findall(document, timeout=10 + len(document) / 1e5))
+            signal.setitimer(signal.ITIMER_PROF, 1 + len(document) / 1e5)
+            counts.update(SPLIT.findall(document))
         except TimeoutError:
-            raise UserError(f"--pattern {SPLIT.pattern!r} backtracks catastrophically on the document that starts "
-                            f"{document[:40]!r}; simplify the pattern")
+            raise UserError(f"--pattern {SPLIT.pattern!r} backtracks catastrophically: it ran past the time limit "
+                            f"on the document that starts {document[:30]!r}; simplify the pattern")
+        finally:
+            signal.setitimer(signal.ITIMER_PROF, 0)
+    if "" in counts:  # a pattern that matches empty only in context, like \b
+        raise UserError(f"--pattern {SPLIT.pattern!r} matches the empty string; every match must take at least "
+                        "one character (x+, not x*)")
     return counts
+
+
+class Ready:
+    """A batch counted at once, in this process: the rank has no worker processes."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def get(self):
+        return self.value
 
 
 def count_chunks(documents, share_chars, show_progress, pool, workers):
     chunk_counts, pending, batch = Counter(), deque(), []
+    submit = (lambda batch: pool.apply_async(count_batch, (batch,))) if pool else (lambda batch: Ready(count_batch(batch)))
     with tqdm(total=share_chars, unit="char", unit_scale=True, desc="reading (rank 0's part)", mininterval=0.5,
               disable=not show_progress) as progress:
         for document in documents:
             progress.update(len(document))
             batch.append(document)
             if progress.n // 2**20 > (progress.n - len(document)) // 2**20:  # a batch per MiB of characters
-                pending.append(pool.apply_async(count_batch, (batch,)))
+                pending.append(submit(batch))
                 batch = []
                 while len(pending) > 2 * workers:
                     chunk_counts.update(pending.popleft().get())
-        for result in [*pending, pool.apply_async(count_batch, (batch,))]:
+        for result in [*pending, submit(batch)]:
             chunk_counts.update(result.get())
     return chunk_counts
 
@@ -637,7 +653,7 @@ def save_tokenizer(out_dir, merges, info):
 # ---------------------------------------------------------------- the run
 
 RANK = int(os.environ.get("RANK", "0"))  # torchrun sets it before we start: rank 0 alone speaks
-OUR_FILES = {"tokenizer.tiktoken", "tokenizer.json", "tokenizer.tiktoken.tmp", "tokenizer.json.tmp", ".probe"}
+OUR_FILES = {"tokenizer.tiktoken", "tokenizer.json", "tokenizer.tiktoken.tmp", "tokenizer.json.tmp"}
 
 
 def say(*args, **kwargs):
@@ -662,24 +678,28 @@ def parse_args(argv):
 
 
 def check_out_dir(out_dir):
-    """Refuse an --out that holds something else (a dataset's tokenizer files would be replaced), and find an
+    """Refuse an --out that holds something else (a dataset's tokenizer would be replaced), and find an
     unwritable one before any work. Rank 0 alone probes, as it alone writes."""
-    if out_dir.exists() and not out_dir.is_dir():
-        raise UserError(f"--out {out_dir} is a file; give a directory")
-    if out_dir.is_dir() and {path.name for path in out_dir.iterdir()} - OUR_FILES:
-        what = "a dataset directory" if (out_dir / "meta.json").exists() else "a directory with other files in it"
-        raise UserError(f"--out {out_dir} is {what}; give a new directory, or one with only a tokenizer in it")
+    for path in [out_dir, *out_dir.parents]:
+        if path.exists() and not path.is_dir():
+            raise UserError(f"--out {out_dir}: {path} is a file, not a directory")
+    others = sorted({path.name for path in out_dir.iterdir()} - OUR_FILES) if out_dir.is_dir() else []
+    if {"meta.json", "progress.json"} & set(others):
+        raise UserError(f"--out {out_dir} is a dataset directory (it holds meta.json); give a new or a tokenizer directory")
+    if others:
+        raise UserError(f"--out {out_dir} is not a tokenizer directory (it holds {others[0]}); "
+                        "give a new or a tokenizer directory")
     if RANK != 0:
         return
     created = [path for path in [out_dir, *out_dir.parents] if not path.exists()]
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / ".probe").write_text("")
-        (out_dir / ".probe").unlink()
+        (out_dir / "tokenizer.json.tmp").write_text("")
+        (out_dir / "tokenizer.json.tmp").unlink()
     except OSError as error:
-        raise UserError(f"--out {out_dir} can't be written ({error.strerror}); give a writable directory")
+        raise UserError(f"--out {out_dir} can't be written ({error.strerror}); give a directory you can write")
     finally:
-        for path in created:  # leave nothing behind: the tokenizer is written after training
+        for path in created:  # deepest first: nothing is left behind if a later step fails
             with contextlib.suppress(OSError):
                 path.rmdir()
 
@@ -697,12 +717,12 @@ def validate(args):
     if args.device == "cuda" and not torch.cuda.is_available():
         raise UserError("--device cuda: no CUDA GPU is visible here; use --device cpu (gloo) instead")
     try:
-        empty_match = regex.compile(args.pattern).search("") is not None
+        empty_match = regex.compile(args.pattern).fullmatch("") is not None
     except regex.error as error:
         raise UserError(f"--pattern does not compile ({error}); check the regex, or leave --pattern out for GPT-4's")
     if empty_match:
-        raise UserError("--pattern matches the empty string, so it would split text into nothing; "
-                        "make every alternative match at least one character")
+        raise UserError(f"--pattern {args.pattern!r} matches the empty string; every match must take at least one "
+                        "character (x+, not x*)")
     with contextlib.redirect_stderr(io.StringIO()) if RANK else contextlib.nullcontext():  # one warning, rank 0's
         _, source_name, source = open_source(args.data or data, data_was_named=args.data is not None)
     out_dir = Path(args.out or f"tokenizers/{source_name}_v{args.vocab_size}")
@@ -750,15 +770,15 @@ def run(argv):
     cores = len(os.sched_getaffinity(0)) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     num_workers = args.workers or (max(cores, 1) if share_chars >= 2**24 else 1)
     # Workers are forked now, before the process group starts its threads: a fork copies only the calling
-    # thread, and could copy a lock that another thread holds, held forever. One worker is a thread.
+    # thread, and could copy a lock that another thread holds, held forever.
     start_worker(args.pattern)
-    pool = None if isinstance(cached, tuple) else multiprocessing.pool.ThreadPool(1) if num_workers == 1 else \
+    pool = None if isinstance(cached, tuple) or num_workers == 1 else \
         multiprocessing.get_context("fork").Pool(num_workers, start_worker, (args.pattern,))
     rank, world_size, run_device = setup_process_group(args.device, args.timeout)
     say(f"{world_size} rank(s), backend {dist.get_backend()}, device {args.device}")
     error, state = None, "reused" if isinstance(cached, tuple) else cached or "counted"
     try:
-        if pool is not None:
+        if state != "reused":
             write_cache(prefix, count_chunks(take(documents, share_chars, record), share_chars, rank == 0, pool,
                                              num_workers), record)
             cached = read_cache(prefix)

@@ -239,7 +239,8 @@ def test_a_bad_line_in_rank_1s_part_is_one_line_from_rank_0(tmp_path):
     (["--pattern", ""], "matches the empty string"),
     (["-v", "255"], "vocab_size must be between 256"),
     (["--out", "DATASET"], "is a dataset directory"),
-    (["--out", "FILE/under"], "can't be written"),
+    (["--out", "FILE/under"], "is a file, not a directory"),
+    (["--out", "/proc/tok"], "can't be written"),
 ])
 def test_checks_before_any_work(tmp_path, monkeypatch, argv, message):
     (tmp_path / "ok.txt").write_text("some text to train on " * 10)
@@ -250,6 +251,17 @@ def test_checks_before_any_work(tmp_path, monkeypatch, argv, message):
     with pytest.raises(mg.UserError, match=message):
         mg.validate(mg.parse_args(["--data", "ok.txt", "--device", "cpu", *argv]))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["DATASET", "FILE", "ok.txt"]
+
+
+def test_a_pattern_that_backtracks_or_matches_empty_in_context_is_one_error():
+    mg.start_worker(r"(?:a|a)+b|\s")
+    started = time.process_time()
+    with pytest.raises(mg.UserError, match="backtracks catastrophically"):
+        mg.count_batch(["ok", "a" * 60])
+    assert time.process_time() - started < 5
+    mg.start_worker(r"\b|\w+")
+    with pytest.raises(mg.UserError, match="matches the empty string"):
+        mg.count_batch(["two words"])
 
 
 @pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="finds rank 1's process through Linux's /proc")
