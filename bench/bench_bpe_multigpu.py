@@ -5,7 +5,7 @@ bench/RESULTS.md.
 
     python bench/bench_bpe_multigpu.py                      # CPU + gloo at 1, 2, 4 ranks; enwiki, 2^20 chars, v 8192
     python bench/bench_bpe_multigpu.py --procs 1 2 -n 1048576 -v 1000
-    python bench/bench_bpe_multigpu.py --device cuda --procs 1   # on a GPU machine: world size 1 with NCCL
+    python bench/bench_bpe_multigpu.py --device cuda --procs 1   # a GPU: world size 1 (NCCL) vs train_bpe_gpu.py
 
 Each configuration runs --repeats times without the cache; the median is reported. The wall time includes
 starting torchrun and importing torch. On the CPU the ranks share the machine's cores: with more ranks than
@@ -99,3 +99,10 @@ for procs in args.procs:
     print(f"| {procs} | {statistics.median(r['wall'] for r in runs):.1f} | {statistics.median(r['merge'] for r in runs):.1f} "
           f"| {first['rate']} | {first['collectives']} | {first['reads']} | {first['second']} | {'/'.join(first['memory'])} "
           f"| {'yes' if same else 'NO'} |", flush=True)
+
+if args.device == "cuda":  # issue 16's target: world size 1 within 20% of the one-GPU trainer
+    command = [sys.executable, str(REPO / "train_bpe_gpu.py"), "--device", "cuda", "--data", args.corpus, "-n",
+               str(args.num_chars), "-v", str(args.vocab_size), "--out", str(work / "gpu")]
+    result = subprocess.run(command, env=env, capture_output=True, text=True)
+    found = re.search(r"merging ([\d.]+)s", result.stdout)
+    print(f"train_bpe_gpu.py merge s: {found.group(1) if found else 'not found: ' + result.stderr[-500:]}")
