@@ -809,7 +809,8 @@ def run(argv):
     if total["bad_utf8"]:
         say(f"warning: {total['bad_utf8']} invalid UTF-8 sequences were replaced with U+FFFD", file=sys.stderr)
     if total["chars"] < args.num_chars:
-        say(f"the source ran out after {total['chars']:,} characters (asked for {args.num_chars:,}); training on those")
+        say(f"read {total['chars']:,} characters, fewer than -n {args.num_chars:,}: each rank reads at most n / W from "
+            "its own part, and some parts ran out; training on those")
     say(f"read {total['chars']:,} characters, {total['chunks']:,} chunks; per-rank part (characters, distinct chunks): "
         + ", ".join(f"{stats['part']['chars']:,}/{stats['distinct']:,}" for stats, _ in parts))
 
@@ -847,13 +848,6 @@ def run(argv):
     dist.barrier()  # nobody leaves (and tears the group down) while rank 0 still writes
 
 
-def lost_contact(error):
-    """A collective failed: a peer died, hangs past --timeout, or could not be reached."""
-    text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-    return (f"rank {RANK} lost contact with the other ranks ({text[:200]}); one of them died, hangs, or was never "
-            "started: see its messages above, and --timeout for how long a rank waits")
-
-
 if __name__ == "__main__":
     exit_code = 0
     try:
@@ -869,7 +863,9 @@ if __name__ == "__main__":
         from_transport = regex.search(r"gloo|nccl|timed? ?out|connection|peer", str(error), regex.IGNORECASE)
         if not isinstance(error, dist.DistError) and not from_transport:
             raise
-        print(f"\nerror: {lost_contact(error)}", file=sys.stderr, flush=True)  # \n: off the progress bar's line
+        text = (str(error).strip() or type(error).__name__).splitlines()[0][:200]
+        print(f"\nerror: rank {RANK} lost contact with the other ranks ({text}); one of them died, hangs, or was "
+              "never started: see its messages above, and --timeout for how long a rank waits", file=sys.stderr, flush=True)
         exit_code = 1
     finally:
         if dist.is_initialized():
