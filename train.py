@@ -15,7 +15,6 @@ Every global in the settings block below is a setting. Preset files run first, i
 SIGTERM or Ctrl-C finishes the current step (or eval batch), saves out_dir/ckpt.pt and exits with status 0.
 """
 import ast
-import datetime
 import difflib
 import glob
 import hashlib
@@ -29,6 +28,7 @@ import sys
 import time
 from contextlib import nullcontext
 from dataclasses import asdict, fields
+from datetime import timedelta
 
 import numpy as np
 import torch
@@ -89,32 +89,22 @@ defaults = {k: globals()[k] for k in config_keys}
 extra_types = {"vocab_size": int, "total_batch_size": type(None), "n_kv_head": type(None), "compile": bool}
 rank, world_size = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0))), 1  # known early, for fail()
 
-
 def fail(message):
     """A user mistake: one line on stderr (from the first rank only) and exit status 1, never a traceback."""
-    if rank == 0:
-        print(f"error: {message}", file=sys.stderr, flush=True)
-    else:
-        time.sleep(3)  # every rank fails alike: don't let torchrun stop rank 0 before it has printed
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    print(f"error: {message}", file=sys.stderr, flush=True) if rank == 0 else time.sleep(3)  # rank 0 speaks first
     sys.exit(1)
 
-
 def one_line_excepthook(kind, error, traceback):
-    """A second Ctrl-C, or another rank that hangs or died: one line, as for a mistake. Bugs keep their traceback."""
+    """A second Ctrl-C, or a rank that hangs or died: one line, as for a mistake. Bugs keep their traceback."""
     if issubclass(kind, KeyboardInterrupt):
-        print("\nerror: interrupted: stopped at once, without saving (one Ctrl-C while training saves first)",
-              file=sys.stderr)
-    elif world_size > 1 and issubclass(kind, RuntimeError) and re.search(r"gloo|nccl|timed? ?out|connection|peer",
-                                                                          str(error), re.IGNORECASE):
+        print("error: interrupted: stopped at once, without saving (one Ctrl-C while training saves first)", file=sys.stderr)
+    elif world_size > 1 and issubclass(kind, RuntimeError) and re.search(r"gloo|nccl|time.?out|connection|peer", str(error), re.I):
         reason = re.sub(r"^\[[^\]]*\] ", "", (str(error).strip() or kind.__name__).splitlines()[0])[:150]
-        others = f"rank {1 - rank}" if world_size == 2 else "another rank"
-        print(f"error: rank {rank} lost contact with the other ranks ({reason}): {others} hangs or died; see its "
-              f"messages above; --timeout={timeout} is how many seconds a rank waits", file=sys.stderr, flush=True)
+        print(f"error: rank {rank} lost contact with the other ranks ({reason}): "
+              f"{f'rank {1 - rank}' if world_size == 2 else 'another rank'} hangs or died (see its messages); "
+              f"--timeout={timeout} is how many seconds a rank waits", file=sys.stderr, flush=True)
     else:
         sys.__excepthook__(kind, error, traceback)
-
 
 sys.excepthook = one_line_excepthook
 presets = []
@@ -132,46 +122,42 @@ for arg in sys.argv[1:]:
         except Exception as e:
             fail(f"{arg}: {type(e).__name__}: {e}")
         presets.append(arg)
-        updates = {k: v for k, v in namespace.items() if not k.startswith("_") and type(v).__name__ != "module"}
+        updates = {k: v for k, v in namespace.items() if not k.startswith("_") and not callable(v) and type(v).__name__ != "module"}
     else:
         key, has_value, text = arg[2:].partition("=")
         if not has_value:
             fail(f"{arg}: expected --key=value")
-        try:  # a setting whose only type is str takes the text as it is; others read a Python literal
-            value = text if type(defaults.get(key)) is str and key not in extra_types else ast.literal_eval(text)
+        try:  # a setting whose only type is str takes the text as it is; the others read a Python literal
+            updates = {key: text if type(defaults.get(key)) is str and key not in extra_types else ast.literal_eval(text)}
         except (ValueError, SyntaxError):
-            value = text  # a bare word: the type check below says what was expected
-        updates = {key: value}
+            updates = {key: text}  # a bare word: the type check below says what was expected
     for key, value in updates.items():
         if key not in defaults:
             close = difflib.get_close_matches(key, config_keys, n=1)
-            fail(f"{arg}: unknown setting {key!r}" + (f" (did you mean {close[0]!r}?)" if close else "")
-                 + "; `python train.py --help` lists them")
+            fail(f"{arg}: unknown setting {key!r}" + (f" (did you mean {close[0]!r}?)" if close else "") + "; --help lists them")
         allowed = {type(defaults[key]), extra_types.get(key, type(defaults[key]))}
         value = float(value) if type(value) is int and float in allowed else value  # 3 is fine for 3.0
         if type(value) not in allowed:
             names = " or ".join(sorted("None" if t is type(None) else t.__name__ for t in allowed))
             fail(f"{arg}: {key} must be {names}, got {value!r} ({type(value).__name__})")
         globals()[key] = value
-if n_kv_head is None:
-    n_kv_head = n_head  # plain multi-head attention
-for bad, message in [
-    (init_from not in ("scratch", "resume", "auto"), f"init_from must be 'scratch', 'resume' or 'auto', got {init_from!r}"),
-    (dtype not in ("auto", "float32", "bfloat16", "float16"), f"dtype must be 'auto', 'float32', 'bfloat16' or 'float16', got {dtype!r}"),
-    (compile not in ("auto", True, False), f"compile must be 'auto', True or False, got {compile!r}"),
-    (not re.fullmatch(r"auto|cpu|cuda(:\d+)?|mps", device), f"device must be 'auto', 'cpu', 'cuda', 'cuda:N' or 'mps', got {device!r}"),
+n_kv_head = n_head if n_kv_head is None else n_kv_head  # None: plain multi-head attention
+for bad, message in [  # the first true condition is the error
+    (init_from not in ("scratch", "resume", "auto"), f"init_from must be 'scratch', 'resume' or 'auto', not {init_from!r}"),
+    (dtype not in ("auto", "float32", "bfloat16", "float16"), f"dtype must be 'auto', 'float32', 'bfloat16' or 'float16', not {dtype!r}"),
+    (compile not in ("auto", True, False), f"compile must be 'auto', True or False, not {compile!r}"),
+    (not re.fullmatch(r"auto|cpu|cuda(:\d+)?|mps", device), f"device must be 'auto', 'cpu', 'cuda', 'cuda:N' or 'mps', not {device!r}"),
     (device.startswith("cuda") and not torch.cuda.is_available(), f"device={device!r} but this torch sees no CUDA GPU; use --device=cpu"),
     (device == "mps" and not torch.backends.mps.is_available(), "device='mps' but this torch has no MPS (Apple GPU) here; use --device=cpu"),
-    (not all(type(m) is int for m in milestones), f"milestones must be a list of iteration numbers, got {milestones!r}"),
-    (min(batch_size, block_size, eval_interval, eval_iters, log_interval, n_layer) < 1 or min(max_iters, warmup_iters, lr_decay_iters) < 0,
-     "batch_size, block_size, eval_interval, eval_iters, log_interval and n_layer must be positive, max_iters, warmup_iters and lr_decay_iters at least 0"),
+    (not all(type(m) is int for m in milestones), f"milestones must be a list of iteration numbers, not {milestones!r}"),
+    (min(batch_size, block_size, eval_interval, eval_iters, log_interval, n_layer) < 1, "batch_size, block_size, eval_interval, eval_iters, log_interval and n_layer must be positive"),
+    (min(max_iters, warmup_iters, lr_decay_iters, weight_decay, grad_clip) < 0, "max_iters, warmup_iters, lr_decay_iters, weight_decay and grad_clip can't be negative"),
     (n_head < 1 or n_kv_head < 1 or n_embd % n_head or n_head % n_kv_head or (n_embd // n_head) % 2,
      f"n_embd={n_embd}, n_head={n_head}, n_kv_head={n_kv_head}: n_head must divide n_embd into an even head size "
      f"(rotary embeddings rotate pairs), and n_kv_head must divide n_head"),
-    (not learning_rate > 0 or not 0 <= min_lr <= learning_rate, f"learning_rate={learning_rate}, min_lr={min_lr}: need 0 <= min_lr <= learning_rate, learning_rate > 0"),
-    (not (0 <= dropout < 1), f"dropout={dropout}: it is a probability, 0 <= dropout < 1"),
+    (not 0 <= min_lr <= learning_rate or learning_rate == 0, f"learning_rate={learning_rate}, min_lr={min_lr}: need 0 <= min_lr <= learning_rate, learning_rate > 0"),
+    (not 0 <= dropout < 1, f"dropout={dropout}: it is a probability, 0 <= dropout < 1"),
     (not (0 <= beta1 < 1 and 0 <= beta2 < 1), f"beta1={beta1}, beta2={beta2}: Adam's averaging factors need 0 <= beta < 1"),
-    (weight_decay < 0 or grad_clip < 0, f"weight_decay={weight_decay}, grad_clip={grad_clip}: neither can be negative"),
     (not timeout > 0, f"timeout={timeout}: give a positive number of seconds"),
 ]:
     if bad:
@@ -180,19 +166,14 @@ for bad, message in [
 # -----------------------------------------------------------------------------------------------------
 # who we are: torchrun sets RANK, WORLD_SIZE and LOCAL_RANK; under srun only SLURM's own variables exist
 if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    rank, world_size, local_rank = (int(os.environ.get(k, 0)) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
 elif int(os.environ.get("SLURM_NTASKS", 1)) > 1:
-    rank, world_size = int(os.environ["SLURM_PROCID"]), int(os.environ["SLURM_NTASKS"])
-    local_rank = int(os.environ.get("SLURM_LOCALID", 0))
+    rank, world_size, local_rank = (int(os.environ.get(k, 0)) for k in ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"))
     if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
-        fail("SLURM with several tasks: export MASTER_ADDR (the first node) and MASTER_PORT in the sbatch "
-             "script (see the README)")
+        fail("SLURM with several tasks: export MASTER_ADDR (the first node) and MASTER_PORT in the sbatch script (see the README)")
 else:
     rank, world_size, local_rank = 0, 1, 0
-ddp = world_size > 1
-master = rank == 0  # the only rank that prints, logs and writes files
-
+ddp, master = world_size > 1, rank == 0  # the master is the only rank that prints, logs and writes files
 if device == "auto":
     device = "cuda" if torch.cuda.is_available() else "cpu"
 device_type = device.split(":")[0]
@@ -203,23 +184,21 @@ if device_type == "cuda":
     torch.cuda.set_device(device)
 if dtype == "auto":  # never bfloat16 on a CPU: most emulate it, many times slower than float32
     dtype = "float32" if device_type != "cuda" else "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
-if compile == "auto":
-    compile = device_type == "cuda"
+compile = device_type == "cuda" if compile == "auto" else compile
 
 # -----------------------------------------------------------------------------------------------------
 # the dataset and its tokenizer, then the checkpoint to resume (which decides the model's shape)
 remake = f"run prepare_data.py again, or delete {dataset} and rerun it"
 meta_path = os.path.join(dataset, "meta.json")
 if not os.path.exists(meta_path):
-    fail(f"no dataset at {dataset!r} ({meta_path} is missing): make it first with "
-         f"`python prepare_data.py --data <source> --tokenizer <dir|gpt2|char> --out {dataset}`"
-         + (f" (the exact command is at the top of {presets[-1]})" if presets else "") + ", or point --dataset at one")
+    fail(f"no dataset at {dataset!r} ({meta_path} is missing): make it first with `python prepare_data.py --data <source> "
+         f"--tokenizer <dir|gpt2|char> --out {dataset}`" + (f" (the exact command is at the top of {presets[-1]})" if presets else "")
+         + ", or point --dataset at one")
 try:
     with open(meta_path) as f:
         meta = json.load(f)
-    shard_names = meta["shards"]["train"] + meta["shards"]["val"]
-    kind = meta["tokenizer"]["kind"]
-    meta_ok = (meta["version"] == 1 and type(meta["vocab_size"]) is int and type(meta["max_token_id"]) is int
+    kind, shard_names = meta["tokenizer"]["kind"], meta["shards"]["train"] + meta["shards"]["val"]
+    meta_ok = (meta["version"] == 1 and type(meta["vocab_size"]) is type(meta["max_token_id"]) is int
                and {"bpe": "sha256", "tiktoken": "name", "char": "kind"}[kind] in meta["tokenizer"]
                and (kind != "char" or type(meta["chars"]) is list) and all(type(n) is str for n in shard_names))
 except (OSError, ValueError, KeyError, TypeError):
@@ -236,38 +215,26 @@ if kind == "bpe":
         with open(os.path.join(dataset, "tokenizer.tiktoken"), "rb") as f:
             ranks_bytes = f.read()
         with open(os.path.join(dataset, "tokenizer.json")) as f:
-            tokenizer_info = json.load(f)
-        tokenizer = {"kind": "bpe", "ranks": ranks_bytes.decode(), "pattern": tokenizer_info["pattern"],
-                     "special_tokens": tokenizer_info["special_tokens"]}
+            info = json.load(f)
+        tokenizer = {"kind": "bpe", "ranks": ranks_bytes.decode(), "pattern": info["pattern"], "special_tokens": info["special_tokens"]}
     except (OSError, ValueError, KeyError, TypeError) as e:
         fail(f"{dataset} lacks readable tokenizer files ({type(e).__name__}: {e}): {remake}")
     # A BPE trainer's --out pointed at the dataset would have replaced them: the shards' ids would mean other text.
     if hashlib.sha256(ranks_bytes).hexdigest() != meta["tokenizer"]["sha256"]:
         fail(f"{dataset}/tokenizer.tiktoken is not the tokenizer the shards were made with (its sha256 differs from "
              f"meta.json's): copy it back from {meta['tokenizer'].get('path', 'the tokenizer directory')}, or {remake}")
-elif kind == "tiktoken":
-    tokenizer = {"kind": "tiktoken", "name": meta["tokenizer"]["name"]}
 else:
-    tokenizer = {"kind": "char", "chars": meta["chars"]}
-
-
-def tokenizer_name(t):
-    """A short description of a checkpoint's tokenizer entry, for messages."""
-    if t.get("kind") == "bpe":
-        return f"BPE with sha256 {hashlib.sha256(t['ranks'].encode()).hexdigest()[:12]}"
-    return f"char-level, {len(t['chars'])} characters" if t.get("kind") == "char" else f"{t.get('kind')} {t.get('name')}"
-
+    tokenizer = {"kind": "tiktoken", "name": meta["tokenizer"]["name"]} if kind == "tiktoken" else {"kind": "char", "chars": meta["chars"]}
 
 ckpt_path = os.path.join(out_dir, "ckpt.pt")
 if init_from == "auto":
     init_from = "resume" if os.path.exists(ckpt_path) else "scratch"
 checkpoint = None
-if init_from == "scratch":
-    existing = sorted(glob.glob(os.path.join(glob.escape(out_dir), "ckpt*.pt")))
-    if existing:
-        fail(f"{existing[0]} exists and a run from scratch would overwrite it: go on from it with --init_from=resume "
-             f"(or auto), or give another --out_dir, or delete it first")
-else:
+existing = sorted(glob.glob(os.path.join(glob.escape(out_dir), "ckpt*.pt")))
+if init_from == "scratch" and existing:
+    fail(f"{existing[0]} exists and a run from scratch would overwrite it: go on from it with --init_from=resume (or auto), "
+         f"or give another --out_dir, or delete it first")
+if init_from == "resume":
     try:
         checkpoint = load_checkpoint(ckpt_path, map_location="cpu")
     except CheckpointError as e:
@@ -276,24 +243,22 @@ else:
     if missing or checkpoint["optimizer"] is None:
         fail(f"cannot resume from {ckpt_path}: it lacks the training state ({', '.join(missing) or 'optimizer'}); "
              f"only a checkpoint written by train.py can be resumed")
-    if checkpoint["tokenizer"] != tokenizer:
-        fail(f"{ckpt_path} was trained with another tokenizer ({tokenizer_name(checkpoint['tokenizer'])}) than "
-             f"{dataset} has ({tokenizer_name(tokenizer)}): resume on the dataset it was trained on "
-             f"(--dataset={checkpoint.get('train_config', {}).get('dataset', '?')}), or start anew in another --out_dir")
-    if checkpoint.get("train_config", {}).get("muon", False) != muon:
-        fail(f"{ckpt_path} was trained with muon={not muon}: resume with --muon={not muon}, or the optimizer "
-             f"state will not fit")
+    if checkpoint["tokenizer"] != tokenizer:  # the ids would mean other text: kind, ranks, name or characters differ
+        old = checkpoint["dataset"] or {"tokenizer": checkpoint["tokenizer"]["kind"], "vocab_size": "?"}
+        fail(f"{ckpt_path} was trained with another tokenizer ({old['tokenizer']}, vocab_size {old['vocab_size']}) than "
+             f"{dataset}'s ({meta['tokenizer']}, vocab_size {meta['vocab_size']}): resume on the dataset it was trained "
+             f"on (--dataset={checkpoint['train_config'].get('dataset', '?')}), or start anew in another --out_dir")
+    if checkpoint["train_config"].get("muon", False) != muon:
+        fail(f"{ckpt_path} was trained with muon={not muon}: resume with --muon={not muon}, or the optimizer state will not fit")
     for key, value in checkpoint["model_config"].items():
-        if key in defaults and globals()[key] not in (None, value) and master:
-            print(f"note: resuming keeps the checkpoint's {key}={value!r} (not {globals()[key]!r})")
         if key in defaults:
+            if globals()[key] not in (None, value) and master:
+                print(f"note: resuming keeps the checkpoint's {key}={value!r} (not {globals()[key]!r})")
             globals()[key] = value
-if vocab_size is None:
-    vocab_size = meta["vocab_size"]
+vocab_size = meta["vocab_size"] if vocab_size is None else vocab_size
 if vocab_size < meta["vocab_size"] or meta["max_token_id"] >= vocab_size:
-    fail(f"vocab_size={vocab_size} but the dataset's vocabulary has {meta['vocab_size']} ids (largest token id "
-         f"{meta['max_token_id']}): leave vocab_size unset to take meta.json's, or set it at least that large")
-
+    fail(f"vocab_size={vocab_size} but the dataset's vocabulary has {meta['vocab_size']} ids (largest token id {meta['max_token_id']}): "
+         f"leave vocab_size unset to take meta.json's, or set it at least that large")
 
 def split_windows(split):
     """The shard paths of a split, and the cumulative count of block_size+1 token windows in each. Each shard
@@ -314,14 +279,11 @@ def split_windows(split):
         fail(f"the {split} split of {dataset} has fewer than block_size+1 = {block_size + 1} tokens in any shard")
     return paths, np.array(counts, dtype=np.int64), np.cumsum(counts)
 
-
 windows = {split: split_windows(split) for split in ("train", "val")}
-
 # The batch is chosen in tokens per optimizer step, as the learning rate is tuned for it: more GPUs or a
 # smaller per-device batch_size (to fit memory) then change only how many micro-steps accumulate it.
 tokens_per_micro_step = batch_size * block_size * world_size
-if total_batch_size is None:
-    total_batch_size = tokens_per_micro_step
+total_batch_size = tokens_per_micro_step if total_batch_size is None else total_batch_size
 if total_batch_size % tokens_per_micro_step:
     fail(f"total_batch_size={total_batch_size} tokens is not a multiple of batch_size*block_size*world_size = "
          f"{batch_size}*{block_size}*{world_size} = {tokens_per_micro_step}: change one of them so that it divides")
@@ -331,7 +293,6 @@ if master:
     print("config: " + ", ".join(f"{k}={v!r}" for k, v in config.items()))
     print(f"{world_size} process(es) on {device} in {dtype}; tokens per step: total_batch_size {total_batch_size} = "
           f"batch_size {batch_size} x block_size {block_size} x world_size {world_size} x accumulation {grad_accum_steps}")
-
 
 def get_batch(split, generator):
     """batch_size random windows of the split, drawn uniformly over all of its shards with the generator."""
@@ -353,13 +314,11 @@ def get_batch(split, generator):
         return x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
     return x.to(device), y.to(device)
 
-
 # Data order. The global batch of each step is made of num_slots micro-batches; slot j has its own
 # generator seeded with seed + j, and rank r draws slots r*grad_accum_steps ... So the data depend on the
 # global batch, not on how many processes share it: 1 process with 2 micro-steps sees what 2 processes see.
 num_slots = world_size * grad_accum_steps
 train_generators = [torch.Generator().manual_seed(seed + rank * grad_accum_steps + m) for m in range(grad_accum_steps)]
-
 
 def next_train_batch(micro_step):
     """Draw the batch of a micro-step. A checkpoint needs slot 0's state from before its pending draw."""
@@ -368,40 +327,34 @@ def next_train_batch(micro_step):
         pending_data_state = train_generators[0].get_state()
     return get_batch("train", train_generators[micro_step])
 
-
 def get_lr(it):
     """Linear warmup from ~0, cosine from learning_rate down to min_lr at lr_decay_iters, then min_lr."""
     if it < warmup_iters:
         return learning_rate * (it + 1) / (warmup_iters + 1)
-    if it >= lr_decay_iters:
-        return min_lr
-    progress = (it - warmup_iters) / max(1, lr_decay_iters - warmup_iters)
+    progress = min(1.0, (it - warmup_iters) / max(1, lr_decay_iters - warmup_iters))
     return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (learning_rate - min_lr)
-
 
 # -----------------------------------------------------------------------------------------------------
 # out_dir, processes, precision, model, optimizer
 if master:
+    probe = os.path.join(out_dir, f".write_test.{os.getpid()}")
     try:  # find out now, not at the first save, that out_dir can't be written
         os.makedirs(out_dir, exist_ok=True)
-        open(os.path.join(out_dir, f".write_test.{os.getpid()}"), "w").close()
-        os.remove(os.path.join(out_dir, f".write_test.{os.getpid()}"))
+        open(probe, "w").close()
+        os.remove(probe)
     except OSError as e:
-        fail(f"can't write in out_dir={out_dir!r} ({e.strerror}{': a file is in the way' if isinstance(e, (FileExistsError, NotADirectoryError)) else ''}): give another --out_dir")
-    for temp in glob.glob(os.path.join(glob.escape(out_dir), "ckpt*.pt.tmp.*")):
-        try:  # what a save killed mid-write left behind: its process is gone (signal 0 only checks)
-            os.kill(int(temp.rsplit(".", 1)[1]), 0)
-        except (ValueError, ProcessLookupError):
+        in_the_way = isinstance(e, (FileExistsError, NotADirectoryError))
+        fail(f"can't write in out_dir={out_dir!r} ({e.strerror}{': a file is in the way' * in_the_way}): give another --out_dir")
+    for temp in glob.glob(os.path.join(glob.escape(out_dir), "ckpt*.pt.tmp.*")):  # left by a save killed mid-write
+        if os.path.isdir("/proc") and not os.path.exists(f"/proc/{temp.rsplit('.', 1)[1]}"):  # whose process is gone
             os.remove(temp)
-        except PermissionError:
-            pass  # alive, and someone else's
     if checkpoint is None and os.path.exists(os.path.join(out_dir, "log.jsonl")):
         os.remove(os.path.join(out_dir, "log.jsonl"))  # the log of a run that saved no checkpoint
 if ddp:
     # NCCL between GPUs; gloo on the CPU (it is what the tests run). MASTER_ADDR/PORT come from the environment.
     # The timeout bounds every collective: a rank that hangs becomes an error on the others, not an endless wait.
     dist.init_process_group(backend="nccl" if device_type == "cuda" else "gloo", rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=timeout))
+                            timeout=timedelta(seconds=timeout))
 torch.manual_seed(seed)  # the same initial weights on every rank and in every run
 torch.set_float32_matmul_precision("high")  # TF32 matmuls on Ampere and later: ~free speed in float32 parts
 torch.backends.cudnn.allow_tf32 = True
@@ -455,7 +408,6 @@ if checkpoint is not None and checkpoint["rng"] is not None:
         for m, generator in enumerate(train_generators):
             generator.manual_seed(seed + 1_000_003 * iter_num + rank * grad_accum_steps + m)
 
-
 def save(path):
     """Write a checkpoint (all ranks must call: the random states of every rank are gathered)."""
     numpy_state = np.random.get_state(legacy=False)
@@ -475,7 +427,6 @@ def save(path):
             "optimizer": optimizer.state_dict(), "scaler": scaler.state_dict() if scaler.is_enabled() else None,
             "rng": {"ranks": [e["rng"] for e in everyone], "data": [s for e in everyone for s in e["data"]]},
             "tokenizer": tokenizer, "dataset": meta})
-
 
 @torch.no_grad()
 def estimate_loss():
@@ -503,10 +454,8 @@ def estimate_loss():
     model.train()
     return losses if len(losses) == 2 else None
 
-
 def percent(mfu):
     return "n/a" if mfu is None or mfu != mfu else f"{mfu * 100:.1f}%"  # NaN: the CPU's peak is unknown
-
 
 def log(record, line):
     """Print a line, and append the record to log.jsonl (and to wandb for evals), on the first rank only."""
@@ -518,16 +467,13 @@ def log(record, line):
         if wandb_log and "val_loss" in record:
             wandb.log(record, step=record["iter"])
 
-
 def save_and_stop():
     save(ckpt_path)
     if master:
         print(f"stopped by {stop_signal or 'another rank'} after iter {iter_num}; {ckpt_path} saved: go on with "
               f"--init_from=resume", flush=True)
 
-
 stop_signal = None
-
 
 def request_stop(signum, frame):
     """SIGTERM (SLURM preemption, torchrun shutting down) or Ctrl-C: stop after this step, with a checkpoint."""
@@ -537,7 +483,6 @@ def request_stop(signum, frame):
     stop_signal = signal.Signals(signum).name
     if master:
         print(f"{stop_signal}: finishing this step or eval batch, then saving a checkpoint and exiting", flush=True)
-
 
 # Under torchrun, SIGTERM reaches torchrun first: it passes it on to every rank, which saves and exits 0,
 # but torchrun itself then exits 1 with a SignalException traceback. That is torchrun's way; srun and plain
