@@ -396,22 +396,85 @@ def test_non_finite_loss_stops_with_the_iteration(dataset, tmp_path):
 # -----------------------------------------------------------------------------------------------------
 # user mistakes: one line on stderr, a non-zero exit, no traceback
 
-@pytest.mark.parametrize("args, message", [
-    (["--batch_size=abc"], "batch_size must be int, got 'abc'"),
-    (["--batchsize=3"], "unknown setting 'batchsize' (did you mean 'batch_size'?)"),
-    (["PRESET"], "PRESET: unknown setting 'learning_rat'"),
-    (["--vocab_size=10"], "vocab_size=10 but the dataset's vocabulary has"),
-    (["--total_batch_size=1000"], "not a multiple of batch_size*block_size*world_size = 4*32*1 = 128"),
-    (["--dataset=DIR/nowhere"], "python prepare_data.py"),
-])
-def test_user_mistakes_get_one_line(dataset, tmp_path, args, message):
-    preset = tmp_path / "preset.py"
-    preset.write_text("batch_size = 8\nlearning_rat = 1e-3\n")
-    args = [a.replace("PRESET", str(preset)).replace("DIR", str(tmp_path)) for a in args]
-    message = message.replace("PRESET", str(preset))
-    result = subprocess.run([sys.executable, TRAIN, f"--dataset={dataset}", f"--out_dir={tmp_path / 'out'}", *TINY,
-                             *args], capture_output=True, text=True, env=ENV, timeout=120, cwd=tmp_path)
-    assert result.returncode != 0
-    assert result.stderr.count("\n") == 1 and result.stderr.startswith("error: "), result.stderr
-    assert message in result.stderr
-    assert not (tmp_path / "out").exists()
+def broken_dataset(dataset, directory, edit):
+    """A copy of the dataset with one thing broken by edit(directory, meta); its meta.json is written after."""
+    directory.mkdir()
+    for shard in dataset.glob("*.npy"):
+        (directory / shard.name).write_bytes(shard.read_bytes())
+    meta = edit(directory, json.loads((dataset / "meta.json").read_text()))
+    (directory / "meta.json").write_text(json.dumps(meta))
+    return directory
+
+
+def shrink_vocab(directory, meta):  # as if meta.json were edited: the shards hold ids past it
+    return dict(meta, vocab_size=10, max_token_id=9, chars=meta["chars"][:10])
+
+
+def truncate_shard(directory, meta):
+    shard = directory / "val_000000.npy"
+    shard.write_bytes(shard.read_bytes()[:1000])
+    return meta
+
+
+# (command-line arguments, what the one line must say); DATA is a broken copy of the dataset, made by the fixture
+MISTAKES = {
+    "type": (["--batch_size=abc"], "batch_size must be int, got 'abc'"),
+    "unknown": (["--batchsize=3"], "unknown setting 'batchsize' (did you mean 'batch_size'?)"),
+    "preset": (["PRESET"], "PRESET: unknown setting 'learning_rat'"),
+    "vocab_size": (["--vocab_size=10"], "vocab_size=10 but the dataset's vocabulary has"),
+    "batch": (["--total_batch_size=1000"], "not a multiple of batch_size*block_size*world_size = 4*32*1 = 128"),
+    "no dataset": (["--dataset=TMP/nowhere"], "python prepare_data.py"),
+    "learning_rate": (["--learning_rate=-1"], "learning_rate=-1.0"),
+    "dropout": (["--dropout=1.5"], "dropout=1.5"),
+    "beta2": (["--beta2=1.5"], "beta2=1.5"),
+    "tpu": (["--device=tpu"], "device must be"),
+    "mps": (["--device=mps"], "no MPS"),
+    "out_dir a file": (["--out_dir=TMP/file"], "a file is in the way"),
+    "out_dir under a file": (["--out_dir=TMP/file/out"], "a file is in the way"),
+    "out_dir unwritable": (["--out_dir=/sys/lillm_test_out"], "can't write in out_dir"),
+    "meta a list": (["--dataset=DATA"], "is not the meta.json"),
+    "meta empty": (["--dataset=DATA"], "is not the meta.json"),
+    "shard outside": (["--dataset=DATA"], "only plain file names"),
+    "shard deleted": (["--dataset=DATA"], "is missing", "or delete"),
+    "shard truncated": (["--dataset=DATA"], "unreadable"),
+    "ids past vocab": (["--dataset=DATA"], "holds token id"),
+    "config vs weights": (["--init_from=resume", "--out_dir=TMP/misfit"], "does not fit"),
+}
+BREAK = {
+    "meta a list": lambda d, meta: [meta],
+    "meta empty": lambda d, meta: {},
+    "shard outside": lambda d, meta: dict(meta, shards=dict(meta["shards"], train=["../x.npy"])),
+    "shard deleted": lambda d, meta: (d / "val_000000.npy").unlink() or meta,
+    "shard truncated": truncate_shard,
+    "ids past vocab": shrink_vocab,
+}
+
+
+@pytest.fixture(scope="module")
+def mistakes(dataset, trained, tmp_path_factory):
+    """Every case of MISTAKES run at once (each is a second or two of start-up, mostly importing torch)."""
+    tmp = tmp_path_factory.mktemp("mistakes")
+    (tmp / "preset.py").write_text("batch_size = 8\nlearning_rat = 1e-3\n")
+    (tmp / "file").write_text("not a directory")
+    checkpoint = load(trained / "ckpt.pt")
+    checkpoint["model_config"]["n_layer"] = 3  # the weights have 2
+    (tmp / "misfit").mkdir()
+    torch.save(checkpoint, tmp / "misfit" / "ckpt.pt")
+    processes = {}
+    for name, (args, *_) in MISTAKES.items():
+        data = broken_dataset(dataset, tmp / name.replace(" ", "_"), BREAK[name]) if name in BREAK else dataset
+        args = [a.replace("PRESET", str(tmp / "preset.py")).replace("TMP", str(tmp)).replace("DATA", str(data))
+                for a in args]
+        processes[name] = subprocess.Popen([sys.executable, TRAIN, f"--dataset={dataset}", f"--out_dir={tmp / 'out'}",
+                                            *TINY, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                           env=ENV, cwd=tmp)
+    results = {name: subprocess.CompletedProcess(p.args, p.wait(timeout=180), *p.communicate())
+               for name, p in processes.items()}
+    return tmp, results
+
+
+@pytest.mark.parametrize("case", MISTAKES)
+def test_user_mistakes_get_one_line(mistakes, case):
+    tmp, results = mistakes
+    assert_one_error_line(results[case], *(m.replace("PRESET", str(tmp / "preset.py")) for m in MISTAKES[case][1:]))
+    assert not (tmp / "out").exists()  # nothing written before the mistake was found
