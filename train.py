@@ -100,9 +100,10 @@ def one_line_excepthook(kind, error, traceback):
         print("error: interrupted: stopped at once, without saving (one Ctrl-C while training saves first)", file=sys.stderr)
     elif world_size > 1 and issubclass(kind, RuntimeError) and re.search(r"gloo|nccl|time.?out|connection|peer", str(error), re.I):
         reason = re.sub(r"^\[[^\]]*\] ", "", (str(error).strip() or kind.__name__).splitlines()[0])[:150]
-        print(f"error: rank {rank} lost contact with the other ranks ({reason}): "
-              f"{f'rank {1 - rank}' if world_size == 2 else 'another rank'} hangs or died (see its messages); "
-              f"--timeout={timeout} is how many seconds a rank waits", file=sys.stderr, flush=True)
+        other = f"rank {1 - rank}" if world_size == 2 else "another rank"
+        print(f"error: rank {rank} lost contact with the other ranks ({reason}): {other} "
+              f"{'hangs' if 'out' in reason else 'stopped'} (see its messages); --timeout={timeout} is how many seconds a "
+              f"rank waits", file=sys.stderr, flush=True)
     else:
         sys.__excepthook__(kind, error, traceback)
 

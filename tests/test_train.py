@@ -376,11 +376,10 @@ def test_a_frozen_rank_stops_the_other_after_the_timeout(dataset, tmp_path):
         if launcher.poll() is None:
             launcher.kill()
             launcher.wait()
-    assert launcher.returncode != 0 and time.time() - started < 60
-    errors = [line for line in stderr.splitlines() if line.startswith("error:")]
-    assert any(line.startswith("error: rank 0 lost contact with the other ranks") and "rank 1 hangs or died" in line
-               for line in errors), stderr[-3000:]
-    assert "Traceback" not in stderr.split("error: rank 0")[0]  # rank 0 gave one line, no traceback before it
+    assert launcher.returncode != 0 and time.time() - started < 150  # far below --timeout's default of 600 s
+    rank0 = [line for line in stderr.splitlines() if line.startswith("[rank0]:")]  # torchrun's prefix
+    assert len(rank0) == 1 and rank0[0].startswith("[rank0]: error: rank 0 lost contact with the other ranks (Timed out")
+    assert "rank 1 hangs" in rank0[0], stderr[-3000:]
 
 
 def test_non_finite_loss_stops_with_the_iteration(dataset, tmp_path):
