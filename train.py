@@ -43,16 +43,13 @@ _names_before_settings = set(globals())
 # I/O
 out_dir = "out"                  # ckpt.pt, the milestone copies ckpt_<iter>.pt and log.jsonl go here
 dataset = "data/fineweb"         # a directory written by prepare_data.py: shards and meta.json
-init_from = "scratch"            # "scratch" (refused if out_dir holds a checkpoint), "resume" from out_dir/ckpt.pt,
-                                 # or "auto": resume if out_dir/ckpt.pt exists, else scratch (for SLURM's requeue)
+init_from = "scratch"            # "scratch" (refused over a checkpoint), "resume" from out_dir/ckpt.pt, "auto": either
 eval_interval = 1000             # estimate train/val loss (and maybe save) every this many iterations
 eval_iters = 100                 # batches per split in each estimate, shared out among the ranks
 log_interval = 10                # print the step loss and the speed every this many iterations
 always_save_checkpoint = False   # save at every eval, not only when val loss improved
 milestones = []                  # iterations at which to keep a copy of the checkpoint, ckpt_<iter>.pt
-wandb_log = False                # log evals to Weights & Biases (imported only when on)
-wandb_project = "lillm"
-wandb_run_name = "run"
+wandb_log, wandb_project, wandb_run_name = False, "lillm", "run"  # log evals to Weights & Biases
 # batch: total_batch_size is the one that matters to the optimization; the others fit it to the hardware
 batch_size = 32                  # sequences per device in one forward/backward (micro-step)
 block_size = 512                 # tokens per sequence: the model's context length
@@ -73,8 +70,7 @@ max_iters = 20000                # optimizer steps in all
 warmup_iters = 700
 lr_decay_iters = 20000           # where the cosine reaches min_lr; usually max_iters
 weight_decay = 0.1
-beta1 = 0.9
-beta2 = 0.95
+beta1, beta2 = 0.9, 0.95         # AdamW's averaging factors of the gradient and of its square
 grad_clip = 1.0                  # clip the gradient's global norm to this; 0 turns clipping off
 # system
 device = "auto"                  # "auto" picks cuda if there is a GPU, else cpu; or name one: "cpu", "cuda:1", "mps"
@@ -91,7 +87,10 @@ rank, world_size = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0))
 
 def fail(message):
     """A user mistake: one line on stderr (from the first rank only) and exit status 1, never a traceback."""
-    print(f"error: {message}", file=sys.stderr, flush=True) if rank == 0 else time.sleep(3)  # rank 0 speaks first
+    if rank == 0:
+        print(f"error: {message}", file=sys.stderr, flush=True)
+    else:
+        time.sleep(3)  # every rank fails alike: don't let torchrun stop rank 0 before it has printed
     sys.exit(1)
 
 def one_line_excepthook(kind, error, traceback):
@@ -100,10 +99,8 @@ def one_line_excepthook(kind, error, traceback):
         print("error: interrupted: stopped at once, without saving (one Ctrl-C while training saves first)", file=sys.stderr)
     elif world_size > 1 and issubclass(kind, RuntimeError) and re.search(r"gloo|nccl|time.?out|connection|peer", str(error), re.I):
         reason = re.sub(r"^\[[^\]]*\] ", "", (str(error).strip() or kind.__name__).splitlines()[0])[:150]
-        other = f"rank {1 - rank}" if world_size == 2 else "another rank"
-        print(f"error: rank {rank} lost contact with the other ranks ({reason}): {other} "
-              f"{'hangs' if 'out' in reason else 'stopped'} (see its messages); --timeout={timeout} is how many seconds a "
-              f"rank waits", file=sys.stderr, flush=True)
+        print(f"error: rank {rank} lost contact with the other ranks ({reason}): {'rank ' + str(1 - rank) if world_size == 2 else 'another rank'} "
+              f"{'hangs' if 'out' in reason else 'stopped'} (see its messages); --timeout={timeout} is how long a rank waits", file=sys.stderr)
     else:
         sys.__excepthook__(kind, error, traceback)
 
@@ -118,8 +115,7 @@ for arg in sys.argv[1:]:
             fail(f"no preset file {arg!r} (expected a file like config/shakespeare_char.py, or --key=value)")
         namespace = {k: globals()[k] for k in config_keys}
         try:
-            with open(arg) as f:
-                exec(f.read(), namespace)
+            exec(open(arg).read(), namespace)
         except Exception as e:
             fail(f"{arg}: {type(e).__name__}: {e}")
         presets.append(arg)
@@ -173,15 +169,13 @@ elif int(os.environ.get("SLURM_NTASKS", 1)) > 1:
     if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
         fail("SLURM with several tasks: export MASTER_ADDR (the first node) and MASTER_PORT in the sbatch script (see the README)")
 else:
-    rank, world_size, local_rank = 0, 1, 0
+    world_size, local_rank = 1, 0
 ddp, master = world_size > 1, rank == 0  # the master is the only rank that prints, logs and writes files
 if device == "auto":
     device = "cuda" if torch.cuda.is_available() else "cpu"
 device_type = device.split(":")[0]
-if device_type == "cuda":
-    if ddp or device == "cuda":
-        # One GPU per process. srun may have hidden the others (CUDA_VISIBLE_DEVICES), hence the modulo.
-        device = f"cuda:{local_rank % torch.cuda.device_count()}"
+if device_type == "cuda":  # one GPU per process; srun may have hidden the others (CUDA_VISIBLE_DEVICES): the modulo
+    device = f"cuda:{local_rank % torch.cuda.device_count()}" if ddp or device == "cuda" else device
     torch.cuda.set_device(device)
 if dtype == "auto":  # never bfloat16 on a CPU: most emulate it, many times slower than float32
     dtype = "float32" if device_type != "cuda" else "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
@@ -240,10 +234,8 @@ if init_from == "resume":
         checkpoint = load_checkpoint(ckpt_path, map_location="cpu")
     except CheckpointError as e:
         fail(f"cannot resume: {e}")
-    missing = [k for k in ("optimizer", "scaler", "iter_num", "best_val_loss", "rng", "tokenizer") if k not in checkpoint]
-    if missing or checkpoint["optimizer"] is None:
-        fail(f"cannot resume from {ckpt_path}: it lacks the training state ({', '.join(missing) or 'optimizer'}); "
-             f"only a checkpoint written by train.py can be resumed")
+    if any(checkpoint.get(k) is None for k in ("optimizer", "iter_num", "best_val_loss", "tokenizer", "train_config")):
+        fail(f"cannot resume from {ckpt_path}: it lacks the training state; only a checkpoint written by train.py can be resumed")
     if checkpoint["tokenizer"] != tokenizer:  # the ids would mean other text: kind, ranks, name or characters differ
         old = checkpoint["dataset"] or {"tokenizer": checkpoint["tokenizer"]["kind"], "vocab_size": "?"}
         fail(f"{ckpt_path} was trained with another tokenizer ({old['tokenizer']}, vocab_size {old['vocab_size']}) than "
@@ -273,8 +265,7 @@ def split_windows(split):
             fail(f"{path}, which {meta_path} lists, is {'missing' if not os.path.exists(path) else 'unreadable'} "
                  f"({type(e).__name__}: {str(e)[:80]}): {remake}")
         if largest > meta["max_token_id"]:
-            fail(f"{path} holds token id {largest}, past the largest that {meta_path} records "
-                 f"({meta['max_token_id']}): the shards were made with another tokenizer; {remake}")
+            fail(f"{path} holds token id {largest}, past the largest that {meta_path} records ({meta['max_token_id']}): {remake}")
         counts.append(max(0, len(tokens) - block_size))
     if sum(counts) == 0:
         fail(f"the {split} split of {dataset} has fewer than block_size+1 = {block_size + 1} tokens in any shard")
@@ -308,12 +299,10 @@ def get_batch(split, generator):
         tokens = np.load(paths[shard], mmap_mode="r")
         for row in np.flatnonzero(shard_of == shard):
             rows[row] = tokens[offsets[row]:offsets[row] + block_size + 1]
-    batch = torch.from_numpy(rows)
-    x, y = batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
-    if device_type == "cuda":
-        # Pinned memory lets the copy run asynchronously while the GPU works on the previous micro-step.
-        return x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
-    return x.to(device), y.to(device)
+    x, y = torch.from_numpy(rows[:, :-1].copy()), torch.from_numpy(rows[:, 1:].copy())
+    if device_type == "cuda":  # pinned memory: the copy runs while the GPU works on the previous micro-step
+        x, y = x.pin_memory(), y.pin_memory()
+    return x.to(device, non_blocking=True), y.to(device, non_blocking=True)
 
 # Data order. The global batch of each step is made of num_slots micro-batches; slot j has its own
 # generator seeded with seed + j, and rank r draws slots r*grad_accum_steps ... So the data depend on the
@@ -368,8 +357,7 @@ else:
         raw_model = model_from_checkpoint(checkpoint)
     except CheckpointError as e:
         fail(f"cannot resume from {ckpt_path}: {e}")
-model_config = raw_model.config
-raw_model.to(device)
+model_config = raw_model.to(device).config
 optimizer = raw_model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), device_type,
                                            "muon" if muon else "adamw", verbose=master)
 # float16 has too little range for small gradients: the scaler multiplies the loss first, and skips a
@@ -378,7 +366,7 @@ scaler = torch.amp.GradScaler(device_type, enabled=dtype == "float16")
 iter_num, best_val_loss = 0, float("inf")
 if checkpoint is not None:
     optimizer.load_state_dict(checkpoint["optimizer"])
-    if checkpoint["scaler"] is not None:
+    if checkpoint.get("scaler"):
         scaler.load_state_dict(checkpoint["scaler"])
     iter_num, best_val_loss = checkpoint["iter_num"], checkpoint["best_val_loss"]
 model = torch.compile(raw_model) if compile else raw_model  # for evaluation: no DDP machinery needed
@@ -389,7 +377,7 @@ train_model = DDP(model, device_ids=[torch.cuda.current_device()] if device_type
 torch.manual_seed(seed + rank)  # dropout differs between ranks, as their data do
 random.seed(seed + rank)
 np.random.seed(seed + rank)
-if checkpoint is not None and checkpoint["rng"] is not None:
+if checkpoint is not None and checkpoint.get("rng") is not None:
     rng = checkpoint["rng"]
     if len(rng["ranks"]) == world_size:
         mine = rng["ranks"][rank]
@@ -416,11 +404,9 @@ def save(path):
     mine = {"rng": {"python": random.getstate(), "numpy": numpy_state, "torch": torch.get_rng_state(),
                     "cuda": torch.cuda.get_rng_state() if device_type == "cuda" else None},
             "data": [pending_data_state] + [g.get_state() for g in train_generators[1:]]}
-    everyone = [None] * world_size
+    everyone = [mine] * world_size
     if ddp:
         dist.all_gather_object(everyone, mine)
-    else:
-        everyone = [mine]
     if master:
         save_checkpoint(path, {
             "version": 1, "model": raw_model.state_dict(), "model_config": asdict(model_config),
@@ -501,7 +487,7 @@ checkpoint = None  # free its memory: everything is loaded
 # the training loop. At the top of iteration iter_num, iter_num steps are done and the first micro-batch
 # of the next one is already drawn: that is the state a checkpoint records.
 x, y = next_train_batch(0)
-interval_start, interval_steps, eval_interval_seconds, eval_interval_steps = time.time(), 0, 0.0, 0
+log_start, log_steps, eval_seconds, eval_steps = time.time(), 0, 0.0, 0  # training time since the last log, eval
 while True:
     lr = get_lr(iter_num)
     for group in optimizer.param_groups:
@@ -512,31 +498,25 @@ while True:
         if losses is None:
             save_and_stop()
             break
-        # Speed over the training steps since the last eval (None before the first step).
-        step_seconds = eval_interval_seconds / eval_interval_steps if eval_interval_steps else None
-        tokens_per_sec = total_batch_size / step_seconds if step_seconds else None
+        step_seconds = eval_seconds / eval_steps if eval_steps else None  # None before the first step
         mfu = raw_model.estimate_mfu(batch_size * grad_accum_steps, step_seconds) if step_seconds else None
-        log({"iter": iter_num, "tokens": iter_num * total_batch_size, "train_loss": losses["train"],
-             "val_loss": losses["val"], "lr": lr, "tokens_per_sec": tokens_per_sec, "mfu": mfu},
+        log({"iter": iter_num, "tokens": iter_num * total_batch_size, "train_loss": losses["train"], "val_loss": losses["val"],
+             "lr": lr, "tokens_per_sec": total_batch_size / step_seconds if step_seconds else None, "mfu": mfu},
             f"eval iter {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}, lr {lr:.3g}, "
-            f"{tokens_per_sec or 0:,.0f} tokens/s, mfu {percent(mfu)}")
-        eval_interval_seconds, eval_interval_steps = 0.0, 0
+            f"{total_batch_size / step_seconds if step_seconds else 0:,.0f} tokens/s, mfu {percent(mfu)}")
         improved = losses["val"] < best_val_loss
         best_val_loss = min(best_val_loss, losses["val"])
         if iter_num > 0 and (improved or always_save_checkpoint):
             save(ckpt_path)
-        interval_start = time.time()  # evaluating is not training time
+        log_start, eval_seconds, eval_steps = time.time(), 0.0, 0  # evaluating is not training time
     if iter_num in milestones and iter_num > 0:  # again after a resume at this iteration: the same state
         save(os.path.join(out_dir, f"ckpt_{iter_num}.pt"))
     if last_iter:
         break
 
-    step_start = time.time()
-    step_loss = torch.zeros((), device=device)
+    step_start, step_loss = time.time(), torch.zeros((), device=device)
     for micro_step in range(grad_accum_steps):
-        if ddp:
-            # Gradients are averaged across ranks in the backward of the last micro-step only; before it,
-            # each rank just accumulates its own.
+        if ddp:  # gradients are averaged across ranks in the last micro-step's backward; before, each rank accumulates
             train_model.require_backward_grad_sync = micro_step == grad_accum_steps - 1
         with autocast:
             _, loss = train_model(x, y)
@@ -556,24 +536,20 @@ while True:
     if ddp:
         dist.all_reduce(status)
     loss_sum, stop_votes = status.tolist()
-    step_loss_value = loss_sum / world_size
-    iter_num += 1
-    step_seconds = time.time() - step_start
-    eval_interval_seconds, eval_interval_steps = eval_interval_seconds + step_seconds, eval_interval_steps + 1
-    interval_steps += 1
+    step_loss_value, iter_num, log_steps = loss_sum / world_size, iter_num + 1, log_steps + 1
+    eval_seconds, eval_steps = eval_seconds + time.time() - step_start, eval_steps + 1
     if not math.isfinite(step_loss_value):
         fail(f"the loss is {step_loss_value} at iter {iter_num}: training diverged. Lower learning_rate, lengthen "
              f"warmup_iters, keep grad_clip on, or use bfloat16/float32 over float16; "
              f"--init_from=resume restarts from the last checkpoint")
     if iter_num % log_interval == 0:
-        seconds = (time.time() - interval_start) / interval_steps
+        seconds = (time.time() - log_start) / log_steps
         mfu = raw_model.estimate_mfu(batch_size * grad_accum_steps, seconds)
         log({"iter": iter_num, "loss": step_loss_value, "lr": lr, "ms_per_step": seconds * 1000,
              "tokens_per_sec": total_batch_size / seconds, "mfu": mfu},
-            f"iter {iter_num}: loss {step_loss_value:.4f}, {seconds * 1000:.1f} ms/step, "
-            f"{total_batch_size / seconds:,.0f} tokens/s, mfu {percent(mfu)}, "
-            f"eta {(max_iters - iter_num) * seconds / 60:.1f} min")
-        interval_start, interval_steps = time.time(), 0
+            f"iter {iter_num}: loss {step_loss_value:.4f}, {seconds * 1000:.1f} ms/step, {total_batch_size / seconds:,.0f} "
+            f"tokens/s, mfu {percent(mfu)}, eta {(max_iters - iter_num) * seconds / 60:.1f} min")
+        log_start, log_steps = time.time(), 0
     if stop_votes > 0:
         save_and_stop()
         break
