@@ -353,7 +353,8 @@ def test_ctrl_c_twice_stops_at_once_in_one_line(dataset, tmp_path):
 def test_a_frozen_rank_stops_the_other_after_the_timeout(dataset, tmp_path):
     launcher = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                                  TRAIN, f"--dataset={dataset}", f"--out_dir={tmp_path / 'out'}", *TINY,
-                                 "--max_iters=1000000", "--eval_interval=100000", "--timeout=5", "--log_interval=50"],
+                                 "--max_iters=1000000", "--eval_interval=100000", "--timeout=5", "--log_interval=50",
+                                 "--total_batch_size=None"],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV, cwd=tmp_path)
     frozen = None
     try:
