@@ -169,7 +169,7 @@ elif int(os.environ.get("SLURM_NTASKS", 1)) > 1:
     if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
         fail("SLURM with several tasks: export MASTER_ADDR (the first node) and MASTER_PORT in the sbatch script (see the README)")
 else:
-    world_size, local_rank = 1, 0
+    rank, world_size, local_rank = 0, 1, 0
 ddp, master = world_size > 1, rank == 0  # the master is the only rank that prints, logs and writes files
 if device == "auto":
     device = "cuda" if torch.cuda.is_available() else "cpu"
