@@ -96,11 +96,15 @@ def fail(message):
 def one_line_excepthook(kind, error, traceback):
     """A second Ctrl-C, or a rank that hangs or died: one line, as for a mistake. Bugs keep their traceback."""
     if issubclass(kind, KeyboardInterrupt):
-        print("error: interrupted: stopped at once, without saving (one Ctrl-C while training saves first)", file=sys.stderr)
-    elif world_size > 1 and issubclass(kind, RuntimeError) and re.search(r"gloo|nccl|time.?out|connection|peer", str(error), re.I):
+        print("error: interrupted: stopped at once, without saving (one Ctrl-C while training saves first)",
+              file=sys.stderr)
+    elif world_size > 1 and issubclass(kind, RuntimeError) and re.search(r"gloo|nccl|time.?out|connection|peer",
+                                                                          str(error), re.I):
         reason = re.sub(r"^\[[^\]]*\] ", "", (str(error).strip() or kind.__name__).splitlines()[0])[:150]
-        print(f"error: rank {rank} lost contact with the other ranks ({reason}): {'rank ' + str(1 - rank) if world_size == 2 else 'another rank'} "
-              f"{'hangs' if 'out' in reason else 'stopped'} (see its messages); --timeout={timeout} is how long a rank waits", file=sys.stderr)
+        other = f"rank {1 - rank}" if world_size == 2 else "another rank"
+        print(f"error: rank {rank} lost contact with the other ranks ({reason}): {other} "
+              f"{'hangs' if 'out' in reason else 'stopped'} (see its messages); --timeout={timeout} is how long a rank "
+              f"waits", file=sys.stderr)
     else:
         sys.__excepthook__(kind, error, traceback)
 
@@ -108,7 +112,8 @@ sys.excepthook = one_line_excepthook
 presets = []
 for arg in sys.argv[1:]:
     if arg in ("-h", "--help"):
-        print(__doc__.strip() + "\n\nsettings and their defaults:\n" + "\n".join(f"  --{k}={v!r}" for k, v in defaults.items()))
+        print(__doc__.strip() + "\n\nsettings and their defaults:\n"
+              + "\n".join(f"  --{k}={v!r}" for k, v in defaults.items()))
         sys.exit(0)
     if not arg.startswith("--"):  # a preset: plain Python assignments, run over the current settings
         if not os.path.isfile(arg):
@@ -119,7 +124,8 @@ for arg in sys.argv[1:]:
         except Exception as e:
             fail(f"{arg}: {type(e).__name__}: {e}")
         presets.append(arg)
-        updates = {k: v for k, v in namespace.items() if not k.startswith("_") and not callable(v) and type(v).__name__ != "module"}
+        updates = {k: v for k, v in namespace.items()
+                   if not k.startswith("_") and not callable(v) and type(v).__name__ != "module"}
     else:
         key, has_value, text = arg[2:].partition("=")
         if not has_value:
@@ -131,7 +137,8 @@ for arg in sys.argv[1:]:
     for key, value in updates.items():
         if key not in defaults:
             close = difflib.get_close_matches(key, config_keys, n=1)
-            fail(f"{arg}: unknown setting {key!r}" + (f" (did you mean {close[0]!r}?)" if close else "") + "; --help lists them")
+            fail(f"{arg}: unknown setting {key!r}" + (f" (did you mean {close[0]!r}?)" if close else "")
+                 + "; --help lists them")
         allowed = {type(defaults[key]), extra_types.get(key, type(defaults[key]))}
         value = float(value) if type(value) is int and float in allowed else value  # 3 is fine for 3.0
         if type(value) not in allowed:
@@ -141,18 +148,25 @@ for arg in sys.argv[1:]:
 n_kv_head = n_head if n_kv_head is None else n_kv_head  # None: plain multi-head attention
 for bad, message in [  # the first true condition is the error
     (init_from not in ("scratch", "resume", "auto"), f"init_from must be 'scratch', 'resume' or 'auto', not {init_from!r}"),
-    (dtype not in ("auto", "float32", "bfloat16", "float16"), f"dtype must be 'auto', 'float32', 'bfloat16' or 'float16', not {dtype!r}"),
+    (dtype not in ("auto", "float32", "bfloat16", "float16"),
+     f"dtype must be 'auto', 'float32', 'bfloat16' or 'float16', not {dtype!r}"),
     (compile not in ("auto", True, False), f"compile must be 'auto', True or False, not {compile!r}"),
-    (not re.fullmatch(r"auto|cpu|cuda(:\d+)?|mps", device), f"device must be 'auto', 'cpu', 'cuda', 'cuda:N' or 'mps', not {device!r}"),
-    (device.startswith("cuda") and not torch.cuda.is_available(), f"device={device!r} but this torch sees no CUDA GPU; use --device=cpu"),
-    (device == "mps" and not torch.backends.mps.is_available(), "device='mps' but this torch has no MPS (Apple GPU) here; use --device=cpu"),
+    (not re.fullmatch(r"auto|cpu|cuda(:\d+)?|mps", device),
+     f"device must be 'auto', 'cpu', 'cuda', 'cuda:N' or 'mps', not {device!r}"),
+    (device.startswith("cuda") and not torch.cuda.is_available(),
+     f"device={device!r} but this torch sees no CUDA GPU; use --device=cpu"),
+    (device == "mps" and not torch.backends.mps.is_available(),
+     "device='mps' but this torch has no MPS (Apple GPU) here; use --device=cpu"),
     (not all(type(m) is int for m in milestones), f"milestones must be a list of iteration numbers, not {milestones!r}"),
-    (min(batch_size, block_size, eval_interval, eval_iters, log_interval, n_layer) < 1, "batch_size, block_size, eval_interval, eval_iters, log_interval and n_layer must be positive"),
-    (min(max_iters, warmup_iters, lr_decay_iters, weight_decay, grad_clip) < 0, "max_iters, warmup_iters, lr_decay_iters, weight_decay and grad_clip can't be negative"),
+    (min(batch_size, block_size, eval_interval, eval_iters, log_interval, n_layer) < 1,
+     "batch_size, block_size, eval_interval, eval_iters, log_interval and n_layer must be positive"),
+    (min(max_iters, warmup_iters, lr_decay_iters, weight_decay, grad_clip) < 0,
+     "max_iters, warmup_iters, lr_decay_iters, weight_decay and grad_clip can't be negative"),
     (n_head < 1 or n_kv_head < 1 or n_embd % n_head or n_head % n_kv_head or (n_embd // n_head) % 2,
      f"n_embd={n_embd}, n_head={n_head}, n_kv_head={n_kv_head}: n_head must divide n_embd into an even head size "
      f"(rotary embeddings rotate pairs), and n_kv_head must divide n_head"),
-    (not 0 <= min_lr <= learning_rate or learning_rate == 0, f"learning_rate={learning_rate}, min_lr={min_lr}: need 0 <= min_lr <= learning_rate, learning_rate > 0"),
+    (not 0 <= min_lr <= learning_rate or learning_rate == 0,
+     f"learning_rate={learning_rate}, min_lr={min_lr}: need learning_rate > 0 and 0 <= min_lr <= learning_rate"),
     (not 0 <= dropout < 1, f"dropout={dropout}: it is a probability, 0 <= dropout < 1"),
     (not (0 <= beta1 < 1 and 0 <= beta2 < 1), f"beta1={beta1}, beta2={beta2}: Adam's averaging factors need 0 <= beta < 1"),
     (not timeout > 0, f"timeout={timeout}: give a positive number of seconds"),
@@ -167,7 +181,8 @@ if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
 elif int(os.environ.get("SLURM_NTASKS", 1)) > 1:
     rank, world_size, local_rank = (int(os.environ.get(k, 0)) for k in ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"))
     if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
-        fail("SLURM with several tasks: export MASTER_ADDR (the first node) and MASTER_PORT in the sbatch script (see the README)")
+        fail("SLURM with several tasks: export MASTER_ADDR (the first node) and MASTER_PORT in the sbatch script "
+             "(see the README)")
 else:
     rank, world_size, local_rank = 0, 1, 0
 ddp, master = world_size > 1, rank == 0  # the master is the only rank that prints, logs and writes files
@@ -211,7 +226,8 @@ if kind == "bpe":
             ranks_bytes = f.read()
         with open(os.path.join(dataset, "tokenizer.json")) as f:
             info = json.load(f)
-        tokenizer = {"kind": "bpe", "ranks": ranks_bytes.decode(), "pattern": info["pattern"], "special_tokens": info["special_tokens"]}
+        tokenizer = {"kind": "bpe", "ranks": ranks_bytes.decode(), "pattern": info["pattern"],
+                     "special_tokens": info["special_tokens"]}
     except (OSError, ValueError, KeyError, TypeError) as e:
         fail(f"{dataset} lacks readable tokenizer files ({type(e).__name__}: {e}): {remake}")
     # A BPE trainer's --out pointed at the dataset would have replaced them: the shards' ids would mean other text.
@@ -219,7 +235,8 @@ if kind == "bpe":
         fail(f"{dataset}/tokenizer.tiktoken is not the tokenizer the shards were made with (its sha256 differs from "
              f"meta.json's): copy it back from {meta['tokenizer'].get('path', 'the tokenizer directory')}, or {remake}")
 else:
-    tokenizer = {"kind": "tiktoken", "name": meta["tokenizer"]["name"]} if kind == "tiktoken" else {"kind": "char", "chars": meta["chars"]}
+    tokenizer = ({"kind": "tiktoken", "name": meta["tokenizer"]["name"]} if kind == "tiktoken"
+                 else {"kind": "char", "chars": meta["chars"]})
 
 ckpt_path = os.path.join(out_dir, "ckpt.pt")
 if init_from == "auto":
@@ -235,14 +252,16 @@ if init_from == "resume":
     except CheckpointError as e:
         fail(f"cannot resume: {e}")
     if any(checkpoint.get(k) is None for k in ("optimizer", "iter_num", "best_val_loss", "tokenizer", "train_config")):
-        fail(f"cannot resume from {ckpt_path}: it lacks the training state; only a checkpoint written by train.py can be resumed")
+        fail(f"cannot resume from {ckpt_path}: it lacks the training state; only a checkpoint written by train.py "
+             f"can be resumed")
     if checkpoint["tokenizer"] != tokenizer:  # the ids would mean other text: kind, ranks, name or characters differ
         old = checkpoint["dataset"] or {"tokenizer": checkpoint["tokenizer"]["kind"], "vocab_size": "?"}
         fail(f"{ckpt_path} was trained with another tokenizer ({old['tokenizer']}, vocab_size {old['vocab_size']}) than "
              f"{dataset}'s ({meta['tokenizer']}, vocab_size {meta['vocab_size']}): resume on the dataset it was trained "
              f"on (--dataset={checkpoint['train_config'].get('dataset', '?')}), or start anew in another --out_dir")
     if checkpoint["train_config"].get("muon", False) != muon:
-        fail(f"{ckpt_path} was trained with muon={not muon}: resume with --muon={not muon}, or the optimizer state will not fit")
+        fail(f"{ckpt_path} was trained with muon={not muon}: resume with --muon={not muon}, or the optimizer state "
+             f"will not fit")
     for key, value in checkpoint["model_config"].items():
         if key in defaults:
             if globals()[key] not in (None, value) and master:
@@ -265,7 +284,8 @@ def split_windows(split):
             fail(f"{path}, which {meta_path} lists, is {'missing' if not os.path.exists(path) else 'unreadable'} "
                  f"({type(e).__name__}: {str(e)[:80]}): {remake}")
         if largest > meta["max_token_id"]:
-            fail(f"{path} holds token id {largest}, past the largest that {meta_path} records ({meta['max_token_id']}): {remake}")
+            fail(f"{path} holds token id {largest}, past the largest that {meta_path} records "
+                 f"({meta['max_token_id']}): {remake}")
         counts.append(max(0, len(tokens) - block_size))
     if sum(counts) == 0:
         fail(f"the {split} split of {dataset} has fewer than block_size+1 = {block_size + 1} tokens in any shard")
@@ -334,7 +354,8 @@ if master:
         os.remove(probe)
     except OSError as e:
         in_the_way = isinstance(e, (FileExistsError, NotADirectoryError))
-        fail(f"can't write in out_dir={out_dir!r} ({e.strerror}{': a file is in the way' * in_the_way}): give another --out_dir")
+        fail(f"can't write in out_dir={out_dir!r} ({e.strerror}{': a file is in the way' * in_the_way}): "
+             f"give another --out_dir")
     for temp in glob.glob(os.path.join(glob.escape(out_dir), "ckpt*.pt.tmp.*")):  # left by a save killed mid-write
         if os.path.isdir("/proc") and not os.path.exists(f"/proc/{temp.rsplit('.', 1)[1]}"):  # whose process is gone
             os.remove(temp)
@@ -477,7 +498,8 @@ def request_stop(signum, frame):
 signal.signal(signal.SIGTERM, request_stop)
 signal.signal(signal.SIGINT, request_stop)
 if master:
-    print(f"model: {raw_model.get_num_params():,} parameters; {'resuming at iter ' + str(iter_num) if checkpoint else 'from scratch'}")
+    print(f"model: {raw_model.get_num_params():,} parameters; "
+          f"{'resuming at iter ' + str(iter_num) if checkpoint else 'from scratch'}")
     if wandb_log:
         import wandb
         wandb.init(project=wandb_project, name=wandb_run_name, config=config)
