@@ -8,31 +8,34 @@ Pretrain the GPT of model.py on the token shards of prepare_data.py: on a laptop
     torchrun --standalone --nproc_per_node=8 train.py config/lillm.py
     torchrun --nnodes=2 --node_rank=0 --nproc_per_node=8 --master_addr=10.0.0.1 --master_port=29500 \
         train.py config/lillm.py                                      # and --node_rank=1 on the other node
-    srun python train.py config/lillm.py                              # SLURM: see the README's sbatch example
+    srun python train.py config/lillm.py --init_from=auto             # SLURM: see the README's sbatch example
 
 Every global in the settings block below is a setting. Preset files run first, in order, then each
 --key=value replaces one setting; the value must have the setting's type. `python train.py --help` lists them.
-SIGTERM or Ctrl-C finishes the current step, saves out_dir/ckpt.pt and exits with status 0.
+SIGTERM or Ctrl-C finishes the current step (or eval batch), saves out_dir/ckpt.pt and exits with status 0.
 """
 import ast
-import builtins
 import difflib
+import glob
+import hashlib
 import json
 import math
 import os
 import random
+import re
 import signal
 import sys
 import time
 from contextlib import nullcontext
 from dataclasses import asdict, fields
+from datetime import timedelta
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from model import GPT, CheckpointError, GPTConfig, load_checkpoint, save_checkpoint
+from model import GPT, CheckpointError, GPTConfig, load_checkpoint, model_from_checkpoint, save_checkpoint
 
 _names_before_settings = set(globals())
 # -----------------------------------------------------------------------------------------------------
@@ -40,15 +43,13 @@ _names_before_settings = set(globals())
 # I/O
 out_dir = "out"                  # ckpt.pt, the milestone copies ckpt_<iter>.pt and log.jsonl go here
 dataset = "data/fineweb"         # a directory written by prepare_data.py: shards and meta.json
-init_from = "scratch"            # "scratch", or "resume" from out_dir/ckpt.pt
+init_from = "scratch"            # "scratch" (refused over a checkpoint), "resume" from out_dir/ckpt.pt, "auto": either
 eval_interval = 1000             # estimate train/val loss (and maybe save) every this many iterations
 eval_iters = 100                 # batches per split in each estimate, shared out among the ranks
 log_interval = 10                # print the step loss and the speed every this many iterations
 always_save_checkpoint = False   # save at every eval, not only when val loss improved
 milestones = []                  # iterations at which to keep a copy of the checkpoint, ckpt_<iter>.pt
-wandb_log = False                # log evals to Weights & Biases (imported only when on)
-wandb_project = "lillm"
-wandb_run_name = "run"
+wandb_log, wandb_project, wandb_run_name = False, "lillm", "run"  # log evals to Weights & Biases
 # batch: total_batch_size is the one that matters to the optimization; the others fit it to the hardware
 batch_size = 32                  # sequences per device in one forward/backward (micro-step)
 block_size = 512                 # tokens per sequence: the model's context length
@@ -69,166 +70,232 @@ max_iters = 20000                # optimizer steps in all
 warmup_iters = 700
 lr_decay_iters = 20000           # where the cosine reaches min_lr; usually max_iters
 weight_decay = 0.1
-beta1 = 0.9
-beta2 = 0.95
+beta1, beta2 = 0.9, 0.95         # AdamW's averaging factors of the gradient and of its square
 grad_clip = 1.0                  # clip the gradient's global norm to this; 0 turns clipping off
 # system
-device = "auto"                  # "auto" picks cuda, then mps, then cpu; or name one: "cpu", "cuda", "mps"
-dtype = "auto"                   # "auto": bfloat16 where the GPU has it, else float16, float32 off the GPU
+device = "auto"                  # "auto" picks cuda if there is a GPU, else cpu; or name one: "cpu", "cuda:1", "mps"
+dtype = "auto"                   # "auto": bfloat16 where the GPU has it, else float16; float32 off the GPU
 compile = "auto"                 # torch.compile: "auto" means on CUDA only (on the CPU it costs more than it saves)
+timeout = 600                    # seconds a rank waits for the others in a collective before it gives up
 seed = 1337
 # -----------------------------------------------------------------------------------------------------
 config_keys = [k for k in globals() if k not in _names_before_settings and not k.startswith("_")]
 defaults = {k: globals()[k] for k in config_keys}
 # Besides its default's type, a setting whose default is None or "auto" takes one more.
 extra_types = {"vocab_size": int, "total_batch_size": type(None), "n_kv_head": type(None), "compile": bool}
-rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0)))  # known before any setup, for fail()
-
+rank, world_size = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0))), 1  # known early, for fail()
 
 def fail(message):
-    """A user mistake: one line on stderr (from the first rank only) and a non-zero exit, never a traceback."""
+    """A user mistake: one line on stderr (from the first rank only) and exit status 1, never a traceback."""
     if rank == 0:
         print(f"error: {message}", file=sys.stderr, flush=True)
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    else:
+        time.sleep(3)  # every rank fails alike: don't let torchrun stop rank 0 before it has printed
     sys.exit(1)
 
+def one_line_excepthook(kind, error, traceback):
+    """A second Ctrl-C, or a rank that hangs or died: one line, as for a mistake. Bugs keep their traceback."""
+    if issubclass(kind, KeyboardInterrupt):
+        print("error: interrupted: stopped at once, without saving (one Ctrl-C while training saves first)",
+              file=sys.stderr)
+    elif world_size > 1 and issubclass(kind, RuntimeError) and re.search(r"gloo|nccl|time.?out|connection|peer",
+                                                                          str(error), re.I):
+        reason = re.sub(r"^\[[^\]]*\] ", "", (str(error).strip() or kind.__name__).splitlines()[0])[:150]
+        other = f"rank {1 - rank}" if world_size == 2 else "another rank"
+        print(f"error: rank {rank} lost contact with the other ranks ({reason}): {other} "
+              f"{'hangs' if 'out' in reason else 'stopped'} (see its messages); --timeout={timeout} is how long a rank "
+              f"waits", file=sys.stderr)
+    else:
+        sys.__excepthook__(kind, error, traceback)
 
-def checked(key, value, origin):
-    """The value if the setting `key` takes its type (an int is fine for a float), else fail() saying why."""
-    if key not in defaults:
-        close = difflib.get_close_matches(key, config_keys, n=1)
-        fail(f"{origin}: unknown setting {key!r}" + (f" (did you mean {close[0]!r}?)" if close else "")
-             + "; `python train.py --help` lists them")
-    allowed = {type(defaults[key])} | ({extra_types[key]} if key in extra_types else set())
-    if type(value) is int and float in allowed:
-        value = float(value)
-    if type(value) not in allowed:
-        names = " or ".join(sorted("None" if t is type(None) else t.__name__ for t in allowed))
-        fail(f"{origin}: {key} must be {names}, got {value!r} ({type(value).__name__})")
-    return value
-
-
-if any(arg in ("-h", "--help") for arg in sys.argv[1:]):
-    print(__doc__.strip() + "\n\nsettings and their defaults:")
-    for key in config_keys:
-        print(f"  --{key}={defaults[key]!r}")
-    sys.exit(0)
+sys.excepthook = one_line_excepthook
 presets = []
 for arg in sys.argv[1:]:
-    if not arg.startswith("--"):
-        # A preset: plain Python assignments, run in a namespace that starts from the current settings.
-        presets.append(arg)
+    if arg in ("-h", "--help"):
+        print(__doc__.strip() + "\n\nsettings and their defaults:\n"
+              + "\n".join(f"  --{k}={v!r}" for k, v in defaults.items()))
+        sys.exit(0)
+    if not arg.startswith("--"):  # a preset: plain Python assignments, run over the current settings
         if not os.path.isfile(arg):
             fail(f"no preset file {arg!r} (expected a file like config/shakespeare_char.py, or --key=value)")
         namespace = {k: globals()[k] for k in config_keys}
         try:
-            with open(arg) as f:
-                exec(builtins.compile(f.read(), arg, "exec"), namespace)
+            exec(open(arg).read(), namespace)
         except Exception as e:
             fail(f"{arg}: {type(e).__name__}: {e}")
-        for key, value in namespace.items():
-            if not key.startswith("_") and not callable(value) and type(value).__name__ != "module":
-                globals()[key] = checked(key, value, arg)
+        presets.append(arg)
+        updates = {k: v for k, v in namespace.items()
+                   if not k.startswith("_") and not callable(v) and type(v).__name__ != "module"}
     else:
         key, has_value, text = arg[2:].partition("=")
         if not has_value:
             fail(f"{arg}: expected --key=value")
-        try:
-            value = ast.literal_eval(text)  # numbers, True/False/None, lists, quoted strings
+        try:  # a setting whose only type is str takes the text as it is; the others read a Python literal
+            updates = {key: text if type(defaults.get(key)) is str and key not in extra_types else ast.literal_eval(text)}
         except (ValueError, SyntaxError):
-            value = text  # a bare word, e.g. --dataset=data/tiny: a string
-        globals()[key] = checked(key, value, arg)
-if init_from not in ("scratch", "resume"):
-    fail(f"init_from must be 'scratch' or 'resume', got {init_from!r}")
-if dtype not in ("auto", "float32", "bfloat16", "float16"):
-    fail(f"dtype must be 'auto', 'float32', 'bfloat16' or 'float16', got {dtype!r}")
-if compile not in ("auto", True, False):
-    fail(f"compile must be 'auto', True or False, got {compile!r}")
-if not all(type(m) is int for m in milestones):
-    fail(f"milestones must be a list of iteration numbers, got {milestones!r}")
-if n_kv_head is None:
-    n_kv_head = n_head  # plain multi-head attention
-if n_embd % n_head or n_head % n_kv_head or (n_embd // n_head) % 2:
-    fail(f"n_embd={n_embd}, n_head={n_head}, n_kv_head={n_kv_head}: n_head must divide n_embd into an even head "
-         f"size (rotary embeddings rotate pairs), and n_kv_head must divide n_head")
-for key in ("batch_size", "block_size", "eval_interval", "eval_iters", "log_interval", "max_iters"):
-    if globals()[key] < (key != "max_iters"):  # max_iters=0 only evaluates
-        fail(f"{key} must be positive, got {globals()[key]}")
+            updates = {key: text}  # a bare word: the type check below says what was expected
+    for key, value in updates.items():
+        if key not in defaults:
+            close = difflib.get_close_matches(key, config_keys, n=1)
+            fail(f"{arg}: unknown setting {key!r}" + (f" (did you mean {close[0]!r}?)" if close else "")
+                 + "; --help lists them")
+        allowed = {type(defaults[key]), extra_types.get(key, type(defaults[key]))}
+        value = float(value) if type(value) is int and float in allowed else value  # 3 is fine for 3.0
+        if type(value) not in allowed:
+            names = " or ".join(sorted("None" if t is type(None) else t.__name__ for t in allowed))
+            fail(f"{arg}: {key} must be {names}, got {value!r} ({type(value).__name__})")
+        globals()[key] = value
+n_kv_head = n_head if n_kv_head is None else n_kv_head  # None: plain multi-head attention
+for bad, message in [  # the first true condition is the error
+    (init_from not in ("scratch", "resume", "auto"), f"init_from must be 'scratch', 'resume' or 'auto', not {init_from!r}"),
+    (dtype not in ("auto", "float32", "bfloat16", "float16"),
+     f"dtype must be 'auto', 'float32', 'bfloat16' or 'float16', not {dtype!r}"),
+    (compile not in ("auto", True, False), f"compile must be 'auto', True or False, not {compile!r}"),
+    (not re.fullmatch(r"auto|cpu|cuda(:\d+)?|mps", device),
+     f"device must be 'auto', 'cpu', 'cuda', 'cuda:N' or 'mps', not {device!r}"),
+    (device.startswith("cuda") and not torch.cuda.is_available(),
+     f"device={device!r} but this torch sees no CUDA GPU; use --device=cpu"),
+    (device == "mps" and not torch.backends.mps.is_available(),
+     "device='mps' but this torch has no MPS (Apple GPU) here; use --device=cpu"),
+    (not all(type(m) is int for m in milestones), f"milestones must be a list of iteration numbers, not {milestones!r}"),
+    (min(batch_size, block_size, eval_interval, eval_iters, log_interval, n_layer) < 1,
+     "batch_size, block_size, eval_interval, eval_iters, log_interval and n_layer must be positive"),
+    (min(max_iters, warmup_iters, lr_decay_iters, weight_decay, grad_clip) < 0,
+     "max_iters, warmup_iters, lr_decay_iters, weight_decay and grad_clip can't be negative"),
+    (n_head < 1 or n_kv_head < 1 or n_embd % n_head or n_head % n_kv_head or (n_embd // n_head) % 2,
+     f"n_embd={n_embd}, n_head={n_head}, n_kv_head={n_kv_head}: n_head must divide n_embd into an even head size "
+     f"(rotary embeddings rotate pairs), and n_kv_head must divide n_head"),
+    (not 0 <= min_lr <= learning_rate or learning_rate == 0,
+     f"learning_rate={learning_rate}, min_lr={min_lr}: need learning_rate > 0 and 0 <= min_lr <= learning_rate"),
+    (not 0 <= dropout < 1, f"dropout={dropout}: it is a probability, 0 <= dropout < 1"),
+    (not (0 <= beta1 < 1 and 0 <= beta2 < 1), f"beta1={beta1}, beta2={beta2}: Adam's averaging factors need 0 <= beta < 1"),
+    (not timeout > 0, f"timeout={timeout}: give a positive number of seconds"),
+]:
+    if bad:
+        fail(message)
 
 # -----------------------------------------------------------------------------------------------------
 # who we are: torchrun sets RANK, WORLD_SIZE and LOCAL_RANK; under srun only SLURM's own variables exist
 if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    rank, world_size, local_rank = (int(os.environ.get(k, 0)) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
 elif int(os.environ.get("SLURM_NTASKS", 1)) > 1:
-    rank, world_size = int(os.environ["SLURM_PROCID"]), int(os.environ["SLURM_NTASKS"])
-    local_rank = int(os.environ.get("SLURM_LOCALID", 0))
+    rank, world_size, local_rank = (int(os.environ.get(k, 0)) for k in ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"))
     if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
-        fail("SLURM with several tasks: export MASTER_ADDR (the first node) and MASTER_PORT in the sbatch "
-             "script (see the README)")
+        fail("SLURM with several tasks: export MASTER_ADDR (the first node) and MASTER_PORT in the sbatch script "
+             "(see the README)")
 else:
     rank, world_size, local_rank = 0, 1, 0
-ddp = world_size > 1
-master = rank == 0  # the only rank that prints, logs and writes files
-
+ddp, master = world_size > 1, rank == 0  # the master is the only rank that prints, logs and writes files
 if device == "auto":
-    device = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
-device_type = "cuda" if device.startswith("cuda") else device.split(":")[0]
-if device_type == "cuda":
-    if not torch.cuda.is_available():
-        fail(f"device={device!r} but this torch sees no CUDA GPU; use --device=cpu")
-    if ddp or device == "cuda":
-        # One GPU per process. srun may have hidden the others (CUDA_VISIBLE_DEVICES), hence the modulo.
-        device = f"cuda:{local_rank % torch.cuda.device_count()}"
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+device_type = device.split(":")[0]
+if device_type == "cuda":  # one GPU per process; srun may have hidden the others (CUDA_VISIBLE_DEVICES): the modulo
+    device = f"cuda:{local_rank % torch.cuda.device_count()}" if ddp or device == "cuda" else device
     torch.cuda.set_device(device)
-if dtype == "auto":
+if dtype == "auto":  # never bfloat16 on a CPU: most emulate it, many times slower than float32
     dtype = "float32" if device_type != "cuda" else "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
-if compile == "auto":
-    compile = device_type == "cuda"
+compile = device_type == "cuda" if compile == "auto" else compile
 
 # -----------------------------------------------------------------------------------------------------
-# the dataset, and the model's shape (from the checkpoint when resuming)
+# the dataset and its tokenizer, then the checkpoint to resume (which decides the model's shape)
+remake = f"run prepare_data.py again, or delete {dataset} and rerun it"
 meta_path = os.path.join(dataset, "meta.json")
 if not os.path.exists(meta_path):
-    fail(f"no dataset at {dataset!r} ({meta_path} is missing): make it first with "
-         f"`python prepare_data.py --data <source> --tokenizer <dir|gpt2|char> --out {dataset}`"
-         + (f" (the exact command is at the top of {presets[-1]})" if presets else "") + ", or point --dataset at one")
-with open(meta_path) as f:
-    meta = json.load(f)
-if meta.get("version") != 1:
-    fail(f"{meta_path} has version {meta.get('version')!r}; this train.py reads version 1: run prepare_data.py again")
+    fail(f"no dataset at {dataset!r} ({meta_path} is missing): make it first with `python prepare_data.py --data <source> "
+         f"--tokenizer <dir|gpt2|char> --out {dataset}`" + (f" (the exact command is at the top of {presets[-1]})" if presets else "")
+         + ", or point --dataset at one")
+try:
+    with open(meta_path) as f:
+        meta = json.load(f)
+    kind, shard_names = meta["tokenizer"]["kind"], meta["shards"]["train"] + meta["shards"]["val"]
+    meta_ok = (meta["version"] == 1 and type(meta["vocab_size"]) is type(meta["max_token_id"]) is int
+               and {"bpe": "sha256", "tiktoken": "name", "char": "kind"}[kind] in meta["tokenizer"]
+               and (kind != "char" or type(meta["chars"]) is list) and all(type(n) is str for n in shard_names))
+except (OSError, ValueError, KeyError, TypeError):
+    meta_ok = False
+if not meta_ok:
+    fail(f"{meta_path} is not the meta.json (version 1) of a finished prepare_data.py run: {remake}")
+for name in shard_names:
+    if name != os.path.basename(name) or name in ("", ".", ".."):
+        fail(f"{meta_path} names the shard {name!r}: only plain file names inside {dataset} are allowed; {remake}")
 
+# The checkpoint carries the tokenizer itself, so sampling needs no dataset directory.
+if kind == "bpe":
+    try:
+        with open(os.path.join(dataset, "tokenizer.tiktoken"), "rb") as f:
+            ranks_bytes = f.read()
+        with open(os.path.join(dataset, "tokenizer.json")) as f:
+            info = json.load(f)
+        tokenizer = {"kind": "bpe", "ranks": ranks_bytes.decode(), "pattern": info["pattern"],
+                     "special_tokens": info["special_tokens"]}
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        fail(f"{dataset} lacks readable tokenizer files ({type(e).__name__}: {e}): {remake}")
+    # A BPE trainer's --out pointed at the dataset would have replaced them: the shards' ids would mean other text.
+    if hashlib.sha256(ranks_bytes).hexdigest() != meta["tokenizer"]["sha256"]:
+        fail(f"{dataset}/tokenizer.tiktoken is not the tokenizer the shards were made with (its sha256 differs from "
+             f"meta.json's): copy it back from {meta['tokenizer'].get('path', 'the tokenizer directory')}, or {remake}")
+else:
+    tokenizer = ({"kind": "tiktoken", "name": meta["tokenizer"]["name"]} if kind == "tiktoken"
+                 else {"kind": "char", "chars": meta["chars"]})
+
+ckpt_path = os.path.join(out_dir, "ckpt.pt")
+if init_from == "auto":
+    init_from = "resume" if os.path.exists(ckpt_path) else "scratch"
 checkpoint = None
+existing = sorted(glob.glob(os.path.join(glob.escape(out_dir), "ckpt*.pt")))
+if init_from == "scratch" and existing:
+    fail(f"{existing[0]} exists and a run from scratch would overwrite it: go on from it with --init_from=resume (or auto), "
+         f"or give another --out_dir, or delete it first")
 if init_from == "resume":
     try:
-        checkpoint = load_checkpoint(os.path.join(out_dir, "ckpt.pt"), map_location="cpu")
+        checkpoint = load_checkpoint(ckpt_path, map_location="cpu")
     except CheckpointError as e:
         fail(f"cannot resume: {e}")
-    missing = [k for k in ("optimizer", "scaler", "iter_num", "best_val_loss", "rng") if k not in checkpoint]
-    if missing or checkpoint["optimizer"] is None:
-        fail(f"cannot resume from {out_dir}/ckpt.pt: it lacks the training state ({', '.join(missing) or 'optimizer'}); "
-             f"only a checkpoint written by train.py can be resumed")
+    if any(checkpoint.get(k) is None for k in ("optimizer", "iter_num", "best_val_loss", "tokenizer", "train_config")):
+        fail(f"cannot resume from {ckpt_path}: it lacks the training state; only a checkpoint written by train.py "
+             f"can be resumed")
+    if checkpoint["tokenizer"] != tokenizer:  # the ids would mean other text: kind, ranks, name or characters differ
+        old = checkpoint["dataset"] or {"tokenizer": checkpoint["tokenizer"]["kind"], "vocab_size": "?"}
+        fail(f"{ckpt_path} was trained with another tokenizer ({old['tokenizer']}, vocab_size {old['vocab_size']}) than "
+             f"{dataset}'s ({meta['tokenizer']}, vocab_size {meta['vocab_size']}): resume on the dataset it was trained "
+             f"on (--dataset={checkpoint['train_config'].get('dataset', '?')}), or start anew in another --out_dir")
+    if checkpoint["train_config"].get("muon", False) != muon:
+        fail(f"{ckpt_path} was trained with muon={not muon}: resume with --muon={not muon}, or the optimizer state "
+             f"will not fit")
     for key, value in checkpoint["model_config"].items():
-        if key in defaults and globals()[key] not in (None, value):
-            if master:
-                print(f"note: resuming keeps the checkpoint's {key}={value!r} (not {globals()[key]!r})")
         if key in defaults:
+            if globals()[key] not in (None, value) and master:
+                print(f"note: resuming keeps the checkpoint's {key}={value!r} (not {globals()[key]!r})")
             globals()[key] = value
-    if checkpoint.get("train_config", {}).get("muon", False) != muon:
-        fail(f"{out_dir}/ckpt.pt was trained with muon={not muon}: resume with --muon={not muon}, or the optimizer "
-             f"state will not fit")
-if vocab_size is None:
-    vocab_size = meta["vocab_size"]
+vocab_size = meta["vocab_size"] if vocab_size is None else vocab_size
 if vocab_size < meta["vocab_size"] or meta["max_token_id"] >= vocab_size:
-    fail(f"vocab_size={vocab_size} but the dataset's vocabulary has {meta['vocab_size']} ids (largest token id "
-         f"{meta['max_token_id']}): leave vocab_size unset to take meta.json's, or set it at least that large")
+    fail(f"vocab_size={vocab_size} but the dataset's vocabulary has {meta['vocab_size']} ids (largest token id {meta['max_token_id']}): "
+         f"leave vocab_size unset to take meta.json's, or set it at least that large")
 
+def split_windows(split):
+    """The shard paths of a split, and the cumulative count of block_size+1 token windows in each. Each shard
+    is read once here: an id past meta.json's largest would otherwise fail deep in the embedding."""
+    paths, counts = [os.path.join(dataset, name) for name in meta["shards"][split]], []
+    for path in paths:
+        try:
+            tokens = np.load(path, mmap_mode="r")
+            largest = int(tokens.max()) if len(tokens) else -1
+        except (OSError, ValueError) as e:
+            fail(f"{path}, which {meta_path} lists, is {'missing' if not os.path.exists(path) else 'unreadable'} "
+                 f"({type(e).__name__}: {str(e)[:80]}): {remake}")
+        if largest > meta["max_token_id"]:
+            fail(f"{path} holds token id {largest}, past the largest that {meta_path} records "
+                 f"({meta['max_token_id']}): {remake}")
+        counts.append(max(0, len(tokens) - block_size))
+    if sum(counts) == 0:
+        fail(f"the {split} split of {dataset} has fewer than block_size+1 = {block_size + 1} tokens in any shard")
+    return paths, np.array(counts, dtype=np.int64), np.cumsum(counts)
+
+windows = {split: split_windows(split) for split in ("train", "val")}
 # The batch is chosen in tokens per optimizer step, as the learning rate is tuned for it: more GPUs or a
 # smaller per-device batch_size (to fit memory) then change only how many micro-steps accumulate it.
 tokens_per_micro_step = batch_size * block_size * world_size
-if total_batch_size is None:
-    total_batch_size = tokens_per_micro_step
+total_batch_size = tokens_per_micro_step if total_batch_size is None else total_batch_size
 if total_batch_size % tokens_per_micro_step:
     fail(f"total_batch_size={total_batch_size} tokens is not a multiple of batch_size*block_size*world_size = "
          f"{batch_size}*{block_size}*{world_size} = {tokens_per_micro_step}: change one of them so that it divides")
@@ -238,22 +305,6 @@ if master:
     print("config: " + ", ".join(f"{k}={v!r}" for k, v in config.items()))
     print(f"{world_size} process(es) on {device} in {dtype}; tokens per step: total_batch_size {total_batch_size} = "
           f"batch_size {batch_size} x block_size {block_size} x world_size {world_size} x accumulation {grad_accum_steps}")
-
-
-def split_windows(split):
-    """The shard paths of a split, and the cumulative count of block_size+1 token windows in each."""
-    paths = [os.path.join(dataset, name) for name in meta["shards"][split]]
-    for path in paths:
-        if not os.path.exists(path):
-            fail(f"{path} is missing though {meta_path} lists it: run prepare_data.py again")
-    counts = np.array([max(0, len(np.load(p, mmap_mode="r")) - block_size) for p in paths], dtype=np.int64)
-    if counts.sum() == 0:
-        fail(f"the {split} split of {dataset} has fewer than block_size+1 = {block_size + 1} tokens in any shard")
-    return paths, counts, np.cumsum(counts)
-
-
-windows = {split: split_windows(split) for split in ("train", "val")}
-
 
 def get_batch(split, generator):
     """batch_size random windows of the split, drawn uniformly over all of its shards with the generator."""
@@ -268,20 +319,16 @@ def get_batch(split, generator):
         tokens = np.load(paths[shard], mmap_mode="r")
         for row in np.flatnonzero(shard_of == shard):
             rows[row] = tokens[offsets[row]:offsets[row] + block_size + 1]
-    batch = torch.from_numpy(rows)
-    x, y = batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
-    if device_type == "cuda":
-        # Pinned memory lets the copy run asynchronously while the GPU works on the previous micro-step.
-        return x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
-    return x.to(device), y.to(device)
-
+    x, y = torch.from_numpy(rows[:, :-1].copy()), torch.from_numpy(rows[:, 1:].copy())
+    if device_type == "cuda":  # pinned memory: the copy runs while the GPU works on the previous micro-step
+        x, y = x.pin_memory(), y.pin_memory()
+    return x.to(device, non_blocking=True), y.to(device, non_blocking=True)
 
 # Data order. The global batch of each step is made of num_slots micro-batches; slot j has its own
 # generator seeded with seed + j, and rank r draws slots r*grad_accum_steps ... So the data depend on the
 # global batch, not on how many processes share it: 1 process with 2 micro-steps sees what 2 processes see.
 num_slots = world_size * grad_accum_steps
 train_generators = [torch.Generator().manual_seed(seed + rank * grad_accum_steps + m) for m in range(grad_accum_steps)]
-
 
 def next_train_batch(micro_step):
     """Draw the batch of a micro-step. A checkpoint needs slot 0's state from before its pending draw."""
@@ -290,47 +337,57 @@ def next_train_batch(micro_step):
         pending_data_state = train_generators[0].get_state()
     return get_batch("train", train_generators[micro_step])
 
-
 def get_lr(it):
     """Linear warmup from ~0, cosine from learning_rate down to min_lr at lr_decay_iters, then min_lr."""
     if it < warmup_iters:
         return learning_rate * (it + 1) / (warmup_iters + 1)
-    if it >= lr_decay_iters:
-        return min_lr
-    progress = (it - warmup_iters) / max(1, lr_decay_iters - warmup_iters)
+    progress = min(1.0, (it - warmup_iters) / max(1, lr_decay_iters - warmup_iters))
     return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (learning_rate - min_lr)
 
-
 # -----------------------------------------------------------------------------------------------------
-# processes, precision, model, optimizer
+# out_dir, processes, precision, model, optimizer
+if master:
+    probe = os.path.join(out_dir, f".write_test.{os.getpid()}")
+    try:  # find out now, not at the first save, that out_dir can't be written
+        os.makedirs(out_dir, exist_ok=True)
+        open(probe, "w").close()
+        os.remove(probe)
+    except OSError as e:
+        in_the_way = isinstance(e, (FileExistsError, NotADirectoryError))
+        fail(f"can't write in out_dir={out_dir!r} ({e.strerror}{': a file is in the way' * in_the_way}): "
+             f"give another --out_dir")
+    for temp in glob.glob(os.path.join(glob.escape(out_dir), "ckpt*.pt.tmp.*")):  # left by a save killed mid-write
+        if os.path.isdir("/proc") and not os.path.exists(f"/proc/{temp.rsplit('.', 1)[1]}"):  # whose process is gone
+            os.remove(temp)
+    if checkpoint is None and os.path.exists(os.path.join(out_dir, "log.jsonl")):
+        os.remove(os.path.join(out_dir, "log.jsonl"))  # the log of a run that saved no checkpoint
 if ddp:
     # NCCL between GPUs; gloo on the CPU (it is what the tests run). MASTER_ADDR/PORT come from the environment.
-    dist.init_process_group(backend="nccl" if device_type == "cuda" else "gloo", rank=rank, world_size=world_size)
-if master:
-    os.makedirs(out_dir, exist_ok=True)
+    # The timeout bounds every collective: a rank that hangs becomes an error on the others, not an endless wait.
+    dist.init_process_group(backend="nccl" if device_type == "cuda" else "gloo", rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=timeout))
 torch.manual_seed(seed)  # the same initial weights on every rank and in every run
 torch.set_float32_matmul_precision("high")  # TF32 matmuls on Ampere and later: ~free speed in float32 parts
 torch.backends.cudnn.allow_tf32 = True
-ptdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
-autocast = nullcontext() if dtype == "float32" else torch.autocast(device_type=device_type, dtype=ptdtype)
+autocast = nullcontext() if dtype == "float32" else torch.autocast(device_type, dtype=getattr(torch, dtype))
 
-if checkpoint is not None:
-    model_config = GPTConfig(**checkpoint["model_config"])
+if checkpoint is None:  # the plain module: its state_dict has no "_orig_mod." or "module." prefixes
+    raw_model = GPT(GPTConfig(**{f.name: globals()[f.name] for f in fields(GPTConfig) if f.name in defaults}))
 else:
-    model_config = GPTConfig(**{f.name: globals()[f.name] for f in fields(GPTConfig) if f.name in defaults})
-raw_model = GPT(model_config)  # the plain module: its state_dict has no "_orig_mod." or "module." prefixes
-if checkpoint is not None:
-    raw_model.load_state_dict(checkpoint["model"])
-raw_model.to(device)
+    try:
+        raw_model = model_from_checkpoint(checkpoint)
+    except CheckpointError as e:
+        fail(f"cannot resume from {ckpt_path}: {e}")
+model_config = raw_model.to(device).config
 optimizer = raw_model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), device_type,
                                            "muon" if muon else "adamw", verbose=master)
 # float16 has too little range for small gradients: the scaler multiplies the loss first, and skips a
 # step whose gradients overflowed. bfloat16 and float32 need none of it.
-scaler = torch.amp.GradScaler("cuda" if device_type == "cuda" else "cpu", enabled=dtype == "float16")
+scaler = torch.amp.GradScaler(device_type, enabled=dtype == "float16")
 iter_num, best_val_loss = 0, float("inf")
 if checkpoint is not None:
     optimizer.load_state_dict(checkpoint["optimizer"])
-    if checkpoint["scaler"] is not None:
+    if checkpoint.get("scaler"):
         scaler.load_state_dict(checkpoint["scaler"])
     iter_num, best_val_loss = checkpoint["iter_num"], checkpoint["best_val_loss"]
 model = torch.compile(raw_model) if compile else raw_model  # for evaluation: no DDP machinery needed
@@ -341,14 +398,13 @@ train_model = DDP(model, device_ids=[torch.cuda.current_device()] if device_type
 torch.manual_seed(seed + rank)  # dropout differs between ranks, as their data do
 random.seed(seed + rank)
 np.random.seed(seed + rank)
-if checkpoint is not None and checkpoint["rng"] is not None:
+if checkpoint is not None and checkpoint.get("rng") is not None:
     rng = checkpoint["rng"]
     if len(rng["ranks"]) == world_size:
         mine = rng["ranks"][rank]
         random.setstate(mine["python"])
-        numpy_state = dict(mine["numpy"], state=dict(mine["numpy"]["state"]))
-        numpy_state["state"]["key"] = np.array(numpy_state["state"]["key"], dtype=np.uint32)
-        np.random.set_state(numpy_state)
+        np.random.set_state(dict(mine["numpy"], state=dict(mine["numpy"]["state"], key=np.array(
+            mine["numpy"]["state"]["key"], dtype=np.uint32))))
         torch.set_rng_state(mine["torch"])
         if device_type == "cuda" and mine["cuda"] is not None:
             torch.cuda.set_rng_state(mine["cuda"])
@@ -362,40 +418,16 @@ if checkpoint is not None and checkpoint["rng"] is not None:
         for m, generator in enumerate(train_generators):
             generator.manual_seed(seed + 1_000_003 * iter_num + rank * grad_accum_steps + m)
 
-
-def rng_states():
-    """This rank's random states, plain enough for torch.load(weights_only=True)."""
-    numpy_state = np.random.get_state(legacy=False)
-    numpy_state["state"]["key"] = numpy_state["state"]["key"].tolist()
-    return {"python": random.getstate(), "numpy": numpy_state, "torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state() if device_type == "cuda" else None}
-
-
-if meta["tokenizer"]["kind"] == "bpe":
-    # The checkpoint carries the tokenizer itself, so sampling needs no dataset directory.
-    try:
-        with open(os.path.join(dataset, "tokenizer.tiktoken")) as f:
-            ranks_text = f.read()
-        with open(os.path.join(dataset, "tokenizer.json")) as f:
-            tokenizer_info = json.load(f)
-    except OSError as e:
-        fail(f"{dataset} lacks its tokenizer files ({e.strerror}: {e.filename}): run prepare_data.py again")
-    tokenizer = {"kind": "bpe", "ranks": ranks_text, "pattern": tokenizer_info["pattern"],
-                 "special_tokens": tokenizer_info["special_tokens"]}
-elif meta["tokenizer"]["kind"] == "tiktoken":
-    tokenizer = {"kind": "tiktoken", "name": meta["tokenizer"]["name"]}
-else:
-    tokenizer = {"kind": "char", "chars": meta["chars"]}
-
-
 def save(path):
     """Write a checkpoint (all ranks must call: the random states of every rank are gathered)."""
-    mine = {"rng": rng_states(), "data": [pending_data_state] + [g.get_state() for g in train_generators[1:]]}
-    everyone = [None] * world_size
+    numpy_state = np.random.get_state(legacy=False)
+    numpy_state["state"]["key"] = numpy_state["state"]["key"].tolist()  # plain enough for weights_only=True
+    mine = {"rng": {"python": random.getstate(), "numpy": numpy_state, "torch": torch.get_rng_state(),
+                    "cuda": torch.cuda.get_rng_state() if device_type == "cuda" else None},
+            "data": [pending_data_state] + [g.get_state() for g in train_generators[1:]]}
+    everyone = [mine] * world_size
     if ddp:
         dist.all_gather_object(everyone, mine)
-    else:
-        everyone = [mine]
     if master:
         save_checkpoint(path, {
             "version": 1, "model": raw_model.state_dict(), "model_config": asdict(model_config),
@@ -404,61 +436,70 @@ def save(path):
             "rng": {"ranks": [e["rng"] for e in everyone], "data": [s for e in everyone for s in e["data"]]},
             "tokenizer": tokenizer, "dataset": meta})
 
-
 @torch.no_grad()
 def estimate_loss():
     """Mean loss over eval_iters fixed batches per split, shared out among the ranks: batch k always has the
-    same seed, so successive evals compare like with like and the number of processes doesn't matter."""
+    same seed, so successive evals compare like with like and the number of processes doesn't matter.
+    None when a signal came meanwhile: a long eval must not outlast a preemption's grace period."""
     model.eval()
     losses = {}
     for split_index, split in enumerate(("train", "val")):
-        total = torch.zeros(2, device=device)  # sum of batch losses, number of batches
+        total = torch.zeros(3, device=device)  # sum of batch losses, number of batches, ranks stopped by a signal
         for k in range(rank, eval_iters, world_size):
+            if stop_signal:
+                total[2] = 1
+                break
             generator = torch.Generator().manual_seed(seed + 10**9 + 2 * k + split_index)  # apart from training's
             x, y = get_batch(split, generator)
             with autocast:
                 _, loss = model(x, y)
-            total += torch.stack([loss.float(), torch.ones((), device=device)])
+            total[:2] += torch.stack([loss.float(), torch.ones((), device=device)])
         if ddp:
-            dist.all_reduce(total)
+            dist.all_reduce(total)  # every rank reaches it, stopped early or not
+        if total[2] > 0:
+            break
         losses[split] = (total[0] / total[1]).item()
     model.train()
-    return losses
-
-
-def finite(number):
-    """JSON has no NaN: MFU is NaN where the device's peak is unknown (the CPU), and None in log.jsonl."""
-    return None if number is None or math.isnan(number) else number
-
+    return losses if len(losses) == 2 else None
 
 def percent(mfu):
-    return "n/a" if finite(mfu) is None else f"{mfu * 100:.1f}%"
+    return "n/a" if mfu is None or mfu != mfu else f"{mfu * 100:.1f}%"  # NaN: the CPU's peak is unknown
 
+def log(record, line):
+    """Print a line, and append the record to log.jsonl (and to wandb for evals), on the first rank only."""
+    record = {k: None if v != v else v for k, v in record.items()}  # JSON has no NaN
+    if master:
+        print(line, flush=True)
+        with open(os.path.join(out_dir, "log.jsonl"), "a") as f:
+            f.write(json.dumps(record) + "\n")
+        if wandb_log and "val_loss" in record:
+            wandb.log(record, step=record["iter"])
 
-def log_json(record):
-    with open(os.path.join(out_dir, "log.jsonl"), "a") as f:
-        f.write(json.dumps(record) + "\n")
-
+def save_and_stop():
+    save(ckpt_path)
+    if master:
+        print(f"stopped by {stop_signal or 'another rank'} after iter {iter_num}; {ckpt_path} saved: go on with "
+              f"--init_from=resume", flush=True)
 
 stop_signal = None
-
 
 def request_stop(signum, frame):
     """SIGTERM (SLURM preemption, torchrun shutting down) or Ctrl-C: stop after this step, with a checkpoint."""
     global stop_signal
     if stop_signal == "SIGINT" and signum == signal.SIGINT:
-        raise KeyboardInterrupt  # Ctrl-C twice: stop now, without saving
+        raise KeyboardInterrupt  # Ctrl-C twice: stop now, without saving (one_line_excepthook says so)
     stop_signal = signal.Signals(signum).name
     if master:
-        print(f"{stop_signal}: finishing this step, then saving a checkpoint and exiting", flush=True)
+        print(f"{stop_signal}: finishing this step or eval batch, then saving a checkpoint and exiting", flush=True)
 
-
+# Under torchrun, SIGTERM reaches torchrun first: it passes it on to every rank, which saves and exits 0,
+# but torchrun itself then exits 1 with a SignalException traceback. That is torchrun's way; srun and plain
+# python exit 0.
 signal.signal(signal.SIGTERM, request_stop)
 signal.signal(signal.SIGINT, request_stop)
 if master:
-    print(f"model: {raw_model.get_num_params():,} parameters; {'resuming at iter ' + str(iter_num) if checkpoint else 'from scratch'}")
-    if checkpoint is None and os.path.exists(os.path.join(out_dir, "log.jsonl")):
-        os.remove(os.path.join(out_dir, "log.jsonl"))  # a new run, a new log
+    print(f"model: {raw_model.get_num_params():,} parameters; "
+          f"{'resuming at iter ' + str(iter_num) if checkpoint else 'from scratch'}")
     if wandb_log:
         import wandb
         wandb.init(project=wandb_project, name=wandb_run_name, config=config)
@@ -468,7 +509,7 @@ checkpoint = None  # free its memory: everything is loaded
 # the training loop. At the top of iteration iter_num, iter_num steps are done and the first micro-batch
 # of the next one is already drawn: that is the state a checkpoint records.
 x, y = next_train_batch(0)
-interval_start, interval_steps, eval_interval_seconds, eval_interval_steps = time.time(), 0, 0.0, 0
+log_start, log_steps, eval_seconds, eval_steps = time.time(), 0, 0.0, 0  # training time since the last log, eval
 while True:
     lr = get_lr(iter_num)
     for group in optimizer.param_groups:
@@ -476,34 +517,28 @@ while True:
     last_iter = iter_num >= max_iters
     if iter_num % eval_interval == 0 or last_iter:
         losses = estimate_loss()
-        # Speed over the training steps since the last eval (None before the first step).
-        tokens_per_sec = total_batch_size * eval_interval_steps / eval_interval_seconds if eval_interval_steps else None
-        mfu = raw_model.estimate_mfu(batch_size * grad_accum_steps, eval_interval_seconds / eval_interval_steps) if eval_interval_steps else None
-        if master:
-            print(f"eval iter {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}, lr {lr:.3g}, "
-                  f"{tokens_per_sec or 0:,.0f} tokens/s, mfu {percent(mfu)}", flush=True)
-            record = {"iter": iter_num, "tokens": iter_num * total_batch_size, "train_loss": losses["train"],
-                      "val_loss": losses["val"], "lr": lr, "tokens_per_sec": tokens_per_sec, "mfu": finite(mfu)}
-            log_json(record)
-            if wandb_log:
-                wandb.log(record, step=iter_num)
-        eval_interval_seconds, eval_interval_steps = 0.0, 0
+        if losses is None:
+            save_and_stop()
+            break
+        step_seconds = eval_seconds / eval_steps if eval_steps else None  # None before the first step
+        mfu = raw_model.estimate_mfu(batch_size * grad_accum_steps, step_seconds) if step_seconds else None
+        log({"iter": iter_num, "tokens": iter_num * total_batch_size, "train_loss": losses["train"], "val_loss": losses["val"],
+             "lr": lr, "tokens_per_sec": total_batch_size / step_seconds if step_seconds else None, "mfu": mfu},
+            f"eval iter {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}, lr {lr:.3g}, "
+            f"{total_batch_size / step_seconds if step_seconds else 0:,.0f} tokens/s, mfu {percent(mfu)}")
         improved = losses["val"] < best_val_loss
         best_val_loss = min(best_val_loss, losses["val"])
         if iter_num > 0 and (improved or always_save_checkpoint):
-            save(os.path.join(out_dir, "ckpt.pt"))
-        interval_start = time.time()  # evaluating is not training time
+            save(ckpt_path)
+        log_start, eval_seconds, eval_steps = time.time(), 0.0, 0  # evaluating is not training time
     if iter_num in milestones and iter_num > 0:  # again after a resume at this iteration: the same state
         save(os.path.join(out_dir, f"ckpt_{iter_num}.pt"))
     if last_iter:
         break
 
-    step_start = time.time()
-    step_loss = torch.zeros((), device=device)
+    step_start, step_loss = time.time(), torch.zeros((), device=device)
     for micro_step in range(grad_accum_steps):
-        if ddp:
-            # Gradients are averaged across ranks in the backward of the last micro-step only; before it,
-            # each rank just accumulates its own.
+        if ddp:  # gradients are averaged across ranks in the last micro-step's backward; before, each rank accumulates
             train_model.require_backward_grad_sync = micro_step == grad_accum_steps - 1
         with autocast:
             _, loss = train_model(x, y)
@@ -523,31 +558,22 @@ while True:
     if ddp:
         dist.all_reduce(status)
     loss_sum, stop_votes = status.tolist()
-    step_loss_value = loss_sum / world_size
-    iter_num += 1
-    step_seconds = time.time() - step_start
-    eval_interval_seconds, eval_interval_steps = eval_interval_seconds + step_seconds, eval_interval_steps + 1
-    interval_steps += 1
+    step_loss_value, iter_num, log_steps = loss_sum / world_size, iter_num + 1, log_steps + 1
+    eval_seconds, eval_steps = eval_seconds + time.time() - step_start, eval_steps + 1
     if not math.isfinite(step_loss_value):
         fail(f"the loss is {step_loss_value} at iter {iter_num}: training diverged. Lower learning_rate, lengthen "
              f"warmup_iters, keep grad_clip on, or use bfloat16/float32 over float16; "
              f"--init_from=resume restarts from the last checkpoint")
-    if iter_num % log_interval == 0 and master:
-        seconds = time.time() - interval_start
-        mfu = raw_model.estimate_mfu(batch_size * grad_accum_steps, seconds / interval_steps)
-        tokens_per_sec = total_batch_size * interval_steps / seconds
-        eta = (max_iters - iter_num) * seconds / interval_steps
-        print(f"iter {iter_num}: loss {step_loss_value:.4f}, {seconds / interval_steps * 1000:.1f} ms/step, "
-              f"{tokens_per_sec:,.0f} tokens/s, mfu {percent(mfu)}, eta {eta / 60:.1f} min", flush=True)
-        log_json({"iter": iter_num, "loss": step_loss_value, "lr": lr, "ms_per_step": seconds / interval_steps * 1000,
-                  "tokens_per_sec": tokens_per_sec, "mfu": finite(mfu)})
     if iter_num % log_interval == 0:
-        interval_start, interval_steps = time.time(), 0
+        seconds = (time.time() - log_start) / log_steps
+        mfu = raw_model.estimate_mfu(batch_size * grad_accum_steps, seconds)
+        log({"iter": iter_num, "loss": step_loss_value, "lr": lr, "ms_per_step": seconds * 1000,
+             "tokens_per_sec": total_batch_size / seconds, "mfu": mfu},
+            f"iter {iter_num}: loss {step_loss_value:.4f}, {seconds * 1000:.1f} ms/step, {total_batch_size / seconds:,.0f} "
+            f"tokens/s, mfu {percent(mfu)}, eta {(max_iters - iter_num) * seconds / 60:.1f} min")
+        log_start, log_steps = time.time(), 0
     if stop_votes > 0:
-        save(os.path.join(out_dir, "ckpt.pt"))
-        if master:
-            print(f"stopped by {stop_signal or 'another rank'} after iter {iter_num}; {out_dir}/ckpt.pt saved: "
-                  f"go on with --init_from=resume", flush=True)
+        save_and_stop()
         break
 
 if ddp:

@@ -1,6 +1,6 @@
 # The quickstart: a small model on the offline corpus (the Python standard library's source, tokenized with
-# the 1000-token BPE of the quickstart's first command). About 10 minutes on 2 CPU cores; its samples read
-# like Python. The data:
+# the 1000-token BPE of the quickstart's first command). A few minutes on 2 CPU cores (bench/RESULTS.md has
+# the measured time); its samples read like Python. The data:
 #   python train_bpe_cpu.py -v 1000 -n 1048576
 #   python prepare_data.py --tokenizer tokenizers/stdlib_v1000
 # Train, then sample:

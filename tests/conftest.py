@@ -18,3 +18,24 @@ def corpus():
             pytest.skip(f"{path} not found: the shared real-text corpora are not beside this checkout")
         return path
     return find
+
+
+def assert_one_error_line(result, *fragments):
+    """A user mistake's contract: exit status 1, nothing but one `error: ...` line on stderr (no traceback)."""
+    assert result.returncode == 1, (result.returncode, result.stdout[-2000:], result.stderr[-2000:])
+    assert result.stderr.startswith("error: ") and result.stderr.count("\n") == 1, result.stderr[-3000:]
+    for fragment in fragments:
+        assert fragment in result.stderr, result.stderr
+
+
+def child_with_env(parent_pid, entry):
+    """The pid of a child of parent_pid whose environment holds entry (e.g. "RANK=1"), found through Linux's /proc;
+    None if there is none yet."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            if parent == parent_pid and b"\0" + entry.encode() + b"\0" in b"\0" + (stat.parent / "environ").read_bytes():
+                return int(stat.parent.name)
+        except (OSError, IndexError, ValueError):
+            continue  # a process that ended meanwhile, or not ours to read
+    return None

@@ -4,6 +4,7 @@ here to the shard contract (tinyshakespeare when the shared corpora are present,
 The checks compare independent routes to the same numbers: two processes (torchrun, or SLURM's variables)
 against one process with the same global batch; a run stopped and resumed against one that never stopped."""
 import base64
+import hashlib
 import json
 import os
 import signal
@@ -11,13 +12,14 @@ import socket
 import subprocess
 import sys
 import sysconfig
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from conftest import CORPORA
+from conftest import CORPORA, assert_one_error_line, child_with_env
 
 REPO = Path(__file__).resolve().parent.parent
 TRAIN = str(REPO / "train.py")
@@ -73,6 +75,12 @@ def train(dataset, out_dir, *args, timeout=180):
                             capture_output=True, text=True, env=ENV, timeout=timeout, cwd=out_dir.parent)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return result
+
+
+def run_train(dataset, out_dir, *args, timeout=120):
+    """Run train.py on the tiny model, expecting nothing: the test looks at the result."""
+    return subprocess.run([sys.executable, TRAIN, f"--dataset={dataset}", f"--out_dir={out_dir}", *TINY, *args],
+                          capture_output=True, text=True, env=ENV, timeout=timeout, cwd=out_dir.parent)
 
 
 def read_log(out_dir):
@@ -138,7 +146,7 @@ def test_sample_py_reads_the_checkpoint(trained):
     assert "ROMEO:" in result.stdout and len(result.stdout) > 40
 
 
-def test_bpe_dataset_embeds_its_tokenizer_in_the_checkpoint(tmp_path):
+def test_bpe_dataset_embeds_its_tokenizer_in_the_checkpoint(dataset, tmp_path):
     # A byte-level "BPE" of 256 byte tokens and no merges, plus <|endoftext|> = 256: the shard ids are the bytes.
     bpe = tmp_path / "bpe"
     bpe.mkdir()
@@ -151,7 +159,8 @@ def test_bpe_dataset_embeds_its_tokenizer_in_the_checkpoint(tmp_path):
     info = {"pattern": r"\S+|\s+", "special_tokens": {"<|endoftext|>": 256}, "vocab_size": 257, "num_merges": 0}
     (bpe / "tokenizer.json").write_text(json.dumps(info))
     meta = {"version": 1, "vocab_size": 257, "eot_token": 256, "dtype": "uint16", "max_token_id": 256,
-            "tokenizer": {"kind": "bpe", "path": "elsewhere", "sha256": "0"}, "source": "test",
+            "tokenizer": {"kind": "bpe", "path": "elsewhere", "sha256": hashlib.sha256(ranks.encode()).hexdigest()},
+            "source": "test",
             "num_chars": len(text), "tokens": {"train": 15000, "val": len(ids) - 15000},
             "shards": {"train": ["train_000000.npy"], "val": ["val_000000.npy"]}}
     (bpe / "meta.json").write_text(json.dumps(meta))
@@ -160,6 +169,16 @@ def test_bpe_dataset_embeds_its_tokenizer_in_the_checkpoint(tmp_path):
     assert checkpoint["tokenizer"] == {"kind": "bpe", "ranks": ranks, "pattern": info["pattern"],
                                        "special_tokens": info["special_tokens"]}
     assert checkpoint["model_config"]["vocab_size"] == 257
+    saved = (tmp_path / "out" / "ckpt.pt").read_bytes()
+    # Resuming onto another dataset's tokenizer (here char-level) is refused, and the checkpoint stays as it was.
+    result = run_train(dataset, tmp_path / "out", "--init_from=resume", "--max_iters=2")
+    assert_one_error_line(result, "was trained with another tokenizer", "'kind': 'bpe'", "'kind': 'char'")
+    assert (tmp_path / "out" / "ckpt.pt").read_bytes() == saved
+    # A tokenizer.tiktoken replaced after the shards were made (a BPE trainer's --out pointed here) is refused.
+    (bpe / "tokenizer.tiktoken").write_text(ranks + "IQ== 257\n")
+    result = run_train(bpe, tmp_path / "other", "--max_iters=1")
+    assert_one_error_line(result, "tokenizer.tiktoken is not the tokenizer the shards were made with")
+    assert not (tmp_path / "other").exists()
 
 
 # -----------------------------------------------------------------------------------------------------
@@ -271,32 +290,97 @@ def test_resume_continues_exactly(dataset, tmp_path, optimizer):
     assert f"was trained with muon={optimizer == 'muon'}" in result.stderr
 
 
-def test_sigterm_finishes_the_step_saves_and_exits_cleanly(dataset, tmp_path):
+def start_train(dataset, out_dir, *args):
+    return subprocess.Popen([sys.executable, TRAIN, f"--dataset={dataset}", f"--out_dir={out_dir}", *TINY, *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV, cwd=out_dir.parent)
+
+
+def signal_when(process, *steps):
+    """steps: (prefix, signal) pairs: send each signal once a line of stdout starts with its prefix, in turn.
+    (stdout, stderr) at the end."""
+    output, steps = [], list(steps)
+    for line in process.stdout:
+        output.append(line)
+        if line.startswith(steps[0][0]):
+            process.send_signal(steps.pop(0)[1])
+            if not steps:
+                break
+    stdout, stderr = process.communicate(timeout=60)
+    return "".join(output) + stdout, stderr
+
+
+def test_sigterm_saves_whether_in_an_eval_or_a_step_and_nothing_is_overwritten(dataset, tmp_path):
     # In float16, so that the GradScaler's state goes through the checkpoint too (autocast works on the CPU).
     out_dir = tmp_path / "out"
-    process = subprocess.Popen([sys.executable, TRAIN, f"--dataset={dataset}", f"--out_dir={out_dir}", *TINY,
-                                "--max_iters=1000000", "--eval_interval=100000", "--total_batch_size=None",
-                                "--dtype=float16"],
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV, cwd=tmp_path)
-    output = []
-    for line in process.stdout:  # wait until it is training
-        output.append(line)
-        if line.startswith("iter 3:"):
-            process.send_signal(signal.SIGTERM)
-            break
-    output.append(process.stdout.read())
-    assert process.wait(timeout=60) == 0, "".join(output)
-    assert "stopped by SIGTERM" in "".join(output)
+    args = ["--max_iters=1000000", "--eval_interval=100000", "--total_batch_size=None", "--dtype=float16"]
+    # 1. During an eval of 100,000 batches (minutes): it stops between two batches and saves.
+    started = time.time()
+    stdout, stderr = signal_when(start_train(dataset, out_dir, *args, "--eval_iters=100000"), ("model:", signal.SIGTERM))
+    assert "stopped by SIGTERM after iter 0" in stdout and time.time() - started < 60, stdout + stderr
+    assert load(out_dir / "ckpt.pt")["iter_num"] == 0 and not (out_dir / "log.jsonl").exists()  # no eval logged
+    # 2. A fresh run into that out_dir is refused: the checkpoint and the log stay as they were.
+    (out_dir / "log.jsonl").write_text("{}\n")
+    saved = (out_dir / "ckpt.pt").read_bytes()
+    assert_one_error_line(run_train(dataset, out_dir, "--max_iters=2"), "ckpt.pt exists", "--init_from=resume")
+    assert (out_dir / "ckpt.pt").read_bytes() == saved and (out_dir / "log.jsonl").read_text() == "{}\n"
+    (out_dir / "log.jsonl").unlink()
+    # 3. init_from=auto resumes; a temporary left by a save killed mid-write (its process gone) is cleaned.
+    (out_dir / "ckpt.pt.tmp.999999999").write_bytes(b"partial")
+    stdout, stderr = signal_when(start_train(dataset, out_dir, *args, "--init_from=auto"), ("iter 3:", signal.SIGTERM))
+    assert "resuming at iter 0" in stdout and "stopped by SIGTERM" in stdout, stdout + stderr
+    assert not (out_dir / "ckpt.pt.tmp.999999999").exists()
     checkpoint = load(out_dir / "ckpt.pt")
     stopped_at = checkpoint["iter_num"]
     assert stopped_at >= 3 and checkpoint["optimizer"] is not None
     assert checkpoint["scaler"]["_growth_tracker"] == stopped_at  # steps since the scale last changed: all
     assert max(read_log(out_dir)[0]) == stopped_at  # the step in flight was finished and logged, no more
-    train(dataset, out_dir, "--init_from=resume", f"--max_iters={stopped_at + 2}", "--eval_interval=100000",
-          "--total_batch_size=None", "--dtype=float16")
+    train(dataset, out_dir, "--init_from=resume", f"--max_iters={stopped_at + 2}", *args[1:])
     resumed = load(out_dir / "ckpt.pt")
     assert resumed["iter_num"] == stopped_at + 2
     assert resumed["scaler"]["_growth_tracker"] == stopped_at + 2  # the scaler went on, it did not restart
+
+
+def test_ctrl_c_twice_stops_at_once_in_one_line(dataset, tmp_path):
+    # Eval batches of 2048 x 128 tokens take a while: the second Ctrl-C comes before the first one's stop.
+    process = start_train(dataset, tmp_path / "out", "--max_iters=1000000", "--eval_iters=100000", "--batch_size=2048",
+                          "--block_size=128")
+    stdout, stderr = signal_when(process, ("model:", signal.SIGINT), ("SIGINT: finishing", signal.SIGINT))
+    assert_one_error_line(subprocess.CompletedProcess([], 1, stdout, stderr), "interrupted")
+    assert not (tmp_path / "out" / "ckpt.pt").exists()
+
+
+@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="finds rank 1's process through Linux's /proc")
+def test_a_frozen_rank_stops_the_other_after_the_timeout(dataset, tmp_path):
+    launcher = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                                 TRAIN, f"--dataset={dataset}", f"--out_dir={tmp_path / 'out'}", *TINY,
+                                 "--max_iters=1000000", "--eval_interval=100000", "--timeout=5", "--log_interval=50",
+                                 "--total_batch_size=None"],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV, cwd=tmp_path)
+    frozen = None
+    try:
+        for line in launcher.stdout:  # rank 0 prints; rank 1 is training too by then. A line per 50 steps only:
+            if line.startswith("iter 50:"):  # a full pipe would block rank 0 outside any collective
+                break
+        frozen = child_with_env(launcher.pid, "RANK=1")
+        assert frozen is not None, "rank 1's process not found"
+        os.kill(frozen, signal.SIGSTOP)
+        started = time.time()
+        time.sleep(10)  # twice --timeout: rank 0 has given up by now
+        os.kill(frozen, signal.SIGCONT)  # so that torchrun's SIGTERM ends it at once
+        stdout, stderr = launcher.communicate(timeout=90)
+    finally:
+        if frozen is not None:
+            try:
+                os.kill(frozen, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+    assert launcher.returncode != 0 and time.time() - started < 150  # far below --timeout's default of 600 s
+    rank0 = [line for line in stderr.splitlines() if line.startswith("[rank0]:")]  # torchrun's prefix
+    assert len(rank0) == 1 and rank0[0].startswith("[rank0]: error: rank 0 lost contact with the other ranks (Timed out")
+    assert "rank 1 hangs" in rank0[0], stderr[-3000:]
 
 
 def test_non_finite_loss_stops_with_the_iteration(dataset, tmp_path):
@@ -312,22 +396,85 @@ def test_non_finite_loss_stops_with_the_iteration(dataset, tmp_path):
 # -----------------------------------------------------------------------------------------------------
 # user mistakes: one line on stderr, a non-zero exit, no traceback
 
-@pytest.mark.parametrize("args, message", [
-    (["--batch_size=abc"], "batch_size must be int, got 'abc'"),
-    (["--batchsize=3"], "unknown setting 'batchsize' (did you mean 'batch_size'?)"),
-    (["PRESET"], "PRESET: unknown setting 'learning_rat'"),
-    (["--vocab_size=10"], "vocab_size=10 but the dataset's vocabulary has"),
-    (["--total_batch_size=1000"], "not a multiple of batch_size*block_size*world_size = 4*32*1 = 128"),
-    (["--dataset=DIR/nowhere"], "python prepare_data.py"),
-])
-def test_user_mistakes_get_one_line(dataset, tmp_path, args, message):
-    preset = tmp_path / "preset.py"
-    preset.write_text("batch_size = 8\nlearning_rat = 1e-3\n")
-    args = [a.replace("PRESET", str(preset)).replace("DIR", str(tmp_path)) for a in args]
-    message = message.replace("PRESET", str(preset))
-    result = subprocess.run([sys.executable, TRAIN, f"--dataset={dataset}", f"--out_dir={tmp_path / 'out'}", *TINY,
-                             *args], capture_output=True, text=True, env=ENV, timeout=120, cwd=tmp_path)
-    assert result.returncode != 0
-    assert result.stderr.count("\n") == 1 and result.stderr.startswith("error: "), result.stderr
-    assert message in result.stderr
-    assert not (tmp_path / "out").exists()
+def broken_dataset(dataset, directory, edit):
+    """A copy of the dataset with one thing broken by edit(directory, meta); its meta.json is written after."""
+    directory.mkdir()
+    for shard in dataset.glob("*.npy"):
+        (directory / shard.name).write_bytes(shard.read_bytes())
+    meta = edit(directory, json.loads((dataset / "meta.json").read_text()))
+    (directory / "meta.json").write_text(json.dumps(meta))
+    return directory
+
+
+def shrink_vocab(directory, meta):  # as if meta.json were edited: the shards hold ids past it
+    return dict(meta, vocab_size=10, max_token_id=9, chars=meta["chars"][:10])
+
+
+def truncate_shard(directory, meta):
+    shard = directory / "val_000000.npy"
+    shard.write_bytes(shard.read_bytes()[:1000])
+    return meta
+
+
+# (command-line arguments, what the one line must say); DATA is a broken copy of the dataset, made by the fixture
+MISTAKES = {
+    "type": (["--batch_size=abc"], "batch_size must be int, got 'abc'"),
+    "unknown": (["--batchsize=3"], "unknown setting 'batchsize' (did you mean 'batch_size'?)"),
+    "preset": (["PRESET"], "PRESET: unknown setting 'learning_rat'"),
+    "vocab_size": (["--vocab_size=10"], "vocab_size=10 but the dataset's vocabulary has"),
+    "batch": (["--total_batch_size=1000"], "not a multiple of batch_size*block_size*world_size = 4*32*1 = 128"),
+    "no dataset": (["--dataset=TMP/nowhere"], "python prepare_data.py"),
+    "learning_rate": (["--learning_rate=-1"], "learning_rate=-1.0"),
+    "dropout": (["--dropout=1.5"], "dropout=1.5"),
+    "beta2": (["--beta2=1.5"], "beta2=1.5"),
+    "tpu": (["--device=tpu"], "device must be"),
+    "mps": (["--device=mps"], "no MPS"),
+    "out_dir a file": (["--out_dir=TMP/file"], "a file is in the way"),
+    "out_dir under a file": (["--out_dir=TMP/file/out"], "a file is in the way"),
+    "out_dir unwritable": (["--out_dir=/sys/lillm_test_out"], "can't write in out_dir"),
+    "meta a list": (["--dataset=DATA"], "is not the meta.json"),
+    "meta empty": (["--dataset=DATA"], "is not the meta.json"),
+    "shard outside": (["--dataset=DATA"], "only plain file names"),
+    "shard deleted": (["--dataset=DATA"], "is missing", "or delete"),
+    "shard truncated": (["--dataset=DATA"], "unreadable"),
+    "ids past vocab": (["--dataset=DATA"], "holds token id"),
+    "config vs weights": (["--init_from=resume", "--out_dir=TMP/misfit"], "does not fit"),
+}
+BREAK = {
+    "meta a list": lambda d, meta: [meta],
+    "meta empty": lambda d, meta: {},
+    "shard outside": lambda d, meta: dict(meta, shards=dict(meta["shards"], train=["../x.npy"])),
+    "shard deleted": lambda d, meta: (d / "val_000000.npy").unlink() or meta,
+    "shard truncated": truncate_shard,
+    "ids past vocab": shrink_vocab,
+}
+
+
+@pytest.fixture(scope="module")
+def mistakes(dataset, trained, tmp_path_factory):
+    """Every case of MISTAKES run at once (each is a second or two of start-up, mostly importing torch)."""
+    tmp = tmp_path_factory.mktemp("mistakes")
+    (tmp / "preset.py").write_text("batch_size = 8\nlearning_rat = 1e-3\n")
+    (tmp / "file").write_text("not a directory")
+    checkpoint = load(trained / "ckpt.pt")
+    checkpoint["model_config"]["n_layer"] = 3  # the weights have 2
+    (tmp / "misfit").mkdir()
+    torch.save(checkpoint, tmp / "misfit" / "ckpt.pt")
+    processes = {}
+    for name, (args, *_) in MISTAKES.items():
+        data = broken_dataset(dataset, tmp / name.replace(" ", "_"), BREAK[name]) if name in BREAK else dataset
+        args = [a.replace("PRESET", str(tmp / "preset.py")).replace("TMP", str(tmp)).replace("DATA", str(data))
+                for a in args]
+        processes[name] = subprocess.Popen([sys.executable, TRAIN, f"--dataset={dataset}", f"--out_dir={tmp / 'out'}",
+                                            *TINY, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                           env=ENV, cwd=tmp)
+    results = {name: subprocess.CompletedProcess(p.args, p.wait(timeout=180), *p.communicate())
+               for name, p in processes.items()}
+    return tmp, results
+
+
+@pytest.mark.parametrize("case", MISTAKES)
+def test_user_mistakes_get_one_line(mistakes, case):
+    tmp, results = mistakes
+    assert_one_error_line(results[case], *(m.replace("PRESET", str(tmp / "preset.py")) for m in MISTAKES[case][1:]))
+    assert not (tmp / "out").exists()  # nothing written before the mistake was found
