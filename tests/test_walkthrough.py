@@ -50,7 +50,7 @@ def test_quickstart_end_to_end(tmp_path):
 
     # 1. tokenizer: no network, so the default source falls back to the standard library
     result = run("train_bpe_cpu.py", "-v", 300, "-n", 200_000, cwd=tmp_path)
-    assert "using the offline corpus" in result.stdout
+    assert "using the offline corpus" in result.stderr
     tokenizer_dir = tmp_path / "tokenizers" / "stdlib_v300"
     tokenizer_info = json.loads((tokenizer_dir / "tokenizer.json").read_text())
     ranks_text = (tokenizer_dir / "tokenizer.tiktoken").read_text()
