@@ -22,7 +22,7 @@ least one document; the last document always goes to train). A source that is on
 (a .txt file) gives its last 10% of tokens to val instead, as nanoGPT does for Shakespeare.
 
 Killed at any moment (Ctrl-C, kill -9, a full disk) and started again with the same arguments, it skips
-the finished shards and ends with files identical to an uninterrupted run (the README's "Resuming"). It
+the finished shards and ends with files identical to an uninterrupted run. It
 refuses to mix in a changed source (local files: their paths, sizes and times) and checks the shards it
 finished before; a missing or cut one is reported with how to rebuild.
 """
