@@ -1,10 +1,9 @@
 """
 lilLM's model: a Llama-3-style GPT in one file, shared by train.py and sample.py.
 
-Compared with GPT-2 (nanoGPT), it swaps in the parts that later models settled on: RMSNorm, rotary position
-embeddings, a SwiGLU MLP and grouped-query attention, with tied input/output embeddings and no biases.
-After the model come generation with a KV cache, the Muon optimizer (train.py's --muon=True) and the
-checkpoint format (save_checkpoint / load_checkpoint).
+Compared with GPT-2 (nanoGPT), it swaps in what later models settled on: RMSNorm, rotary position embeddings,
+a SwiGLU MLP and grouped-query attention, with tied embeddings and no biases. After the model: generation with a
+KV cache, the Muon optimizer (train.py's --muon=True) and the checkpoint format (save/load_checkpoint).
 
     from model import GPTConfig, GPT
     model = GPT(GPTConfig())                              # the lilLM preset, 39,596,544 parameters
@@ -13,6 +12,7 @@ checkpoint format (save_checkpoint / load_checkpoint).
 """
 import math
 import os
+import re
 import warnings
 from dataclasses import dataclass
 
@@ -42,11 +42,8 @@ class GPTConfig:
 
     @property
     def ffn_hidden_size(self):
-        # A SwiGLU MLP has three matrices instead of two, so 8/3*n_embd (rather than 4*n_embd) keeps its
-        # parameter count equal to GPT-2's MLP. lilLM: 8/3*512 = 1365.3 -> 1408 (11*128).
-        if self.ffn_hidden:
-            return self.ffn_hidden
-        return self.ffn_multiple_of * math.ceil(self.ffn_ratio * self.n_embd / self.ffn_multiple_of)
+        # SwiGLU has three matrices, not two: 8/3*n_embd (not 4*n_embd) keeps GPT-2's MLP size. lilLM: 1408.
+        return self.ffn_hidden or self.ffn_multiple_of * math.ceil(self.ffn_ratio * self.n_embd / self.ffn_multiple_of)
 
 
 class RMSNorm(nn.Module):
@@ -65,29 +62,25 @@ class RMSNorm(nn.Module):
 
 
 def rope_tables(head_dim, length, theta):
-    """The rotation of every (position, channel), as two (length, head_dim) tables laid out for apply_rope: the
-    cosines repeated for both halves of the channels, and the sines with the first half negated."""
+    """The rotation of every (position, channel) as apply_rope wants it: cos for both halves, sin with the first negated."""
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
     angles = torch.outer(torch.arange(length, dtype=torch.float32), inv_freq)  # (length, head_dim/2)
-    cos, sin = angles.cos(), angles.sin()
-    return torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)
+    return torch.cat([angles.cos()] * 2, dim=-1), torch.cat([-angles.sin(), angles.sin()], dim=-1)
 
 
 def apply_rope(x, cos, sin):
-    # Why rotary embeddings over GPT-2's learned absolute ones: rotating query and key channel pairs by an
-    # angle proportional to the position makes q.k depend only on the distance between the two tokens, with no
-    # parameters. Pairs here are (i, i + head_dim/2) ("rotate half"); any fixed pairing has the same property.
-    # The pair (x1, x2) becomes (x1 cos - x2 sin, x2 cos + x1 sin) = x * cos + (x2, x1) * sin, the sign being
-    # in the sin table. x: (B, heads, T, head_dim); cos, sin: (T, head_dim) from rope_tables.
+    # Why rotary embeddings over GPT-2's learned absolute ones: rotating query and key channel pairs by an angle
+    # proportional to the position makes q.k depend only on the distance between the tokens, with no parameters.
+    # The pair (i, i + head_dim/2) = (x1, x2) becomes (x1 cos - x2 sin, x2 cos + x1 sin) = x * cos + (x2, x1) * sin
+    # (the sign is in the sin table). x: (B, heads, T, head_dim); cos, sin: (T, head_dim) from rope_tables.
     x_float = x.float()
     x1, x2 = x_float.chunk(2, dim=-1)
     return (x_float * cos + torch.cat([x2, x1], dim=-1) * sin).type_as(x)
 
 
 class CausalSelfAttention(nn.Module):
-    # Why grouped-query attention: the KV cache, not the weights, limits generation speed and batch size;
-    # sharing each key/value head among several query heads shrinks the cache n_head/n_kv_head times for a
-    # small loss in quality. scaled_dot_product_attention runs flash attention on a GPU.
+    # Why grouped-query attention: the KV cache, not the weights, limits generation speed and batch size; sharing
+    # each key/value head among n_head/n_kv_head query heads shrinks it that much, for a small loss in quality.
     def __init__(self, config):
         super().__init__()
         assert config.n_embd % config.n_head == 0, "n_embd must be a multiple of n_head"
@@ -111,19 +104,14 @@ class CausalSelfAttention(nn.Module):
         mask, is_causal = None, True  # training, or generating without a cache: the whole sequence at once
         if self.kv_cache is not None:
             # Store this step's keys/values at their positions, then attend over everything cached so far.
-            cached_keys, cached_values = self.kv_cache
-            end = start_pos + T
-            cached_keys[:B, :, start_pos:end] = k
-            cached_values[:B, :, start_pos:end] = v
+            (cached_keys, cached_values), end = self.kv_cache, start_pos + T
+            cached_keys[:B, :, start_pos:end], cached_values[:B, :, start_pos:end] = k, v
             k, v = cached_keys[:B, :, :end], cached_values[:B, :, :end]
-            if T == 1:  # one new token: it may see every cached position, no mask needed
-                is_causal = False
-            elif start_pos > 0:  # a chunk after earlier tokens: query i (at start_pos + i) sees keys 0..start_pos + i
+            is_causal = start_pos == 0 and T > 1  # prefill; one new token sees every cached position
+            if start_pos > 0 and T > 1:  # a chunk after earlier tokens: query i sees keys 0..start_pos + i
                 mask = torch.arange(end, device=x.device) <= (start_pos + torch.arange(T, device=x.device))[:, None]
-                is_causal = False
-        dropout_p = self.dropout if self.training else 0.0
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal,
-                                           enable_gqa=self.n_kv_head != self.n_head)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0,
+                                           is_causal=is_causal, enable_gqa=self.n_kv_head != self.n_head)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.resid_dropout(self.c_proj(y))
 
@@ -169,15 +157,14 @@ class GPT(nn.Module):
             ln_f=RMSNorm(config.n_embd, config.norm_eps),
         ))
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
-        # Tied embeddings: the same matrix maps tokens to vectors and vectors back to token scores. For a small
-        # model with an 8192-token vocabulary this saves 4.2M parameters (10%) at no measurable cost.
+        # Tied embeddings: one matrix maps tokens to vectors and back to scores (lilLM: 10% fewer parameters).
         self.transformer.wte.weight = self.lm_head.weight
         # RoPE tables are computed, not learned: non-persistent buffers, so they stay out of checkpoints.
         cos, sin = rope_tables(config.n_embd // config.n_head, config.block_size, config.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
-        # GPT-2 init: N(0, 0.02) everywhere; the projections that write into the residual stream get
-        # 0.02/sqrt(2*n_layer), so the stream's variance does not grow with depth (2 writes per layer).
+        # GPT-2 init: N(0, 0.02); the 2 writes per layer into the residual stream 0.02/sqrt(2*n_layer), so depth
+        # does not grow its variance.
         self.apply(self._init_weights)
         for name, param in self.named_parameters():
             if name.endswith("c_proj.weight"):
@@ -190,21 +177,18 @@ class GPT(nn.Module):
             nn.init.zeros_(module.bias)
 
     def get_num_params(self, non_embedding=False):
-        """Parameters, each tied tensor counted once. non_embedding=True leaves out the token embedding (which
-        is also the output head)."""
+        """Parameters, the tied embedding counted once; non_embedding=True leaves it out."""
         total = sum(p.numel() for p in self.parameters())
         return total - self.transformer.wte.weight.numel() if non_embedding else total
 
     def forward(self, idx, targets=None, start_pos=0):
-        """idx: (B, T) token ids. With targets (B, T) (-1 = ignore): logits (B, T, vocab) for every position and
-        the mean cross-entropy loss. Without targets: logits (B, 1, vocab) for the LAST position only (all that
-        generation needs; it saves the largest matmul on the other T-1 positions), and loss None.
+        """idx: (B, T) token ids. With targets (B, T) (-1 = ignore): logits (B, T, vocab) and the mean cross-entropy.
+        Without: logits (B, 1, vocab) for the last position only (all that generation needs), and None.
         start_pos is the position of idx[:, 0]; it is nonzero only while decoding with the KV cache."""
         B, T = idx.size()
         if start_pos + T > self.config.block_size:
             raise ValueError(f"sequence of {start_pos + T} tokens is longer than block_size={self.config.block_size}")
-        cos = self.rope_cos[start_pos:start_pos + T]
-        sin = self.rope_sin[start_pos:start_pos + T]
+        cos, sin = self.rope_cos[start_pos:start_pos + T], self.rope_sin[start_pos:start_pos + T]
         x = self.transformer.drop(self.transformer.wte(idx))
         for block in self.transformer.h:
             x = block(x, cos, sin, start_pos)
@@ -217,10 +201,8 @@ class GPT(nn.Module):
         return logits, loss
 
     def configure_optimizers(self, weight_decay, learning_rate, betas, device_type, optimizer="adamw", verbose=True):
-        """optimizer="adamw": AdamW with weight decay on the matrices (2+ dims: Linear weights, the embedding) and
-        none on the 1-D tensors (norm gains, biases): decaying a gain toward 0 only fights the norm.
-        optimizer="muon": Muon for the matrices inside the blocks, AdamW for the embedding and the gains (MuonAdamW
-        below); one learning rate serves both. verbose=False keeps it quiet (train.py's ranks other than 0)."""
+        """"adamw": AdamW, decaying the matrices but not the 1-D gains and biases (decaying a gain only fights the
+        norm). "muon": Muon for the matrices in the blocks, AdamW for the rest (MuonAdamW). verbose=False: quiet."""
         log = print if verbose else (lambda *args, **kwargs: None)
         if optimizer not in ("adamw", "muon"):
             raise ValueError(f"optimizer must be 'adamw' or 'muon', got {optimizer!r}")
@@ -239,17 +221,14 @@ class GPT(nn.Module):
             ns_every = 1 if device_type == "cuda" else 4
             muon_group = {"params": block_matrices, "weight_decay": weight_decay, "use_muon": True}
             return MuonAdamW([muon_group] + groups, lr=learning_rate, betas=betas, ns_every=ns_every)
+        fused = device_type in ("cuda", "cpu")  # the whole update in one kernel, not a dozen per tensor
         log(f"optimizer: {len(decay)} decayed tensors ({sum(p.numel() for p in decay):,} params), "
-            f"{len(no_decay)} not decayed ({sum(p.numel() for p in no_decay):,} params)")
-        # The fused kernel does the whole update in one call instead of a dozen per tensor (CUDA and CPU).
-        fused = device_type in ("cuda", "cpu")
-        log(f"optimizer: using fused AdamW: {fused}")
+            f"{len(no_decay)} not decayed ({sum(p.numel() for p in no_decay):,} params)\noptimizer: using fused AdamW: {fused}")
         return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=fused)
 
     def estimate_mfu(self, fwdbwd_per_iter, dt):
-        """Model FLOPs utilization: achieved FLOP/s over the device's peak bf16 FLOP/s (0.4 = 40%); NaN where
-        the peak is unknown (the CPU). FLOPs per token as in the PaLM paper: 6N for the matmuls, plus
-        12*L*H*Q*T for attention (full, not halved for causality)."""
+        """Model FLOPs utilization (0.4 = 40% of the device's bf16 peak; NaN on the CPU). FLOPs per token as in
+        the PaLM paper: 6N for the matmuls, plus 12*L*H*Q*T for attention (not halved for causality)."""
         cfg = self.config
         flops_per_token = 6 * self.get_num_params() + 12 * cfg.n_layer * cfg.n_embd * cfg.block_size
         peak, _ = peak_flops(self.lm_head.weight.device)
@@ -267,13 +246,10 @@ class GPT(nn.Module):
     @torch.no_grad()
     def generate_tokens(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None, use_cache=True,
                         generator=None):
-        """Yields the new tokens one step at a time, each (B, 1), so that a caller can stream them.
-
-        With the cache (default) the prompt is run once (prefill), then each step runs only the newest token
-        against the cached keys/values of the earlier ones. When the context reaches block_size, the cache is
-        refilled from the last block_size//2 tokens (positions restart at 0, as in training) and decoding goes
-        on. use_cache=False recomputes the whole context (its last block_size tokens) every step: slower, but
-        the same tokens while the context fits in block_size."""
+        """Yields the new tokens one step at a time, each (B, 1), so that a caller can stream them. With the cache
+        the prompt runs once (prefill), then each step runs only the newest token against the cached keys/values;
+        a full cache is refilled from the last block_size//2 tokens. use_cache=False recomputes the whole context
+        every step: slower, but the same tokens while the context fits in block_size."""
         block_size = self.config.block_size
         if idx.size(1) > block_size:
             warnings.warn(f"the prompt has {idx.size(1)} tokens, more than block_size={block_size}: "
@@ -315,15 +291,12 @@ class GPT(nn.Module):
         dtype = self.lm_head.weight.dtype
         if torch.is_autocast_enabled(device.type):  # keys/values come out of autocast matmuls in its dtype
             dtype = torch.get_autocast_dtype(device.type)
-        cfg = self.config
-        shape = (batch_size, cfg.n_kv_head, cfg.block_size, cfg.n_embd // cfg.n_head)
+        shape = (batch_size, self.config.n_kv_head, self.config.block_size, self.config.n_embd // self.config.n_head)
         for block in self.transformer.h:
-            block.attn.kv_cache = (torch.zeros(shape, dtype=dtype, device=device),
-                                   torch.zeros(shape, dtype=dtype, device=device))
+            block.attn.kv_cache = tuple(torch.zeros(shape, dtype=dtype, device=device) for _ in range(2))
 
 
-# Dense bf16 peaks from the vendors' data sheets (fp16 on V100 and T4, which lack bf16), for MFU. The first
-# name found in the device's name wins: "H100 PCIe" before "H100", "A100" before "A10".
+# Dense bf16 peaks (fp16: V100, T4) from data sheets; the first key in the GPU's name wins ("A100" before "A10").
 PEAK_FLOPS = {"GB200": 2.5e15, "B200": 2.25e15, "GH200": 989e12, "H200": 989e12, "H100 PCIe": 756e12, "H100": 989e12,
               "H800": 989e12, "A100": 312e12, "A800": 312e12, "L40S": 362e12, "L40": 181e12, "L4": 121e12, "A10G": 70e12,
               "A10": 125e12, "A6000": 155e12, "A5000": 111e12, "A4000": 77e12, "A40": 150e12, "4090": 165e12,
@@ -338,9 +311,8 @@ def peak_flops(device):
         return None, f"n/a on {device.type}"
     name = torch.cuda.get_device_name(device)
     flops = next((flops for key, flops in PEAK_FLOPS.items() if key in name), None)
-    if flops is None:
-        return 312e12, f"{name} is not in the table: assuming an A100's 312 TFLOP/s"
-    return flops, f"{name}: {flops / 1e12:.0f} TFLOP/s peak"
+    return (flops, f"{name}: {flops / 1e12:.0f} TFLOP/s peak") if flops else \
+        (312e12, f"{name} is not in the table: assuming an A100's 312 TFLOP/s")
 
 
 def top_k_filter(logits, k):
@@ -350,8 +322,7 @@ def top_k_filter(logits, k):
 
 
 def top_p_filter(logits, p):
-    """Nucleus filtering: keep the smallest set of most likely tokens whose probabilities sum to at least p
-    (always at least the most likely one); set the others to -inf."""
+    """Nucleus filtering: keep the fewest most likely tokens whose probabilities reach p; the others get -inf."""
     sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
     sorted_probs = F.softmax(sorted_logits.float(), dim=-1)
     mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs  # probability of the tokens ranked above
@@ -377,13 +348,10 @@ def sample_next_token(logits, temperature=1.0, top_k=None, top_p=None, generator
 
 def orthogonalize(matrices, steps=5):
     """The nearest orthogonal matrix to each of a stack of matrices (n, rows, cols), approximately: U V^T of each
-    one's SVD U S V^T, with every singular value pushed near 1 (into about 0.7..1.2) by a few Newton-Schulz steps.
-
-    Each step maps X to a X + b (X X^T) X + c (X X^T)^2 X, an odd polynomial that acts on every singular value
-    alone: p(s) = a s + b s^3 + c s^5. The coefficients (Keller Jordan's, for Muon) make p steep at 0 and keep it
-    near 1 beyond, so five steps take every singular value from 0.003 to 1 (after the division by the Frobenius
-    norm) into about 0.7..1.2. Only matmuls: fast on a GPU in bfloat16, unlike an SVD. On the CPU, float32: most
-    CPUs (all without AVX-512 BF16 or AMX) emulate bfloat16 matmuls, ~27x slower than float32."""
+    one's SVD U S V^T. Each Newton-Schulz step maps X to a X + b (X X^T) X + c (X X^T)^2 X, which maps every
+    singular value s alone to p(s) = a s + b s^3 + c s^5; Keller Jordan's coefficients make p steep at 0 and keep
+    it near 1 beyond, so five steps take singular values from 0.003 to 1 into about 0.7..1.2. Only matmuls: fast on
+    a GPU in bfloat16. On the CPU, float32: CPUs without AVX-512 BF16 emulate bf16 matmuls, ~27x slower."""
     a, b, c = 3.4445, -4.7750, 2.0315
     x = matrices.bfloat16() if matrices.is_cuda else matrices.float()
     wide = x.size(-2) <= x.size(-1)
@@ -400,17 +368,12 @@ def orthogonalize(matrices, steps=5):
 class MuonAdamW(torch.optim.Optimizer):
     """Muon for the groups marked use_muon (2-D weight matrices), AdamW for the other groups.
 
-    Why Muon (Jordan et al. 2024, used by modded-nanogpt and nanochat): the gradient of a weight matrix is
-    dominated by a few directions, and AdamW's step follows them. Muon replaces the momentum of each matrix with
-    its nearest orthogonal matrix: the same directions, all moved by the same amount. On the CPU Shakespeare
-    recipe (bench/bench_train.py) it reaches val loss 1.56 in 2000 steps where AdamW reaches 1.68. The
-    embedding, the output head and the gains are not hidden-layer matrices; AdamW suits them better.
-
-    The orthogonal step has entries of size 1/sqrt(max(rows, cols)); scaling it by 0.2 * sqrt(max(rows, cols))
-    gives it an RMS of 0.2, about that of an AdamW step (Liu et al. 2025), so one learning rate drives both.
-    ns_every=k orthogonalizes every k-th step and reuses that direction in between: the momentum it comes from
-    changes by ~5% a step, and on a CPU at a small batch, Newton-Schulz costs half as much as the forward and
-    backward pass."""
+    Why Muon (Jordan et al. 2024): the gradient of a weight matrix is dominated by a few directions, and AdamW's
+    step follows them. Muon replaces the momentum of each matrix with its nearest orthogonal matrix: the same
+    directions, all moved by the same amount (CPU Shakespeare recipe: val loss 1.56 where AdamW gets 1.68).
+    Its entries are ~1/sqrt(max(rows, cols)): scaled by 0.2 * sqrt(max(rows, cols)), the step has an RMS of 0.2,
+    about an AdamW step's (Liu et al. 2025), so one learning rate drives both. ns_every=k orthogonalizes every
+    k-th step and reuses the direction in between (the momentum behind it moves ~5% a step)."""
 
     def __init__(self, param_groups, lr, betas=(0.9, 0.95), eps=1e-8, momentum=0.95, ns_steps=5, ns_every=1):
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=0.0, momentum=momentum, ns_steps=ns_steps,
@@ -421,10 +384,8 @@ class MuonAdamW(torch.optim.Optimizer):
     def step(self, closure=None):
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
-            if params and group["use_muon"]:
-                self._muon_step(group, params)
-            elif params:
-                self._adamw_step(group, params)
+            if params:
+                (self._muon_step if group["use_muon"] else self._adamw_step)(group, params)
 
     def _muon_step(self, group, params):
         lr, momentum = group["lr"], group["momentum"]
@@ -435,11 +396,10 @@ class MuonAdamW(torch.optim.Optimizer):
             by_shape.setdefault((min(p.shape), max(p.shape)), []).append(p)
         for (rows, cols), same_shape in by_shape.items():
             states = [self.state[p] for p in same_shape]
-            for state, p in zip(states, same_shape):
-                if "momentum_buffer" not in state:
-                    state["momentum_buffer"] = torch.zeros_like(p)
             grads = [p.grad for p in same_shape]
-            buffers = [state["momentum_buffer"] for state in states]
+            buffers = [state.get("momentum_buffer") for state in states]
+            if buffers[0] is None:
+                buffers = [state.setdefault("momentum_buffer", torch.zeros_like(p)) for state, p in zip(states, same_shape)]
             torch._foreach_lerp_(buffers, grads, 1 - momentum)  # buffer = momentum-weighted mean of gradients
             every, step = group.get("ns_every", 1), states[0].get("step", 0)
             if every == 1 or step % every == 0 or "direction" not in states[0]:
@@ -485,13 +445,12 @@ class CheckpointError(Exception):
 
 
 def save_checkpoint(path, checkpoint):
-    """Write the checkpoint dict atomically: a temporary file beside it, then os.replace, so a crash mid-write
-    never leaves a truncated ckpt.pt where the last good one was. Strips "_orig_mod." (torch.compile) and
-    "module." (DDP) prefixes from the model's state dict."""
-    checkpoint = dict(checkpoint)
-    checkpoint.setdefault("version", CHECKPOINT_VERSION)
+    """Write the checkpoint atomically (a temporary file, then os.replace: a crash never leaves half a ckpt.pt),
+    without torch.compile's "_orig_mod." and DDP's "module." prefixes in the model's state dict."""
+    checkpoint = {"version": CHECKPOINT_VERSION, **checkpoint}
     if "model" in checkpoint:
-        checkpoint["model"] = {_strip_prefixes(key): value for key, value in checkpoint["model"].items()}
+        checkpoint["model"] = {re.sub(r"^(_orig_mod\.|module\.)+", "", key): value
+                               for key, value in checkpoint["model"].items()}
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     temp_path = f"{path}.tmp.{os.getpid()}"
     try:
@@ -500,13 +459,6 @@ def save_checkpoint(path, checkpoint):
     finally:
         if os.path.exists(temp_path):
             os.remove(temp_path)
-
-
-def _strip_prefixes(key):
-    for prefix in ("_orig_mod.", "module."):
-        while key.startswith(prefix):
-            key = key[len(prefix):]
-    return key
 
 
 def load_checkpoint(path, map_location="cpu"):
