@@ -337,6 +337,9 @@ def test_configure_optimizers_muon_takes_the_block_matrices():
     assert [p is model.lm_head.weight for p in matrices["params"]] == [True]  # the tied embedding: AdamW
     assert all(p.dim() == 1 for p in gains["params"]) and gains["weight_decay"] == 0.0
     assert sum(len(g["params"]) for g in optimizer.param_groups) == len(list(model.parameters()))
+    # Newton-Schulz every 4th step on the CPU (float32, small batches), every step on a GPU.
+    assert muon["ns_every"] == 4
+    assert model.configure_optimizers(0.1, 1e-3, (0.9, 0.95), "cuda", optimizer="muon").param_groups[0]["ns_every"] == 1
     with pytest.raises(ValueError, match="adamw' or 'muon"):
         model.configure_optimizers(0.1, 1e-3, (0.9, 0.95), "cpu", optimizer="sgd")
 
