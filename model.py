@@ -1,22 +1,20 @@
 """
 lilLM's model: a Llama-3-style GPT in one file, shared by train.py and sample.py.
 
-Compared with GPT-2 (nanoGPT), it swaps in the parts that later models settled on: RMSNorm, rotary position
-embeddings, a SwiGLU MLP and grouped-query attention, with tied input/output embeddings and no biases.
-It also holds a KV cache for generation, the Muon optimizer (MuonAdamW, which train.py's --muon=True picks)
-and the checkpoint format (save_checkpoint / load_checkpoint).
+Compared with GPT-2 (nanoGPT), it swaps in what later models settled on: RMSNorm, rotary position embeddings,
+a SwiGLU MLP and grouped-query attention, with tied embeddings and no biases. After the model: generation with a
+KV cache, the Muon optimizer (train.py's --muon=True) and the checkpoint format (save/load_checkpoint).
 
     from model import GPTConfig, GPT
     model = GPT(GPTConfig())                              # the lilLM preset, 39,596,544 parameters
     logits, loss = model(idx, targets)                    # training: logits for every position
     out = model.generate(idx, max_new_tokens=100, temperature=0.8, top_k=50)
 """
-import inspect
 import math
 import os
+import re
 import warnings
 from dataclasses import dataclass
-from functools import lru_cache
 
 import torch
 import torch.nn as nn
@@ -44,12 +42,8 @@ class GPTConfig:
 
     @property
     def ffn_hidden_size(self):
-        # A SwiGLU MLP has three matrices instead of two, so 8/3*n_embd (rather than 4*n_embd) keeps its
-        # parameter count equal to GPT-2's MLP. lilLM: 8/3*512 = 1365.3 -> 1408 (11*128) -> 39.6M params in
-        # all; rounding to 256 would give 1536 and 42.0M.
-        if self.ffn_hidden:
-            return self.ffn_hidden
-        return self.ffn_multiple_of * math.ceil(self.ffn_ratio * self.n_embd / self.ffn_multiple_of)
+        # SwiGLU has three matrices, not two: 8/3*n_embd (not 4*n_embd) keeps GPT-2's MLP size. lilLM: 1408.
+        return self.ffn_hidden or self.ffn_multiple_of * math.ceil(self.ffn_ratio * self.n_embd / self.ffn_multiple_of)
 
 
 class RMSNorm(nn.Module):
@@ -68,53 +62,25 @@ class RMSNorm(nn.Module):
 
 
 def rope_tables(head_dim, length, theta):
-    """The rotation of every (position, channel), as two (length, head_dim) tables laid out for apply_rope: the
-    cosines repeated for both halves of the channels, and the sines with the first half negated."""
+    """The rotation of every (position, channel) as apply_rope wants it: cos for both halves, sin with the first negated."""
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
     angles = torch.outer(torch.arange(length, dtype=torch.float32), inv_freq)  # (length, head_dim/2)
-    cos, sin = angles.cos(), angles.sin()
-    return torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)
+    return torch.cat([angles.cos()] * 2, dim=-1), torch.cat([-angles.sin(), angles.sin()], dim=-1)
 
 
 def apply_rope(x, cos, sin):
-    # Why rotary embeddings over GPT-2's learned absolute ones: rotating query and key channel pairs by an
-    # angle proportional to the position makes q.k depend only on the distance between the two tokens, with no
-    # parameters. Pairs here are (i, i + head_dim/2) ("rotate half"); any fixed pairing has the same property.
-    # The pair (x1, x2) becomes (x1 cos - x2 sin, x2 cos + x1 sin): that is x * cos + (x2, x1) * sin with the
-    # sign in the sin table: 4 ops instead of 7 (~5% of a CPU training step saved), and the same bits.
-    # x: (B, heads, T, head_dim); cos, sin: (T, head_dim) from rope_tables
+    # Why rotary embeddings over GPT-2's learned absolute ones: rotating query and key channel pairs by an angle
+    # proportional to the position makes q.k depend only on the distance between the tokens, with no parameters.
+    # The pair (i, i + head_dim/2) = (x1, x2) becomes (x1 cos - x2 sin, x2 cos + x1 sin) = x * cos + (x2, x1) * sin
+    # (the sign is in the sin table). x: (B, heads, T, head_dim); cos, sin: (T, head_dim) from rope_tables.
     x_float = x.float()
     x1, x2 = x_float.chunk(2, dim=-1)
     return (x_float * cos + torch.cat([x2, x1], dim=-1) * sin).type_as(x)
 
 
-def _sdpa_has_gqa():
-    q, kv = torch.zeros(1, 2, 1, 2), torch.zeros(1, 1, 1, 2)
-    try:
-        F.scaled_dot_product_attention(q, kv, kv, enable_gqa=True)
-        return True
-    except TypeError:  # torch < 2.5
-        return False
-
-
-SDPA_HAS_GQA = _sdpa_has_gqa()
-
-
-def attention(q, k, v, is_causal, attn_mask=None, dropout_p=0.0):
-    """softmax(q k^T / sqrt(d)) v, with k and v possibly holding fewer heads than q (grouped-query attention)."""
-    group = q.size(1) // k.size(1)
-    if group > 1 and not SDPA_HAS_GQA:
-        # Older torch: copy each key/value head for its group of query heads (the same math, more memory).
-        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    extra = {"enable_gqa": True} if group > 1 and SDPA_HAS_GQA else {}
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
-                                          **extra)
-
-
 class CausalSelfAttention(nn.Module):
-    # Why grouped-query attention: the KV cache, not the weights, limits generation speed and batch size;
-    # sharing each key/value head among several query heads shrinks the cache n_head/n_kv_head times for a
-    # small loss in quality. scaled_dot_product_attention runs flash attention on a GPU.
+    # Why grouped-query attention: the KV cache, not the weights, limits generation speed and batch size; sharing
+    # each key/value head among n_head/n_kv_head query heads shrinks it that much, for a small loss in quality.
     def __init__(self, config):
         super().__init__()
         assert config.n_embd % config.n_head == 0, "n_embd must be a multiple of n_head"
@@ -135,23 +101,17 @@ class CausalSelfAttention(nn.Module):
         k = self.c_k(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
         v = self.c_v(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        dropout_p = self.dropout if self.training else 0.0
-        if self.kv_cache is None:  # training, or generating without a cache: the whole sequence at once
-            y = attention(q, k, v, is_causal=True, dropout_p=dropout_p)
-        else:
+        mask, is_causal = None, True  # training, or generating without a cache: the whole sequence at once
+        if self.kv_cache is not None:
             # Store this step's keys/values at their positions, then attend over everything cached so far.
-            cached_keys, cached_values = self.kv_cache
-            end = start_pos + T
-            cached_keys[:B, :, start_pos:end] = k
-            cached_values[:B, :, start_pos:end] = v
+            (cached_keys, cached_values), end = self.kv_cache, start_pos + T
+            cached_keys[:B, :, start_pos:end], cached_values[:B, :, start_pos:end] = k, v
             k, v = cached_keys[:B, :, :end], cached_values[:B, :, :end]
-            if T == 1:  # one new token: it may see every cached position, no mask needed
-                y = attention(q, k, v, is_causal=False)
-            elif start_pos == 0:  # prefill: plain causal attention
-                y = attention(q, k, v, is_causal=True)
-            else:  # a chunk after earlier tokens: query i (at start_pos + i) sees keys 0..start_pos + i
+            is_causal = start_pos == 0 and T > 1  # prefill; one new token sees every cached position
+            if start_pos > 0 and T > 1:  # a chunk after earlier tokens: query i sees keys 0..start_pos + i
                 mask = torch.arange(end, device=x.device) <= (start_pos + torch.arange(T, device=x.device))[:, None]
-                y = attention(q, k, v, is_causal=False, attn_mask=mask)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0,
+                                           is_causal=is_causal, enable_gqa=self.n_kv_head != self.n_head)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.resid_dropout(self.c_proj(y))
 
@@ -197,15 +157,14 @@ class GPT(nn.Module):
             ln_f=RMSNorm(config.n_embd, config.norm_eps),
         ))
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
-        # Tied embeddings: the same matrix maps tokens to vectors and vectors back to token scores. For a small
-        # model with an 8192-token vocabulary this saves 4.2M parameters (10%) at no measurable cost.
+        # Tied embeddings: one matrix maps tokens to vectors and back to scores (lilLM: 10% fewer parameters).
         self.transformer.wte.weight = self.lm_head.weight
         # RoPE tables are computed, not learned: non-persistent buffers, so they stay out of checkpoints.
         cos, sin = rope_tables(config.n_embd // config.n_head, config.block_size, config.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
-        # GPT-2 init: N(0, 0.02) everywhere; the projections that write into the residual stream get
-        # 0.02/sqrt(2*n_layer), so the stream's variance does not grow with depth (2 writes per layer).
+        # GPT-2 init: N(0, 0.02); the 2 writes per layer into the residual stream 0.02/sqrt(2*n_layer), so depth
+        # does not grow its variance.
         self.apply(self._init_weights)
         for name, param in self.named_parameters():
             if name.endswith("c_proj.weight"):
@@ -218,41 +177,32 @@ class GPT(nn.Module):
             nn.init.zeros_(module.bias)
 
     def get_num_params(self, non_embedding=False):
-        """Parameters, each tied tensor counted once: 39,596,544 for the lilLM preset. non_embedding=True leaves
-        out the token embedding (which is also the output head)."""
+        """Parameters, the tied embedding counted once; non_embedding=True leaves it out."""
         total = sum(p.numel() for p in self.parameters())
-        if non_embedding:
-            total -= self.transformer.wte.weight.numel()
-        return total
+        return total - self.transformer.wte.weight.numel() if non_embedding else total
 
     def forward(self, idx, targets=None, start_pos=0):
-        """idx: (B, T) token ids. With targets (B, T) (-1 = ignore): logits (B, T, vocab) for every position and
-        the mean cross-entropy loss. Without targets: logits (B, 1, vocab) for the LAST position only (all that
-        generation needs; it saves the largest matmul on the other T-1 positions), and loss None.
+        """idx: (B, T) token ids. With targets (B, T) (-1 = ignore): logits (B, T, vocab) and the mean cross-entropy.
+        Without: logits (B, 1, vocab) for the last position only (all that generation needs), and None.
         start_pos is the position of idx[:, 0]; it is nonzero only while decoding with the KV cache."""
         B, T = idx.size()
         if start_pos + T > self.config.block_size:
             raise ValueError(f"sequence of {start_pos + T} tokens is longer than block_size={self.config.block_size}")
-        cos = self.rope_cos[start_pos:start_pos + T]
-        sin = self.rope_sin[start_pos:start_pos + T]
+        cos, sin = self.rope_cos[start_pos:start_pos + T], self.rope_sin[start_pos:start_pos + T]
         x = self.transformer.drop(self.transformer.wte(idx))
         for block in self.transformer.h:
             x = block(x, cos, sin, start_pos)
         x = self.transformer.ln_f(x)
-        if targets is not None:
-            logits = self.lm_head(x)
-            # float32 for the softmax: bf16 logits round the loss visibly at vocab sizes like ours.
-            loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
-        else:
-            logits = self.lm_head(x[:, [-1], :])
-            loss = None
+        if targets is None:
+            return self.lm_head(x[:, [-1], :]), None
+        logits = self.lm_head(x)
+        # float32 for the softmax: bf16 logits round the loss visibly at vocab sizes like ours.
+        loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
         return logits, loss
 
     def configure_optimizers(self, weight_decay, learning_rate, betas, device_type, optimizer="adamw", verbose=True):
-        """optimizer="adamw": AdamW with weight decay on the matrices (2+ dims: Linear weights, the embedding) and
-        none on the 1-D tensors (norm gains, biases): decaying a gain toward 0 only fights the norm.
-        optimizer="muon": Muon for the matrices inside the blocks, AdamW for the embedding and the gains (MuonAdamW
-        below); one learning rate serves both. verbose=False keeps it quiet (train.py's ranks other than 0)."""
+        """"adamw": AdamW, decaying the matrices but not the 1-D gains and biases (decaying a gain only fights the
+        norm). "muon": Muon for the matrices in the blocks, AdamW for the rest (MuonAdamW). verbose=False: quiet."""
         log = print if verbose else (lambda *args, **kwargs: None)
         if optimizer not in ("adamw", "muon"):
             raise ValueError(f"optimizer must be 'adamw' or 'muon', got {optimizer!r}")
@@ -266,33 +216,23 @@ class GPT(nn.Module):
             log(f"optimizer: Muon for {len(block_matrices)} matrices in the blocks "
                 f"({sum(p.numel() for p in block_matrices):,} params), AdamW for {len(decay) + len(no_decay)} "
                 f"other tensors ({sum(p.numel() for p in decay + no_decay):,} params)")
+            # On a GPU, Newton-Schulz in bf16 is ~1% of a step; on a CPU, in float32 at a small batch, it is half
+            # of one: there, orthogonalize every 4th step (val loss 1.592 against 1.565 on the CPU recipe).
+            ns_every = 1 if device_type == "cuda" else 4
             muon_group = {"params": block_matrices, "weight_decay": weight_decay, "use_muon": True}
-            return MuonAdamW([muon_group] + groups, lr=learning_rate, betas=betas)
+            return MuonAdamW([muon_group] + groups, lr=learning_rate, betas=betas, ns_every=ns_every)
+        fused = device_type in ("cuda", "cpu")  # the whole update in one kernel, not a dozen per tensor
         log(f"optimizer: {len(decay)} decayed tensors ({sum(p.numel() for p in decay):,} params), "
-            f"{len(no_decay)} not decayed ({sum(p.numel() for p in no_decay):,} params)")
-        # The fused kernel does the whole update in one launch instead of a dozen per tensor. torch < 2.0 has no
-        # `fused` argument (the V100 machine with torch 1.13), and some devices lack the kernel: fall back.
-        optimizer = None
-        if "fused" in inspect.signature(torch.optim.AdamW).parameters and device_type in ("cuda", "cpu"):
-            try:
-                optimizer = torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=True)
-            except (RuntimeError, TypeError, ValueError) as err:
-                log(f"optimizer: fused AdamW unavailable here ({str(err).splitlines()[0]}), using the default")
-        fused = optimizer is not None
-        if optimizer is None:
-            optimizer = torch.optim.AdamW(groups, lr=learning_rate, betas=betas)
-        log(f"optimizer: using fused AdamW: {fused}")
-        return optimizer
+            f"{len(no_decay)} not decayed ({sum(p.numel() for p in no_decay):,} params)\noptimizer: using fused AdamW: {fused}")
+        return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=fused)
 
     def estimate_mfu(self, fwdbwd_per_iter, dt):
-        """Model FLOPs utilization: achieved FLOP/s over the peak bf16 FLOP/s of the device the model is on, as a
-        fraction (0.4 = 40%). NaN where the peak is unknown (the CPU); see peak_flops(). FLOPs per token follow
-        the PaLM paper: 6N for the matmuls, plus 12*L*H*Q*T for attention (full, not halved for causality)."""
+        """Model FLOPs utilization (0.4 = 40% of the device's bf16 peak; NaN on the CPU). FLOPs per token as in
+        the PaLM paper: 6N for the matmuls, plus 12*L*H*Q*T for attention (not halved for causality)."""
         cfg = self.config
-        flops_per_token = 6 * self.get_num_params() + 12 * cfg.n_layer * cfg.n_head * (cfg.n_embd // cfg.n_head) * cfg.block_size
-        achieved = flops_per_token * cfg.block_size * fwdbwd_per_iter / dt
+        flops_per_token = 6 * self.get_num_params() + 12 * cfg.n_layer * cfg.n_embd * cfg.block_size
         peak, _ = peak_flops(self.lm_head.weight.device)
-        return achieved / peak if peak else float("nan")
+        return flops_per_token * cfg.block_size * fwdbwd_per_iter / dt / peak if peak else float("nan")
 
     # ---- generation ----
 
@@ -306,13 +246,10 @@ class GPT(nn.Module):
     @torch.no_grad()
     def generate_tokens(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None, use_cache=True,
                         generator=None):
-        """Yields the new tokens one step at a time, each (B, 1), so that a caller can stream them.
-
-        With the cache (default) the prompt is run once (prefill), then each step runs only the newest token
-        against the cached keys/values of the earlier ones. When the context reaches block_size, the cache is
-        refilled from the last block_size//2 tokens (positions restart at 0, as in training) and decoding goes
-        on. use_cache=False recomputes the whole context (its last block_size tokens) every step: slower, but
-        the same tokens while the context fits in block_size."""
+        """Yields the new tokens one step at a time, each (B, 1), so that a caller can stream them. With the cache
+        the prompt runs once (prefill), then each step runs only the newest token against the cached keys/values;
+        a full cache is refilled from the last block_size//2 tokens. use_cache=False recomputes the whole context
+        every step: slower, but the same tokens while the context fits in block_size."""
         block_size = self.config.block_size
         if idx.size(1) > block_size:
             warnings.warn(f"the prompt has {idx.size(1)} tokens, more than block_size={block_size}: "
@@ -354,23 +291,38 @@ class GPT(nn.Module):
         dtype = self.lm_head.weight.dtype
         if torch.is_autocast_enabled(device.type):  # keys/values come out of autocast matmuls in its dtype
             dtype = torch.get_autocast_dtype(device.type)
-        cfg = self.config
-        shape = (batch_size, cfg.n_kv_head, cfg.block_size, cfg.n_embd // cfg.n_head)
+        shape = (batch_size, self.config.n_kv_head, self.config.block_size, self.config.n_embd // self.config.n_head)
         for block in self.transformer.h:
-            block.attn.kv_cache = (torch.zeros(shape, dtype=dtype, device=device),
-                                   torch.zeros(shape, dtype=dtype, device=device))
+            block.attn.kv_cache = tuple(torch.zeros(shape, dtype=dtype, device=device) for _ in range(2))
+
+
+# Dense bf16 peaks (fp16: V100, T4) from data sheets; the first key in the GPU's name wins ("A100" before "A10").
+PEAK_FLOPS = {"GB200": 2.5e15, "B200": 2.25e15, "GH200": 989e12, "H200": 989e12, "H100 PCIe": 756e12, "H100": 989e12,
+              "H800": 989e12, "A100": 312e12, "A800": 312e12, "L40S": 362e12, "L40": 181e12, "L4": 121e12, "A10G": 70e12,
+              "A10": 125e12, "A6000": 155e12, "A5000": 111e12, "A4000": 77e12, "A40": 150e12, "4090": 165e12,
+              "3090": 71e12, "MI300X": 1307e12, "MI250X": 383e12, "V100": 125e12, "T4": 65e12}
+
+
+def peak_flops(device):
+    """(peak FLOP/s or None, label) for a torch device. None on the CPU, whose peak depends on cores and SIMD
+    width more than on its name. An unknown GPU is measured against an A100, and the label says so."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None, f"n/a on {device.type}"
+    name = torch.cuda.get_device_name(device)
+    flops = next((flops for key, flops in PEAK_FLOPS.items() if key in name), None)
+    return (flops, f"{name}: {flops / 1e12:.0f} TFLOP/s peak") if flops else \
+        (312e12, f"{name} is not in the table: assuming an A100's 312 TFLOP/s")
 
 
 def top_k_filter(logits, k):
     """Set every logit below the k-th largest to -inf (ties with the k-th are kept)."""
-    k = min(k, logits.size(-1))
-    kth_largest = torch.topk(logits, k, dim=-1).values[..., -1:]
+    kth_largest = torch.topk(logits, min(k, logits.size(-1)), dim=-1).values[..., -1:]
     return logits.masked_fill(logits < kth_largest, float("-inf"))
 
 
 def top_p_filter(logits, p):
-    """Nucleus filtering: keep the smallest set of most likely tokens whose probabilities sum to at least p
-    (always at least the most likely one); set the others to -inf."""
+    """Nucleus filtering: keep the fewest most likely tokens whose probabilities reach p; the others get -inf."""
     sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
     sorted_probs = F.softmax(sorted_logits.float(), dim=-1)
     mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs  # probability of the tokens ranked above
@@ -389,22 +341,19 @@ def sample_next_token(logits, temperature=1.0, top_k=None, top_p=None, generator
         logits = top_k_filter(logits, top_k)
     if top_p is not None and top_p < 1.0:
         logits = top_p_filter(logits, top_p)
-    probs = F.softmax(logits, dim=-1)
-    return torch.multinomial(probs, num_samples=1, generator=generator)
+    return torch.multinomial(F.softmax(logits, dim=-1), num_samples=1, generator=generator)
 
 
 # ---- the Muon optimizer ----
 
 def orthogonalize(matrices, steps=5):
     """The nearest orthogonal matrix to each of a stack of matrices (n, rows, cols), approximately: U V^T of each
-    one's SVD U S V^T, with every singular value pushed near 1 (into about 0.7..1.2) by a few Newton-Schulz steps.
-
-    Each step maps X to a X + b (X X^T) X + c (X X^T)^2 X, an odd polynomial that acts on every singular value
-    alone: p(s) = a s + b s^3 + c s^5. The coefficients (Keller Jordan's, for Muon) make p steep at 0 and keep it
-    near 1 beyond, so five steps take every singular value from 0.003 to 1 (after the division by the Frobenius
-    norm) into about 0.7..1.2; smaller ones grow, but less. Only matmuls: fast in bfloat16, unlike an SVD."""
+    one's SVD U S V^T. Each Newton-Schulz step maps X to a X + b (X X^T) X + c (X X^T)^2 X, which maps every
+    singular value s alone to p(s) = a s + b s^3 + c s^5; Keller Jordan's coefficients make p steep at 0 and keep
+    it near 1 beyond, so five steps take singular values from 0.003 to 1 into about 0.7..1.2. Only matmuls: fast on
+    a GPU in bfloat16. On the CPU, float32: CPUs without AVX-512 BF16 emulate bf16 matmuls, ~27x slower."""
     a, b, c = 3.4445, -4.7750, 2.0315
-    x = matrices.bfloat16()
+    x = matrices.bfloat16() if matrices.is_cuda else matrices.float()
     wide = x.size(-2) <= x.size(-1)
     if not wide:  # work on the wide orientation: X X^T is then the smaller square
         x = x.mT.contiguous()
@@ -419,30 +368,24 @@ def orthogonalize(matrices, steps=5):
 class MuonAdamW(torch.optim.Optimizer):
     """Muon for the groups marked use_muon (2-D weight matrices), AdamW for the other groups.
 
-    Why Muon (Jordan et al. 2024, used by modded-nanogpt and nanochat): the gradient of a weight matrix is
-    dominated by a few directions, and AdamW's step follows them. Muon takes the momentum of each matrix and
-    replaces it with its nearest orthogonal matrix: the same directions, all moved by the same amount. On the CPU
-    Shakespeare recipe (bench/bench_train.py) it reaches val loss 1.56 in 2000 steps where AdamW reaches 1.68;
-    AdamW needs steps of twice the tokens to match it.
-    The embedding, the output head and the gains are not hidden-layer matrices, and AdamW suits them better.
+    Why Muon (Jordan et al. 2024): the gradient of a weight matrix is dominated by a few directions, and AdamW's
+    step follows them. Muon replaces the momentum of each matrix with its nearest orthogonal matrix: the same
+    directions, all moved by the same amount (CPU Shakespeare recipe: val loss 1.59 where AdamW gets 1.68).
+    Its entries are ~1/sqrt(max(rows, cols)): scaled by 0.2 * sqrt(max(rows, cols)), the step has an RMS of 0.2,
+    about an AdamW step's (Liu et al. 2025), so one learning rate drives both. ns_every=k orthogonalizes every
+    k-th step and reuses the direction in between (the momentum behind it moves ~5% a step)."""
 
-    The orthogonal step has entries of size 1/sqrt(max(rows, cols)); scaling it by 0.2 * sqrt(max(rows, cols))
-    makes its RMS 0.2, about that of an AdamW step (Liu et al. 2025, "Muon is Scalable for LLM Training"), so
-    the same learning rate and schedule drive both halves."""
-
-    def __init__(self, param_groups, lr, betas=(0.9, 0.95), eps=1e-8, momentum=0.95, ns_steps=5):
+    def __init__(self, param_groups, lr, betas=(0.9, 0.95), eps=1e-8, momentum=0.95, ns_steps=5, ns_every=1):
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=0.0, momentum=momentum, ns_steps=ns_steps,
-                        use_muon=False)
+                        ns_every=ns_every, use_muon=False)
         super().__init__(param_groups, defaults)
 
     @torch.no_grad()
     def step(self, closure=None):
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
-            if params and group["use_muon"]:
-                self._muon_step(group, params)
-            elif params:
-                self._adamw_step(group, params)
+            if params:
+                (self._muon_step if group["use_muon"] else self._adamw_step)(group, params)
 
     def _muon_step(self, group, params):
         lr, momentum = group["lr"], group["momentum"]
@@ -452,17 +395,24 @@ class MuonAdamW(torch.optim.Optimizer):
         for p in params:
             by_shape.setdefault((min(p.shape), max(p.shape)), []).append(p)
         for (rows, cols), same_shape in by_shape.items():
+            states = [self.state[p] for p in same_shape]
             grads = [p.grad for p in same_shape]
-            for p in same_shape:
-                if "momentum_buffer" not in self.state[p]:
-                    self.state[p]["momentum_buffer"] = torch.zeros_like(p)
-            buffers = [self.state[p]["momentum_buffer"] for p in same_shape]
+            buffers = [state.get("momentum_buffer") for state in states]
+            if buffers[0] is None:
+                buffers = [state.setdefault("momentum_buffer", torch.zeros_like(p)) for state, p in zip(states, same_shape)]
             torch._foreach_lerp_(buffers, grads, 1 - momentum)  # buffer = momentum-weighted mean of gradients
-            # Nesterov: step along the gradient plus the buffer, i.e. where the momentum is about to take us.
-            nesterov = torch._foreach_lerp(grads, buffers, momentum)
-            wide = torch.stack([g if g.size(0) == rows else g.mT for g in nesterov])
-            directions = orthogonalize(wide, group["ns_steps"]).to(same_shape[0].dtype).unbind(0)
-            directions = [d if p.size(0) == rows else d.mT for d, p in zip(directions, same_shape)]
+            every, step = group.get("ns_every", 1), states[0].get("step", 0)
+            if every == 1 or step % every == 0 or "direction" not in states[0]:
+                # Nesterov: step along the gradient plus the buffer, i.e. where the momentum is about to take us.
+                nesterov = torch._foreach_lerp(grads, buffers, momentum)
+                wide = torch.stack([g if g.size(0) == rows else g.mT for g in nesterov])
+                directions = orthogonalize(wide, group["ns_steps"]).to(same_shape[0].dtype).unbind(0)
+                directions = [d if p.size(0) == rows else d.mT for d, p in zip(directions, same_shape)]
+            else:
+                directions = [state["direction"] for state in states]
+            if every > 1:  # kept in the state, so that a resumed run takes the same steps
+                for state, direction in zip(states, directions):
+                    state.update(step=step + 1, direction=direction)
             torch._foreach_mul_(same_shape, 1 - lr * group["weight_decay"])
             torch._foreach_add_(same_shape, directions, alpha=-lr * 0.2 * cols ** 0.5)
 
@@ -488,39 +438,6 @@ class MuonAdamW(torch.optim.Optimizer):
         torch._foreach_addcdiv_(params, exp_avgs, denominators, value=-lr / (1 - beta1 ** step))
 
 
-# ---- peak FLOP/s of the device, for MFU ----
-
-# Dense (no sparsity) bf16 tensor-core peaks from the vendors' data sheets; fp16 where the chip has no bf16.
-# Order matters: the first name found in the device name wins ("H100 PCIe" before "H100", "A100" before "A10").
-PEAK_FLOPS = [
-    ("GB200", 2.5e15), ("B200", 2.25e15), ("GH200", 989e12), ("H200", 989e12), ("H100 PCIe", 756e12),
-    ("H100", 989e12), ("H800", 989e12), ("A100", 312e12), ("A800", 312e12), ("L40S", 362e12), ("L40", 181e12),
-    ("L4", 121e12), ("A10G", 70e12), ("A10", 125e12), ("A6000", 155e12), ("A5000", 111e12), ("A4000", 77e12),
-    ("A40", 150e12), ("4090", 165e12), ("3090", 71e12), ("MI300X", 1307e12), ("MI250X", 383e12),
-    ("V100", 125e12), ("T4", 65e12),  # no bf16 on these two: their fp16 peak
-]
-FALLBACK_PEAK_FLOPS = 312e12  # an unknown GPU is measured against an A100, and the label says so
-
-
-@lru_cache(maxsize=None)
-def peak_flops(device):
-    """(peak FLOP/s or None, label) for a torch device. None on the CPU, whose peak depends on cores and SIMD
-    width more than on its name, so MFU there is reported as n/a."""
-    device = torch.device(device)
-    if device.type != "cuda":
-        return None, f"n/a on {device.type}"
-    return peak_flops_for_name(torch.cuda.get_device_name(device))
-
-
-def peak_flops_for_name(name):
-    """(peak bf16 FLOP/s, label) for a GPU name as torch.cuda.get_device_name reports it."""
-    for key, flops in PEAK_FLOPS:
-        if key in name:
-            precision = "fp16" if key in ("V100", "T4") else "bf16"
-            return flops, f"{name}: {flops / 1e12:.0f} TFLOP/s {precision} peak"
-    return FALLBACK_PEAK_FLOPS, f"{name} is not in the table: assuming an A100's {FALLBACK_PEAK_FLOPS / 1e12:.0f} TFLOP/s"
-
-
 # ---- checkpoints ----
 
 class CheckpointError(Exception):
@@ -528,15 +445,13 @@ class CheckpointError(Exception):
 
 
 def save_checkpoint(path, checkpoint):
-    """Write the checkpoint dict atomically: a temporary file beside it, then os.replace, so a crash mid-write
-    never leaves a truncated ckpt.pt where the last good one was. Strips "_orig_mod." (torch.compile) and
-    "module." (DDP) prefixes from the model's state dict."""
-    checkpoint = dict(checkpoint)
-    checkpoint.setdefault("version", CHECKPOINT_VERSION)
+    """Write the checkpoint atomically (a temporary file, then os.replace: a crash never leaves half a ckpt.pt),
+    without torch.compile's "_orig_mod." and DDP's "module." prefixes in the model's state dict."""
+    checkpoint = {"version": CHECKPOINT_VERSION, **checkpoint}
     if "model" in checkpoint:
-        checkpoint["model"] = {_strip_prefixes(key): value for key, value in checkpoint["model"].items()}
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
+        checkpoint["model"] = {re.sub(r"^(_orig_mod\.|module\.)+", "", key): value
+                               for key, value in checkpoint["model"].items()}
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     temp_path = f"{path}.tmp.{os.getpid()}"
     try:
         torch.save(checkpoint, temp_path)
@@ -546,30 +461,23 @@ def save_checkpoint(path, checkpoint):
             os.remove(temp_path)
 
 
-def _strip_prefixes(key):
-    for prefix in ("_orig_mod.", "module."):
-        while key.startswith(prefix):
-            key = key[len(prefix):]
-    return key
-
-
 def load_checkpoint(path, map_location="cpu"):
     """Read a checkpoint written by save_checkpoint, with weights_only=True (loading never runs code).
     Raises CheckpointError, with a one-line message, for a missing, truncated, foreign or other-version file."""
     if not os.path.isfile(path):
         raise CheckpointError(f"no checkpoint at {path}: train one with train.py (it writes out_dir/ckpt.pt) "
                               f"or point --out_dir at the directory that holds it")
+    refused = CheckpointError(f"{path} is not a plain-data checkpoint, refused: it holds Python objects, and loading "
+                              f"them could run code (save_checkpoint writes only tensors and plain data)")
+    with open(path, "rb") as f:
+        if f.read(1) == b"\x80":  # a bare pickle (its first opcode); torch.save writes a zip file ("PK")
+            raise refused
     try:
         checkpoint = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as err:  # a damaged file fails in many places of the unpickler and the zip reader
-        message = str(err)
-        if "Unsupported global" in message:  # the weights-only unpickler refused a class
-            raise CheckpointError(f"{path} holds objects other than tensors and plain data, which are not loaded "
-                                  f"because loading them could run code: it was not written by save_checkpoint") from None
-        if "WeightsUnpickler error:" in message:  # keep torch's reason, not its advice about weights_only=False
-            message = message.split("WeightsUnpickler error:", 1)[1].strip()
-        reason = f"{type(err).__name__}: {message.split('. ')[0].splitlines()[0][:100]}" if message else type(err).__name__
-        raise CheckpointError(f"{path} is truncated or corrupt ({reason}): "
+        if "unsupported global" in str(err).lower():  # a class or a function, which weights_only refuses
+            raise refused from None
+        raise CheckpointError(f"{path} is truncated or corrupt ({type(err).__name__}): "
                               f"use an earlier checkpoint (ckpt_<iter>.pt) or train again") from None
     if not isinstance(checkpoint, dict) or "version" not in checkpoint:
         raise CheckpointError(f"{path} is not a lilLM checkpoint (no 'version' entry)")

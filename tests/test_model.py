@@ -2,6 +2,7 @@
 a full recompute, a brute-force filter, the parameter formula of the architecture)."""
 import math
 import os
+import pickle
 import sys
 import warnings
 from dataclasses import asdict
@@ -13,7 +14,8 @@ from hypothesis import assume, given, settings, strategies as st
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from model import (GPT, CheckpointError, GPTConfig, MuonAdamW, apply_rope, load_checkpoint,  # noqa: E402
-                   model_from_checkpoint, orthogonalize, peak_flops, peak_flops_for_name, rope_tables, save_checkpoint, top_k_filter, top_p_filter)
+                   model_from_checkpoint, orthogonalize, peak_flops, rope_tables, save_checkpoint, top_k_filter,
+                   top_p_filter)
 
 
 def tiny_config(**overrides):
@@ -335,6 +337,9 @@ def test_configure_optimizers_muon_takes_the_block_matrices():
     assert [p is model.lm_head.weight for p in matrices["params"]] == [True]  # the tied embedding: AdamW
     assert all(p.dim() == 1 for p in gains["params"]) and gains["weight_decay"] == 0.0
     assert sum(len(g["params"]) for g in optimizer.param_groups) == len(list(model.parameters()))
+    # Newton-Schulz every 4th step on the CPU (float32, small batches), every step on a GPU.
+    assert muon["ns_every"] == 4
+    assert model.configure_optimizers(0.1, 1e-3, (0.9, 0.95), "cuda", optimizer="muon").param_groups[0]["ns_every"] == 1
     with pytest.raises(ValueError, match="adamw' or 'muon"):
         model.configure_optimizers(0.1, 1e-3, (0.9, 0.95), "cpu", optimizer="sgd")
 
@@ -352,6 +357,51 @@ def test_orthogonalize_is_close_to_the_svd_polar_factor(shape):
     assert singular_values.min() > 0.6 and singular_values.max() < 1.25
     cosine = F.cosine_similarity(result.flatten(1), (u @ vh).flatten(1), dim=1)
     assert (cosine > 0.97).all(), cosine
+
+
+def test_orthogonalize_runs_in_float32_on_the_cpu():
+    # bfloat16 matmuls are emulated (~27x slower) on CPUs without AVX-512 BF16: the CPU iterates in float32.
+    # The same iteration in float64 is the reference; bfloat16 inside would be ~1e-2 off, not ~1e-6.
+    matrices = torch.randn(3, 16, 48, generator=torch.Generator().manual_seed(0))
+    result = orthogonalize(matrices)
+    assert result.dtype == torch.float32
+    a, b, c = 3.4445, -4.7750, 2.0315
+    x = matrices.double() / matrices.double().norm(dim=(-2, -1), keepdim=True)
+    for _ in range(5):
+        gram = x @ x.mT
+        x = a * x + (b * gram + c * gram @ gram) @ x
+    torch.testing.assert_close(result.double(), x, rtol=0, atol=1e-4)
+
+
+def test_muon_ns_every_reuses_the_direction_and_resumes_exactly(tmp_path):
+    # ns_every=3: steps 1-3 move each weight by the same orthogonal direction (the one of step 1; no weight
+    # decay, constant lr), step 4 by a new one. A copy resumed from the state after step 2 takes the same steps.
+    torch.manual_seed(2)
+    weights = [torch.nn.Parameter(torch.randn(8, 24)), torch.nn.Parameter(torch.randn(24, 8))]
+    gradients = [[torch.randn_like(w) for w in weights] for _ in range(4)]
+    optimizer = MuonAdamW([{"params": weights, "use_muon": True}], lr=0.1, ns_every=3)
+    moves, resumed = [], None
+    for step, step_gradients in enumerate(gradients):
+        before = [w.detach().clone() for w in weights]
+        for w, g in zip(weights, step_gradients):
+            w.grad = g.clone()
+        optimizer.step()
+        moves.append([w.detach() - b for w, b in zip(weights, before)])
+        if step == 1:
+            torch.save(optimizer.state_dict(), tmp_path / "optimizer.pt")
+            resumed = [torch.nn.Parameter(w.detach().clone()) for w in weights]
+    for i in range(2):
+        torch.testing.assert_close(moves[1][i], moves[0][i], rtol=0, atol=1e-6)
+        torch.testing.assert_close(moves[2][i], moves[0][i], rtol=0, atol=1e-6)
+        assert (moves[3][i] - moves[0][i]).abs().max() > 1e-3
+    restored = MuonAdamW([{"params": resumed, "use_muon": True}], lr=0.1, ns_every=3)
+    restored.load_state_dict(torch.load(tmp_path / "optimizer.pt", weights_only=True))
+    for step_gradients in gradients[2:]:
+        for w, g in zip(resumed, step_gradients):
+            w.grad = g.clone()
+        restored.step()
+    for w, r in zip(weights, resumed):
+        assert torch.equal(w, r)
 
 
 def test_muon_step_is_the_scaled_orthogonal_direction():
@@ -428,14 +478,7 @@ def test_muon_lowers_the_loss_and_its_state_round_trips(tmp_path):
         for key, value in optimizer.state[p].items():
             assert torch.equal(torch.as_tensor(value), torch.as_tensor(restored.state[p][key])), key
 
-def test_peak_flops_table_and_cpu_mfu():
-    assert peak_flops_for_name("NVIDIA H100 80GB HBM3")[0] == 989e12
-    assert peak_flops_for_name("NVIDIA H200")[0] == 989e12
-    assert peak_flops_for_name("NVIDIA A100-SXM4-40GB")[0] == 312e12
-    assert peak_flops_for_name("NVIDIA A10G")[0] == 70e12
-    assert peak_flops_for_name("Tesla V100-SXM2-16GB") == (125e12, "Tesla V100-SXM2-16GB: 125 TFLOP/s fp16 peak")
-    flops, label = peak_flops_for_name("Some Future GPU")
-    assert flops == 312e12 and "not in the table" in label
+def test_cpu_mfu_is_not_a_number():
     assert peak_flops("cpu") == (None, "n/a on cpu")
     assert math.isnan(tiny_model().estimate_mfu(fwdbwd_per_iter=4, dt=0.1))
 
@@ -461,6 +504,15 @@ class NotPlainData:
     """A class in a checkpoint: unpickling it could run code, so weights_only loading refuses it."""
 
 
+class RunsCode:
+    """Unpickled, it would call os.makedirs(path): what a malicious checkpoint does with os.system."""
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return os.makedirs, (self.path,)
+
+
 def test_bad_checkpoints_give_one_line_errors(tmp_path):
     model = tiny_model()
     good = tmp_path / "good.pt"
@@ -471,12 +523,21 @@ def test_bad_checkpoints_give_one_line_errors(tmp_path):
     torch.save({"version": 2, "model": {}, "model_config": {}}, tmp_path / "v2.pt")
     torch.save({"weights": torch.zeros(2)}, tmp_path / "foreign.pt")
     torch.save({"version": 1, "model": NotPlainData(), "model_config": {}}, tmp_path / "pickled_object.pt")
-    cases = {"pickled_object.pt": "objects other than tensors and plain data", "missing.pt": "no checkpoint at", "truncated.pt": "truncated or corrupt",
+    refused = "not a plain-data checkpoint, refused"
+    cases = {"pickled_object.pt": refused, "missing.pt": "no checkpoint at", "truncated.pt": "truncated or corrupt",
              "garbage.pt": "truncated or corrupt", "v2.pt": "version 2 checkpoint", "foreign.pt": "not a lilLM"}
     for name, message in cases.items():
         with pytest.raises(CheckpointError, match=message) as info:
             load_checkpoint(str(tmp_path / name))
         assert "\n" not in str(info.value)
+    # Pickles that would run code when loaded (os.makedirs here), in torch's zip format and as a bare pickle.
+    marker = tmp_path / "code_ran"
+    torch.save({"version": 1, "model": RunsCode(str(marker)), "model_config": {}}, tmp_path / "malicious.pt")
+    (tmp_path / "malicious_raw.pt").write_bytes(pickle.dumps({"version": 1, "model": RunsCode(str(marker))}))
+    for name in ("malicious.pt", "malicious_raw.pt"):
+        with pytest.raises(CheckpointError, match=refused):
+            load_checkpoint(str(tmp_path / name))
+    assert not marker.exists()
     mismatched = load_checkpoint(str(good))
     mismatched["model_config"]["n_embd"] = 64
     with pytest.raises(CheckpointError, match="does not fit"):
