@@ -353,7 +353,7 @@ def test_ctrl_c_twice_stops_at_once_in_one_line(dataset, tmp_path):
 def test_a_frozen_rank_stops_the_other_after_the_timeout(dataset, tmp_path):
     launcher = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                                  TRAIN, f"--dataset={dataset}", f"--out_dir={tmp_path / 'out'}", *TINY,
-                                 "--max_iters=1000000", "--eval_interval=100000", "--timeout=5", "--log_interval=50",
+                                 "--max_iters=1000000", "--eval_interval=100000", "--timeout=3", "--log_interval=50",
                                  "--total_batch_size=None"],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV, cwd=tmp_path)
     frozen = None
@@ -365,7 +365,7 @@ def test_a_frozen_rank_stops_the_other_after_the_timeout(dataset, tmp_path):
         assert frozen is not None, "rank 1's process not found"
         os.kill(frozen, signal.SIGSTOP)
         started = time.time()
-        time.sleep(10)  # twice --timeout: rank 0 has given up by now
+        time.sleep(6)  # twice --timeout: rank 0 has given up by now
         os.kill(frozen, signal.SIGCONT)  # so that torchrun's SIGTERM ends it at once
         stdout, stderr = launcher.communicate(timeout=90)
     finally:
