@@ -60,7 +60,7 @@ HUB_DATASETS = {"fineweb": ("HuggingFaceFW/fineweb", "sample-10BT", None),  # (r
                 "fineweb-edu": ("HuggingFaceFW/fineweb-edu", "sample-10BT", None)}
 LOCAL_SUFFIXES = (".txt", ".jsonl", ".parquet")
 TOKENIZER_FILES = ("tokenizer.tiktoken", "tokenizer.json", "tokenizer.tiktoken.tmp", "tokenizer.json.tmp")
-device = None  # cuda when torch sees a GPU, else cpu (Triton's interpreter: exact, slow)
+device = None  # cuda; on a machine without a GPU say --device cpu (Triton's interpreter: exact, slow, for testing)
 # Kernel shapes in Triton's interpreter: programs, positions per block, dirty rows per block, rows per block of
 # choose_pair. The tests shrink them to run the many-block paths a GPU takes.
 INTERPRETER_SHAPE = (1, 1024, 64, 1024)
@@ -661,8 +661,10 @@ def check_out_dir(out_dir):
 
 def pick_device(name):
     """cuda runs the kernels compiled; cpu runs them in Triton's interpreter (numpy), for testing."""
-    chosen, interpreted = name or ("cuda" if torch.cuda.is_available() else "cpu"), triton.knobs.runtime.interpret
-    if chosen != "cpu" and not chosen.startswith("cuda"):
+    chosen, interpreted = name or "cuda", triton.knobs.runtime.interpret
+    if name is None and not torch.cuda.is_available():  # the interpreter is ~1,000x slower: never a silent default
+        problem = "no CUDA GPU here; --device cpu runs the kernels in Triton's interpreter, for testing (slow)"
+    elif chosen != "cpu" and not chosen.startswith("cuda"):
         problem = "not supported (Triton runs on CUDA GPUs); use cuda, or cpu for testing"
     elif chosen == "cpu" and not interpreted:
         problem = "runs the kernels in Triton's interpreter: set TRITON_INTERPRET=1 (slow)"
@@ -690,7 +692,7 @@ def parse_args(argv):
     parser.add_argument("--data", default=None, help=f"fineweb | fineweb-edu | path to .txt/.jsonl/.parquet or a directory (default {data})")
     parser.add_argument("--out", default=out, help="output directory (default tokenizers/<source>_v<vocab_size>)")
     parser.add_argument("--pattern", default=pattern, help="the pre-tokenizer regex (default GPT-4's)")
-    parser.add_argument("--device", default=device, help="cuda | cpu (Triton's interpreter; default: cuda when available)")
+    parser.add_argument("--device", default=device, help="cuda | cpu (Triton's interpreter; default: cuda)")
     return parser.parse_args(argv)
 
 

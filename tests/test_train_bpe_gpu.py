@@ -321,3 +321,10 @@ def test_an_error_while_reading_is_a_line_of_its_own_on_the_command_line(bad_inp
     error_lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert len(error_lines) == 1 and "is not a JSON object" in error_lines[0], result.stderr
     assert not (bad_input_files / "out").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA GPU is here: the default device works")
+def test_no_gpu_and_no_device_is_refused_rather_than_interpreted_slowly(bad_input_files):
+    with pytest.raises(bpe.UserError, match="no CUDA GPU here; --device cpu runs the kernels") as error:
+        bpe.run(["--data", "ok.txt", "--out", "out"])
+    assert "train_bpe_cpu.py" in str(error.value) and not (bad_input_files / "out").exists()
