@@ -297,35 +297,28 @@ def train(tokens, next_pos, prev_pos, weight, vocab_size, total_pairs, device, s
 
 
 # ---------------------------------------------------------------- reading text (the same in every script)
-# .txt and .jsonl go through the standard library: `datasets`' loaders turn CRLF into LF (no longer
-# byte-identical to rustbpe), stop at invalid UTF-8, and take seconds to start. The Hub and parquet go
-# through `datasets`. Bad input is one UserError naming the file and its line or row.
-
+# .txt and .jsonl are read with the standard library: `datasets`' loaders would turn CRLF into LF (no longer
+# byte-identical to rustbpe), stop at invalid UTF-8, and take seconds to start. The Hub and parquet use `datasets`.
 
 def hub_problem(timeout=3.0):
-    """None if the Hub can be used, else why not. A socket to the endpoint huggingface_hub will use
-    (HF_ENDPOINT: a mirror) answers in 3 s; `datasets` would retry for ~25 s with a screenful of warnings."""
+    """None if the Hub can be used, else why not: a 3 s probe, where `datasets` would retry for ~25 s."""
     for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
         if os.environ.get(name, "").upper() in ("1", "ON", "YES", "TRUE"):  # huggingface_hub's own rule
             return f"the Hugging Face Hub is off ({name}={os.environ[name]})"
-    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
+    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")  # a mirror, if set
     try:
         url = urllib.parse.urlsplit(endpoint)
         socket.create_connection((url.hostname or "", url.port or (443 if url.scheme == "https" else 80)), timeout).close()
     except (OSError, ValueError):
         return f"can't reach the Hugging Face Hub at {endpoint}"
 
-
 def datasets_texts(where, node=None, **load):
-    """The "text" of each row of datasets.load_dataset(**load), streamed: nothing is downloaded whole.
-    node=(rank, world_size) keeps that rank's share, as datasets.distributed.split_dataset_by_node splits it."""
-    import datasets
-    from datasets.distributed import split_dataset_by_node
-
+    """The "text" of each row of load_dataset(**load), streamed; node=(rank, world_size) keeps that rank's share."""
+    import datasets.distributed  # here, not at the top: it takes seconds, and .txt/.jsonl never need it
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its errors reach the user as our one line
     try:
         rows = datasets.load_dataset(split="train", streaming=True, **load)
-        for number, row in enumerate(rows if node is None else split_dataset_by_node(rows, *node), 1):
+        for number, row in enumerate(datasets.distributed.split_dataset_by_node(rows, *node) if node else rows, 1):
             if not isinstance(row.get("text"), str):
                 raise UserError(f"{where}, row {number}: \"text\" is {row.get('text')!r:.20}, not a string "
                                 f"(columns: {', '.join(row)})")
@@ -336,49 +329,34 @@ def datasets_texts(where, node=None, **load):
         reason = f"{type(error).__name__}: {error}".splitlines()[0]
         raise UserError(f"can't read {where} ({reason}); check it, or use other files: --data path/to/files")
 
-
-def stdlib_documents():
-    """The offline corpus: every .py file of the standard library, one document each, in sorted order.
-    Several MB of real, human-written code and docstrings, on every machine that runs this script."""
-    for path in sorted(Path(sysconfig.get_paths()["stdlib"]).rglob("*.py")):
-        if "site-packages" not in path.parts:
-            yield path.read_text(encoding="utf-8", errors="replace")
-
+def stdlib_documents():  # the offline corpus: real code and prose, on every machine
+    paths = sorted(Path(sysconfig.get_paths()["stdlib"]).rglob("*.py"))
+    return (path.read_text(encoding="utf-8", errors="replace") for path in paths if "site-packages" not in path.parts)
 
 class BadUTF8:
-    """Counts the invalid UTF-8 sequences replaced with U+FFFD, so we can warn once at the end."""
-    count = 0
-
+    count = 0  # invalid UTF-8 sequences replaced with U+FFFD, for one warning at the end
 
 def decode_utf8(raw, decoder=None, final=True):
-    """Decode, replacing invalid bytes. A real U+FFFD in the input is not counted as a replacement."""
     text = decoder.decode(raw, final) if decoder else raw.decode("utf-8", errors="replace")
-    if "\ufffd" in text:
-        BadUTF8.count += text.count("\ufffd") - raw.count("\ufffd".encode())
+    BadUTF8.count += text.count("\ufffd") - raw.count("\ufffd".encode())  # a U+FFFD in the input is no error
     return text
 
-
-def read_txt(path, budget):
-    """A .txt file is one document, CRLF kept; read no more of it than the character budget needs."""
-    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")  # keeps a character cut between blocks
-    pieces, have = [], 0
+def read_txt(path, budget):  # one document, CRLF kept, read only as far as the budget of characters needs
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")  # holds a character cut between blocks
+    pieces, have, block = [], 0, None
     with open(path, "rb") as f:
-        while have < budget:
+        while have < budget and block != b"":
             block = f.read(1 << 24)
-            pieces.append(decode_utf8(block, decoder, final=not block))
+            pieces.append(decode_utf8(block, decoder, final=not block))  # the empty read at the end flushes
             have += len(pieces[-1])
-            if not block:
-                break
     yield "".join(pieces)[:budget]
 
-
 def read_jsonl(path, start=0, end=None):
-    """One {"text": "..."} per line. Given byte offsets, only the lines whose first byte is in [start, end):
-    ranges that tile a file (0..a, a..b, b..None) read every line exactly once, and never cut one."""
+    """{"text": ...} per line; of a byte range, the lines that start in it: ranges that tile a file read each once."""
     with open(path, "rb") as f:
         if start > 0:
             f.seek(start - 1)
-            f.readline()  # the line holding byte start-1 began before start: it is the previous range's
+            f.readline()  # the line holding byte start-1 began before start: the previous range reads it
         position = f.tell()
         for number, line in enumerate(f, 1):
             if end is not None and position >= end:
@@ -387,68 +365,50 @@ def read_jsonl(path, start=0, end=None):
             if not line.strip():
                 continue
             try:
-                record = json.loads(decode_utf8(line))
-            except ValueError:
-                record = None
-            if not isinstance(record, dict) or not isinstance(record.get("text"), str):
+                text = json.loads(decode_utf8(line))["text"]
+            except (ValueError, KeyError, TypeError):  # not JSON, no "text", not an object
+                text = None
+            if not isinstance(text, str):
                 where = f"{path}:{number}" if start == 0 else f"{path} (the line at byte {position - len(line)})"
                 raise UserError(f"{where} is not a JSON object with a string \"text\" field; "
                                 "each line of a .jsonl file must look like {\"text\": \"...\"}")
-            yield record["text"]
+            yield text
 
-
-def local_files(path):
-    """The file itself, or a directory's .txt/.jsonl/.parquet files in sorted order."""
-    path = Path(path)
-    if path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.suffix in LOCAL_SUFFIXES and p.is_file())
-        if not files:
-            raise UserError(f"{path} holds no .txt, .jsonl or .parquet files; point --data at text files")
-        return files
-    if path.suffix not in LOCAL_SUFFIXES:
-        raise UserError(f"--data {path}: unknown file type; use a .txt, .jsonl or .parquet file, a directory, "
-                        f"or one of {', '.join(HUB_DATASETS)}")
-    return [path]
-
+def local_files(data):  # the file itself, or a directory's text files in sorted order
+    path, hub = Path(data), ", ".join(HUB_DATASETS)
+    if not path.exists():
+        raise UserError(f"--data {data}: no such file or directory; give a .txt/.jsonl/.parquet path, "
+                        f"a directory of them, or one of {hub}")
+    if not path.is_dir() and path.suffix not in LOCAL_SUFFIXES:
+        raise UserError(f"--data {path}: unknown file type; use a .txt, .jsonl or .parquet file, a directory, or one of {hub}")
+    files = sorted(p for p in path.rglob("*") if p.suffix in LOCAL_SUFFIXES and p.is_file()) if path.is_dir() else [path]
+    if not files:
+        raise UserError(f"{path} holds no .txt, .jsonl or .parquet files; point --data at text files")
+    return files
 
 def open_source(data, data_was_named):
-    """Returns (documents, name, description); `documents(budget)` yields documents as strings. When the Hub
-    can't be used, the default source falls back to the offline corpus; a source named with --data refuses."""
-    if data in HUB_DATASETS:
-        repository, config, files = HUB_DATASETS[data]
-        problem = hub_problem()
-        if problem is None:  # parquet files named by path: never a repository's old loading script
-            load = dict(path="parquet", data_files=f"hf://datasets/{repository}/{files}") if files else dict(
-                path=repository, name=config)
-            return (lambda budget: datasets_texts(repository, **load)), data, f"{repository} {config or ''}".strip()
-        if data_was_named:
-            raise UserError(f"{problem}, needed for --data {data}; use local files instead: --data path/to/files")
-        print(f"warning: {problem}: using the offline corpus, the Python standard library's source", file=sys.stderr)
-        return (lambda budget: stdlib_documents()), "stdlib", "Python standard library source (offline fallback)"
-    if not Path(data).exists():
-        raise UserError(f"--data {data}: no such file or directory; give a .txt/.jsonl/.parquet path, "
-                        f"a directory of them, or one of {', '.join(HUB_DATASETS)}")
-    files = local_files(data)
-    readers = {".txt": read_txt, ".jsonl": lambda path, budget: read_jsonl(path),
-               ".parquet": lambda path, budget: datasets_texts(path, path="parquet", data_files=str(path))}
+    """(documents, name, description), where documents(budget) yields the documents as strings."""
+    if data not in HUB_DATASETS:
+        files = local_files(data)
+        readers = {".txt": read_txt, ".jsonl": lambda path, budget: read_jsonl(path),
+                   ".parquet": lambda path, budget: datasets_texts(path, path="parquet", data_files=str(path))}
+        return (lambda budget: (doc for p in files for doc in readers[p.suffix](p, budget))), Path(data).stem, str(data)
+    repository, config, files = HUB_DATASETS[data]
+    if (problem := hub_problem()) is None:  # parquet files named by path: never a repository's old loading script
+        load = dict(path="parquet", data_files=f"hf://datasets/{repository}/{files}") if files else dict(
+            path=repository, name=config)
+        return (lambda budget: datasets_texts(repository, **load)), data, f"{repository} {config or ''}".strip()
+    if data_was_named:  # a source the user named refuses; the default one falls back to the offline corpus
+        raise UserError(f"{problem}, needed for --data {data}; use local files instead: --data path/to/files")
+    print(f"warning: {problem}: using the offline corpus, the Python standard library's source", file=sys.stderr)
+    return (lambda budget: stdlib_documents()), "stdlib", "Python standard library source (offline fallback)"
 
-    def documents(budget):
-        for path in files:
-            yield from readers[path.suffix](path, budget)
-
-    return documents, Path(data).stem, str(data)
-
-
-def first_chars(documents, num_chars):
-    """The first num_chars characters of the stream, document by document; the last one is cut to fit."""
-    remaining = num_chars
+def first_chars(documents, num_chars):  # the last document is cut to fit
     for document in documents(num_chars):
-        document = document[:remaining]
-        remaining -= len(document)
-        yield document
-        if remaining == 0:
+        yield document[:num_chars]
+        num_chars -= min(len(document), num_chars)
+        if num_chars == 0:
             return  # before the source is asked for one more document: it may be slow to fetch, or malformed
-
 
 # ---------------------------------------------------------------- this rank's part of the source
 #
