@@ -224,16 +224,34 @@ def test_an_unreachable_endpoint_is_named(online, capsys):
 # ---------------------------------------------------------------- through the command line: one line, no traceback
 
 
-def test_reader_errors_reach_the_user_as_one_line(tmp_path):
+CLI_ERRORS = {  # one command line per kind of reader error: --data, its environment, the error line (CLOSED: a dead port)
+    "bad jsonl line": ("bad.jsonl", {}, "bad.jsonl:2 is not a JSON object"),
+    "bad parquet row": ("bad.parquet", {}, 'bad.parquet, row 1: "text" is 7, not a string'),
+    "missing path": ("nothing.txt", {}, "--data nothing.txt: no such file or directory"),
+    "unknown suffix": ("notes.md", {}, "--data notes.md: unknown file type"),
+    "empty directory": ("empty", {}, "empty holds no .txt, .jsonl or .parquet files"),
+    "hub unreachable": ("fineweb-edu", {"HF_ENDPOINT": "CLOSED"},
+                        "can't reach the Hugging Face Hub at CLOSED, needed for --data fineweb-edu"),
+    "hub offline": ("fineweb", {"HF_DATASETS_OFFLINE": "1"},
+                    "the Hugging Face Hub is off (HF_DATASETS_OFFLINE=1), needed for --data fineweb"),
+}
+
+
+@pytest.mark.parametrize("case", list(CLI_ERRORS))
+def test_reader_errors_reach_the_user_as_one_line(tmp_path, case):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    data, env_extra, message = CLI_ERRORS[case]
     (tmp_path / "bad.jsonl").write_text('{"text": "fine"}\n{"text": 42}\n')
+    pq.write_table(pa.table({"text": [7]}), tmp_path / "bad.parquet")
+    (tmp_path / "notes.md").write_text("x")
+    (tmp_path / "empty").mkdir()
     endpoint = f"http://127.0.0.1:{closed_port()}"
-    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")}
-    for data, message in [(tmp_path / "bad.jsonl", "bad.jsonl:2 is not a JSON object"),
-                          ("fineweb-edu", f"can't reach the Hugging Face Hub at {endpoint}, needed for --data fineweb-edu")]:
-        result = subprocess.run([sys.executable, str(REPO / "train_bpe_cpu.py"), "--data", str(data), "-v", "260",
-                                 "--out", str(tmp_path / "tok")], cwd=tmp_path, capture_output=True, text=True,
-                                env=dict(env, HF_ENDPOINT=endpoint), timeout=120)
-        assert result.returncode == 1
-        error_lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
-        assert len(error_lines) == 1 and message in error_lines[0], result.stderr
-        assert "Traceback" not in result.stderr and not (tmp_path / "tok").exists()
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "HF_ENDPOINT")}
+    env.update({k: v.replace("CLOSED", endpoint) for k, v in env_extra.items()})
+    result = subprocess.run([sys.executable, str(REPO / "train_bpe_cpu.py"), "--data", data, "-v", "260", "--out", "tok"],
+                            cwd=tmp_path, capture_output=True, text=True, env=env, timeout=120)
+    assert result.returncode == 1
+    error_lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(error_lines) == 1 and message.replace("CLOSED", endpoint) in error_lines[0], result.stderr
+    assert "Traceback" not in result.stderr and not (tmp_path / "tok").exists()
