@@ -395,8 +395,8 @@ def open_source(data, data_was_named):
         return (lambda budget: (doc for p in files for doc in readers[p.suffix](p, budget))), Path(data).stem, str(data)
     repository, config, files = HUB_DATASETS[data]
     if (problem := hub_problem()) is None:  # parquet files named by path: never a repository's old loading script
-        load = dict(path="parquet", data_files=f"hf://datasets/{repository}/{files}") if files else dict(
-            path=repository, name=config)
+        load = (dict(path="parquet", data_files=f"hf://datasets/{repository}/{files}") if files
+                else dict(path=repository, name=config))
         return (lambda budget: datasets_texts(repository, **load)), data, f"{repository} {config or ''}".strip()
     if data_was_named:  # a source the user named refuses; the default one falls back to the offline corpus
         raise UserError(f"{problem}, needed for --data {data}; use local files instead: --data path/to/files")
