@@ -440,7 +440,7 @@ def read_txt(path, budget):  # one document, CRLF kept, read only as far as the 
     yield "".join(pieces)[:budget]
 
 def read_jsonl(path, start=0, end=None):
-    """{"text": ...} per line; of a byte range, the lines that start in it: ranges that tile a file read each once."""
+    """The "text" of each line; with a byte range, the lines that start in it: ranges tiling a file read each line once."""
     with open(path, "rb") as f:
         if start > 0:
             f.seek(start - 1)
@@ -482,7 +482,7 @@ def open_source(data, data_was_named):
                    ".parquet": lambda path, budget: datasets_texts(path, path="parquet", data_files=str(path))}
         return (lambda budget: (doc for p in files for doc in readers[p.suffix](p, budget))), Path(data).stem, str(data)
     repository, config, files = HUB_DATASETS[data]
-    if (problem := hub_problem()) is None:  # parquet files named by path: never a repository's old loading script
+    if (problem := hub_problem()) is None:  # parquet files by path: `datasets` then never runs an old loading script
         load = (dict(path="parquet", data_files=f"hf://datasets/{repository}/{files}") if files
                 else dict(path=repository, name=config))
         return (lambda budget: datasets_texts(repository, **load)), data, f"{repository} {config or ''}".strip()
