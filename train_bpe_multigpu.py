@@ -5,10 +5,10 @@ Train a byte-level BPE tokenizer on many GPUs (or CPU processes) at once: exact,
     torchrun --standalone --nproc_per_node=2 train_bpe_multigpu.py --device cpu -v 1000 -n 1048576
     python train_bpe_multigpu.py --device cpu          # world size 1, no torchrun needed
 
-The tokenizer is rustbpe's (and train_bpe_gpu.py's, byte for byte) trained on the documents that the ranks read,
+The tokenizer is rustbpe's (and train_bpe_gpu.py's), byte for byte, trained on the documents that the ranks read
 taken together: BPE depends only on the multiset of chunks. With -n past the end of the data, that is all of it,
-whatever the world size. The files are the other trainers' (tokenizers/<source>_v<vocab_size>/tokenizer.tiktoken
-and .json); the .json records what each rank read.
+whatever the world size. Output: tokenizers/<source>_v<vocab_size>/tokenizer.tiktoken, and tokenizer.json, which
+records what each rank read.
 
 This is not data-parallel training: a merge chosen from one rank's counts would be wrong. The ranks split
 1. the text: each rank reads only its own part of the source, about n / W characters, documents whole;
@@ -72,7 +72,6 @@ class UserError(Exception):
 
 
 # ---------------------------------------------------------------- the merge loop, split across ranks
-#
 # Each rank holds its distinct chunks as flattened positions with linked-list neighbours (train_bpe_gpu.py's
 # layout), so a merge never moves a token: tokens[pos] is an id (-1 at the spare slots END = L and DUMP = L + 1,
 # DEAD once merged away), next_pos / prev_pos the live neighbours in the chunk (or END), weight[pos] how often
@@ -84,7 +83,7 @@ DEAD = -2
 def chunks_to_tensors(blob, lengths, counts, count_dtype, device):
     L = blob.size
     tokens = torch.full((L + 2,), -1, dtype=torch.int64, device=device)
-    tokens[:L] = torch.from_numpy(np.array(blob)).to(device)  # copied as bytes: 1/28 of the tensors' size
+    tokens[:L] = torch.from_numpy(np.array(blob)).to(device)  # copied as bytes, small beside the int64 tensors
     lengths, counts = (torch.from_numpy(np.array(array)).to(device) for array in (lengths, counts))
     next_pos, prev_pos = torch.arange(1, L + 3, device=device), torch.arange(-1, L + 1, device=device)
     ends = torch.cumsum(lengths, 0)
@@ -98,20 +97,19 @@ def chunks_to_tensors(blob, lengths, counts, count_dtype, device):
 class OwnedRows:
     """This rank's rows of the pair-count matrix: row `left` for each left % W == rank, stored at left // W.
     Their maximum is kept exact in two levels (each block of ~sqrt(V) columns, then each row), so a changed
-    count costs one block and one row. torch's max and argmax return the FIRST maximal index, so among equal
-    counts the smallest right wins in a row, and the smallest left across rows: BPE's tie-break, for free."""
+    count costs one block and one row. max and argmax return the FIRST maximal index, so among equal counts
+    the smallest right wins in a row, and the smallest left across rows: BPE's tie-break, for free."""
 
     def __init__(self, vocab_size, rank, world_size, count_dtype, device):
         self.rank, self.world_size = rank, world_size
         self.bits = max(1, (vocab_size - 1).bit_length())  # bits of a token id, for the int64 key
         self.block = 1 << ((self.bits + 1) // 2)
-        self.num_blocks = -(-vocab_size // self.block)
-        self.width = self.num_blocks * self.block
+        self.width = -(-vocab_size // self.block) * self.block
         rows = (vocab_size - 1 - rank) // world_size + 1
         self.counts = torch.zeros(rows, self.width, dtype=count_dtype, device=device)
 
     def refresh_all(self):
-        self.block_max, self.block_arg = self.counts.view(len(self.counts), self.num_blocks, self.block).max(dim=2)
+        self.block_max, self.block_arg = self.counts.view(len(self.counts), -1, self.block).max(dim=2)
         self.row_max, block = self.block_max.max(dim=1)
         self.row_arg = block * self.block + self.block_arg.gather(1, block[:, None]).squeeze(1)
 
@@ -127,8 +125,7 @@ class OwnedRows:
         values, block = self.block_max[rows].max(dim=1)
         self.row_max[rows], self.row_arg[rows] = values, block * self.block + self.block_arg[rows, block]
 
-    def best(self):
-        """(count, left, right) of this rank's best pair, as device tensors: nothing is read by the host."""
+    def best(self):  # (count, left, right) of this rank's best pair, as device tensors: no host read
         row = torch.argmax(self.row_max).view(1)  # a 1-element index: a 0-dim one would be read by the host
         return self.row_max[row][0].long(), (row * self.world_size + self.rank)[0], self.row_arg[row][0]
 
@@ -172,8 +169,8 @@ def exchange(sums, skip, width, device):
     (0, 0): adding 0 to the owner's first count changes nothing. Fixed sizes: no sizes to send first."""
     flat, summed, owner, slot, live, _ = sums
     W = dist.get_world_size()
-    sent = live & (slot >= skip) & (slot < skip + width)
     send = torch.zeros(W * width + 1, 2, dtype=torch.int64, device=device)  # the last lane is a dump
+    sent = live & (slot >= skip) & (slot < skip + width)
     send[torch.where(sent, owner * width + slot - skip, W * width)] = torch.stack([flat, summed], dim=1)
     if W == 1:
         return send[:-1]  # a world of one sends to itself: gloo would spend ~1 ms on the copy
@@ -440,26 +437,26 @@ def first_chars(documents, num_chars):
 
 
 def my_documents(name, source, rank, world_size, budget, record):
-    """This rank's documents up to its share of -n (a generator: nothing is read yet), and their files."""
+    """This rank's documents (a generator: nothing is read yet), and the files they come from."""
     if name in HUB_DATASETS and not source.startswith("Python standard library"):  # `datasets` splits a stream
         repository, config, _ = HUB_DATASETS[name]
-        return take(datasets_texts(repository, node=(rank, world_size), path=repository, name=config), budget, record), []
+        return datasets_texts(repository, node=(rank, world_size), path=repository, name=config), []
     files = local_files(name) if name not in HUB_DATASETS else [  # or the offline corpus, a .py file a document
         path for path in sorted(Path(sysconfig.get_paths()["stdlib"]).rglob("*.py")) if "site-packages" not in path.parts]
-    return take(part_documents(files, rank, world_size, budget, record), budget, record), files
-
-
-def part_documents(files, rank, world_size, budget, record):
     sizes = [path.stat().st_size for path in files]
     lo, hi = record["bytes"] = [sum(sizes) * rank // world_size, sum(sizes) * (rank + 1) // world_size]
-    for path, first, size in zip(files, accumulate([0] + sizes), sizes):
-        if size == 0 or first + size <= lo or first >= hi:
-            continue
+    mine = [(path, first, size) for path, first, size in zip(files, accumulate([0] + sizes), sizes)
+            if size and first < hi and (lo <= first or first + size > lo and path.suffix in (".jsonl", ".parquet"))]
+    return part_documents(mine, lo, hi, budget), files
+
+
+def part_documents(files, lo, hi, budget):
+    for path, first, size in files:
         if path.suffix == ".jsonl":
             yield from read_jsonl(path, max(lo - first, 0), hi - first if hi < first + size else None)
         elif path.suffix == ".parquet":
             yield from parquet_row_groups(path, first, size, lo, hi)
-        elif first >= lo:
+        else:
             yield from read_txt(path, budget)
 
 
@@ -479,17 +476,6 @@ def parquet_row_groups(path, first, size, lo, hi):
     except Exception as error:  # not parquet, corrupt, no "text" column
         reason = f"{type(error).__name__}: {error}".splitlines()[0]
         raise UserError(f"can't read {path} ({reason}); check it, or use other files: --data path/to/files")
-
-
-def take(documents, budget, record):
-    """The documents, the last one cut to fit the budget; never asks the source for one more."""
-    record.update(documents=0, chars=0, cut=False)
-    for text in documents if budget > 0 else ():
-        kept = text[:budget - record["chars"]]
-        record.update(documents=record["documents"] + 1, chars=record["chars"] + len(kept), cut=len(kept) < len(text))
-        yield kept
-        if record["chars"] == budget:
-            return
 
 
 # The regex is the slow part, so worker processes count batches of whole documents, at most two per worker in
@@ -525,18 +511,25 @@ def count_batch(documents):
     return counts
 
 
-def count_chunks(documents, share_chars, show_progress, pool, workers):
+def count_chunks(documents, budget, record, show_progress, pool, workers):
+    """The documents up to this rank's share of -n, the last one cut to fit (and never one more asked of the
+    source), counted by the pool in batches of a MiB of characters."""
     chunk_counts, pending, batch = Counter(), deque(), []
-    with tqdm(total=share_chars, unit="char", unit_scale=True, desc="reading (rank 0's part)", mininterval=0.5,
+    record.update(documents=0, chars=0, cut=False)
+    with tqdm(total=budget, unit="char", unit_scale=True, desc="reading (rank 0's part)", mininterval=0.5,
               disable=not show_progress) as progress:
-        for document in documents:
-            progress.update(len(document))
-            batch.append(document)
-            if progress.n // 2**20 > (progress.n - len(document)) // 2**20:  # a batch per MiB of characters
+        for text in documents if budget > 0 else ():
+            kept = text[:budget - record["chars"]]
+            record.update(documents=record["documents"] + 1, chars=record["chars"] + len(kept), cut=len(kept) < len(text))
+            progress.update(len(kept))
+            batch.append(kept)
+            if record["chars"] // 2**20 > (record["chars"] - len(kept)) // 2**20:
                 pending.append(pool.apply_async(count_batch, (batch,)))
                 batch = []
-                while len(pending) > 2 * workers:
-                    chunk_counts.update(pending.popleft().get())
+            while len(pending) > 2 * workers:
+                chunk_counts.update(pending.popleft().get())
+            if record["chars"] == budget:
+                break
         for result in [*pending, pool.apply_async(count_batch, (batch,))]:
             chunk_counts.update(result.get())
     return chunk_counts
@@ -688,7 +681,7 @@ def run(argv):
     error = None
     try:
         if pool:
-            write_cache(prefix, count_chunks(documents, share_chars, RANK == 0, pool, num_workers), record)
+            write_cache(prefix, count_chunks(documents, share_chars, record, RANK == 0, pool, num_workers), record)
             cached = read_cache(prefix)
     except UserError as user_error:
         error = str(user_error)
