@@ -563,7 +563,7 @@ def write_cache(prefix, chunk_counts, record):
     stats = {"chunks": int(counts.sum()), "distinct": len(chunks), "total_bytes": int((lengths * counts).sum()),
              "total_pairs": int(((lengths - 1) * counts).sum()), "bad_utf8": BadUTF8.count, "part": record}
     prefix.parent.mkdir(parents=True, exist_ok=True)
-    prefix.with_suffix(".json").unlink(missing_ok=True)  # the cache is incomplete until it is back
+    prefix.with_suffix(".json").unlink(missing_ok=True)  # until it is written again, the cache is incomplete
     for name, array in zip(("bytes", "lengths", "counts"), arrays):
         np.save(prefix.with_suffix(f".{name}.npy"), array)
     write_atomically(prefix.with_suffix(".json"), json.dumps({**stats, "sha256": checksum(arrays, stats)}))
