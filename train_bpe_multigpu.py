@@ -5,18 +5,16 @@ Train a byte-level BPE tokenizer on many GPUs (or CPU processes) at once: exact,
     torchrun --standalone --nproc_per_node=2 train_bpe_multigpu.py --device cpu -v 1000 -n 1048576
     python train_bpe_multigpu.py --device cpu          # world size 1, no torchrun needed
 
-The tokenizer is byte-identical to train_bpe_cpu.py's, train_bpe_gpu.py's and rustbpe's trained on the
-documents that the ranks read, taken together (BPE depends only on the multiset of chunks, not their order).
-With -n at or past the end of the data, that is all of it, whatever the world size. The files are the other
-trainers' (tokenizers/<source>_v<vocab_size>/tokenizer.tiktoken and .json); the .json records what was read.
+The tokenizer is rustbpe's (and train_bpe_gpu.py's), byte for byte, trained on the documents that the ranks read
+taken together: BPE depends only on the multiset of chunks. With -n past the end of the data, that is all of it,
+whatever the world size. Output: tokenizers/<source>_v<vocab_size>/tokenizer.tiktoken, and tokenizer.json, which
+records what each rank read.
 
-This is not data-parallel training: the ranks hold different text, and a merge chosen from one rank's counts
-would be wrong. So the ranks split three things, and agree on one number per merge:
-1. The text: each rank reads only its own part of the source, about n / W characters, documents whole.
-2. The chunks: each rank pre-tokenizes its part and merges in its own distinct chunks, on its device.
-3. The [V, V] pair-count matrix: rank r owns the rows `left` with left % W == r, ~V/W rows each. A merge
-   sends each count change to the owner of its pair (one all_to_all), and one all_reduce(MAX) of every
-   rank's best key gives every rank the same next pair.
+This is not data-parallel training: a merge chosen from one rank's counts would be wrong. The ranks split
+1. the text: each rank reads only its own part of the source, about n / W characters, documents whole;
+2. the chunks: each rank pre-tokenizes its part and merges in its own distinct chunks, on its device;
+3. the [V, V] pair-count matrix: rank r owns the rows `left` with left % W == r. A merge sends each count
+   change to the owner of its pair (all_to_all), and one all_reduce(MAX) gives every rank the next pair.
 """
 
 import argparse
@@ -34,6 +32,7 @@ import signal
 import socket
 import sys
 import sysconfig
+import tempfile
 import time
 import urllib.parse
 from collections import Counter, deque
@@ -73,57 +72,45 @@ class UserError(Exception):
 
 
 # ---------------------------------------------------------------- the merge loop, split across ranks
-#
 # Each rank holds its distinct chunks as flattened positions with linked-list neighbours (train_bpe_gpu.py's
-# layout), so merging never moves tokens and a position names the same slot for the whole run:
-#   tokens[pos]  the token id (-1 at the spare slots END = L and DUMP = L + 1; DEAD once merged away)
-#   next_pos / prev_pos  the next / previous live position of the same chunk, or END
-#   weight[pos]  how often this rank's text holds the chunk that holds pos
-# DUMP absorbs the writes of lanes that don't apply: every step is whole-tensor, with no filtering whose
-# size the host would have to wait for. Each step is a few torch ops, the unit a GPU kernel would replace.
-
+# layout), so a merge never moves a token: tokens[pos] is an id (-1 at the spare slots END = L and DUMP = L + 1,
+# DEAD once merged away), next_pos / prev_pos the live neighbours in the chunk (or END), weight[pos] how often
+# this rank's text holds the chunk. Lanes that don't apply write to DUMP: every step is whole-tensor, with no
+# filtering whose size the host would have to wait for.
 DEAD = -2
-PIECE = 1 << 26  # bytes copied host -> device at a time, so that loading the cache keeps CPU RAM bounded
 
 
 def chunks_to_tensors(blob, lengths, counts, count_dtype, device):
     L = blob.size
     tokens = torch.full((L + 2,), -1, dtype=torch.int64, device=device)
-    for start in range(0, L, PIECE):  # a memory-mapped cache is read piece by piece, never whole
-        tokens[start:min(start + PIECE, L)] = torch.from_numpy(np.array(blob[start:start + PIECE])).to(device)
-    lengths, counts = torch.from_numpy(np.array(lengths)).to(device), torch.from_numpy(np.array(counts)).to(device)
+    tokens[:L] = torch.from_numpy(np.array(blob)).to(device)  # copied as bytes, small beside the int64 tensors
+    lengths, counts = (torch.from_numpy(np.array(array)).to(device) for array in (lengths, counts))
+    next_pos, prev_pos = torch.arange(1, L + 3, device=device), torch.arange(-1, L + 1, device=device)
     ends = torch.cumsum(lengths, 0)
-    next_pos = torch.arange(1, L + 3, dtype=torch.int64, device=device)
-    next_pos[ends - 1] = L
-    next_pos[L:] = L
-    prev_pos = torch.arange(-1, L + 1, dtype=torch.int64, device=device)
-    prev_pos[ends - lengths] = L
-    prev_pos[L:] = L
+    next_pos[ends - 1], prev_pos[ends - lengths] = L, L
+    next_pos[L:], prev_pos[L:] = L, L
     weight = torch.zeros(L + 2, dtype=count_dtype, device=device)
     weight[:L] = torch.repeat_interleave(counts, lengths).to(count_dtype)
     return tokens, next_pos, prev_pos, weight
 
 
 class OwnedRows:
-    """This rank's rows of the global pair-count matrix: row `left` for each left % W == rank, stored at
-    left // W. Their maximum is kept EXACT in two levels (each block of ~sqrt(V) columns, then each row), so a
-    changed count costs one block and one row, whether it grew or shrank: no lazy bounds, no verify loop.
-    torch's max and argmax return the FIRST maximal index, so among equal counts the smallest right wins in
-    a row and the smallest left across rows: BPE's tie-break, at no cost."""
+    """This rank's rows of the pair-count matrix: row `left` for each left % W == rank, stored at left // W.
+    Their maximum is kept exact in two levels (each block of ~sqrt(V) columns, then each row), so a changed
+    count costs one block and one row. max and argmax return the FIRST maximal index, so among equal counts
+    the smallest right wins in a row, and the smallest left across rows: BPE's tie-break, for free."""
 
     def __init__(self, vocab_size, rank, world_size, count_dtype, device):
         self.rank, self.world_size = rank, world_size
         self.bits = max(1, (vocab_size - 1).bit_length())  # bits of a token id, for the int64 key
         self.block = 1 << ((self.bits + 1) // 2)
-        self.num_blocks = -(-vocab_size // self.block)
-        self.width = self.num_blocks * self.block
+        self.width = -(-vocab_size // self.block) * self.block
         rows = (vocab_size - 1 - rank) // world_size + 1
         self.counts = torch.zeros(rows, self.width, dtype=count_dtype, device=device)
 
     def refresh_all(self):
-        values, where = self.counts.view(len(self.counts), self.num_blocks, self.block).max(dim=2)
-        self.block_max, self.block_arg = values, where
-        self.row_max, block = values.max(dim=1)
+        self.block_max, self.block_arg = self.counts.view(len(self.counts), -1, self.block).max(dim=2)
+        self.row_max, block = self.block_max.max(dim=1)
         self.row_arg = block * self.block + self.block_arg.gather(1, block[:, None]).squeeze(1)
 
     def apply(self, received):
@@ -138,18 +125,16 @@ class OwnedRows:
         values, block = self.block_max[rows].max(dim=1)
         self.row_max[rows], self.row_arg[rows] = values, block * self.block + self.block_arg[rows, block]
 
-    def best(self):
-        """(count, left, right) of this rank's best pair, as device tensors: nothing is read by the host."""
+    def best(self):  # (count, left, right) of this rank's best pair, as device tensors: no host read
         row = torch.argmax(self.row_max).view(1)  # a 1-element index: a 0-dim one would be read by the host
         return self.row_max[row][0].long(), (row * self.world_size + self.rank)[0], self.row_arg[row][0]
 
 
 def choose(owned, count, left, right, overflow, one_key):
     """Every rank gets the same next pair. With B bits an id and M = 2^B - 1, the key
-    count << 2B | (M - left) << B | (M - right) is largest for the pair BPE must take, tie-break included, so
-    one all_reduce(MAX) chooses. It also carries the most count changes some rank could not send to one owner
-    in the last all_to_all. When counts could need more than 63 - 2B bits, the count is reduced first, then
-    the tie-break among the ranks that hold it: one more collective, still exact."""
+    count << 2B | (M - left) << B | (M - right) is largest for the pair BPE takes, tie-break included, so one
+    all_reduce(MAX) chooses. It also carries the overflow: the most changes a rank could not send to one owner
+    in the last all_to_all. Counts past 63 - 2B bits are reduced before the tie-break (2 collectives)."""
     B, M = owned.bits, (1 << owned.bits) - 1
     tie = (M - left) << B | (M - right)
     packed = torch.stack([count << 2 * B | tie if one_key else count, overflow])
@@ -180,12 +165,12 @@ def sum_by_owner(pair_index, delta, owned, V):
 
 
 def exchange(sums, skip, width, device):
-    """One all_to_all of `width` lanes per destination, the sums numbered skip .. skip + width - 1. Unused lanes
-    are (0, 0): adding 0 to the owner's first count changes nothing. Fixed sizes, so no sizes to send first."""
+    """One all_to_all of `width` lanes per owner: its sums numbered skip .. skip + width - 1. Unused lanes are
+    (0, 0): adding 0 to the owner's first count changes nothing. Fixed sizes: no sizes to send first."""
     flat, summed, owner, slot, live, _ = sums
     W = dist.get_world_size()
-    sent = live & (slot >= skip) & (slot < skip + width)
     send = torch.zeros(W * width + 1, 2, dtype=torch.int64, device=device)  # the last lane is a dump
+    sent = live & (slot >= skip) & (slot < skip + width)
     send[torch.where(sent, owner * width + slot - skip, W * width)] = torch.stack([flat, summed], dim=1)
     if W == 1:
         return send[:-1]  # a world of one sends to itself: gloo would spend ~1 ms on the copy
@@ -195,10 +180,10 @@ def exchange(sums, skip, width, device):
 
 
 # Why this cannot deadlock or diverge: every branch of the loop below depends only on the REDUCED values that
-# choose() returns, the same numbers on every rank: the pair, its count (0 everywhere at once when no pair is
-# left, so all stop together), and the overflow that decides a second all_to_all. So every rank runs the same
-# collectives in the same order; a rank with no text sends padding and takes part all the same. Exact: counts
-# are integers, and each pair has one owner that adds all its changes, in any order, to the same sum.
+# choose() returns, the same on every rank: the pair, its count (0 everywhere at once when no pair is left, so
+# all stop together), and the overflow that calls a second all_to_all. So every rank runs the same collectives
+# in the same order; a rank with no text sends padding and takes part all the same. Exact: counts are
+# integers, and each pair has one owner that adds all its changes, in any order, to the same sum.
 
 
 def train(tokens, next_pos, prev_pos, weight, vocab_size, total_pairs, device, show_progress):
@@ -208,41 +193,35 @@ def train(tokens, next_pos, prev_pos, weight, vocab_size, total_pairs, device, s
     owned = OwnedRows(V, rank, W, weight.dtype, device)
     one_key, cap = total_pairs < 2 ** (63 - 2 * owned.bits), max(LANES // W, 16)
     # Only byte pairs exist at first: one all_reduce of a 256 x 256 block, then each owner keeps its rows.
-    left_positions = torch.nonzero(next_pos[:L] != L).squeeze(1)
+    lefts = torch.nonzero(next_pos[:L] != L).squeeze(1)
     byte_pairs = torch.zeros(256 * 256, dtype=torch.int64, device=device)
-    byte_pairs.index_add_(0, tokens[left_positions] * 256 + tokens[next_pos[left_positions]],
-                          weight[left_positions].long())
+    byte_pairs.index_add_(0, tokens[lefts] * 256 + tokens[next_pos[lefts]], weight[lefts].long())
     dist.all_reduce(byte_pairs)
-    mine = torch.arange(rank, 256, W, device=device)
-    owned.counts[:len(mine), :256] = byte_pairs.view(256, 256)[mine].to(weight.dtype)
+    mine = byte_pairs.view(256, 256)[rank::W]
+    owned.counts[:len(mine), :256] = mine.to(weight.dtype)
     owned.refresh_all()
-    # Position lists, one per token id, in one flat buffer: this rank's positions that hold the id, in order,
-    # so a merge of (a, b) visits only a's positions. Each merge kills as many positions as it appends to the
-    # new token's list, so twice the initial size always suffices.
-    list_buffer = torch.zeros(2 * len(left_positions) + 1, dtype=torch.int64, device=device)
-    byte_ids, order = torch.sort(tokens[left_positions], stable=True)
-    list_buffer[:len(order)] = left_positions[order]
-    list_len = torch.zeros(V, dtype=torch.int64, device=device)
-    list_len[:256] = torch.bincount(byte_ids, minlength=256)
-    list_start = torch.zeros(V, dtype=torch.int64, device=device)
-    list_start[1:256] = torch.cumsum(list_len[:255], 0)
-    append_at = torch.tensor(len(order), dtype=torch.int64, device=device)
+    # Position lists in one flat buffer: for each id, this rank's positions that hold it, in order, so a merge
+    # of (a, b) visits only a's. A merge appends as many positions as it kills: twice the start size suffices.
+    list_buffer = torch.zeros(2 * len(lefts) + 1, dtype=torch.int64, device=device)
+    byte_ids, order = torch.sort(tokens[lefts], stable=True)
+    list_buffer[:len(order)] = lefts[order]
+    list_len = torch.bincount(byte_ids, minlength=V)
+    list_start, append_at = torch.cumsum(list_len, 0) - list_len, list_len.sum()
 
-    merges, sums, overflow = [], None, torch.zeros((), dtype=torch.int64, device=device)
-    stats = Counter()
+    merges, sums, overflow, stats = [], None, torch.zeros((), dtype=torch.int64, device=device), Counter()
     progress = tqdm(total=V - 256, unit="merge", desc="merging", mininterval=0.5, disable=not show_progress)
     while len(merges) < V - 256:
         count, a, b, most = choose(owned, *owned.best(), overflow, one_key)
-        # The one host read of a merge, right after the collective's own wait: the pair, and where its left
-        # half's positions are on this rank (the sizes of this merge's tensors).
-        a_at = a.view(1)
-        count, a, b, most, start, length = torch.stack([count, a, b, most, list_start[a_at][0], list_len[a_at][0]]).tolist()
+        # The one host read of a merge, right after the collective's own wait: the pair, and where a's
+        # positions are on this rank (the sizes of this merge's tensors).
+        at = a.view(1)
+        count, a, b, most, start, length = torch.stack([count, a, b, most, list_start[at][0], list_len[at][0]]).tolist()
         stats.update(collectives=1 + (not one_key), host_reads=1)
-        if most > cap:  # a rank had more changes for one owner than a round carries: send the rest
+        if most > cap:  # a rank had more changes for one owner than a round carries: send the rest, choose again
             owned.apply(exchange(sums, cap, most - cap, device))
             overflow = torch.zeros_like(overflow)
             stats.update(collectives=1, second_rounds=1)
-            continue  # and choose again, from complete counts
+            continue
         if count == 0:
             break  # no pair left on any rank
         new_id = 256 + len(merges)
@@ -410,41 +389,39 @@ def first_chars(documents, num_chars):  # the last document is cut to fit
         if num_chars == 0:
             return  # before the source is asked for one more document: it may be slow to fetch, or malformed
 
-# ---------------------------------------------------------------- this rank's part of the source
+# ---------------------------------------------------------------- this rank's part of the text, counted
 #
 # Local files are laid end to end, and rank r gets bytes [r S / W, (r + 1) S / W). A document belongs to the
-# range that holds its FIRST byte: a .jsonl line, a whole .txt file, or a parquet row group (placed at its
-# share of the file's bytes). So each document is read whole, by exactly one rank, and a rank seeks straight
-# to its range: nobody reads the others' text. A Hub stream is split by `datasets` itself.
+# range that holds its first byte: a .jsonl line, a whole .txt file, a parquet row group (placed at its share
+# of the file's bytes). So each is read whole, by one rank, and a rank seeks straight to its range.
 
 
 def my_documents(name, source, rank, world_size, budget, record):
     """This rank's documents (a generator: nothing is read yet), and the files they come from."""
-    if name in HUB_DATASETS and not source.startswith("Python standard library"):
+    if name in HUB_DATASETS and not source.startswith("Python standard library"):  # `datasets` splits a stream
         repository, config, _ = HUB_DATASETS[name]
         return datasets_texts(repository, node=(rank, world_size), path=repository, name=config), []
     files = local_files(name) if name not in HUB_DATASETS else [  # or the offline corpus, a .py file a document
         path for path in sorted(Path(sysconfig.get_paths()["stdlib"]).rglob("*.py")) if "site-packages" not in path.parts]
-    return part_documents(files, rank, world_size, budget, record), files
-
-
-def part_documents(files, rank, world_size, budget, record):
     sizes = [path.stat().st_size for path in files]
     lo, hi = record["bytes"] = [sum(sizes) * rank // world_size, sum(sizes) * (rank + 1) // world_size]
-    for path, first, size in zip(files, accumulate([0] + sizes), sizes):
-        if size == 0 or first + size <= lo or first >= hi:
-            continue
+    mine = [(path, first, size) for path, first, size in zip(files, accumulate([0] + sizes), sizes)
+            if size and first < hi and (lo <= first or first + size > lo and path.suffix in (".jsonl", ".parquet"))]
+    return part_documents(mine, lo, hi, budget), files
+
+
+def part_documents(files, lo, hi, budget):
+    for path, first, size in files:
         if path.suffix == ".jsonl":
             yield from read_jsonl(path, max(lo - first, 0), hi - first if hi < first + size else None)
         elif path.suffix == ".parquet":
             yield from parquet_row_groups(path, first, size, lo, hi)
-        elif first >= lo:
+        else:
             yield from read_txt(path, budget)
 
 
 def parquet_row_groups(path, first, size, lo, hi):
     import pyarrow.parquet
-
     try:
         parquet = pyarrow.parquet.ParquetFile(path)
         for group in range(parquet.num_row_groups):
@@ -454,33 +431,17 @@ def parquet_row_groups(path, first, size, lo, hi):
                         raise UserError(f"{path}, row group {group}: \"text\" is {type(text).__name__}, not a "
                                         "string; it must be a column of strings")
                     yield text
-    except (UserError, GeneratorExit):
+    except UserError:
         raise
     except Exception as error:  # not parquet, corrupt, no "text" column
         reason = f"{type(error).__name__}: {error}".splitlines()[0]
         raise UserError(f"can't read {path} ({reason}); check it, or use other files: --data path/to/files")
 
 
-def take(documents, budget, record):
-    """Documents up to this rank's share of -n, the last one cut to fit. Stops before asking the source for one
-    more (it may be slow to fetch, or malformed)."""
-    record.update(documents=0, chars=0, cut=False)
-    for text in documents if budget > 0 else ():
-        kept = text[:budget - record["chars"]]
-        record.update(documents=record["documents"] + 1, chars=record["chars"] + len(kept), cut=len(kept) < len(text))
-        yield kept
-        if record["chars"] == budget:
-            return
-
-
-# ---------------------------------------------------------------- pre-tokenize, count, cache
-#
-# The regex is the slow part of reading (a few million characters a second per core), so a big part goes to
-# worker processes in batches of whole documents; Counters come back and are summed. At most two batches per
-# worker are in flight, so RAM stays bounded. A CPU-time alarm per document (1 s + 10 us a character) turns a
-# pattern that backtracks catastrophically into one line instead of a hang (regex's own timeout= would make
-# every findall ~3x slower); signals reach only a main thread, so each process counts in its own.
-SPLIT = None  # the compiled pattern, in this process and in each worker
+# The regex is the slow part, so worker processes count batches of whole documents, at most two per worker in
+# flight (RAM stays bounded). A CPU-time alarm per document (1 s + 10 us a character) turns a pattern that
+# backtracks catastrophically into one line instead of a hang.
+SPLIT = None  # the compiled pattern, in each worker
 
 
 def time_is_up(signum, frame):
@@ -510,38 +471,33 @@ def count_batch(documents):
     return counts
 
 
-class Ready:
-    """A batch counted at once, in this process: the rank has no worker processes."""
-
-    def __init__(self, value):
-        self.value = value
-
-    def get(self):
-        return self.value
-
-
-def count_chunks(documents, share_chars, show_progress, pool, workers):
+def count_chunks(documents, budget, record, show_progress, pool, workers):
+    """The documents up to this rank's share of -n, the last one cut to fit (and never one more asked of the
+    source), counted by the pool in batches of a MiB of characters."""
     chunk_counts, pending, batch = Counter(), deque(), []
-    submit = (lambda batch: pool.apply_async(count_batch, (batch,))) if pool else (lambda batch: Ready(count_batch(batch)))
-    with tqdm(total=share_chars, unit="char", unit_scale=True, desc="reading (rank 0's part)", mininterval=0.5,
+    record.update(documents=0, chars=0, cut=False)
+    with tqdm(total=budget, unit="char", unit_scale=True, desc="reading (rank 0's part)", mininterval=0.5,
               disable=not show_progress) as progress:
-        for document in documents:
-            progress.update(len(document))
-            batch.append(document)
-            if progress.n // 2**20 > (progress.n - len(document)) // 2**20:  # a batch per MiB of characters
-                pending.append(submit(batch))
+        for text in documents if budget > 0 else ():
+            kept = text[:budget - record["chars"]]
+            record.update(documents=record["documents"] + 1, chars=record["chars"] + len(kept), cut=len(kept) < len(text))
+            progress.update(len(kept))
+            batch.append(kept)
+            if record["chars"] // 2**20 > (record["chars"] - len(kept)) // 2**20:
+                pending.append(pool.apply_async(count_batch, (batch,)))
                 batch = []
-                while len(pending) > 2 * workers:
-                    chunk_counts.update(pending.popleft().get())
-        for result in [*pending, submit(batch)]:
+            while len(pending) > 2 * workers:
+                chunk_counts.update(pending.popleft().get())
+            if record["chars"] == budget:
+                break
+        for result in [*pending, pool.apply_async(count_batch, (batch,))]:
             chunk_counts.update(result.get())
     return chunk_counts
 
 
-# The cache holds what the merge loop needs, as plain .npy files (no pickle: loading one can't run code): the
-# UTF-8 bytes of this rank's distinct chunks of 2+ bytes, concatenated, and the length and count of each. The
-# .json, written last, holds the statistics, what was read, and a sha256 of it all: a cache without it is
-# incomplete, and one that does not match it (edited, half-copied) is counted again.
+# The cache is what the merge loop needs, as .npy files (no pickle: loading one can't run code): the UTF-8
+# bytes of this rank's distinct chunks of 2+ bytes, and the length and count of each. The .json, written last,
+# holds the statistics, what was read, and a sha256 of it all: a cache that fails it is counted again.
 
 
 def cache_key(args, source, files, world_size):
@@ -567,10 +523,9 @@ def write_cache(prefix, chunk_counts, record):
     stats = {"chunks": int(counts.sum()), "distinct": len(chunks), "total_bytes": int((lengths * counts).sum()),
              "total_pairs": int(((lengths - 1) * counts).sum()), "bad_utf8": BadUTF8.count, "part": record}
     prefix.parent.mkdir(parents=True, exist_ok=True)
+    prefix.with_suffix(".json").unlink(missing_ok=True)  # until it is written again, the cache is incomplete
     for name, array in zip(("bytes", "lengths", "counts"), arrays):
-        with open(prefix.with_suffix(f".{name}.npy.tmp"), "wb") as f:
-            np.save(f, array)
-        os.replace(prefix.with_suffix(f".{name}.npy.tmp"), prefix.with_suffix(f".{name}.npy"))
+        np.save(prefix.with_suffix(f".{name}.npy"), array)
     write_atomically(prefix.with_suffix(".json"), json.dumps({**stats, "sha256": checksum(arrays, stats)}))
 
 
@@ -585,29 +540,10 @@ def read_cache(prefix):
     return (*arrays, stats) if checksum(arrays, stats) == expected else "tampered"
 
 
-# ---------------------------------------------------------------- output (rank 0 only)
-
-
-def token_bytes(merges):
-    """The bytes of every token: 0..255 are themselves, a merge is its two halves glued."""
-    vocab = [bytes([i]) for i in range(256)]
-    for (left, right), _ in merges:
-        vocab.append(vocab[left] + vocab[right])
-    return vocab
-
-
 def write_atomically(path, text):
     """Write to a temporary name and rename: a crash never leaves a half-written file behind."""
-    temporary = path.with_name(path.name + ".tmp")
-    temporary.write_text(text, encoding="utf-8")
-    os.replace(temporary, path)
-
-
-def save_tokenizer(out_dir, merges, info):
-    out_dir.mkdir(parents=True, exist_ok=True)
-    ranks = "".join(f"{base64.b64encode(token).decode()} {rank}\n" for rank, token in enumerate(token_bytes(merges)))
-    write_atomically(out_dir / "tokenizer.tiktoken", ranks)
-    write_atomically(out_dir / "tokenizer.json", json.dumps(info, indent=2, ensure_ascii=False) + "\n")
+    path.with_name(path.name + ".tmp").write_text(text, encoding="utf-8")
+    os.replace(path.with_name(path.name + ".tmp"), path)
 
 
 # ---------------------------------------------------------------- the run
@@ -637,33 +573,6 @@ def parse_args(argv):
     return parser.parse_args(argv)
 
 
-def check_out_dir(out_dir):
-    """Refuse an --out that holds something else (a dataset's tokenizer would be replaced), and find an
-    unwritable one before any work. Rank 0 alone probes, as it alone writes."""
-    for path in [out_dir, *out_dir.parents]:
-        if path.exists() and not path.is_dir():
-            raise UserError(f"--out {out_dir}: {path} is a file, not a directory")
-    others = sorted({path.name for path in out_dir.iterdir()} - OUR_FILES) if out_dir.is_dir() else []
-    if {"meta.json", "progress.json"} & set(others):
-        raise UserError(f"--out {out_dir} is a dataset directory (it holds meta.json); give a new or a tokenizer directory")
-    if others:
-        raise UserError(f"--out {out_dir} is not a tokenizer directory (it holds {others[0]}); "
-                        "give a new or a tokenizer directory")
-    if RANK != 0:
-        return
-    created = [path for path in [out_dir, *out_dir.parents] if not path.exists()]
-    try:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "tokenizer.json.tmp").write_text("")
-        (out_dir / "tokenizer.json.tmp").unlink()
-    except OSError as error:
-        raise UserError(f"--out {out_dir} can't be written ({error.strerror}); give a directory you can write")
-    finally:
-        for path in created:  # deepest first: nothing is left behind if a later step fails
-            with contextlib.suppress(OSError):
-                path.rmdir()
-
-
 def validate(args):
     """Every check that needs no text runs on every rank BEFORE the process group exists: each rank reaches
     the same verdict on its own, exits, and nobody is left waiting in a collective."""
@@ -686,34 +595,20 @@ def validate(args):
     with contextlib.redirect_stderr(io.StringIO()) if RANK else contextlib.nullcontext():  # one warning, rank 0's
         _, source_name, source = open_source(args.data or data, data_was_named=args.data is not None)
     out_dir = Path(args.out or f"tokenizers/{source_name}_v{args.vocab_size}")
-    check_out_dir(out_dir)
+    for path in [out_dir, *out_dir.parents]:
+        if path.exists() and not path.is_dir():
+            raise UserError(f"--out {out_dir}: {path} is a file, not a directory")
+    others = sorted({path.name for path in out_dir.iterdir()} - OUR_FILES) if out_dir.is_dir() else []
+    if others:  # a dataset's tokenizer would be replaced
+        what = "a dataset directory (it holds meta.json)" if {"meta.json", "progress.json"} & set(others) else \
+            f"not a tokenizer directory (it holds {others[0]})"
+        raise UserError(f"--out {out_dir} is {what}; give a new or a tokenizer directory")
+    try:  # rank 0 writes: a probe in the deepest directory that exists (root passes os.access even on /proc)
+        if RANK == 0:
+            tempfile.TemporaryDirectory(dir=next(p for p in [out_dir, *out_dir.parents] if p.exists())).cleanup()
+    except OSError as error:
+        raise UserError(f"--out {out_dir} can't be written ({error.strerror}); give a directory you can write")
     return source, out_dir
-
-
-def setup_process_group(device_name, timeout_s):
-    """torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, ...) or, run with plain python, a world of one."""
-    if "RANK" not in os.environ:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    if device_name == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        run_device, backend = torch.device("cuda", torch.cuda.current_device()), "nccl"
-    else:
-        run_device, backend = torch.device("cpu"), "gloo"
-        if "OMP_NUM_THREADS" not in os.environ:  # small ops: waking OpenMP threads for each costs more than it saves
-            torch.set_num_threads(1)
-    # The timeout bounds every collective: a rank that hangs turns into an error on the others after
-    # timeout_s. A rank that DIES is noticed sooner: its sockets close, and torchrun stops the group.
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
-    return dist.get_rank(), dist.get_world_size(), run_device
-
-
-def peak_memory_mb(run_device):
-    if run_device.type == "cuda":
-        return torch.cuda.max_memory_allocated(run_device) / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
 def run(argv):
@@ -722,32 +617,38 @@ def run(argv):
 
     # --- this rank's part, pre-tokenized and counted, or the counts cached by an earlier run
     t0 = time.time()
-    rank, world_size, record = RANK, int(os.environ.get("WORLD_SIZE", "1")), {"rank": RANK}
-    share_chars = args.num_chars * (rank + 1) // world_size - args.num_chars * rank // world_size
-    documents, files = my_documents(args.data or data, source, rank, world_size, share_chars, record)
-    prefix = Path(args.cache_dir) / cache_key(args, source, files, world_size) / f"rank{rank}"
+    world_size, record = int(os.environ.get("WORLD_SIZE", "1")), {"rank": RANK}
+    share_chars = args.num_chars * (RANK + 1) // world_size - args.num_chars * RANK // world_size
+    documents, files = my_documents(args.data or data, source, RANK, world_size, share_chars, record)
+    prefix = Path(args.cache_dir) / cache_key(args, source, files, world_size) / f"rank{RANK}"
     cached = None if args.no_cache else read_cache(prefix)
+    state = "reused" if isinstance(cached, tuple) else cached or "counted"
     cores = len(os.sched_getaffinity(0)) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     num_workers = args.workers or (max(cores, 1) if share_chars >= 2**24 else 1)
-    # Workers are forked now, before the process group starts its threads: a fork copies only the calling
+    # The workers are forked before the process group starts its threads: a fork copies only the calling
     # thread, and could copy a lock that another thread holds, held forever.
-    start_worker(args.pattern)
-    pool = None if isinstance(cached, tuple) or num_workers == 1 else \
-        multiprocessing.get_context("fork").Pool(num_workers, start_worker, (args.pattern,))
-    rank, world_size, run_device = setup_process_group(args.device, args.timeout)
+    pool = None if state == "reused" else multiprocessing.get_context("fork").Pool(num_workers, start_worker, (args.pattern,))
+    if args.device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    elif "OMP_NUM_THREADS" not in os.environ:  # small ops: waking OpenMP threads for each costs more than it saves
+        torch.set_num_threads(1)
+    # The timeout bounds every collective: a rank that hangs turns into an error on the others after it (one
+    # that dies is noticed sooner: its sockets close). Run with plain python, this is a world of one.
+    alone = {} if "RANK" in os.environ else dict(store=dist.HashStore(), rank=0, world_size=1)
+    dist.init_process_group("nccl" if args.device == "cuda" else "gloo", timeout=datetime.timedelta(seconds=args.timeout), **alone)
+    run_device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
     say(f"{world_size} rank(s), backend {dist.get_backend()}, device {args.device}")
-    error, state = None, "reused" if isinstance(cached, tuple) else cached or "counted"
+    error = None
     try:
-        if state != "reused":
-            write_cache(prefix, count_chunks(take(documents, share_chars, record), share_chars, rank == 0, pool,
-                                             num_workers), record)
+        if pool:
+            write_cache(prefix, count_chunks(documents, share_chars, record, RANK == 0, pool, num_workers), record)
             cached = read_cache(prefix)
     except UserError as user_error:
         error = str(user_error)
     except OSError as os_error:
         error = f"can't write the cache in {prefix.parent} ({os_error.strerror}); give a writable --cache_dir"
     finally:
-        if pool is not None:
+        if pool:
             pool.terminate()
     # A reading error happens on one rank (the one whose part holds the bad line): share it, so that every
     # rank stops together and rank 0 reports it, instead of the others waiting for the lost rank.
@@ -755,7 +656,6 @@ def run(argv):
     dist.all_gather_object(parts, error or (cached[3], state))
     if any(isinstance(part, str) for part in parts):
         raise UserError(next(part for part in parts if isinstance(part, str)))
-    blob, lengths, counts, _ = cached
     total = {key: sum(stats[key] for stats, _ in parts) for key in ("chunks", "total_bytes", "total_pairs", "bad_utf8")}
     total["chars"], states = sum(stats["part"]["chars"] for stats, _ in parts), [state for _, state in parts]
     t1 = time.time()
@@ -776,35 +676,43 @@ def run(argv):
 
     # --- the merges, each rank in its own chunks and its own rows of the count matrix
     count_dtype = torch.int32 if total["total_pairs"] < 2**31 else torch.int64  # no count exceeds the total
-    tokens, next_pos, prev_pos, weight = chunks_to_tensors(blob, lengths, counts, count_dtype, run_device)
+    tokens, next_pos, prev_pos, weight = chunks_to_tensors(*cached[:3], count_dtype, run_device)
     if run_device.type == "cuda":
         torch.cuda.synchronize(run_device)  # CUDA copies are queued: wait, or their time lands in the merge phase
     t2 = time.time()
     merges, tokens_saved, loop = train(tokens, next_pos, prev_pos, weight, args.vocab_size, total["total_pairs"],
-                                       run_device, show_progress=rank == 0)
+                                       run_device, show_progress=RANK == 0)
     t3 = time.time()
+    peak = torch.cuda.max_memory_allocated(run_device) if args.device == "cuda" else \
+        resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
     ends = [None] * world_size
-    dist.all_gather_object(ends, (tokens_saved, peak_memory_mb(run_device)))
+    dist.all_gather_object(ends, (tokens_saved, peak / 2**20))
     num_merges, eot_id = len(merges), 256 + len(merges)
     stop_reason = "vocab_size reached" if eot_id == args.vocab_size else "no pairs left to merge"
     if stop_reason != "vocab_size reached":
         say(f"stopped early after {num_merges} merges: no pairs left to merge (vocab {eot_id} < {args.vocab_size})")
-    if rank == 0:
-        save_tokenizer(out_dir, merges, {
+    if RANK == 0:
+        vocab = [bytes([i]) for i in range(256)]  # the bytes themselves, then each merge's two halves glued
+        for (left, right), _ in merges:
+            vocab.append(vocab[left] + vocab[right])
+        out_dir.mkdir(parents=True, exist_ok=True)
+        write_atomically(out_dir / "tokenizer.tiktoken", "".join(f"{base64.b64encode(token).decode()} {rank}\n"
+                                                                for rank, token in enumerate(vocab)))
+        write_atomically(out_dir / "tokenizer.json", json.dumps({
             "pattern": args.pattern, "special_tokens": {EOT: eot_id}, "vocab_size": eot_id + 1, "num_merges": num_merges,
             "num_chars": total["chars"], "source": source, "trainer": "train_bpe_multigpu.py", "world_size": world_size,
-            "seconds": round(t3 - t0, 3), "stop_reason": stop_reason, "read": [stats["part"] for stats, _ in parts]})
-        tokens_left = total["total_bytes"] - sum(saved for saved, _ in ends)
-        say(f"{'loading the cache' if states.count('reused') == world_size else 'reading + pre-tokenizing'} "
-            f"{t1 - t0:.2f}s | to {args.device} {t2 - t1:.2f}s | merging {t3 - t2:.2f}s "
-            f"({num_merges / max(t3 - t2, 1e-9):,.0f} merges/s) | total {t3 - t0:.2f}s")
-        per_merge = {key: value / max(num_merges, 1) for key, value in loop.items()}
-        say(f"per merge: {per_merge['collectives']:.2f} collectives, {per_merge['host_reads']:.2f} host reads; "
-            f"{loop['second_rounds']} merges needed a second all_to_all")
-        say(f"{'peak device memory' if args.device == 'cuda' else 'peak RSS'} per rank: "
-            + ", ".join(f"{peak:,.0f} MiB" for _, peak in ends))
-        say(f"compression: {total['total_bytes'] / max(tokens_left, 1):.3f} bytes/token; wrote {out_dir}/tokenizer.tiktoken"
-            f" and tokenizer.json ({EOT} = {eot_id}, vocab_size {eot_id + 1})")
+            "seconds": round(t3 - t0, 3), "stop_reason": stop_reason, "read": [stats["part"] for stats, _ in parts]},
+            indent=2, ensure_ascii=False) + "\n")
+    tokens_left = total["total_bytes"] - sum(saved for saved, _ in ends)
+    say(f"{'loading the cache' if states.count('reused') == world_size else 'reading + pre-tokenizing'} "
+        f"{t1 - t0:.2f}s | to {args.device} {t2 - t1:.2f}s | merging {t3 - t2:.2f}s "
+        f"({num_merges / max(t3 - t2, 1e-9):,.0f} merges/s) | total {t3 - t0:.2f}s")
+    say(f"per merge: {loop['collectives'] / max(num_merges, 1):.2f} collectives, {loop['host_reads'] / max(num_merges, 1):.2f} "
+        f"host reads; {loop['second_rounds']} merges needed a second all_to_all")
+    say(f"{'peak device memory' if args.device == 'cuda' else 'peak RSS'} per rank: "
+        + ", ".join(f"{peak:,.0f} MiB" for _, peak in ends))
+    say(f"compression: {total['total_bytes'] / max(tokens_left, 1):.3f} bytes/token; wrote {out_dir}/tokenizer.tiktoken"
+        f" and tokenizer.json ({EOT} = {eot_id}, vocab_size {eot_id + 1})")
     dist.barrier()  # nobody leaves (and tears the group down) while rank 0 still writes
 
 
@@ -817,12 +725,9 @@ if __name__ == "__main__":
         exit_code = 1
         if RANK != 0:  # only rank 0 speaks; were this rank to exit first, torchrun could stop rank 0 before it does
             time.sleep(5)
-    except RuntimeError as error:
-        # gloo reports a timeout or a closed socket as a plain RuntimeError, NCCL as a DistError: both name
-        # their transport. Anything else is a bug, and keeps its traceback.
-        from_transport = regex.search(r"gloo|nccl|timed? ?out|connection|peer", str(error), regex.IGNORECASE)
-        if not isinstance(error, dist.DistError) and not from_transport:
-            raise
+    except RuntimeError as error:  # gloo says a timeout or a closed socket as a RuntimeError, NCCL as a DistError
+        if not isinstance(error, dist.DistError) and not regex.search(r"gloo|nccl|timed? ?out|connection|peer", str(error), regex.I):
+            raise  # not the transport: a bug, with its traceback
         text = (str(error).strip() or type(error).__name__).splitlines()[0][:200]
         print(f"\nerror: rank {RANK} lost contact with the other ranks ({text}); one of them died, hangs, or was "
               "never started: see its messages above, and --timeout for how long a rank waits", file=sys.stderr, flush=True)

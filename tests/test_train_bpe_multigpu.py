@@ -138,30 +138,24 @@ def test_many_changes_for_one_owner_take_a_second_all_to_all(several_files):
         assert " 0 merges needed a second all_to_all" not in several_files.runs[world_size].stdout
 
 
-def test_one_host_read_per_merge(several_files):
-    line = next(l for l in several_files.runs[3].stdout.splitlines() if l.startswith("per merge:"))
-    collectives, reads = float(line.split()[2]), float(line.split()[4])
-    assert reads < 1.05 and 2 <= collectives < 2.1, line
-
-
 # ---------------------------------------------------------------- -n inside the data, and the cache
 
 
 @pytest.fixture(scope="module")
 def one_file_part(tmp_path_factory):
     """-n at 60% of one .jsonl file on 2 ranks: each rank takes n/2 characters from its own byte range. Then
-    the same run again (the cache), and again with one rank's cache edited."""
+    the same run again: rank 0 reuses its cache, and rank 1 finds its own edited."""
     root = tmp_path_factory.mktemp("one")
     docs = [words(300 + i, 40 + 7 * i) for i in range(40)]
     path = write_jsonl(root / "one.jsonl", docs)
     num_chars = sum(map(len, docs)) * 6 // 10
     run = lambda name: torchrun(2, "--data", path, "-n", num_chars, "-v", 400, "--out", root / name, cwd=root)
-    first, second = run("first"), run("second")
+    first = run("first")
     counts_file = next((root / "cache").glob("*/rank1.counts.npy"))
     counts = np.load(counts_file)
     counts[0] += 1000  # a cache that was edited: the run must not train on it
     np.save(counts_file, counts)
-    return SimpleNamespace(root=root, path=path, num_chars=num_chars, first=first, second=second, third=run("third"))
+    return SimpleNamespace(root=root, path=path, num_chars=num_chars, first=first, second=run("second"))
 
 
 def test_n_inside_one_file_is_n_over_w_from_each_rank_part(one_file_part):
@@ -186,14 +180,14 @@ def test_n_inside_one_file_is_n_over_w_from_each_rank_part(one_file_part):
 
 
 def test_a_rerun_reuses_the_cache_and_an_edited_cache_is_counted_again(one_file_part):
-    first, second, third = one_file_part.first, one_file_part.second, one_file_part.third
-    assert "cache:" not in first.stdout
-    assert second.returncode == 0 and "cache: 2 of 2 ranks reused their counted chunks" in second.stdout
-    assert "reading (rank 0's part)" not in second.stderr
-    assert third.returncode == 0, third.stdout + third.stderr
-    assert "did not match its checksum" in third.stderr and "cache: 1 of 2 ranks" in third.stdout
-    tiktoken = [(one_file_part.root / name / "tokenizer.tiktoken").read_bytes() for name in ("first", "second", "third")]
-    assert tiktoken[0] == tiktoken[1] == tiktoken[2]
+    first, second = one_file_part.first, one_file_part.second
+    assert "cache:" not in first.stdout and "did not match" not in first.stderr
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert "cache: 1 of 2 ranks reused their counted chunks" in second.stdout  # rank 0's
+    assert "reading (rank 0's part)" not in second.stderr  # rank 0 read nothing
+    assert "did not match its checksum" in second.stderr  # rank 1's, counted again
+    tiktoken = [(one_file_part.root / name / "tokenizer.tiktoken").read_bytes() for name in ("first", "second")]
+    assert tiktoken[0] == tiktoken[1]
 
 
 def test_counts_past_2_to_the_31_and_past_one_int64_key(tmp_path):
@@ -345,9 +339,9 @@ def test_the_merge_loop_reads_the_device_once_per_merge_counting_every_kind(monk
     torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
     try:
         with CountReads():
-            merges, _, loop = mg.train(*tensors, 400, int(((lengths - 1) * counts).sum()), torch.device("cpu"), False)
+            merges, _, loop = mg.train(*tensors, 300, int(((lengths - 1) * counts).sum()), torch.device("cpu"), False)
     finally:
         torch.distributed.destroy_process_group()
-    assert len(merges) == 400 - 256 and loop["second_rounds"] > 0  # MANY_NEIGHBOURS overflows one round
+    assert len(merges) == 300 - 256 and loop["second_rounds"] > 0  # MANY_NEIGHBOURS overflows one round
     # one read per choice (a merge, or a second round), and the final int() of the tokens saved
     assert CountReads.reads == len(merges) + loop["second_rounds"] + 1, (CountReads.reads, len(merges), loop)
