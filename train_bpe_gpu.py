@@ -5,12 +5,11 @@ Train a byte-level BPE tokenizer with the merge loop on a GPU: the same merges a
     python train_bpe_gpu.py --data ../shared/corpora/enwiki.jsonl -v 65534 -n 134217728
     python train_bpe_gpu.py -v 300 -n 65536 --device cpu            # no GPU: Triton's interpreter, for testing
 
-Flags and outputs are train_bpe_cpu.py's, the readable reference of the algorithm. This file is the lesson of how
-a sequential algorithm gets fast on a GPU: merge k needs the counts left by merge k-1, so merges can't run in
-parallel, but the work inside one merge can, and the host must stay out of its way. A merge is four small Triton
-kernels on device memory; the host launches them (on CUDA, 16 merges as one CUDA graph) and reads one flag per
-16 merges: "done yet?". Pre-tokenizing runs on every CPU core. --device cpu runs the same kernels in Triton's
-interpreter (TRITON_INTERPRET=1, set here when torch sees no GPU): exact, slow, for the tests.
+Flags and outputs are train_bpe_cpu.py's, the readable reference of the algorithm. This file shows how a
+sequential algorithm gets fast on a GPU: merge k needs the counts left by merge k-1, so merges can't run in
+parallel, but the work inside a merge can, and the host must stay out of the way. A merge is four small Triton
+kernels; the host launches them (on CUDA, 16 merges as one CUDA graph) and reads one flag per 16 merges: "done?".
+--device cpu runs the same kernels in Triton's interpreter (TRITON_INTERPRET=1): exact, slow, for the tests.
 """
 
 import argparse
@@ -57,8 +56,7 @@ HUB_DATASETS = {"fineweb": ("HuggingFaceFW/fineweb", "sample-10BT", None),  # (r
                 "fineweb-edu": ("HuggingFaceFW/fineweb-edu", "sample-10BT", None)}
 LOCAL_SUFFIXES = (".txt", ".jsonl", ".parquet")
 TOKENIZER_FILES = ("tokenizer.tiktoken", "tokenizer.json", "tokenizer.tiktoken.tmp", "tokenizer.json.tmp")
-# In the interpreter: programs, positions per block, dirty rows per block, rows per block of choose_pair
-INTERPRETER_SHAPE = (1, 1024, 64, 1024)  # (the tests shrink them to run the many-block paths a GPU takes)
+INTERPRETER_SHAPE = (1, 1024, 64, 1024)  # programs, block of positions, of dirty rows, of choose_pair's rows
 MERGES_PER_READ = 16  # merges launched (on CUDA: one graph replay) per host read of the "done" flag
 PARALLEL_CHARS = 1 << 24  # from this many characters on, worker processes pre-tokenize .jsonl files
 RANGE_BYTES = 1 << 23  # the bytes of a .jsonl file that one worker reads at a time
@@ -109,8 +107,7 @@ def choose_pair(state, row_key, fresh_key, dirty_flag, dirty_rows, list_start, l
         tl.store(state + DIRTY, 0)
         # The largest count over all rows; blocks go in increasing row order, and the first row wins a tie.
         new = tl.load(state + NEXT)
-        best_count = tl.full((), 0, tl.int64)
-        best_row = tl.full((), 0, tl.int64)
+        best_count, best_row = tl.full((), 0, tl.int64), tl.full((), 0, tl.int64)
         for first in range(0, new, BLOCK):
             rows = first + tl.arange(0, BLOCK)
             count = tl.load(row_key + rows, mask=rows < new, other=0) >> ID_BITS
@@ -307,8 +304,7 @@ def merge_on_device(arrays, vocab_size, device):
     dirty_flag, dirty_rows, state, merges = zeros(V, torch.int32), zeros(V, torch.int32), zeros(16), zeros(2 * V)
     dirty_flag[:256], dirty_rows[:256] = 1, torch.arange(256, device=device)  # the first refresh makes all rows' keys
     state[NEXT.value], state[DIRTY.value] = 256, 256
-    # On a GPU: a few programs per SM, each looping over blocks. The interpreter runs programs one after
-    # another in numpy, so there one program with wide blocks is fastest.
+    # A GPU: a few programs per SM. The interpreter runs programs one after another: one with wide blocks is fastest.
     programs, block, rows, choose_block = INTERPRETER_SHAPE if device.type == "cpu" else \
         (4 * torch.cuda.get_device_properties(device).multi_processor_count, 256, 4, 4096)
     grid = (programs,)
@@ -513,9 +509,8 @@ def time_is_up(signum, frame):
 
 
 def split_documents(documents, pattern_text, progress=None):
-    """The counts of the distinct chunks of the documents, and their characters. A CPU-time alarm (a second plus
-    10 s per million characters; GPT-4's pattern needs 0.3 s) stops a pattern that backtracks catastrophically,
-    like (a|a)+b on a run of a's, which would otherwise hang with no word."""
+    """The distinct chunks' counts, and the characters read. A CPU-time alarm (a second plus 10 s per million
+    characters; GPT-4's pattern needs 0.3 s) stops a pattern that backtracks catastrophically, (a|a)+b on aaaa..."""
     split_pattern, chunk_counts, chars = regex.compile(pattern_text), Counter(), 0
     signal.signal(signal.SIGPROF, time_is_up)
     for number, document in enumerate(documents, 1):
@@ -534,8 +529,7 @@ def split_documents(documents, pattern_text, progress=None):
 
 
 def split_byte_range(job):
-    """In a worker process: the chunks of the first `budget` characters of the .jsonl lines that start in
-    [start, end). The worker reads them itself, so the parent never decodes or sends text."""
+    """In a worker: the chunks of the .jsonl lines starting in [start, end), read here: the parent sends no text."""
     pattern_text, path, start, end, budget = job
     BadUTF8.count = 0
     chunk_counts, chars = split_documents(first_chars(lambda _: read_jsonl(path, start, end), budget), pattern_text)
@@ -543,9 +537,9 @@ def split_byte_range(job):
 
 
 def count_chunks(documents, files, pattern_text, num_chars):
-    """The chunk counts of the first num_chars characters. Worker processes (the regex holds the GIL: threads
-    would not help) split large .jsonl inputs, a byte range each; the parent adds their Counters in file order,
-    and redoes the range where the budget runs out with the exact remainder."""
+    """The chunk counts of the first num_chars characters. Large .jsonl inputs go to worker processes (the regex
+    holds the GIL), a byte range each; the parent adds their Counters in file order, and redoes the range where
+    the budget runs out with the exact remainder."""
     with tqdm(total=num_chars, unit="char", unit_scale=True, desc="reading", mininterval=0.5) as progress:
         if num_chars < PARALLEL_CHARS or not files or any(path.suffix != ".jsonl" for path in files):
             chunk_counts, chars = split_documents(first_chars(documents, num_chars), pattern_text, progress)
@@ -582,8 +576,7 @@ def token_bytes(merges):
 
 
 def save_tokenizer(out_dir, merges, info):
-    """tiktoken's rank file and the settings, each written under a temporary name and renamed: a crash never
-    leaves a half-written file behind."""
+    """tiktoken's rank file and the settings, each written under a temporary name, then renamed: never half-written."""
     ranks = "".join(f"{base64.b64encode(token).decode()} {rank}\n" for rank, token in enumerate(token_bytes(merges)))
     out_dir.mkdir(parents=True, exist_ok=True)
     for name, text in [("tokenizer.tiktoken", ranks), ("tokenizer.json", json.dumps(info, indent=2, ensure_ascii=False) + "\n")]:
@@ -595,8 +588,7 @@ def save_tokenizer(out_dir, merges, info):
 
 
 def check_out_dir(out_dir):
-    """Find a bad --out before any work: a file on the way, no permission, or a directory that holds something
-    else (a dataset from prepare_data.py would lose its tokenizer files)."""
+    """A bad --out, found before any work: a file on the way, no permission, or a directory holding other files."""
     for path in [out_dir, *out_dir.parents]:
         if path.exists() and not path.is_dir():
             raise UserError(f"--out {out_dir}: {path} is a file, not a directory; give a directory path")
@@ -634,8 +626,8 @@ def pick_device(name):
 
 
 def check_memory(vocab_size, itemsize, device):
-    """The V x V count matrix is the budget: 16 GiB at V = 65534 with int32 counts. The ~40 bytes per position of
-    the distinct chunks are little beside it (2.5 M positions for all of enwiki's 56 M characters)."""
+    """The V x V count matrix is the budget: 16 GiB at V = 65534. The ~40 bytes per position of the distinct chunks
+    are little beside it (2.5 M positions for all of enwiki's 56 M characters)."""
     total = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else \
         os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     if itemsize * vocab_size**2 > 0.8 * total:

@@ -57,6 +57,12 @@ def rustbpe_vocab(docs, vocab_size, pattern=bpe.pattern):
     return [token for token, _ in sorted(tokenizer.get_mergeable_ranks(), key=lambda item: item[1])]
 
 
+def generated_docs(num_words, num_docs, seed=1234):
+    rng = random.Random(seed)
+    words = ["".join(rng.choice("abcdeéfghij ") for _ in range(rng.randrange(1, 9))) for _ in range(num_words)]
+    return [" ".join(rng.choice(words) for _ in range(rng.randrange(5, 100))) for _ in range(num_docs)]
+
+
 def run_cli(script, *args, cwd):
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRITON_INTERPRET=os.environ["TRITON_INTERPRET"])
     return subprocess.run([sys.executable, str(script), *map(str, args)], cwd=cwd, env=env,
@@ -177,12 +183,6 @@ class CountHostReads:
             mode.__exit__(*exc)
 
 
-def generated_docs(num_words, num_docs, seed=1234):
-    rng = random.Random(seed)
-    words = ["".join(rng.choice("abcdeéfghij ") for _ in range(rng.randrange(1, 9))) for _ in range(num_words)]
-    return [" ".join(rng.choice(words) for _ in range(rng.randrange(5, 100))) for _ in range(num_docs)]
-
-
 def test_at_most_one_host_read_per_16_merges():
     arrays = bpe.chunks_to_arrays(chunk_counts_of(generated_docs(60, 20)), 288)
     with CountHostReads() as reads:
@@ -224,13 +224,17 @@ def test_cuda_merge_loop_never_syncs_between_the_allowed_reads(corpus, monkeypat
 def test_byte_ranges_read_by_workers_equal_one_stream(tmp_path, monkeypatch):
     monkeypatch.setattr(bpe, "PARALLEL_CHARS", 1)
     monkeypatch.setattr(bpe, "RANGE_BYTES", 2_000)  # many ranges; the budget runs out inside one of them
-    path = tmp_path / "docs.jsonl"
-    path.write_text("".join(json.dumps({"text": doc}) + "\n" + "\n" * (i % 3 == 0) for i, doc in
-                            enumerate(generated_docs(100, 60) + EDGE_CASES["emoji and joiners"])))
+    docs = generated_docs(100, 60) + EDGE_CASES["emoji and joiners"]
+    lines = [json.dumps({"text": doc}).encode() + b"\n" * (1 + (i % 3 == 0)) for i, doc in enumerate(docs)]
+    path = tmp_path / "docs.jsonl"  # every 5th line with an invalid UTF-8 byte: the warning's count must add up
+    path.write_bytes(b"".join(line.replace(b"a", b"\xff", 1) if i % 5 == 0 else line for i, line in enumerate(lines)))
     documents, _, _ = bpe.open_source(str(path), data_was_named=True)
     for num_chars in (12_345, 10**9):
-        serial = bpe.split_documents(bpe.first_chars(documents, num_chars), bpe.pattern)
-        assert bpe.count_chunks(documents, [path], bpe.pattern, num_chars) == serial
+        bpe.BadUTF8.count = 0
+        serial = bpe.split_documents(bpe.first_chars(documents, num_chars), bpe.pattern), bpe.BadUTF8.count
+        bpe.BadUTF8.count = 0
+        assert (bpe.count_chunks(documents, [path], bpe.pattern, num_chars), bpe.BadUTF8.count) == serial
+        assert serial[1] > 0
 
 
 # ---------------------------------------------------------------- the command line
@@ -287,7 +291,6 @@ def bad_input_files(tmp_path, monkeypatch):
     (tmp_path / "notes").mkdir()
     (tmp_path / "notes" / "todo.txt").write_text("mine")
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     return tmp_path
 
 
