@@ -325,6 +325,10 @@ def merge_on_device(arrays, vocab_size, device):
     graph = None
     with tqdm(total=V - 256, unit="merge", desc="merging", mininterval=0.5) as progress:
         for group in range(0, V - 256, MERGES_PER_READ):
+            if group > 0 and graph is None and device.type == "cuda":  # compiled by now: record a group once
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    merge_group()
             if graph is None:
                 merge_group()
             else:
@@ -332,10 +336,6 @@ def merge_on_device(arrays, vocab_size, device):
             progress.update(min(MERGES_PER_READ, V - 256 - group))
             if merges_done(state):
                 break
-            if graph is None and device.type == "cuda":  # the kernels are compiled now: record a group, replay it
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    merge_group()
     num_merges = int(state[NEXT.value]) - 256
     merged_pairs = merges[:2 * num_merges].view(-1, 2).tolist()
     saved = int(weight[tokens == DEAD.value].sum())  # a merged occurrence saves one token per use of its chunk

@@ -94,9 +94,10 @@ def test_edge_cases_equal_rustbpe_and_cpu_trainer(name):
 
 
 def test_many_programs_and_small_blocks_give_the_same_merges(monkeypatch):
-    # The interpreter's default is one program with one wide block: here 3 programs stride over blocks of 16
-    # positions, appends to the lists cross blocks, and choose_pair compares rows across blocks of 16.
-    monkeypatch.setattr(bpe, "INTERPRETER_SHAPE", (2, 16, 2, 16))
+    # The interpreter's default is one program with one wide block: here 2 programs stride over blocks of 16
+    # positions, appends to the lists cross blocks, dirty rows are refreshed 8 rows by 16 columns at a time, and
+    # choose_pair compares rows across blocks of 16.
+    monkeypatch.setattr(bpe, "INTERPRETER_SHAPE", (2, 16, 8, 16))
     docs = EDGE_CASES["alternating pairs"] + ["aaa aaaaa aaaaaaa aaaaaaaa " * 2, "qr qr qr st st st xy xy"]
     assert our_vocab(docs, 272) == cpu_trainer_vocab(docs, 272)
 
@@ -184,7 +185,7 @@ class CountHostReads:
 
 
 def test_at_most_one_host_read_per_16_merges():
-    arrays = bpe.chunks_to_arrays(chunk_counts_of(generated_docs(60, 20)), 288)
+    arrays = bpe.chunks_to_arrays(chunk_counts_of(generated_docs(30, 8)), 288)
     with CountHostReads() as reads:
         merges, _ = bpe.merge_on_device(arrays, 288, DEVICE)
     assert len(merges) == 32
