@@ -92,6 +92,13 @@ LOW = tl.constexpr((1 << 20) - 1)
 
 
 @triton.jit
+def append(length, buffer, values, keep):
+    """Appends the lanes' values where keep to a list: one atomic add reserves the block's slots, one per lane."""
+    slot = tl.atomic_add(length, tl.sum(keep.to(tl.int32), axis=0)) + tl.cumsum(keep.to(tl.int32), axis=0) - 1
+    tl.store(buffer + slot, values, mask=keep)
+
+
+@triton.jit
 def choose_pair(state, row_key, fresh_key, dirty_flag, dirty_rows, list_start, list_len, merges, V,
                 BLOCK: tl.constexpr):
     """One program, alone on the device (kernels run in order), so it may read and write anything."""
@@ -179,13 +186,8 @@ def apply_merges(state, list_buffer, scratch, list_start, list_len, tokens, next
             # a's list keeps the positions that still hold a; the merged ones join the new token's list.
             unmarked = (i < length) & (mark_p != 2 * new) & (mark_p != 2 * new + 1)
             survives = unmarked & (tl.load(tokens + p, mask=unmarked, other=-1) == a)
-            for k in tl.static_range(2):  # append to a list: one atomic add reserves the block's slots
-                if k == 0:
-                    counter, buffer, keep = state + SURVIVORS, scratch, survives
-                else:
-                    counter, buffer, keep = list_len + new, new_list, merged
-                slot = tl.atomic_add(counter, tl.sum(keep.to(tl.int32), axis=0)) + tl.cumsum(keep.to(tl.int32), axis=0) - 1
-                tl.store(buffer + slot, p, mask=keep)
+            append(state + SURVIVORS, scratch, p, survives)
+            append(list_len + new, new_list, p, merged)
             right = tl.load(next_pos + p, mask=merged, other=END)
             before = tl.load(prev_pos + p, mask=merged, other=END)
             after = tl.load(next_pos + right, mask=merged, other=END)
@@ -218,8 +220,7 @@ def apply_merges(state, list_buffer, scratch, list_start, list_len, tokens, next
                 tl.atomic_add(counts + row * V + col, -w, mask=lose)
                 was_max = lose & ((tl.load(row_key + row, mask=lose, other=0) & LOW) == LOW - col)
                 first = was_max & (tl.atomic_xchg(dirty_flag + row, 1, mask=was_max) == 0)
-                slot = tl.atomic_add(state + DIRTY, tl.sum(first.to(tl.int32), axis=0)) + tl.cumsum(first.to(tl.int32), axis=0) - 1
-                tl.store(dirty_rows + slot, row.to(tl.int32), mask=first)
+                append(state + DIRTY, dirty_rows, row.to(tl.int32), first)
             # (x, new) and (new, y_new) gain w. The lane whose add comes last sees the final count, so the atomic
             # max of every lane's key is the final key, whatever the order.
             for k in tl.static_range(2):
