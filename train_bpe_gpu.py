@@ -200,7 +200,6 @@ def apply_merges(state, list_buffer, scratch, list_start, list_len, tokens, next
             y = tl.where(after_merged, a, tl.load(tokens + after, mask=merged & ~after_merged, other=-1))
             y_new = tl.where(after_merged, new, y)
             has_x, has_y = merged & (x >= 0), merged & (y >= 0)
-            # Relink and rename: right is unlinked, p becomes the new token.
             tl.store(tokens + p, new, mask=merged)
             tl.store(tokens + right, DEAD, mask=merged)
             tl.store(next_pos + p, after, mask=merged)
