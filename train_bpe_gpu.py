@@ -101,7 +101,8 @@ def append(length, buffer, values, keep):
 @triton.jit
 def choose_pair(state, row_key, fresh_key, dirty_flag, dirty_rows, list_start, list_len, merges, V,
                 BLOCK: tl.constexpr):
-    """One program, alone on the device (kernels run in order), so it may read and write anything."""
+    """Picks the pair with the largest key and writes the merge's state (a, b, new id, list bounds). One program,
+    alone on the device (kernels run in order), so it may read and write anything."""
     if tl.load(state + DONE) == 0:
         # The rows refresh_rows recomputed (their maxima are in fresh_key) become exact again.
         dirty = tl.load(state + DIRTY)
@@ -142,8 +143,9 @@ def choose_pair(state, row_key, fresh_key, dirty_flag, dirty_rows, list_start, l
 
 @triton.jit
 def find_occurrences(state, list_buffer, tokens, next_pos, prev_pos, mark, END, BLOCK: tl.constexpr):
-    """Reads only, except mark[p] and mark[next_pos[p]] for its own merging p: slots that differ for different p,
-    as two merged occurrences never share a position (no overlap) and next_pos is one-to-one."""
+    """Marks the occurrences that merge: mark[p] = 2 new, mark[next_pos[p]] = 2 new + 1 (an earlier merge's marks
+    never match: none is cleared). Reads only, except these two marks of its own merging p, which differ for
+    different p: merged occurrences never share a position (no overlap), and next_pos is one-to-one."""
     if tl.load(state + DONE) == 0:
         a, b, new = tl.load(state + A), tl.load(state + B), tl.load(state + NEW)
         start, length = tl.load(state + START), tl.load(state + LENGTH)
@@ -170,10 +172,10 @@ def find_occurrences(state, list_buffer, tokens, next_pos, prev_pos, mark, END, 
 @triton.jit
 def apply_merges(state, list_buffer, scratch, list_start, list_len, tokens, next_pos, prev_pos, mark, weight,
                  counts, row_key, dirty_flag, dirty_rows, V, END, BLOCK: tl.constexpr):
-    """One lane per merged occurrence (p, right) writes only what it owns: tokens, next_pos and prev_pos of p and
-    right, and prev_pos of the position after right unless that one merges too (its own lane links it then). It
-    reads a neighbour's token only where the marks say no lane writes it. Counts change by atomic adds, which
-    commute, so their order can't matter."""
+    """Merges the marked occurrences. The lane of (p, right) writes only what it owns: tokens, next_pos and
+    prev_pos of p and right, and prev_pos of the position after right unless that one merges too (its own lane
+    links it then). It reads a neighbour's token only where the marks say no lane writes it. Counts change by
+    atomic adds, which commute, so their order can't matter."""
     if tl.load(state + DONE) == 0:
         a, b, new = tl.load(state + A), tl.load(state + B), tl.load(state + NEW)
         start, length = tl.load(state + START), tl.load(state + LENGTH)
