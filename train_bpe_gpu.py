@@ -236,9 +236,9 @@ def apply_merges(state, list_buffer, scratch, list_start, list_len, tokens, next
 @triton.jit
 def refresh_rows(state, list_buffer, scratch, list_len, counts, fresh_key, dirty_rows, V, ROWS: tl.constexpr,
                  BLOCK: tl.constexpr):
-    """Copies a's surviving positions back, one slot per lane. Then work items of (ROWS dirty rows, BLOCK
-    columns), spread over the programs so that one dirty row of 65534 columns still fills the GPU, read counts,
-    which nothing writes now, and take each slice's max into fresh_key with atomic_max, whose order is free."""
+    """Copies a's surviving positions back from scratch, one slot per lane. Then recomputes the dirty rows' maxima
+    into fresh_key, in work items of ROWS rows by BLOCK columns spread over the programs (one dirty row of 65534
+    columns still fills the GPU). It reads counts, which nothing writes now; atomic_max makes the order free."""
     if tl.load(state + DONE) == 0:
         if tl.load(state + NEW) >= 256:
             a, survivors = tl.load(state + A), tl.load(state + SURVIVORS)
@@ -296,11 +296,11 @@ def chunks_to_arrays(chunk_counts, vocab_size):
 def merge_on_device(arrays, vocab_size, device):
     """The merge loop, MERGES_PER_READ merges per host read. Returns the merges and the token count after them."""
     V, device = vocab_size, torch.device(device)
-    names = "tokens next_pos prev_pos weight list_buffer list_start list_len pairs pair_weights"
-    tokens, next_pos, prev_pos, weight, list_buffer, list_start, list_len, pairs, pair_weights = (
-        torch.from_numpy(arrays[name]).to(device) for name in names.split())
+    upload = lambda name: torch.from_numpy(arrays[name]).to(device)  # noqa: E731
+    tokens, next_pos, prev_pos, weight, list_buffer, list_start, list_len = map(upload, (
+        "tokens", "next_pos", "prev_pos", "weight", "list_buffer", "list_start", "list_len"))
+    counts = torch.zeros(V * V, dtype=weight.dtype, device=device).index_add_(0, upload("pairs"), upload("pair_weights"))
     END = len(tokens) - 2
-    counts = torch.zeros(V * V, dtype=weight.dtype, device=device).index_add_(0, pairs, pair_weights)
     zeros = lambda size, dtype=torch.int64: torch.zeros(size, dtype=dtype, device=device)  # noqa: E731
     mark, scratch, row_key, fresh_key = zeros(END + 2, torch.int32), torch.empty_like(list_buffer), zeros(V), zeros(V)
     dirty_flag, dirty_rows, state, merges = zeros(V, torch.int32), zeros(V, torch.int32), zeros(16), zeros(2 * V)
