@@ -328,8 +328,8 @@ def bad_input_files(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("case", list(BAD_INPUTS))
 def test_bad_input_raises_one_clear_error_before_any_work(bad_input_files, case):
-    # In-process (the script's own run()), so that a dozen cases cost no interpreter starts; the tests below
-    # check through a real process how such an error reaches the user.
+    # In-process (the script's own run()), so that a dozen cases cost no interpreter starts; the test below
+    # checks through a real process how such an error reaches the user.
     args, message = BAD_INPUTS[case]
     args = args + ["--data", "ok.txt"] * ("--data" not in args) + ["--device", DEVICE] * ("--device" not in args)
     args = args + ["--out", "out"] * ("--out" not in args)
