@@ -569,17 +569,13 @@ def count_chunks(documents, files, pattern_text, num_chars):
 # ---------------------------------------------------------------- output
 
 
-def token_bytes(merges):
-    """The bytes of every token: 0..255 are themselves, a merge is its two halves glued."""
-    vocab = [bytes([i]) for i in range(256)]
+def save_tokenizer(out_dir, merges, info):
+    """tiktoken's rank file of every token's bytes, and the settings. Each file is written under a temporary name,
+    then renamed: a crash never leaves half of one."""
+    vocab = [bytes([i]) for i in range(256)]  # the bytes are themselves; a merge is its two halves glued
     for (left, right), _ in merges:
         vocab.append(vocab[left] + vocab[right])
-    return vocab
-
-
-def save_tokenizer(out_dir, merges, info):
-    """tiktoken's rank file and the settings, each written under a temporary name, then renamed: never half-written."""
-    ranks = "".join(f"{base64.b64encode(token).decode()} {rank}\n" for rank, token in enumerate(token_bytes(merges)))
+    ranks = "".join(f"{base64.b64encode(token).decode()} {rank}\n" for rank, token in enumerate(vocab))
     out_dir.mkdir(parents=True, exist_ok=True)
     for name, text in [("tokenizer.tiktoken", ranks), ("tokenizer.json", json.dumps(info, indent=2, ensure_ascii=False) + "\n")]:
         (out_dir / f"{name}.tmp").write_text(text, encoding="utf-8")

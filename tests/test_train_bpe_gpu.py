@@ -43,7 +43,7 @@ def train(chunk_counts, vocab_size):
 
 def our_vocab(docs, vocab_size, pattern=bpe.pattern):
     merges, _ = train(chunk_counts_of(docs, pattern), vocab_size)
-    return bpe.token_bytes(merges)
+    return train_bpe_cpu.token_bytes(merges)
 
 
 def cpu_trainer_vocab(docs, vocab_size, pattern=bpe.pattern):
