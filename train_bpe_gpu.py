@@ -5,16 +5,11 @@ Train a byte-level BPE tokenizer with the merge loop on a GPU: the same merges a
     python train_bpe_gpu.py --data ../shared/corpora/enwiki.jsonl -v 65534 -n 134217728
     python train_bpe_gpu.py -v 300 -n 65536 --device cpu            # no GPU: Triton's interpreter, for testing
 
-The flags and the output (tokenizers/<source>_v<vocab_size>/tokenizer.tiktoken and tokenizer.json) are
-train_bpe_cpu.py's, which is the readable reference of the algorithm. This file is the lesson of how such a
-sequential algorithm becomes fast on a GPU: merge k needs the counts left by merge k-1, so the merges can't run
-in parallel, but the work inside one merge can, and the host must stay out of the way. Each merge is four small
-Triton kernels that read and write only device memory; the host launches them (on CUDA, 16 merges at a time as
-one recorded CUDA graph) and reads one flag per 16 merges: "done yet?". Reading and pre-tokenizing the text runs
-on every CPU core.
-
---device cpu runs the very same kernels in Triton's interpreter (TRITON_INTERPRET=1, set here when torch sees
-no GPU): that is how the tests check them on a machine without a GPU. It is slow: on a CPU, use train_bpe_cpu.py.
+Flags and outputs are train_bpe_cpu.py's, the readable reference of the algorithm. This file shows how a
+sequential algorithm gets fast on a GPU: merge k needs the counts left by merge k-1, so merges can't run in
+parallel, but the work inside a merge can, and the host must stay out of the way. A merge is four small Triton
+kernels; the host launches them (on CUDA, 16 merges as one CUDA graph) and reads one flag per 16 merges: "done?".
+--device cpu runs the same kernels in Triton's interpreter (TRITON_INTERPRET=1): exact, slow, for the tests.
 """
 
 import argparse
@@ -52,6 +47,7 @@ vocab_size = 1000  # byte tokens (256) + merges; <|endoftext|> gets the next id
 num_chars = 1048576  # train on the first 2^20 characters of the stream
 data = "fineweb"  # fineweb | fineweb-edu | a .txt/.jsonl/.parquet file | a directory of them
 out = None  # output directory; default tokenizers/<source>_v<vocab_size>
+device = None  # cuda; without a GPU say --device cpu (Triton's interpreter: exact, slow, for testing)
 # GPT-4's split pattern: letters with their leading space, numbers in groups of up to 3, punctuation runs,
 # and whitespace, so that merges never glue a word to the punctuation or the space after it.
 pattern = r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]++[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+"""
@@ -60,13 +56,10 @@ HUB_DATASETS = {"fineweb": ("HuggingFaceFW/fineweb", "sample-10BT", None),  # (r
                 "fineweb-edu": ("HuggingFaceFW/fineweb-edu", "sample-10BT", None)}
 LOCAL_SUFFIXES = (".txt", ".jsonl", ".parquet")
 TOKENIZER_FILES = ("tokenizer.tiktoken", "tokenizer.json", "tokenizer.tiktoken.tmp", "tokenizer.json.tmp")
-device = None  # cuda; on a machine without a GPU say --device cpu (Triton's interpreter: exact, slow, for testing)
-# Kernel shapes in Triton's interpreter: programs, positions per block, dirty rows per block, rows per block of
-# choose_pair. The tests shrink them to run the many-block paths a GPU takes.
-INTERPRETER_SHAPE = (1, 1024, 64, 1024)
+INTERPRETER_SHAPE = (1, 1024, 64, 1024)  # programs, block of positions, of dirty rows, of choose_pair's rows
 MERGES_PER_READ = 16  # merges launched (on CUDA: one graph replay) per host read of the "done" flag
-PARALLEL_CHARS = 1 << 24  # from this many characters on, pre-tokenize .jsonl files on every core
-RANGE_BYTES = 1 << 23  # the byte range of a .jsonl file that one worker reads at a time
+PARALLEL_CHARS = 1 << 24  # from this many characters on, worker processes pre-tokenize .jsonl files
+RANGE_BYTES = 1 << 23  # the bytes of a .jsonl file that one worker reads at a time
 # -----------------------------------------------------------------------------
 
 
@@ -75,44 +68,22 @@ class UserError(Exception):
 
 
 # ---------------------------------------------------------------- the lesson: one BPE merge as four kernels
-#
-# The distinct chunks of the corpus lie in flat arrays, one slot per byte ("position"), as in train_bpe_cpu.py:
-#   tokens[p]      the token at p: -1 on the two spare slots END and END+1, DEAD once p was a merged right half
-#   next_pos[p]    the next live position of the same chunk, or END; prev_pos[p] likewise. Merging unlinks the
-#                  right half of a pair, as in a linked list: tokens never move, so positions stay valid names.
+# The distinct chunks lie in flat arrays, one slot per byte (a "position"), as in train_bpe_cpu.py:
+#   tokens[p]      the token at p; -1 on the spare slots END and END+1, DEAD once p was a merged right half
+#   next_pos[p]    the next live position of p's chunk, or END; prev_pos[p] likewise. A merge unlinks the right
+#                  half of a pair, as in a linked list: tokens never move, so positions stay valid names.
 #   weight[p]      how often p's chunk occurs in the corpus
 #   counts[l*V+r]  the weighted count of pair (l, r): a dense V x V matrix, so a count is one address
-#   lists          the positions holding each token id, one region of list_buffer per id: merging (a, b)
-#                  visits only the positions that hold a, never whole chunks.
-#
-# Choosing the pair must not scan V^2 counts. row_key[l] is the exact largest key of row l, where the key of a
-# pair is count << 20 | (2^20 - 1 - r): the largest key is the largest count, ties to the smallest right id.
-# Across rows, the smallest left id wins a tie of counts. (One key count << 32 | (65535-l) << 16 | (65535-r)
-# for the whole pair would make the choice a single max, but caps counts at 2^31 and ids at 65535; per-row keys
-# keep counts exact to 2^43 and vocabularies to 2^20, for one more reduction in a kernel that is not the cost.)
-# Only pairs with the new token grow in a merge: atomic_max raises their row's key, so it stays exact. A count
-# that shrinks leaves its row's key too high only if that pair was the row's maximum: such a row is "dirty"
-# (rare) and is recomputed from its row of the matrix.
-#
-# The four kernels of a merge, each safe without locks because of who writes what:
-#   choose_pair        one program: reads the row keys, writes the merge's state (a, b, new id, list bounds).
-#   find_occurrences   a program per block of a's positions: decides which ones merge and only writes its own
-#                      positions' marks (mark[p] = 2 new for a left half, 2 new + 1 for its right half).
-#   apply_merges       the same blocks: each merged occurrence rewrites the positions it owns, and fixes the
-#                      counts around it with atomic adds (additions commute, so their order can't matter).
-#   refresh_rows       recomputes dirty rows' maxima, and compacts a's list.
-# State that the host would otherwise read (a, b, list bounds) lives in a small device tensor `state`: the host
-# never waits for the device inside the loop. The programs of a kernel loop over blocks with a stride, so the
-# grid has a fixed size known before the data: that is what lets CUDA record 16 merges as one graph.
-#
-# Runs ("aaaa") are the hard case: every position of the run matches (a, a), but BPE merges left to right
-# without overlap, the 1st, 3rd, 5th... of each run. A position decides alone by counting the a's before it
-# in its run (walking prev_pos): it merges when that number is even.
-#
-# Memory: the count matrix is the budget, 4 V^2 bytes (int32; int64 only past 2^31 pairs of text): 16 GiB at
-# V = 65534. Per position of the distinct chunks, ~40 bytes (five int32 arrays, lists and scratch 16), and
-# deduplication keeps positions few: 2.5 M for all of enwiki's 56 M characters, ~0.2 GB. So -v 65534 needs
-# ~16.5 GiB plus the CUDA context: it fits a 24 GB card.
+#   lists          the positions holding each token, one region of list_buffer per id: merging (a, b) visits
+#                  only a's positions, never whole chunks.
+# Choosing must not scan V^2 counts. A pair's key is count << 20 | (2^20 - 1 - r), and row_key[l] is the largest
+# key of row l: its largest count, ties to the smallest r; across rows, the smallest l wins a tie. (One key per
+# pair would make the choice a single max, but cap counts at 2^31: per-row keys keep them exact to 2^43.) Only
+# pairs with the new token grow: atomic_max raises their row's key. A count that shrinks leaves its row's key too
+# high only if it was the row's maximum: that row is "dirty" (rare) and recomputed from the matrix.
+# The host never reads the loop's state (a, b, list bounds): it lives in the device tensor `state`. A kernel's
+# programs loop over blocks with a stride, so each grid has a size known before the data: that is what lets
+# CUDA record 16 merges as one graph. No kernel needs a lock; each docstring says why, from who writes what.
 
 NEXT, NEW, A, B, DONE, START, LENGTH, SURVIVORS, DIRTY = (tl.constexpr(i) for i in range(9))  # slots of `state`
 DEAD = tl.constexpr(-2)  # the token of an unlinked position (the right half of a merged pair)
@@ -121,11 +92,19 @@ LOW = tl.constexpr((1 << 20) - 1)
 
 
 @triton.jit
+def append(length, buffer, values, keep):
+    """Appends the lanes' values where keep to a list: one atomic add reserves the block's slots, one per lane."""
+    slot = tl.atomic_add(length, tl.sum(keep.to(tl.int32), axis=0)) + tl.cumsum(keep.to(tl.int32), axis=0) - 1
+    tl.store(buffer + slot, values, mask=keep)
+
+
+@triton.jit
 def choose_pair(state, row_key, fresh_key, dirty_flag, dirty_rows, list_start, list_len, merges, V,
                 BLOCK: tl.constexpr):
-    """One program. Nothing else runs during it, so it may read and write anything."""
+    """Picks the pair with the largest key and writes the merge's state (a, b, new id, list bounds). One program,
+    alone on the device (kernels run in order), so it may read and write anything."""
     if tl.load(state + DONE) == 0:
-        # The rows refresh_rows recomputed (as maxima in fresh_key) become exact again.
+        # The rows refresh_rows recomputed (their maxima are in fresh_key) become exact again.
         dirty = tl.load(state + DIRTY)
         for first in range(0, dirty, BLOCK):
             i = first + tl.arange(0, BLOCK)
@@ -136,8 +115,7 @@ def choose_pair(state, row_key, fresh_key, dirty_flag, dirty_rows, list_start, l
         tl.store(state + DIRTY, 0)
         # The largest count over all rows; blocks go in increasing row order, and the first row wins a tie.
         new = tl.load(state + NEXT)
-        best_count = tl.full((), 0, tl.int64)
-        best_row = tl.full((), 0, tl.int64)
+        best_count, best_row = tl.full((), 0, tl.int64), tl.full((), 0, tl.int64)
         for first in range(0, new, BLOCK):
             rows = first + tl.arange(0, BLOCK)
             count = tl.load(row_key + rows, mask=rows < new, other=0) >> ID_BITS
@@ -165,8 +143,9 @@ def choose_pair(state, row_key, fresh_key, dirty_flag, dirty_rows, list_start, l
 
 @triton.jit
 def find_occurrences(state, list_buffer, tokens, next_pos, prev_pos, mark, END, BLOCK: tl.constexpr):
-    """Reads only, except mark[p] and mark[next_pos[p]] for its own candidates p. Those are distinct slots for
-    distinct merged p: two merged occurrences never share a position (no overlap), and next_pos is one-to-one."""
+    """Marks the occurrences that merge: mark[p] = 2 new, mark[next_pos[p]] = 2 new + 1 (an earlier merge's marks
+    never match: none is cleared). Reads only, except these two marks of its own merging p, which differ for
+    different p: merged occurrences never share a position (no overlap), and next_pos is one-to-one."""
     if tl.load(state + DONE) == 0:
         a, b, new = tl.load(state + A), tl.load(state + B), tl.load(state + NEW)
         start, length = tl.load(state + START), tl.load(state + LENGTH)
@@ -175,7 +154,9 @@ def find_occurrences(state, list_buffer, tokens, next_pos, prev_pos, mark, END, 
             p = tl.load(list_buffer + start + i, mask=i < length, other=END)
             right = tl.load(next_pos + p)
             merge = (tl.load(tokens + p) == a) & (tl.load(tokens + right) == b)
-            if a == b:  # count the a's before p in its run: even -> p merges (left to right, no overlap)
+            # A run "aaaa" of (a, a) merges left to right without overlap: the 1st, 3rd... of the run. So p
+            # merges when an even number of a's come before it in its run (found by walking prev_pos).
+            if a == b:
                 odd = merge & False
                 q = tl.load(prev_pos + p)
                 walking = merge & (tl.load(tokens + q) == a)
@@ -191,10 +172,10 @@ def find_occurrences(state, list_buffer, tokens, next_pos, prev_pos, mark, END, 
 @triton.jit
 def apply_merges(state, list_buffer, scratch, list_start, list_len, tokens, next_pos, prev_pos, mark, weight,
                  counts, row_key, dirty_flag, dirty_rows, V, END, BLOCK: tl.constexpr):
-    """Each merged occurrence (p, right) is handled by one lane, which writes only what it owns: tokens,
-    next_pos and prev_pos of p and right, and prev_pos of the position after right unless that one is itself
-    merged (then its own lane links it). It reads a neighbour's token only when the marks say that no lane
-    writes it: a neighbour that merges too is known from its mark, without reading what it becomes."""
+    """Merges the marked occurrences. The lane of (p, right) writes only what it owns: tokens, next_pos and
+    prev_pos of p and right, and prev_pos of the position after right unless that one merges too (its own lane
+    links it then). It reads a neighbour's token only where the marks say no lane writes it. Counts change by
+    atomic adds, which commute, so their order can't matter."""
     if tl.load(state + DONE) == 0:
         a, b, new = tl.load(state + A), tl.load(state + B), tl.load(state + NEW)
         start, length = tl.load(state + START), tl.load(state + LENGTH)
@@ -207,13 +188,8 @@ def apply_merges(state, list_buffer, scratch, list_start, list_len, tokens, next
             # a's list keeps the positions that still hold a; the merged ones join the new token's list.
             unmarked = (i < length) & (mark_p != 2 * new) & (mark_p != 2 * new + 1)
             survives = unmarked & (tl.load(tokens + p, mask=unmarked, other=-1) == a)
-            for k in tl.static_range(2):  # append to a list: one atomic add reserves the block's slots
-                if k == 0:
-                    counter, buffer, keep = state + SURVIVORS, scratch, survives
-                else:
-                    counter, buffer, keep = list_len + new, new_list, merged
-                slot = tl.atomic_add(counter, tl.sum(keep.to(tl.int32), axis=0)) + tl.cumsum(keep.to(tl.int32), axis=0) - 1
-                tl.store(buffer + slot, p, mask=keep)
+            append(state + SURVIVORS, scratch, p, survives)
+            append(list_len + new, new_list, p, merged)
             right = tl.load(next_pos + p, mask=merged, other=END)
             before = tl.load(prev_pos + p, mask=merged, other=END)
             after = tl.load(next_pos + right, mask=merged, other=END)
@@ -226,15 +202,14 @@ def apply_merges(state, list_buffer, scratch, list_start, list_len, tokens, next
             y = tl.where(after_merged, a, tl.load(tokens + after, mask=merged & ~after_merged, other=-1))
             y_new = tl.where(after_merged, new, y)
             has_x, has_y = merged & (x >= 0), merged & (y >= 0)
-            # Relink and rename: right is unlinked, p becomes the new token.
             tl.store(tokens + p, new, mask=merged)
             tl.store(tokens + right, DEAD, mask=merged)
             tl.store(next_pos + p, after, mask=merged)
             tl.store(prev_pos + after, p, mask=has_y & ~after_merged)
             tl.store(prev_pos + p, tl.load(prev_pos + before, mask=before_merged, other=END), mask=before_merged)
-            # Counts: (a, b), (x, a) and (b, y) lose w. If a pair was its row's maximum, the row is listed as
-            # dirty (once: by the lane that flips dirty_flag). Reading row_key while other lanes raise it is
-            # safe: a raised key is a pair with the new token, above all the row held, so the key is right.
+            # (a, b), (x, a) and (b, y) lose w. A row whose maximum that pair was is listed as dirty, once: by the
+            # lane that flips dirty_flag. Reading row_key while other lanes raise it is safe: a raised key is a
+            # pair with the new token, above all the row held, so the test gives the same answer.
             zero = 0 * x.to(tl.int64)  # a scalar made a block, for the pairs that are the same in every lane
             for k in tl.static_range(3):
                 if k == 0:
@@ -246,8 +221,7 @@ def apply_merges(state, list_buffer, scratch, list_start, list_len, tokens, next
                 tl.atomic_add(counts + row * V + col, -w, mask=lose)
                 was_max = lose & ((tl.load(row_key + row, mask=lose, other=0) & LOW) == LOW - col)
                 first = was_max & (tl.atomic_xchg(dirty_flag + row, 1, mask=was_max) == 0)
-                slot = tl.atomic_add(state + DIRTY, tl.sum(first.to(tl.int32), axis=0)) + tl.cumsum(first.to(tl.int32), axis=0) - 1
-                tl.store(dirty_rows + slot, row.to(tl.int32), mask=first)
+                append(state + DIRTY, dirty_rows, row.to(tl.int32), first)
             # (x, new) and (new, y_new) gain w. The lane whose add comes last sees the final count, so the atomic
             # max of every lane's key is the final key, whatever the order.
             for k in tl.static_range(2):
@@ -262,9 +236,9 @@ def apply_merges(state, list_buffer, scratch, list_start, list_len, tokens, next
 @triton.jit
 def refresh_rows(state, list_buffer, scratch, list_len, counts, fresh_key, dirty_rows, V, ROWS: tl.constexpr,
                  BLOCK: tl.constexpr):
-    """Work items are (ROWS dirty rows, slice of BLOCK columns), spread over the programs, so one dirty row of 65534
-    columns still uses the whole GPU. Reads counts, which nothing writes now, and takes the max of each slice
-    into fresh_key with atomic_max (order-free). Copies a's surviving positions back, one slot per lane."""
+    """Copies a's surviving positions back from scratch, one slot per lane. Then recomputes the dirty rows' maxima
+    into fresh_key, in work items of ROWS rows by BLOCK columns spread over the programs (one dirty row of 65534
+    columns still fills the GPU). It reads counts, which nothing writes now; atomic_max makes the order free."""
     if tl.load(state + DONE) == 0:
         if tl.load(state + NEW) >= 256:
             a, survivors = tl.load(state + A), tl.load(state + SURVIVORS)
@@ -320,68 +294,59 @@ def chunks_to_arrays(chunk_counts, vocab_size):
 
 
 def merge_on_device(arrays, vocab_size, device):
-    """The merge loop: MERGES_PER_READ merges per host read. Returns the merges and the token count after them."""
+    """The merge loop, MERGES_PER_READ merges per host read. Returns the merges and the token count after them."""
     V, device = vocab_size, torch.device(device)
-    t = {name: torch.from_numpy(array).to(device) for name, array in arrays.items() if name != "total_bytes"}
-    END = t["tokens"].numel() - 2
-    counts = torch.zeros(V * V, dtype=t["weight"].dtype, device=device)
-    counts.index_add_(0, t.pop("pairs"), t.pop("pair_weights"))
-    zeros = lambda size, dtype: torch.zeros(size, dtype=dtype, device=device)  # noqa: E731
-    mark, scratch = zeros(END + 2, torch.int32), torch.empty_like(t["list_buffer"])
-    row_key, fresh_key, dirty_flag, dirty_rows = zeros(V, torch.int64), zeros(V, torch.int64), zeros(V, torch.int32), zeros(V, torch.int32)
+    upload = lambda name: torch.from_numpy(arrays[name]).to(device)  # noqa: E731
+    tokens, next_pos, prev_pos, weight, list_buffer, list_start, list_len = map(upload, (
+        "tokens", "next_pos", "prev_pos", "weight", "list_buffer", "list_start", "list_len"))
+    counts = torch.zeros(V * V, dtype=weight.dtype, device=device).index_add_(0, upload("pairs"), upload("pair_weights"))
+    END = len(tokens) - 2
+    zeros = lambda size, dtype=torch.int64: torch.zeros(size, dtype=dtype, device=device)  # noqa: E731
+    mark, scratch, row_key, fresh_key = zeros(END + 2, torch.int32), torch.empty_like(list_buffer), zeros(V), zeros(V)
+    dirty_flag, dirty_rows, state, merges = zeros(V, torch.int32), zeros(V, torch.int32), zeros(16), zeros(2 * V)
     dirty_flag[:256], dirty_rows[:256] = 1, torch.arange(256, device=device)  # the first refresh makes all rows' keys
-    state, merges = zeros(16, torch.int64), zeros(2 * max(V - 256, 1), torch.int64)
     state[NEXT.value], state[DIRTY.value] = 256, 256
-    # On a GPU: a few programs per SM, each looping over blocks. The interpreter runs programs one after
-    # another in numpy, so there one program with wide blocks is fastest.
+    # A GPU: a few programs per SM. The interpreter runs programs one after another: one with wide blocks is fastest.
     programs, block, rows, choose_block = INTERPRETER_SHAPE if device.type == "cpu" else \
         (4 * torch.cuda.get_device_properties(device).multi_processor_count, 256, 4, 4096)
     grid = (programs,)
-    lists = (t["list_buffer"], scratch, t["list_start"], t["list_len"])
 
-    def one_merge():
-        choose_pair[(1,)](state, row_key, fresh_key, dirty_flag, dirty_rows, t["list_start"], t["list_len"], merges,
-                          V, BLOCK=choose_block)
-        find_occurrences[grid](state, t["list_buffer"], t["tokens"], t["next_pos"], t["prev_pos"], mark, END,
-                               BLOCK=block)
-        apply_merges[grid](state, *lists, t["tokens"], t["next_pos"], t["prev_pos"], mark, t["weight"], counts,
-                           row_key, dirty_flag, dirty_rows, V, END, BLOCK=block)
-        refresh_rows[grid](state, t["list_buffer"], scratch, t["list_len"], counts, fresh_key, dirty_rows, V,
-                           ROWS=rows, BLOCK=block)
+    def refresh():
+        refresh_rows[grid](state, list_buffer, scratch, list_len, counts, fresh_key, dirty_rows, V, ROWS=rows, BLOCK=block)
 
-    refresh_rows[grid](state, t["list_buffer"], scratch, t["list_len"], counts, fresh_key, dirty_rows, V, ROWS=rows, BLOCK=block)
+    def merge_group():  # past the last merge, choose_pair sets DONE and every kernel does nothing
+        for _ in range(MERGES_PER_READ):
+            choose_pair[(1,)](state, row_key, fresh_key, dirty_flag, dirty_rows, list_start, list_len, merges, V,
+                              BLOCK=choose_block)
+            find_occurrences[grid](state, list_buffer, tokens, next_pos, prev_pos, mark, END, BLOCK=block)
+            apply_merges[grid](state, list_buffer, scratch, list_start, list_len, tokens, next_pos, prev_pos, mark,
+                               weight, counts, row_key, dirty_flag, dirty_rows, V, END, BLOCK=block)
+            refresh()
+
+    refresh()
     graph = None
     with tqdm(total=V - 256, unit="merge", desc="merging", mininterval=0.5) as progress:
         for group in range(0, V - 256, MERGES_PER_READ):
-            merges_now = min(MERGES_PER_READ, V - 256 - group)
-            if graph is None and group > 0 and merges_now == MERGES_PER_READ and device.type == "cuda":
-                graph = torch.cuda.CUDAGraph()  # the kernels are compiled by now: record a group once, replay it
+            if group > 0 and graph is None and device.type == "cuda":  # compiled by now: record a group once
+                graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph):
-                    for _ in range(MERGES_PER_READ):
-                        one_merge()
-            if graph is not None and merges_now == MERGES_PER_READ:
-                graph.replay()
+                    merge_group()
+            if graph is None:
+                merge_group()
             else:
-                for _ in range(merges_now):
-                    one_merge()
-            progress.update(merges_now)
+                graph.replay()
+            progress.update(min(MERGES_PER_READ, V - 256 - group))
             if merges_done(state):
                 break
     num_merges = int(state[NEXT.value]) - 256
-    pairs = merges[:2 * num_merges].view(-1, 2).tolist()
-    # Each merged occurrence saved one token per occurrence of its chunk: the DEAD positions' weights.
-    saved = int(t["weight"][t["tokens"] == DEAD.value].sum())
-    return [((left, right), 256 + i) for i, (left, right) in enumerate(pairs)], arrays["total_bytes"] - saved
+    merged_pairs = merges[:2 * num_merges].view(-1, 2).tolist()
+    saved = int(weight[tokens == DEAD.value].sum())  # a merged occurrence saves one token per use of its chunk
+    return [((left, right), 256 + i) for i, (left, right) in enumerate(merged_pairs)], arrays["total_bytes"] - saved
 
 
 def merges_done(state):
     """The one host read of a group of merges: here, and only here, the host waits for the device."""
     return bool(state[DONE.value].item())
-
-
-def train(chunk_counts, vocab_size, device="cpu"):
-    """The BPE merges, in order: a list of ((left id, right id), new id); and the token count after them."""
-    return merge_on_device(chunks_to_arrays(chunk_counts, vocab_size), vocab_size, device)
 
 
 # ---------------------------------------------------------------- reading text (the same in every script)
@@ -505,14 +470,12 @@ def time_is_up(signum, frame):
     raise TimeoutError
 
 
-def split_documents(documents, pattern_text, budget, progress=None):
-    """The distinct chunks of the documents with their counts, up to `budget` characters (the last document cut).
-    A pattern that backtracks catastrophically ((a|a)+b on a run of a's) would hang with no word: a CPU-time
-    alarm watches each document, a second plus 10 s per million characters (GPT-4's pattern needs 0.3 s)."""
+def split_documents(documents, pattern_text, progress=None):
+    """The distinct chunks' counts, and the characters read. A CPU-time alarm (a second plus 10 s per million
+    characters; GPT-4's pattern needs 0.3 s) stops a pattern that backtracks catastrophically, (a|a)+b on aaaa..."""
     split_pattern, chunk_counts, chars = regex.compile(pattern_text), Counter(), 0
     signal.signal(signal.SIGPROF, time_is_up)
     for number, document in enumerate(documents, 1):
-        document = document[:budget - chars]
         signal.setitimer(signal.ITIMER_PROF, 1 + len(document) / 1e5)
         try:
             chunk_counts.update(split_pattern.findall(document))
@@ -524,88 +487,73 @@ def split_documents(documents, pattern_text, budget, progress=None):
         chars += len(document)
         if progress:
             progress.update(len(document))
-        if chars == budget:
-            break
     return chunk_counts, chars
 
 
-def split_byte_range(pattern_text, path, start, end, budget):
-    """In a worker process: reads its own lines of a .jsonl file, so the parent never decodes or sends text."""
+def split_byte_range(job):
+    """In a worker: the chunks of the .jsonl lines starting in [start, end), read here: the parent sends no text."""
+    pattern_text, path, start, end, budget = job
     BadUTF8.count = 0
-    return *split_documents(read_jsonl(path, start, end), pattern_text, budget), BadUTF8.count
+    chunk_counts, chars = split_documents(first_chars(lambda _: read_jsonl(path, start, end), budget), pattern_text)
+    return chunk_counts, chars, BadUTF8.count
 
 
 def count_chunks(documents, files, pattern_text, num_chars):
-    """Chunk counts of the first num_chars characters. Large .jsonl inputs are cut into byte ranges that worker
-    processes read themselves (the regex holds the GIL: threads would not help); the parent only adds up the
-    Counters, in file order. The range where the budget runs out is redone here with the exact remainder."""
+    """The chunk counts of the first num_chars characters. Large .jsonl inputs go to worker processes (the regex
+    holds the GIL), a byte range each; the parent adds their Counters in file order, and redoes the range where
+    the budget runs out with the exact remainder."""
     with tqdm(total=num_chars, unit="char", unit_scale=True, desc="reading", mininterval=0.5) as progress:
         if num_chars < PARALLEL_CHARS or not files or any(path.suffix != ".jsonl" for path in files):
-            chunk_counts, chars = split_documents(first_chars(documents, num_chars), pattern_text, num_chars, progress)
+            chunk_counts, chars = split_documents(first_chars(documents, num_chars), pattern_text, progress)
         else:
-            ranges = [(pattern_text, path, start, start + RANGE_BYTES, num_chars) for path in files
-                      for start in range(0, os.path.getsize(path), RANGE_BYTES)]
-            chunk_counts, chars = Counter(), 0
-            # fork starts a worker in milliseconds (spawn would re-import torch); macOS can't fork safely.
+            jobs = [(pattern_text, path, start, start + RANGE_BYTES, num_chars) for path in files
+                    for start in range(0, os.path.getsize(path), RANGE_BYTES)]
+            chunk_counts, chars, bad_utf8 = Counter(), 0, 0
+            # fork starts a worker in milliseconds (spawn would import torch again); macOS can't fork safely.
             with multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn").Pool() as pool:
-                for job, (counts, range_chars, bad_utf8) in zip(ranges, pool.imap(unpack_split, ranges)):
+                for job, (counts, range_chars, bad) in zip(jobs, pool.imap(split_byte_range, jobs)):
                     if chars + range_chars > num_chars:
-                        counts, range_chars, bad_utf8 = split_byte_range(*job[:4], num_chars - chars)
+                        counts, range_chars, bad = split_byte_range(job[:4] + (num_chars - chars,))
                     chunk_counts.update(counts)
-                    chars, BadUTF8.count = chars + range_chars, BadUTF8.count + bad_utf8
+                    chars, bad_utf8 = chars + range_chars, bad_utf8 + bad
                     progress.update(range_chars)
                     if chars == num_chars:
                         break
+            BadUTF8.count = bad_utf8
     if "" in chunk_counts:  # a pattern like \b matches nothing in some places only: BPE needs whole chunks
         raise UserError(f"--pattern {pattern_text!r} matches the empty string; every match must take at least one "
                         "character (x+, not x*)")
     return chunk_counts, chars
 
 
-def unpack_split(job):
-    return split_byte_range(*job)
-
-
 # ---------------------------------------------------------------- output
 
 
-def token_bytes(merges):
-    """The bytes of every token: 0..255 are themselves, a merge is its two halves glued."""
-    vocab = [bytes([i]) for i in range(256)]
+def save_tokenizer(out_dir, merges, info):
+    """tiktoken's rank file of every token's bytes, and the settings. Each file is written under a temporary name,
+    then renamed: a crash never leaves half of one."""
+    vocab = [bytes([i]) for i in range(256)]  # the bytes are themselves; a merge is its two halves glued
     for (left, right), _ in merges:
         vocab.append(vocab[left] + vocab[right])
-    return vocab
-
-
-def write_atomically(path, text):
-    """Write to a temporary name and rename: a crash never leaves a half-written file behind."""
-    temporary = path.with_name(path.name + ".tmp")
-    temporary.write_text(text, encoding="utf-8")
-    os.replace(temporary, path)
-
-
-def save_tokenizer(out_dir, merges, info):
-    out_dir.mkdir(parents=True, exist_ok=True)
-    vocab = token_bytes(merges)
     ranks = "".join(f"{base64.b64encode(token).decode()} {rank}\n" for rank, token in enumerate(vocab))
-    write_atomically(out_dir / "tokenizer.tiktoken", ranks)
-    write_atomically(out_dir / "tokenizer.json", json.dumps(info, indent=2, ensure_ascii=False) + "\n")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for name, text in [("tokenizer.tiktoken", ranks), ("tokenizer.json", json.dumps(info, indent=2, ensure_ascii=False) + "\n")]:
+        (out_dir / f"{name}.tmp").write_text(text, encoding="utf-8")
+        os.replace(out_dir / f"{name}.tmp", out_dir / name)
 
 
 # ---------------------------------------------------------------- the run
 
 
 def check_out_dir(out_dir):
-    """Find a bad --out before any work: a file on the way, no permission, or a directory that holds
-    something else (a dataset from prepare_data.py: its tokenizer files would be overwritten)."""
+    """A bad --out, found before any work: a file on the way, no permission, or a directory holding other files."""
     for path in [out_dir, *out_dir.parents]:
         if path.exists() and not path.is_dir():
             raise UserError(f"--out {out_dir}: {path} is a file, not a directory; give a directory path")
-    if out_dir.is_dir():
-        others = sorted(p.name for p in out_dir.iterdir() if p.name not in TOKENIZER_FILES)
-        if others:
-            what = "a dataset directory" if {"meta.json", "progress.json"} & set(others) else "not a tokenizer directory"
-            raise UserError(f"--out {out_dir} is {what} (it holds {others[0]}); give a new or a tokenizer directory")
+    others = sorted(p.name for p in out_dir.iterdir() if p.name not in TOKENIZER_FILES) if out_dir.is_dir() else []
+    if others:
+        what = "a dataset directory" if {"meta.json", "progress.json"} & set(others) else "not a tokenizer directory"
+        raise UserError(f"--out {out_dir} is {what} (it holds {others[0]}); give a new or a tokenizer directory")
     created = [p for p in [out_dir, *out_dir.parents] if not p.exists()]
     try:  # write and remove a probe file: the only sure test (root passes os.access checks on /proc)
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -636,7 +584,8 @@ def pick_device(name):
 
 
 def check_memory(vocab_size, itemsize, device):
-    """The dense V x V count matrix is the memory budget: 16 GiB at V = 65534 with int32 counts."""
+    """The V x V count matrix is the budget: 16 GiB at V = 65534. The ~40 bytes per position of the distinct chunks
+    are little beside it (2.5 M positions for all of enwiki's 56 M characters)."""
     total = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else \
         os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     if itemsize * vocab_size**2 > 0.8 * total:
@@ -645,7 +594,7 @@ def check_memory(vocab_size, itemsize, device):
                         "smaller -v, or train_bpe_cpu.py")
 
 
-def parse_args(argv):
+def run(argv):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("-v", "--vocab_size", type=int, default=vocab_size, help="tokens before <|endoftext|> (256 bytes + merges)")
     parser.add_argument("-n", "--num_chars", type=int, default=num_chars, help="train on the first N characters")
@@ -653,11 +602,7 @@ def parse_args(argv):
     parser.add_argument("--out", default=out, help="output directory (default tokenizers/<source>_v<vocab_size>)")
     parser.add_argument("--pattern", default=pattern, help="the pre-tokenizer regex (default GPT-4's)")
     parser.add_argument("--device", default=device, help="cuda | cpu (Triton's interpreter; default: cuda)")
-    return parser.parse_args(argv)
-
-
-def run(argv):
-    args = parse_args(argv)
+    args = parser.parse_args(argv)
     if not 256 <= args.vocab_size <= 2**20:
         raise UserError(f"-v {args.vocab_size}: vocab_size must be between 256 (the bytes alone) and 2^20; try -v 1000")
     if args.num_chars <= 0:
@@ -692,22 +637,20 @@ def run(argv):
     t_layout = time.time()  # merging includes compiling the kernels on a machine's first run (then cached)
     merges, total_tokens = merge_on_device(arrays, args.vocab_size, train_device)
     t2 = time.time()
-    num_merges = len(merges)
-    stop_reason = "vocab_size reached" if 256 + num_merges == args.vocab_size else "no pairs left to merge"
+    num_merges, eot_id = len(merges), 256 + len(merges)
+    stop_reason = "vocab_size reached" if eot_id == args.vocab_size else "no pairs left to merge"
     if stop_reason != "vocab_size reached":
-        print(f"stopped early after {num_merges} merges: no pairs left to merge (vocab {256 + num_merges} < {args.vocab_size})")
-
-    eot_id = 256 + num_merges
-    info = {"pattern": args.pattern, "special_tokens": {EOT: eot_id}, "vocab_size": eot_id + 1,
-            "num_merges": num_merges, "num_chars": chars_read, "source": source, "trainer": "train_bpe_gpu.py",
-            "device": str(train_device), "seconds": round(t2 - t0, 3), "stop_reason": stop_reason}
-    save_tokenizer(out_dir, merges, info)
-    total_bytes = sum(len(chunk.encode("utf-8")) * count for chunk, count in chunk_counts.items())
+        print(f"stopped early after {num_merges} merges: no pairs left to merge (vocab {eot_id} < {args.vocab_size})")
+    save_tokenizer(out_dir, merges, {
+        "pattern": args.pattern, "special_tokens": {EOT: eot_id}, "vocab_size": eot_id + 1, "num_merges": num_merges,
+        "num_chars": chars_read, "source": source, "trainer": "train_bpe_gpu.py", "device": str(train_device),
+        "seconds": round(t2 - t0, 3), "stop_reason": stop_reason})
     print(f"reading + pre-tokenizing {t1 - t0:.2f}s | layout {t_layout - t1:.2f}s | merging {t2 - t_layout:.2f}s "
           f"({num_merges / max(t2 - t_layout, 1e-9):,.0f} merges/s) | total {t2 - t0:.2f}s")
     peak = torch.cuda.max_memory_allocated(train_device) if train_device.type == "cuda" else \
         resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     print(f"peak memory: {peak / 2**30:.2f} GiB ({'device' if train_device.type == 'cuda' else 'process resident'})")
+    total_bytes = arrays["total_bytes"]
     print(f"compression on the training text: {total_bytes / max(total_tokens, 1):.3f} bytes/token "
           f"({total_bytes:,} bytes -> {total_tokens:,} tokens)")
     print(f"wrote {out_dir}/tokenizer.tiktoken and tokenizer.json ({EOT} = {eot_id}, vocab_size {eot_id + 1})")
