@@ -5,10 +5,10 @@ Turn text into token shards for train.py: fast, in flat memory, and resumable.
     python prepare_data.py --tokenizer gpt2 --data fineweb-edu --max_tokens 1000000000
     python prepare_data.py --tokenizer char --data ../shared/corpora/tinyshakespeare.txt
 
---tokenizer is a directory from train_bpe_*.py, a tiktoken name (gpt2, cl100k_base, o200k_base), or char: one
-id per distinct character, sorted, as nanoGPT's shakespeare_char. It writes DIR/val_000000.npy, ...,
-DIR/train_000000.npy, ... and, last, DIR/meta.json (DIR: data/<source>_<tokenizer>/ unless --out), in the
-format the README describes. Killed and started again with the same arguments, it resumes where it stopped.
+--tokenizer is a directory from train_bpe_*.py, a tiktoken name (gpt2, cl100k_base, o200k_base), or char (one id
+per distinct character, as nanoGPT's shakespeare_char). It writes DIR/val_000000.npy, ..., DIR/train_000000.npy,
+... and, last, DIR/meta.json (DIR: data/<source>_<tokenizer>/ unless --out), as the README describes. Killed and
+started again with the same arguments, it resumes where it stopped.
 """
 
 import argparse
@@ -55,54 +55,56 @@ class UserError(Exception):
 
 
 # ---------------------------------------------------------------- step 1: encode documents in parallel threads
-# tiktoken's Rust core releases the GIL while it encodes, so threads use every core without the cost of a
-# process pool (pickling each document to a worker and its tokens back), and encode_to_numpy never builds a
-# Python list of ints (bench/RESULTS.md has the measurements).
+# tiktoken's Rust core releases the GIL while it encodes, so threads use every core without a process pool's cost
+# (pickling documents to workers and tokens back); encode_to_numpy builds no list of ints. See bench/RESULTS.md.
 
 
 def encode_batch(texts, encoder, char_codes, dtype):
-    """Each document's token ids: <|endoftext|> and then its text's, or at char level each character's rank."""
+    """Each document's token ids: <|endoftext|> and its text's, or at char level each character's rank."""
     encoded = []
     for text in texts:
         if char_codes is None:  # disallowed_special=(): an "<|endoftext|>" written in a document is plain text
             ids = encoder.encode_to_numpy(text, allowed_special=set(), disallowed_special=())
-            tokens = np.empty(len(ids) + 1, dtype)
-            tokens[0], tokens[1:] = encoder.eot_token, ids
+            encoded.append(np.empty(len(ids) + 1, dtype))
+            encoded[-1][0], encoded[-1][1:] = encoder.eot_token, ids
         else:
             codes = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
-            tokens = np.searchsorted(char_codes, codes).astype(dtype)
-            if not np.array_equal(char_codes[np.minimum(tokens, len(char_codes) - 1)], codes):
+            encoded.append(np.searchsorted(char_codes, codes).astype(dtype))
+            if not np.array_equal(char_codes[np.minimum(encoded[-1], len(char_codes) - 1)], codes):
                 raise UserError("the data changed between the two passes (a character is missing from the "
                                 "vocabulary); run again on data that does not change")
-        encoded.append(tokens)
     return encoded
 
 
-def encode_in_threads(texts, encode, pool, max_in_flight):
-    """(tokens, number of characters) of each text, in order. The pool encodes batches of about batch_chars
-    characters while this thread reads ahead, at most max_in_flight batches: memory stays flat on any stream."""
-    in_flight, batch, size = deque(), [], 0
-    for text in itertools.chain(texts, [None]):  # None: the end, collect the rest
-        if text is not None:
-            batch.append(text)
-            size += len(text)
-        if batch and (text is None or size >= batch_chars):
-            in_flight.append((batch, pool.submit(encode, batch)))
-            batch, size = [], 0
-        while in_flight and (text is None or len(in_flight) > max_in_flight):
-            done, future = in_flight.popleft()
-            yield from zip(future.result(), map(len, done))
+def encode_in_threads(texts, encode, workers):
+    """(tokens, number of characters) of each text, in order. Threads encode batches of about batch_chars
+    characters while this one reads ahead, at most 2 per thread: memory stays flat on any stream."""
+    with ThreadPoolExecutor(workers) as pool:
+        try:
+            in_flight, batch, size = deque(), [], 0
+            for text in itertools.chain(texts, [None]):  # None: the end, collect the rest
+                if text is not None:
+                    batch.append(text)
+                    size += len(text)
+                if batch and (text is None or size >= batch_chars):
+                    in_flight.append((batch, pool.submit(encode, batch)))
+                    batch, size = [], 0
+                while in_flight and (text is None or len(in_flight) > 2 * workers):
+                    done, future = in_flight.popleft()
+                    yield from zip(future.result(), map(len, done))
+        finally:  # stopped early (--max_tokens, an error): drop the batches not yet begun
+            pool.shutdown(cancel_futures=True)
 
 
 # ---------------------------------------------------------------- step 2: shards, val first, then train
-# A .npy file is a 128-byte header (dtype, shape) and then the raw array: tokens stream in after a placeholder
-# header, the true one goes in when the shard is full, and the file is renamed from its temporary name, so a shard
-# under its final name is whole. Each finished shard saves in progress.json where a resumed run starts reading.
+# A .npy file is a 128-byte header (dtype, shape) and the raw array. Tokens stream in after a placeholder header;
+# the true one goes in when the shard is full, and the file is renamed from its temporary name: a shard under its
+# final name is whole. Each finished shard saves progress.json: where a resumed run starts, and what came before.
 
 
 class Shards:
     """Shard k of a split holds its tokens [k * shard_size, (k + 1) * shard_size): the boundaries depend on
-    nothing but the data. progress["before"] counts what came before the document being routed."""
+    nothing but the data."""
 
     def __init__(self, out_dir, dtype, progress, args):
         self.out_dir, self.dtype, self.progress, self.args = out_dir, dtype, progress, args
@@ -110,8 +112,8 @@ class Shards:
         self.split, self.file, self.filled = None, None, 0
 
     def route(self, index, tokens, chars, is_last):
-        """One document to val or train. Val takes the first documents, until it holds val_tokens (at least one
-        document); train takes the rest, and always the last. A single document trains on its first 90%."""
+        """Val takes the first documents until it holds val_tokens (at least one document); train takes the rest,
+        and always the last. A source of a single document trains on its first 90%, as nanoGPT does."""
         before, skip = self.progress["before"], self.resume[1] if index == self.resume[0] else 0
         if is_last and before["documents"] == 0:
             cut = min(len(tokens) - 1, len(tokens) * 9 // 10)
@@ -131,7 +133,8 @@ class Shards:
             self.finish((index, start))
             self.split = split
         while start < end:
-            if self.file is None:
+            if self.file is None:  # the directory appears with the first shard: an empty source leaves none
+                self.out_dir.mkdir(parents=True, exist_ok=True)
                 self.name = f"{split}_{len(self.progress['shards'][split]):06d}.npy"
                 self.file = open(self.out_dir / (self.name + ".tmp"), "wb")
                 self.file.write(bytes(128))
@@ -144,12 +147,12 @@ class Shards:
                 self.finish((index, start))
 
     def finish(self, position):
-        """Close the open shard, if any; progress.json records it, and that a resumed run starts at `position`."""
+        """Close the open shard, if any, and save that a resumed run starts at `position` (document, token)."""
         if self.file is None:
             return
-        header = {"descr": np.dtype(self.dtype).str, "fortran_order": False, "shape": (self.filled,)}
         self.file.seek(0)
-        np.lib.format.write_array_header_1_0(self.file, header)
+        np.lib.format.write_array_header_1_0(self.file, {"descr": np.dtype(self.dtype).str, "fortran_order": False,
+                                                         "shape": (self.filled,)})
         self.file.flush()
         os.fsync(self.file.fileno())  # the data is on disk before the name says the shard is whole
         self.file.close()
@@ -193,7 +196,7 @@ def load_tokenizer(name):
         what = f"{missing[0]} is missing" if Path(name).is_dir() else "no such directory"
         raise UserError(f"--tokenizer {name}: {what}; give a directory written by train_bpe_cpu.py, a tiktoken name "
                         "(gpt2, cl100k_base, o200k_base) or char")
-    try:
+    try:  # any broken file: say which directory, and why, in one line
         info = json.loads(Path(name, "tokenizer.json").read_text())
         with open(Path(name, "tokenizer.tiktoken"), "rb") as f:
             ranks = {base64.b64decode(token, validate=True): int(rank)
@@ -203,12 +206,12 @@ def load_tokenizer(name):
         if regex.compile(info["pattern"]).fullmatch(""):  # tiktoken would panic on its empty chunks
             raise ValueError(f"its pattern {info['pattern']!r} matches the empty string")
         if "<|endoftext|>" not in info["special_tokens"]:
-            raise KeyError("<|endoftext|>")
+            raise ValueError("no <|endoftext|> among its special tokens")
         encoder = tiktoken.Encoding(name=name, pat_str=info["pattern"], mergeable_ranks=ranks,
                                     special_tokens=info["special_tokens"])
         if info.get("vocab_size", encoder.n_vocab) != encoder.n_vocab:
             raise ValueError(f"vocab_size {info['vocab_size']} but the files hold {encoder.n_vocab} ids")
-    except Exception as error:  # any broken file: say which directory, and why, in one line
+    except Exception as error:
         reason = f"{type(error).__name__}: {error}".splitlines()[0]
         raise UserError(f"--tokenizer {name} is broken ({reason}); re-run train_bpe_cpu.py to rewrite it")
     sha256 = hashlib.sha256(Path(name, "tokenizer.tiktoken").read_bytes()).hexdigest()
@@ -227,7 +230,7 @@ def resume_state(out_dir, run_args):
             raise UserError(f"--out {out_dir} is not empty and was not made by prepare_data.py; give a new directory")
         return {"args": run_args, "chars": None, "document": 0, "offset": 0, "shards": {"val": [], "train": []},
                 "tokens": {"val": 0, "train": 0}, "max_token_id": -1,
-                "before": {"documents": 0, "chars": 0, "val": 0, "train": 0}}
+                "before": {"documents": 0, "chars": 0, "val": 0, "train": 0}}  # of the document being routed
     # Everything that decides the bytes of the shards must match; where the tokenizer lies need not.
     shard_deciding = lambda args: {**args, "tokenizer": {k: v for k, v in args["tokenizer"].items() if k != "path"}}
     try:
@@ -436,14 +439,11 @@ def parse_args(argv):
     return args
 
 
-def give_up(out_dir, created_out, message):
-    """Nothing useful was written: leave no directory that looks like a dataset behind."""
-    for path in out_dir.iterdir():
-        if path.name.startswith(("progress.json", "tokenizer.", "train_", "val_")):
-            path.unlink()
-    if created_out:
-        out_dir.rmdir()
-    raise UserError(message)
+def copy_tokenizer(tokenizer_meta, out_dir):
+    """A dataset carries its BPE tokenizer, so that it stands on its own."""
+    for name in ("tokenizer.tiktoken", "tokenizer.json") if tokenizer_meta["kind"] == "bpe" else ():
+        shutil.copyfile(Path(tokenizer_meta["path"], name), out_dir / (name + ".tmp"))
+        os.replace(out_dir / (name + ".tmp"), out_dir / name)
 
 
 def run(argv):
@@ -460,79 +460,67 @@ def run(argv):
     run_args = {"source": source, "tokenizer": tokenizer_meta, "num_chars": args.num_chars, "max_tokens": args.max_tokens,
                 "shard_size": args.shard_size, "val_tokens": args.val_tokens, "files": files}
     progress = resume_state(out_dir, run_args)
-    created_out = not out_dir.exists()
-    out_dir.mkdir(parents=True, exist_ok=True)
-    for name in ("tokenizer.tiktoken", "tokenizer.json") if tokenizer_meta["kind"] == "bpe" else ():
-        shutil.copyfile(Path(args.tokenizer, name), out_dir / (name + ".tmp"))  # the dataset stands on its own
-        os.replace(out_dir / (name + ".tmp"), out_dir / name)
     if progress is None:
+        copy_tokenizer(tokenizer_meta, out_dir)
         return print(f"{out_dir} is already complete with these arguments; nothing to do")
-    write_json(out_dir / "progress.json", progress)  # early, so that a directory with anything in it is ours
     empty = f"the dataset {source} is empty: no text to tokenize; point --data at files with text in them"
 
     char_codes, vocab_size = None, encoder and encoder.n_vocab
-    if encoder is None:  # char level: pass 1 finds the vocabulary, saved so that a resumed run skips it
-        if progress["chars"] is None:
-            distinct, seen = set(), 0
-            for text in tqdm(texts(), unit=" docs", desc="pass 1: characters", mininterval=0.5):
-                distinct.update(text)
-                seen += len(text)  # a character is a token: stop at --max_tokens
-                if args.max_tokens and seen >= args.max_tokens:
-                    break
-            progress["chars"] = sorted(distinct)
-            write_json(out_dir / "progress.json", progress)
+    if encoder is None and progress["chars"] is None:  # char level, pass 1: the vocabulary, every distinct character
+        distinct, seen = set(), 0  # (saved with the first shard, so that a resumed run skips this pass)
+        for text in tqdm(texts(), unit=" docs", desc="pass 1: characters", mininterval=0.5):
+            distinct.update(text)
+            seen += len(text)
+            if args.max_tokens and seen >= args.max_tokens:  # a character is a token
+                break
+        progress["chars"] = sorted(distinct)
+    if encoder is None:
         if not progress["chars"]:
-            give_up(out_dir, created_out, empty)
+            raise UserError(empty)
         char_codes = np.array([ord(c) for c in progress["chars"]], dtype=np.uint32)
         vocab_size = len(char_codes)
     # uint16 holds ids up to 65535, half the disk and memory bandwidth of uint32, which bigger vocabularies need
     dtype = np.uint16 if vocab_size <= 1 << 16 else np.uint32
 
-    # encode in the pool's threads and route to the shards one document late: the last one always trains
-    shards, before = Shards(out_dir, dtype, progress, args), progress["before"]
+    # encode in threads, and route to the shards one document late: the last one always trains
+    shards, before, start = Shards(out_dir, dtype, progress, args), progress["before"], progress["document"]
     total = start_total = before["val"] + before["train"]  # the tokens before the resume point count to --max_tokens
+    reached_max = bool(args.max_tokens) and total >= args.max_tokens  # a resumed run that lacked only meta.json
+    stream = encode_in_threads(() if reached_max else itertools.islice(texts(), start, None),
+                               lambda batch: encode_batch(batch, encoder, char_codes, dtype), args.workers)
     pending, t1 = None, time.time()
-    bar = tqdm(unit=" docs", desc="tokenizing", mininterval=0.5, initial=progress["document"])
-    with ThreadPoolExecutor(args.workers) as pool:
-        try:
-            reached_max = bool(args.max_tokens) and total >= args.max_tokens  # a resumed run that lacked only meta.json
-            stream = () if reached_max else encode_in_threads(
-                itertools.islice(texts(), progress["document"], None),
-                lambda batch: encode_batch(batch, encoder, char_codes, dtype), pool, 2 * args.workers)
-            for index, (tokens, chars) in enumerate(stream, progress["document"]):
-                bar.update(1)
-                if chars == 0:  # an empty document holds no text: it is skipped, with no EOT of its own
-                    continue
-                last = bool(args.max_tokens) and total + len(tokens) >= args.max_tokens
-                tokens = tokens[:args.max_tokens - total] if last else tokens
-                total += len(tokens)
-                if pending is not None:
-                    shards.route(*pending, is_last=False)
-                pending = (index, tokens, chars)
-                if bar.n % 64 == 0:
-                    bar.set_postfix_str(f"{(total - start_total) / max(time.time() - t1, 1e-9):,.0f} tokens/s", refresh=False)
-                if last:
-                    break
-        finally:
-            bar.close()
-            pool.shutdown(cancel_futures=True)
-    if pending is not None:
+    with tqdm(unit=" docs", desc="tokenizing", mininterval=0.5, initial=start) as bar:
+        for index, (tokens, chars) in enumerate(stream, start):
+            bar.update(1)
+            if chars == 0:  # an empty document holds no text: it is skipped, with no EOT of its own
+                continue
+            last = bool(args.max_tokens) and total + len(tokens) >= args.max_tokens
+            tokens = tokens[:args.max_tokens - total] if last else tokens
+            total += len(tokens)
+            if pending is not None:
+                shards.route(*pending, is_last=False)
+            pending = (index, tokens, chars)
+            if bar.n % 64 == 0:
+                bar.set_postfix_str(f"{(total - start_total) / (time.time() - t1):,.0f} tokens/s", refresh=False)
+            if last:
+                break
+    stream.close()
+    if pending is None and before["documents"] == 0:
+        raise UserError(empty)
+    if pending is not None:  # (else: a resumed run whose every shard was finished; only meta.json was missing)
         if before["documents"] == 0 and len(pending[1]) < 2:
-            give_up(out_dir, created_out, f"the dataset {source} is a single character: too little to split into "
-                    "train and val")
+            raise UserError(f"the dataset {source} is a single character: too little to split into train and val")
         shards.route(*pending, is_last=True)
         shards.finish((pending[0] + 1, 0))
-    elif before["documents"] == 0:
-        give_up(out_dir, created_out, empty)
     t2 = time.time()
 
     # meta.json, last: its presence says the dataset is complete
-    tokens = progress["tokens"]
+    copy_tokenizer(tokenizer_meta, out_dir)
+    tokens, shard_names = progress["tokens"], progress["shards"]
     meta = {"version": 1, "vocab_size": vocab_size, "eot_token": encoder and encoder.eot_token,
             "dtype": np.dtype(dtype).name, "max_token_id": progress["max_token_id"], "tokenizer": tokenizer_meta,
-            "source": source, "num_chars": before["chars"], "tokens": tokens, "shards": progress["shards"],
-            "args": run_args, **({"chars": progress["chars"]} if encoder is None else {})}
-    write_json(out_dir / "meta.json", meta)
+            "source": source, "num_chars": before["chars"], "tokens": tokens, "shards": shard_names, "args": run_args}
+    write_json(out_dir / "meta.json", meta if encoder else {**meta, "chars": progress["chars"]})
     (out_dir / "progress.json").unlink()
     for leftover in out_dir.glob("*.tmp"):  # a shard a killed run had begun and this one finished
         leftover.unlink()
@@ -540,12 +528,10 @@ def run(argv):
         print(f"warning: {BadUTF8.count} invalid UTF-8 sequences were replaced with U+FFFD", file=sys.stderr)
     if args.num_chars and before["chars"] < args.num_chars and not args.max_tokens:
         print(f"the source ran out after {before['chars']:,} characters (asked for {args.num_chars:,})")
-    if tokens["val"] > (tokens["train"] + tokens["val"]) / 2:
-        print(f"warning: val holds {tokens['val']:,} of {tokens['train'] + tokens['val']:,} tokens; lower --val_tokens",
-              file=sys.stderr)
-    print(f"wrote {out_dir}: {tokens['train']:,} train tokens in {len(progress['shards']['train'])} shards, "
-          f"{tokens['val']:,} val tokens in {len(progress['shards']['val'])}, {np.dtype(dtype).name}, "
-          f"from {before['documents']:,} documents")
+    if tokens["val"] > tokens["train"]:
+        print(f"warning: val holds {tokens['val']:,} of {sum(tokens.values()):,} tokens; lower --val_tokens", file=sys.stderr)
+    print(f"wrote {out_dir}: {tokens['train']:,} train tokens in {len(shard_names['train'])} shards, {tokens['val']:,} "
+          f"val tokens in {len(shard_names['val'])}, {np.dtype(dtype).name}, from {before['documents']:,} documents")
     print(f"tokenizing {t2 - t1:.2f}s ({(total - start_total) / max(t2 - t1, 1e-9):,.0f} tokens/s) | total {t2 - t0:.2f}s")
 
 
