@@ -5,10 +5,8 @@ Turn text into token shards for train.py: fast, in flat memory, and resumable.
     python prepare_data.py --tokenizer gpt2 --data fineweb-edu --max_tokens 1000000000
     python prepare_data.py --tokenizer char --data ../shared/corpora/tinyshakespeare.txt
 
---tokenizer is a directory from train_bpe_*.py, a tiktoken name (gpt2, cl100k_base, o200k_base), or char (one id
-per distinct character, as nanoGPT's shakespeare_char). It writes DIR/val_000000.npy, ..., DIR/train_000000.npy,
-... and, last, DIR/meta.json (DIR: data/<source>_<tokenizer>/ unless --out), as the README describes. Killed and
-started again with the same arguments, it resumes where it stopped.
+It writes DIR/val_000000.npy, ..., DIR/train_000000.npy, ... and, last, DIR/meta.json (DIR: data/<source>_<tokenizer>
+unless --out), as the README describes. Killed and run again with the same arguments, it resumes where it stopped.
 """
 
 import argparse
@@ -34,7 +32,7 @@ from tqdm import tqdm
 # -----------------------------------------------------------------------------
 # defaults, each overridable from the command line
 data = "fineweb"  # fineweb | fineweb-edu | openwebtext | tinystories | a .txt/.jsonl/.parquet file | a directory
-tokenizer = None  # a BPE directory | a tiktoken name | char (required)
+tokenizer = None  # a directory from train_bpe_*.py | a tiktoken name (gpt2, o200k_base) | char: one id per character
 out = None  # output directory; default data/<source>_<tokenizer name>
 num_chars = None  # read only the first N characters of the stream (default: all of it)
 max_tokens = None  # stop after N tokens, train + val (default: no limit)
@@ -57,8 +55,6 @@ class UserError(Exception):
 # ---------------------------------------------------------------- step 1: encode documents in parallel threads
 # tiktoken's Rust core releases the GIL while it encodes, so threads use every core without a process pool's cost
 # (pickling documents to workers and tokens back); encode_to_numpy builds no list of ints. See bench/RESULTS.md.
-
-
 def encode_batch(texts, encoder, char_codes, dtype):
     """Each document's token ids: <|endoftext|> and its text's, or at char level each character's rank."""
     encoded = []
@@ -80,32 +76,26 @@ def encode_in_threads(texts, encode, workers):
     """(tokens, number of characters) of each text, in order. Threads encode batches of about batch_chars
     characters while this one reads ahead, at most 2 per thread: memory stays flat on any stream."""
     with ThreadPoolExecutor(workers) as pool:
-        try:
-            in_flight, batch, size = deque(), [], 0
-            for text in itertools.chain(texts, [None]):  # None: the end, collect the rest
-                if text is not None:
-                    batch.append(text)
-                    size += len(text)
-                if batch and (text is None or size >= batch_chars):
-                    in_flight.append((batch, pool.submit(encode, batch)))
-                    batch, size = [], 0
-                while in_flight and (text is None or len(in_flight) > 2 * workers):
-                    done, future = in_flight.popleft()
-                    yield from zip(future.result(), map(len, done))
-        finally:  # stopped early (--max_tokens, an error): drop the batches not yet begun
-            pool.shutdown(cancel_futures=True)
+        in_flight, batch, size = deque(), [], 0
+        for text in itertools.chain(texts, [None]):  # None: the end, collect the rest
+            if text is not None:
+                batch.append(text)
+                size += len(text)
+            if batch and (text is None or size >= batch_chars):
+                in_flight.append((batch, pool.submit(encode, batch)))
+                batch, size = [], 0
+            while in_flight and (text is None or len(in_flight) > 2 * workers):
+                done, future = in_flight.popleft()
+                yield from zip(future.result(), map(len, done))
 
 
 # ---------------------------------------------------------------- step 2: shards, val first, then train
-# A .npy file is a 128-byte header (dtype, shape) and the raw array. Tokens stream in after a placeholder header;
-# the true one goes in when the shard is full, and the file is renamed from its temporary name: a shard under its
-# final name is whole. Each finished shard saves progress.json: where a resumed run starts, and what came before.
-
-
+# Shard k of a split holds its tokens [k * shard_size, (k + 1) * shard_size): the boundaries depend on nothing but
+# the data. A .npy file is a 128-byte header (dtype, shape) and the raw array: tokens stream in after a placeholder
+# header, the true one goes in when the shard is full, and the file is renamed from its temporary name, so a shard
+# under its final name is whole. Each finished shard saves progress.json: where a resumed run starts, and what the
+# documents before that held, so that it makes the same choices.
 class Shards:
-    """Shard k of a split holds its tokens [k * shard_size, (k + 1) * shard_size): the boundaries depend on
-    nothing but the data."""
-
     def __init__(self, out_dir, dtype, progress, args):
         self.out_dir, self.dtype, self.progress, self.args = out_dir, dtype, progress, args
         self.resume = (progress["document"], progress["offset"])  # the first token not in a finished shard
@@ -119,7 +109,6 @@ class Shards:
             cut = min(len(tokens) - 1, len(tokens) * 9 // 10)
             self.write("train", tokens, skip, cut, index)
             self.write("val", tokens, max(skip, cut), len(tokens), index)
-            before["train"], before["val"] = cut, len(tokens) - cut
         else:
             split = "val" if not is_last and before["train"] == 0 and before["val"] < self.args.val_tokens else "train"
             self.write(split, tokens, skip, len(tokens), index)
@@ -173,8 +162,6 @@ def write_json(path, obj):
 
 
 # ---------------------------------------------------------------- the tokenizer, and the output directory
-
-
 def load_tokenizer(name):
     """--tokenizer -> (a tiktoken encoder, None for char; its entry in meta.json; its name for the default --out)."""
     if name == "char":  # the vocabulary comes later, from the data
@@ -201,16 +188,14 @@ def load_tokenizer(name):
         with open(Path(name, "tokenizer.tiktoken"), "rb") as f:
             ranks = {base64.b64decode(token, validate=True): int(rank)
                      for token, rank in (line.split() for line in f if line.strip())}
-        if sorted(ranks.values()) != list(range(len(ranks))):
-            raise ValueError("ranks are not 0..V-1, each once")
+        V = len(ranks)  # the README's contract: ranks 0..V-1, <|endoftext|> V, vocab_size V + 1
+        if (sorted(ranks.values()) != list(range(V)) or info["special_tokens"] != {"<|endoftext|>": V}
+                or info.get("vocab_size", V + 1) != V + 1):
+            raise ValueError("its ranks are not 0..V-1 with <|endoftext|> V and vocab_size V + 1")
         if regex.compile(info["pattern"]).fullmatch(""):  # tiktoken would panic on its empty chunks
             raise ValueError(f"its pattern {info['pattern']!r} matches the empty string")
-        if "<|endoftext|>" not in info["special_tokens"]:
-            raise ValueError("no <|endoftext|> among its special tokens")
-        encoder = tiktoken.Encoding(name=name, pat_str=info["pattern"], mergeable_ranks=ranks,
+        encoder = tiktoken.Encoding(name, pat_str=info["pattern"], mergeable_ranks=ranks,
                                     special_tokens=info["special_tokens"])
-        if info.get("vocab_size", encoder.n_vocab) != encoder.n_vocab:
-            raise ValueError(f"vocab_size {info['vocab_size']} but the files hold {encoder.n_vocab} ids")
     except Exception as error:
         reason = f"{type(error).__name__}: {error}".splitlines()[0]
         raise UserError(f"--tokenizer {name} is broken ({reason}); re-run train_bpe_cpu.py to rewrite it")
@@ -220,7 +205,8 @@ def load_tokenizer(name):
 
 def resume_state(out_dir, run_args):
     """Fresh for a new directory; the saved state for a run of the same arguments on the same source files (their
-    paths, sizes and times), after checking its shards; None for a dataset that is already complete."""
+    paths, sizes and times; where the tokenizer lies may differ), after checking its shards; None for a dataset that
+    is already complete."""
     for parent in [out_dir, *out_dir.parents]:
         if parent.exists() and not parent.is_dir():
             raise UserError(f"--out {out_dir}: {parent} is a file, not a directory; give a directory path")
@@ -231,7 +217,6 @@ def resume_state(out_dir, run_args):
         return {"args": run_args, "chars": None, "document": 0, "offset": 0, "shards": {"val": [], "train": []},
                 "tokens": {"val": 0, "train": 0}, "max_token_id": -1,
                 "before": {"documents": 0, "chars": 0, "val": 0, "train": 0}}  # of the document being routed
-    # Everything that decides the bytes of the shards must match; where the tokenizer lies need not.
     shard_deciding = lambda args: {**args, "tokenizer": {k: v for k, v in args["tokenizer"].items() if k != "path"}}
     try:
         saved = json.loads(saved_path.read_text())
@@ -417,8 +402,6 @@ def first_chars(documents, num_chars):
 
 
 # ---------------------------------------------------------------- the run
-
-
 def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokenizer", default=tokenizer, help="a BPE directory, a tiktoken name, or char")
@@ -504,14 +487,13 @@ def run(argv):
                 bar.set_postfix_str(f"{(total - start_total) / (time.time() - t1):,.0f} tokens/s", refresh=False)
             if last:
                 break
-    stream.close()
-    if pending is None and before["documents"] == 0:
-        raise UserError(empty)
-    if pending is not None:  # (else: a resumed run whose every shard was finished; only meta.json was missing)
+    if pending is not None:  # (else: a resumed run whose every shard was finished, or an empty source)
         if before["documents"] == 0 and len(pending[1]) < 2:
             raise UserError(f"the dataset {source} is a single character: too little to split into train and val")
         shards.route(*pending, is_last=True)
         shards.finish((pending[0] + 1, 0))
+    elif before["documents"] == 0:
+        raise UserError(empty)
     t2 = time.time()
 
     # meta.json, last: its presence says the dataset is complete
