@@ -61,22 +61,23 @@ def encode_batch(texts, encoder, char_codes, dtype):
     for text in texts:
         if char_codes is None:  # disallowed_special=(): an "<|endoftext|>" written in a document is plain text
             ids = encoder.encode_to_numpy(text, allowed_special=set(), disallowed_special=())
-            encoded.append(np.empty(len(ids) + 1, dtype))
-            encoded[-1][0], encoded[-1][1:] = encoder.eot_token, ids
+            tokens = np.empty(len(ids) + 1, dtype)
+            tokens[0], tokens[1:] = encoder.eot_token, ids
         else:
             codes = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
-            encoded.append(np.searchsorted(char_codes, codes).astype(dtype))
-            if not np.array_equal(char_codes[np.minimum(encoded[-1], len(char_codes) - 1)], codes):
+            tokens = np.searchsorted(char_codes, codes).astype(dtype)
+            if not np.array_equal(char_codes[np.minimum(tokens, len(char_codes) - 1)], codes):
                 raise UserError("the data changed between the two passes (a character is missing from the "
                                 "vocabulary); run again on data that does not change")
+        encoded.append(tokens)
     return encoded
 
 
 def encode_in_threads(texts, encode, workers):
     """(tokens, number of characters) of each text, in order. Threads encode batches of about batch_chars
     characters while this one reads ahead, at most 2 per thread: memory stays flat on any stream."""
-    with ThreadPoolExecutor(workers) as pool:
-        in_flight, batch, size = deque(), [], 0
+    pool, in_flight, batch, size = ThreadPoolExecutor(workers), deque(), [], 0
+    try:
         for text in itertools.chain(texts, [None]):  # None: the end, collect the rest
             if text is not None:
                 batch.append(text)
@@ -87,6 +88,8 @@ def encode_in_threads(texts, encode, workers):
             while in_flight and (text is None or len(in_flight) > 2 * workers):
                 done, future = in_flight.popleft()
                 yield from zip(future.result(), map(len, done))
+    finally:  # also when stopped early (--max_tokens, an error, Ctrl-C): drop the batches not yet begun
+        pool.shutdown(cancel_futures=True)
 
 
 # ---------------------------------------------------------------- step 2: shards, val first, then train
