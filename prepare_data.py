@@ -207,9 +207,8 @@ def load_tokenizer(name):
 
 
 def resume_state(out_dir, run_args):
-    """Fresh for a new directory; the saved state for a run of the same arguments on the same source files (their
-    paths, sizes and times; where the tokenizer lies may differ), after checking its shards; None for a dataset that
-    is already complete."""
+    """Fresh for a new directory; the saved state for a run of the same arguments (where the tokenizer lies aside) on
+    the same source files (paths, sizes, times), after checking its shards; None for a dataset already complete."""
     for parent in [out_dir, *out_dir.parents]:
         if parent.exists() and not parent.is_dir():
             raise UserError(f"--out {out_dir}: {parent} is a file, not a directory; give a directory path")
@@ -433,8 +432,7 @@ def copy_tokenizer(tokenizer_meta, out_dir):
 
 
 def run(argv):
-    args = parse_args(argv)
-    t0 = time.time()
+    args, t0 = parse_args(argv), time.time()
     documents, source_name, source = open_source(args.data or data, args.data is not None)
     texts = lambda: first_chars(documents, args.num_chars or sys.maxsize)  # noqa: E731
     encoder, tokenizer_meta, tokenizer_name = load_tokenizer(args.tokenizer)
@@ -451,20 +449,17 @@ def run(argv):
         return print(f"{out_dir} is already complete with these arguments; nothing to do")
     empty = f"the dataset {source} is empty: no text to tokenize; point --data at files with text in them"
 
-    char_codes, vocab_size = None, encoder and encoder.n_vocab
     if encoder is None and progress["chars"] is None:  # char level, pass 1: the vocabulary, every distinct character
         distinct, seen = set(), 0  # (saved with the first shard, so that a resumed run skips this pass)
         for text in tqdm(texts(), unit=" docs", desc="pass 1: characters", mininterval=0.5):
             distinct.update(text)
-            seen += len(text)
-            if args.max_tokens and seen >= args.max_tokens:  # a character is a token
+            if args.max_tokens and (seen := seen + len(text)) >= args.max_tokens:  # a character is a token
                 break
         progress["chars"] = sorted(distinct)
-    if encoder is None:
-        if not progress["chars"]:
-            raise UserError(empty)
-        char_codes = np.array([ord(c) for c in progress["chars"]], dtype=np.uint32)
-        vocab_size = len(char_codes)
+    if encoder is None and not progress["chars"]:
+        raise UserError(empty)
+    char_codes = None if encoder else np.array([ord(c) for c in progress["chars"]], dtype=np.uint32)
+    vocab_size = encoder.n_vocab if encoder else len(char_codes)
     # uint16 holds ids up to 65535, half the disk and memory bandwidth of uint32, which bigger vocabularies need
     dtype = np.uint16 if vocab_size <= 1 << 16 else np.uint32
 
