@@ -5,26 +5,8 @@ Turn text into token shards for train.py: fast, in flat memory, and resumable.
     python prepare_data.py --tokenizer gpt2 --data fineweb-edu --max_tokens 1000000000
     python prepare_data.py --tokenizer char --data ../shared/corpora/tinyshakespeare.txt
 
-It writes DIR/val_000000.npy, ..., DIR/train_000000.npy, ... and, last, DIR/meta.json (default DIR:
-data/<source>_<tokenizer>/). Each shard is a 1-D numpy .npy array (uint16 when every id fits, else
-uint32) that train.py memory-maps. Every document is preceded by <|endoftext|>, and documents run
-across shard boundaries. The README describes the format.
-
---tokenizer takes one of three kinds:
-- a directory written by train_bpe_*.py (tokenizer.tiktoken + tokenizer.json), copied into DIR;
-- a tiktoken name (gpt2, cl100k_base, o200k_base), which tiktoken downloads once and caches;
-- char: one id per distinct character of the data, in sorted order (nanoGPT's shakespeare_char). That
-  vocabulary must be known before the first id is written, so the data is read twice: once for the
-  characters, once to encode. There is no <|endoftext|> at this level.
-
-The validation split is the first documents of the stream, until it holds --val_tokens tokens (at
-least one document; the last document always goes to train). A source that is one single document
-(a .txt file) gives its last 10% of tokens to val instead, as nanoGPT does for Shakespeare.
-
-Killed at any moment (Ctrl-C, kill -9, a full disk) and started again with the same arguments, it skips
-the finished shards and ends with files identical to an uninterrupted run. It
-refuses to mix in a changed source (local files: their paths, sizes and times) and checks the shards it
-finished before; a missing or cut one is reported with how to rebuild.
+It writes DIR/val_000000.npy, ..., DIR/train_000000.npy, ... and, last, DIR/meta.json (DIR: data/<source>_<tokenizer>
+unless --out), as the README describes. Killed and run again with the same arguments, it resumes where it stopped.
 """
 
 import argparse
@@ -36,12 +18,11 @@ import json
 import os
 import shutil
 import socket
-import struct
 import sys
 import sysconfig
 import time
 import urllib.parse
-from collections import deque, namedtuple
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -51,7 +32,7 @@ from tqdm import tqdm
 # -----------------------------------------------------------------------------
 # defaults, each overridable from the command line
 data = "fineweb"  # fineweb | fineweb-edu | openwebtext | tinystories | a .txt/.jsonl/.parquet file | a directory
-tokenizer = None  # a BPE directory | a tiktoken name | char (required)
+tokenizer = None  # a directory from train_bpe_*.py | a tiktoken name (gpt2, o200k_base) | char: one id per character
 out = None  # output directory; default data/<source>_<tokenizer name>
 num_chars = None  # read only the first N characters of the stream (default: all of it)
 max_tokens = None  # stop after N tokens, train + val (default: no limit)
@@ -59,16 +40,10 @@ shard_size = 100_000_000  # tokens per shard: 200 MB of uint16, as in build-nano
 val_tokens = 1_000_000  # the validation split: the first documents, until they hold this many tokens
 workers = os.cpu_count()  # tokenizer threads
 batch_chars = 1 << 20  # characters per batch handed to a thread: big enough to amortize, small for memory
-EOT = "<|endoftext|>"
-# The Hub datasets: (repository, config, parquet files). `datasets` 4+ no longer runs loading scripts, and
-# OpenWebText's repository may still carry its old script beside the parquet shards it was re-uploaded as:
-# naming the shards themselves (hf://...) reads them with the plain parquet reader, never the script.
-HUB_DATASETS = {
-    "fineweb": ("HuggingFaceFW/fineweb", "sample-10BT", None),
-    "fineweb-edu": ("HuggingFaceFW/fineweb-edu", "sample-10BT", None),
-    "openwebtext": ("Skylion007/openwebtext", None, "data/train-*.parquet"),
-    "tinystories": ("roneneldan/TinyStories", None, None),
-}
+HUB_DATASETS = {"fineweb": ("HuggingFaceFW/fineweb", "sample-10BT", None),  # (repository, config, parquet files)
+                "fineweb-edu": ("HuggingFaceFW/fineweb-edu", "sample-10BT", None),
+                "openwebtext": ("Skylion007/openwebtext", None, "data/train-*.parquet"),
+                "tinystories": ("roneneldan/TinyStories", None, None)}
 LOCAL_SUFFIXES = (".txt", ".jsonl", ".parquet")
 # -----------------------------------------------------------------------------
 
@@ -77,263 +52,201 @@ class UserError(Exception):
     """A mistake in the input: printed as one line, never as a traceback."""
 
 
-# ---------------------------------------------------------------- step 1: the tokenizer
-
-Tokenizer = namedtuple("Tokenizer", "kind encoder vocab_size eot meta name")
-
-
-def load_tokenizer(name):
-    """--tokenizer: a directory from train_bpe_*.py, a tiktoken name, or char (its vocabulary comes later,
-    from the data). `meta` goes into meta.json; `name` into the default output directory."""
-    if name == "char":
-        return Tokenizer("char", None, None, None, {"kind": "char"}, "char")
-    if os.sep in name or name.startswith(".") or Path(name).exists():
-        if not Path(name).is_dir():
-            raise UserError(f"--tokenizer {name}: no such directory; give a directory written by "
-                            "train_bpe_cpu.py, a tiktoken name (gpt2, cl100k_base, o200k_base) or char")
-        encoder, eot = load_bpe_dir(name)
-        sha256 = hashlib.sha256(Path(name, "tokenizer.tiktoken").read_bytes()).hexdigest()
-        return Tokenizer("bpe", encoder, encoder.n_vocab, eot, {"kind": "bpe", "path": name, "sha256": sha256},
-                         Path(name).resolve().name)
-    import tiktoken
-
-    known = tiktoken.list_encoding_names()
-    if name not in known:
-        raise UserError(f"--tokenizer {name}: not a directory, not char, and not a tiktoken encoding "
-                        f"({', '.join(known)}); check the spelling or the path")
-    try:  # the first use downloads the ranks (a few MB) and caches them
-        encoder = tiktoken.get_encoding(name)
-    except Exception as error:  # requests' connection errors and friends: the download failed
-        raise UserError(f"--tokenizer {name}: tiktoken could not download its ranks ({type(error).__name__}); this "
-                        "needs internet once (then it is cached), or use a BPE directory from train_bpe_cpu.py")
-    return Tokenizer("tiktoken", encoder, encoder.n_vocab, encoder.eot_token, {"kind": "tiktoken", "name": name}, name)
-
-
-def load_bpe_dir(directory):
-    """A directory from train_bpe_*.py -> (tiktoken.Encoding, eot id). Any broken file is one line."""
-    import regex
-    import tiktoken
-
-    for file in ("tokenizer.tiktoken", "tokenizer.json"):
-        if not Path(directory, file).is_file():
-            raise UserError(f"--tokenizer {directory}: {file} is missing; give a directory written by "
-                            "train_bpe_cpu.py, a tiktoken name (gpt2, cl100k_base, o200k_base) or char")
-    try:
-        info = json.loads(Path(directory, "tokenizer.json").read_text())
-        with open(Path(directory, "tokenizer.tiktoken"), "rb") as f:
-            ranks = {base64.b64decode(token, validate=True): int(rank)
-                     for token, rank in (line.split() for line in f if line.strip())}
-        if sorted(ranks.values()) != list(range(len(ranks))):
-            raise ValueError("ranks are not 0..V-1, each once")
-        if regex.compile(info["pattern"]).fullmatch(""):  # tiktoken would panic on its empty chunks
-            raise ValueError(f"its pattern {info['pattern']!r} matches the empty string")
-        encoder = tiktoken.Encoding(name=str(directory), pat_str=info["pattern"], mergeable_ranks=ranks,
-                                    special_tokens=info["special_tokens"])
-        if info.get("vocab_size", encoder.n_vocab) != encoder.n_vocab:
-            raise ValueError(f"vocab_size {info['vocab_size']} but the files hold {encoder.n_vocab} ids")
-        return encoder, info["special_tokens"][EOT]
-    except Exception as error:  # any broken file: say which directory, and why, in one line
-        reason = f"{type(error).__name__}: {error}".splitlines()[0]
-        raise UserError(f"--tokenizer {directory} is broken ({reason}); re-run train_bpe_cpu.py to rewrite it")
-
-
-# ---------------------------------------------------------------- step 2: encoding, in parallel threads
-#
-# tiktoken's Rust core releases the GIL while it encodes, so threads run on every core without the cost of
-# a process pool (pickling every document to a worker and every token array back). encode_to_numpy hands
-# back the Rust buffer as a numpy array, so no Python list of ints is ever built. bench/bench_prepare_data.py
-# measured both on enwiki (2 cores): threads + encode_to_numpy spent 9-15% less CPU per token than
-# encode_ordinary_batch itself, and a process pool 8% more.
-
-
-def encode_batch(texts, tok, char_codes, dtype):
-    """Encode documents -> (all tokens, one array, EOT before each document; per-document lengths)."""
-    pieces, lengths = [], []
+# ---------------------------------------------------------------- step 1: encode documents in parallel threads
+# tiktoken's Rust core releases the GIL while it encodes, so threads use every core without a process pool's cost
+# (pickling documents to workers and tokens back); encode_to_numpy builds no list of ints. See bench/RESULTS.md.
+def encode_batch(texts, encoder, char_codes, dtype):
+    """Each document's token ids: <|endoftext|> and its text's, or at char level each character's rank."""
+    encoded = []
     for text in texts:
-        if char_codes is not None:  # char level: each code point's rank among the vocabulary's
+        if char_codes is None:  # disallowed_special=(): an "<|endoftext|>" written in a document is plain text
+            ids = encoder.encode_to_numpy(text, allowed_special=set(), disallowed_special=())
+            tokens = np.empty(len(ids) + 1, dtype)
+            tokens[0], tokens[1:] = encoder.eot_token, ids
+        else:
             codes = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
-            ids = np.searchsorted(char_codes, codes)
-            if len(codes) and (ids.max() >= len(char_codes) or not np.array_equal(char_codes[ids], codes)):
+            tokens = np.searchsorted(char_codes, codes).astype(dtype)
+            if not np.array_equal(char_codes[np.minimum(tokens, len(char_codes) - 1)], codes):
                 raise UserError("the data changed between the two passes (a character is missing from the "
                                 "vocabulary); run again on data that does not change")
-            pieces.append(ids)
-        else:
-            # allowed_special=set() and disallowed_special=() make this encode_ordinary: "<|endoftext|>"
-            # written in a document is plain text, never the special token.
-            pieces.append(np.array([tok.eot], dtype=np.uint32))
-            pieces.append(tok.encoder.encode_to_numpy(text, allowed_special=set(), disallowed_special=()))
-        lengths.append(len(pieces[-1]) + (char_codes is None))
-    tokens = np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.uint32)
-    # Never overflow silently: every id must fit the vocabulary, and the vocabulary the dtype.
-    vocab_size = len(char_codes) if char_codes is not None else tok.vocab_size
-    assert len(tokens) == 0 or int(tokens.max()) < vocab_size <= np.iinfo(dtype).max + 1, "token id overflow"
-    return tokens.astype(dtype), lengths
+        encoded.append(tokens)
+    return encoded
 
 
-def batches(documents, start):
-    """(index of its first document, texts): about batch_chars characters each, from document `start` on."""
-    batch, size = [], 0
-    for index, text in enumerate(documents):
-        if index >= start:  # resuming: the documents before `start` are in finished shards already
-            batch.append(text)
-            size += len(text)
-            if size >= batch_chars:
-                yield index - len(batch) + 1, batch
+def encode_in_threads(texts, encode, workers):
+    """(tokens, number of characters) of each text, in order. Threads encode batches of about batch_chars
+    characters while this one reads ahead, at most 2 per thread: memory stays flat on any stream."""
+    pool, in_flight, batch, size = ThreadPoolExecutor(workers), deque(), [], 0
+    try:
+        for text in itertools.chain(texts, [None]):  # None: the end, collect the rest
+            if text is not None:
+                batch.append(text)
+                size += len(text)
+            if batch and (text is None or size >= batch_chars):
+                in_flight.append((batch, pool.submit(encode, batch)))
                 batch, size = [], 0
-    if batch:
-        yield index - len(batch) + 1, batch
+            while in_flight and (text is None or len(in_flight) > 2 * workers):
+                done, future = in_flight.popleft()
+                yield from zip(future.result(), map(len, done))
+    finally:  # also when stopped early (--max_tokens, an error, Ctrl-C): drop the batches not yet begun
+        pool.shutdown(cancel_futures=True)
 
 
-def encoded_documents(documents, start, encode, pool, max_in_flight):
-    """(index, tokens, num_chars) of each document from `start` on, in order. The pool encodes batches while
-    this thread reads ahead, at most max_in_flight batches: memory stays flat however long the stream is."""
-    in_flight = deque()
-    for batch in itertools.chain(batches(documents, start), [None]):  # None: the end, collect the rest
-        if batch is not None:
-            first, texts = batch
-            in_flight.append((first, [len(text) for text in texts], pool.submit(encode, texts)))
-        while in_flight and (batch is None or len(in_flight) > max_in_flight):
-            first, chars, future = in_flight.popleft()
-            tokens, lengths = future.result()
-            offsets = np.cumsum([0, *lengths])
-            for k, count in enumerate(chars):
-                yield first + k, tokens[offsets[k]:offsets[k + 1]], count
+# ---------------------------------------------------------------- step 2: shards, val first, then train
+# Shard k of a split holds its tokens [k * shard_size, (k + 1) * shard_size): the boundaries depend on nothing but
+# the data. A .npy file is a 128-byte header (dtype, shape) and the raw array: tokens stream in after a placeholder
+# header, the true one goes in when the shard is full, and the file is renamed from its temporary name, so a shard
+# under its final name is whole. Each finished shard saves progress.json: where a resumed run starts, and what the
+# documents before that held, so that it makes the same choices.
+class Shards:
+    def __init__(self, out_dir, dtype, progress, args):
+        self.out_dir, self.dtype, self.progress, self.args = out_dir, dtype, progress, args
+        self.resume = (progress["document"], progress["offset"])  # the first token not in a finished shard
+        self.split, self.file, self.filled = None, None, 0
 
+    def route(self, index, tokens, chars, is_last):
+        """Val takes the first documents until it holds val_tokens (at least one document); train takes the rest,
+        and always the last. A source of a single document trains on its first 90%, as nanoGPT does."""
+        before, skip = self.progress["before"], self.resume[1] if index == self.resume[0] else 0
+        if is_last and before["documents"] == 0:
+            cut = min(len(tokens) - 1, len(tokens) * 9 // 10)
+            self.write("train", tokens, skip, cut, index)
+            self.write("val", tokens, max(skip, cut), len(tokens), index)
+        else:
+            split = "val" if not is_last and before["train"] == 0 and before["val"] < self.args.val_tokens else "train"
+            self.write(split, tokens, skip, len(tokens), index)
+            before[split] += len(tokens)
+        before["documents"] += 1
+        before["chars"] += chars
 
-# ---------------------------------------------------------------- step 3: shards
-#
-# A .npy file is a short header (magic, version, a Python dict literal with dtype and shape) and then the
-# raw array. We write a fixed 128-byte header slot first, stream the tokens after it as they come (no
-# 200 MB buffer in memory), and fill in the true header when the shard is complete. The file is written
-# under a temporary name and renamed: a shard with its final name is always whole.
-
-NPY_HEADER_BYTES = 128
-
-
-def npy_header(dtype, length):
-    """The .npy version 1.0 header for a 1-D array, padded to exactly NPY_HEADER_BYTES bytes."""
-    header = "{'descr': '%s', 'fortran_order': False, 'shape': (%d,), }" % (np.dtype(dtype).str, length)
-    prefix = np.lib.format.magic(1, 0)
-    header = header.ljust(NPY_HEADER_BYTES - len(prefix) - 2 - 1) + "\n"
-    return prefix + struct.pack("<H", len(header)) + header.encode("latin1")
-
-
-class ShardWriter:
-    """Appends tokens to train_000000.npy, train_000001.npy, ...; shard k holds tokens
-    [k * shard_size, (k + 1) * shard_size) of its split, so the boundaries depend on nothing but the data."""
-
-    def __init__(self, out_dir, split, dtype, shard_size, progress):
-        self.out_dir, self.split, self.dtype, self.shard_size = out_dir, split, dtype, shard_size
-        self.progress = progress  # the resume state; finished shards are recorded in it
-        self.file, self.filled, self.max_id = None, 0, -1
-
-    def add(self, tokens, document, offset, on_finish):
-        """Append `tokens`: those of `document` from token `offset` on. on_finish(position) runs after each
-        finished shard, with the (document, offset) of the first token that is not in it."""
-        done = 0
-        while done < len(tokens):
-            if self.file is None:
-                self.name = f"{self.split}_{len(self.progress['shards'][self.split]):06d}.npy"
+    def write(self, split, tokens, start, end, index):
+        """Append tokens[start:end] of document `index` to `split`, finishing each shard that fills up."""
+        if split != self.split:
+            self.finish((index, start))
+            self.split = split
+        while start < end:
+            if self.file is None:  # the directory appears with the first shard: an empty source leaves none
+                self.out_dir.mkdir(parents=True, exist_ok=True)
+                self.name = f"{split}_{len(self.progress['shards'][split]):06d}.npy"
                 self.file = open(self.out_dir / (self.name + ".tmp"), "wb")
-                self.file.write(b"\0" * NPY_HEADER_BYTES)
-            chunk = tokens[done:done + self.shard_size - self.filled]
+                self.file.write(bytes(128))
+            chunk = tokens[start:min(end, start + self.args.shard_size - self.filled)]
             self.file.write(chunk.tobytes())
-            self.max_id = max(self.max_id, int(chunk.max()))
-            self.filled += len(chunk)
-            done += len(chunk)
-            if self.filled == self.shard_size:
-                self.finish((document, offset + done), on_finish)
+            self.filled, start = self.filled + len(chunk), start + len(chunk)
+            self.progress["tokens"][split] += len(chunk)
+            self.progress["max_token_id"] = max(self.progress["max_token_id"], int(chunk.max()))
+            if self.filled == self.args.shard_size:
+                self.finish((index, start))
 
-    def finish(self, position, on_finish):
-        """Close the current shard (if any), rename it into place, and record it."""
+    def finish(self, position):
+        """Close the open shard, if any, and save that a resumed run starts at `position` (document, token)."""
         if self.file is None:
             return
         self.file.seek(0)
-        self.file.write(npy_header(self.dtype, self.filled))
+        np.lib.format.write_array_header_1_0(self.file, {"descr": np.dtype(self.dtype).str, "fortran_order": False,
+                                                         "shape": (self.filled,)})
         self.file.flush()
         os.fsync(self.file.fileno())  # the data is on disk before the name says the shard is whole
         self.file.close()
         os.replace(self.out_dir / (self.name + ".tmp"), self.out_dir / self.name)
         self.progress["shards"][self.split].append(self.name)
-        self.progress["tokens"][self.split] += self.filled
-        self.progress["max_token_id"] = max(self.progress["max_token_id"], self.max_id)
-        self.file, self.filled, self.max_id = None, 0, -1
-        on_finish(position)
-
-
-def check_shards(out_dir, saved, shard_size):
-    """The shards that meta.json or progress.json lists are all there, whole: each but a split's last holds
-    shard_size tokens. A deleted or cut shard can't be rebuilt alone, so say how to rebuild it all."""
-    for split in ("val", "train"):
-        for k, name in enumerate(saved["shards"][split]):
-            try:
-                whole = Path(name).name == name and len(np.load(out_dir / name, mmap_mode="r")) == min(
-                    shard_size, saved["tokens"][split] - k * shard_size)
-            except (OSError, ValueError):
-                whole = False
-            if not whole:
-                raise UserError(f"--out {out_dir}: the shard {name} is missing or damaged; delete {out_dir} and run "
-                                "the same command again to rebuild it")
+        self.progress["document"], self.progress["offset"] = position
+        write_json(self.out_dir / "progress.json", self.progress)
+        self.file, self.filled = None, 0
 
 
 def write_json(path, obj):
-    """Write JSON under a temporary name, then rename: readers never see half a file."""
-    tmp = Path(str(path) + ".tmp")
-    with open(tmp, "w") as f:
+    """Write under a temporary name, then rename: readers never see half a file."""
+    with open(f"{path}.tmp", "w") as f:
         json.dump(obj, f, indent=1, ensure_ascii=False)
         f.flush()
         os.fsync(f.fileno())
-    os.replace(tmp, path)
+    os.replace(f"{path}.tmp", path)
 
 
-# ---------------------------------------------------------------- step 4: val first, then train
-#
-# The split follows the rule of the docstring. The splitter runs one document late, so it knows which one
-# is last, and keeps the counters that decide the split in the resume state: a resumed run makes the same choices.
+# ---------------------------------------------------------------- the tokenizer, and the output directory
+def load_tokenizer(name):
+    """--tokenizer -> (a tiktoken encoder, None for char; its entry in meta.json; its name for the default --out)."""
+    if name == "char":  # the vocabulary comes later, from the data
+        return None, {"kind": "char"}, "char"
+    import regex
+    import tiktoken
 
-COUNTERS = ("tokens_before", "chars_before", "documents_before", "val_count", "val_documents", "val_closed")
+    if os.sep not in name and not name.startswith(".") and not Path(name).exists():
+        if name not in tiktoken.list_encoding_names():
+            raise UserError(f"--tokenizer {name}: not a directory, not char, and not a tiktoken encoding "
+                            f"({', '.join(tiktoken.list_encoding_names())}); check the spelling or the path")
+        try:  # the first use downloads the ranks (a few MB) and caches them
+            return tiktoken.get_encoding(name), {"kind": "tiktoken", "name": name}, name
+        except Exception as error:  # requests' connection errors and friends
+            raise UserError(f"--tokenizer {name}: tiktoken could not download its ranks ({type(error).__name__}); this "
+                            "needs internet once (then it is cached), or use a BPE directory from train_bpe_cpu.py")
+    missing = [file for file in ("tokenizer.tiktoken", "tokenizer.json") if not Path(name, file).is_file()]
+    if missing:
+        what = f"{missing[0]} is missing" if Path(name).is_dir() else "no such directory"
+        raise UserError(f"--tokenizer {name}: {what}; give a directory written by train_bpe_cpu.py, a tiktoken name "
+                        "(gpt2, cl100k_base, o200k_base) or char")
+    try:  # any broken file: say which directory, and why, in one line
+        info = json.loads(Path(name, "tokenizer.json").read_text())
+        with open(Path(name, "tokenizer.tiktoken"), "rb") as f:
+            ranks = {base64.b64decode(token, validate=True): int(rank)
+                     for token, rank in (line.split() for line in f if line.strip())}
+        if sorted(ranks.values()) != list(range(len(ranks))) or "<|endoftext|>" not in info["special_tokens"]:
+            raise ValueError("its ranks are not 0..V-1, each once, or it has no <|endoftext|>")
+        if regex.compile(info["pattern"]).fullmatch(""):  # tiktoken would panic on its empty chunks
+            raise ValueError(f"its pattern {info['pattern']!r} matches the empty string")
+        encoder = tiktoken.Encoding(name, pat_str=info["pattern"], mergeable_ranks=ranks,
+                                    special_tokens=info["special_tokens"])
+        if info.get("vocab_size", encoder.n_vocab) != encoder.n_vocab:
+            raise ValueError(f"vocab_size {info['vocab_size']} but the files hold {encoder.n_vocab} ids")
+    except Exception as error:
+        reason = f"{type(error).__name__}: {error}".splitlines()[0]
+        raise UserError(f"--tokenizer {name} is broken ({reason}); re-run train_bpe_cpu.py to rewrite it")
+    sha256 = hashlib.sha256(Path(name, "tokenizer.tiktoken").read_bytes()).hexdigest()
+    return encoder, {"kind": "bpe", "path": name, "sha256": sha256}, Path(name).resolve().name
 
 
-class Splitter:
-    def __init__(self, out_dir, dtype, progress, args):
-        self.writers = {split: ShardWriter(out_dir, split, dtype, args.shard_size, progress) for split in ("val", "train")}
-        self.progress, self.progress_path, self.val_tokens = progress, out_dir / "progress.json", args.val_tokens
-        self.resume = (progress["document"], progress["offset"])
-        # Counters as they stood before the document being routed: saved with each finished shard.
-        self.counters = {key: progress[key] for key in COUNTERS}
-
-    def save(self, position):
-        self.progress["document"], self.progress["offset"] = position
-        self.progress.update(self.counters)
-        write_json(self.progress_path, self.progress)
-
-    def route(self, index, tokens, chars, is_last):
-        """Send one document's tokens to val or train (from the resume offset, for the document resumed in)."""
-        counters, val, train = self.counters, self.writers["val"], self.writers["train"]
-        skip = self.resume[1] if index == self.resume[0] else 0
-        if is_last and counters["documents_before"] == 0:  # one single document (tinyshakespeare)
-            cut = min(len(tokens) - 1, len(tokens) * 9 // 10)
-            train.add(tokens[skip:cut], index, skip, self.save)
-            train.finish((index, cut), self.save)
-            val.add(tokens[max(skip, cut):], index, max(skip, cut), self.save)
-        elif not counters["val_closed"] and not is_last and (
-                counters["val_documents"] == 0 or counters["val_count"] < self.val_tokens):
-            val.add(tokens[skip:], index, skip, self.save)
-            counters["val_count"] += len(tokens)
-            counters["val_documents"] += 1
-        else:
-            if not counters["val_closed"]:
-                counters["val_closed"] = True
-                val.finish((index, 0), self.save)
-            train.add(tokens[skip:], index, skip, self.save)
-        counters["tokens_before"] += len(tokens)
-        counters["chars_before"] += chars
-        counters["documents_before"] += 1
-
-    def finish(self, next_document):
-        """The last, partial shard of each split, saved with the position of the document after the last."""
-        for split in ("train", "val"):
-            self.writers[split].finish((next_document, 0), self.save)
+def resume_state(out_dir, run_args):
+    """Fresh for a new directory; the saved state for a run of the same arguments (where the tokenizer lies aside) on
+    the same source files (paths, sizes, times), after checking its shards; None for a dataset already complete."""
+    for parent in [out_dir, *out_dir.parents]:
+        if parent.exists() and not parent.is_dir():
+            raise UserError(f"--out {out_dir}: {parent} is a file, not a directory; give a directory path")
+    saved_path = next((path for path in (out_dir / "meta.json", out_dir / "progress.json") if path.exists()), None)
+    if saved_path is None:
+        if out_dir.exists() and any(not path.name.endswith(".tmp") for path in out_dir.iterdir()):
+            raise UserError(f"--out {out_dir} is not empty and was not made by prepare_data.py; give a new directory")
+        return {"args": run_args, "chars": None, "document": 0, "offset": 0, "shards": {"val": [], "train": []},
+                "tokens": {"val": 0, "train": 0}, "max_token_id": -1,
+                "before": {"documents": 0, "chars": 0, "val": 0, "train": 0}}  # of the document being routed
+    shard_deciding = lambda args: {**args, "tokenizer": {k: v for k, v in args["tokenizer"].items() if k != "path"}}
+    try:
+        saved = json.loads(saved_path.read_text())
+        previous = shard_deciding(saved["args"])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        raise UserError(f"--out {out_dir}: {saved_path.name} is unreadable; delete {out_dir} to start over")
+    for key, value in shard_deciding(run_args).items():
+        if key == "files" and value != previous.get(key):
+            raise UserError(f"--out {out_dir} was made from other source files or another version of them (their "
+                            f"sizes or times differ); delete {out_dir} to start over, or use another --out")
+        if value != previous.get(key):
+            raise UserError(f"--out {out_dir} was made with other arguments ({key}: {previous.get(key)!r}, "
+                            f"now {value!r}); use another --out, or delete it to start over")
+    for split in ("val", "train"):  # each shard but a split's last holds shard_size tokens
+        for k, name in enumerate(saved["shards"][split]):
+            try:
+                whole = Path(name).name == name and len(np.load(out_dir / name, mmap_mode="r")) == min(
+                    run_args["shard_size"], saved["tokens"][split] - k * run_args["shard_size"])
+            except (OSError, ValueError):
+                whole = False
+            if not whole:  # one shard can't be rebuilt alone
+                raise UserError(f"--out {out_dir}: the shard {name} is missing or damaged; delete {out_dir} and run "
+                                "the same command again to rebuild it")
+    if saved_path.name == "meta.json":
+        return None
+    print(f"resuming {out_dir}: {len(saved['shards']['val'])} val and {len(saved['shards']['train'])} train shards "
+          f"are finished; skipping {saved['document']:,} documents")
+    return saved
 
 
 # ---------------------------------------------------------------- reading text (the same in every script)
@@ -451,17 +364,15 @@ def first_chars(documents, num_chars):  # the last document is cut to fit
             return  # before the source is asked for one more document: it may be slow to fetch, or malformed
 
 # ---------------------------------------------------------------- the run
-
-
 def parse_args(argv):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tokenizer", default=tokenizer, help="a BPE directory from train_bpe_*.py, a tiktoken name (gpt2, cl100k_base, o200k_base), or char")
-    parser.add_argument("--data", default=None, help=f"{' | '.join(HUB_DATASETS)} | path to .txt/.jsonl/.parquet or a directory (default {data})")
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokenizer", default=tokenizer, help="a BPE directory, a tiktoken name, or char")
+    parser.add_argument("--data", default=None, help=f"{' | '.join(HUB_DATASETS)} | a file or directory (default {data})")
     parser.add_argument("--out", default=out, help="output directory (default data/<source>_<tokenizer>)")
     parser.add_argument("-n", "--num_chars", type=int, default=num_chars, help="read only the first N characters")
     parser.add_argument("--max_tokens", type=int, default=max_tokens, help="stop after N tokens (train + val)")
     parser.add_argument("--shard_size", type=int, default=shard_size, help=f"tokens per shard (default {shard_size:,})")
-    parser.add_argument("--val_tokens", type=int, default=val_tokens, help=f"tokens of the first documents kept for validation (default {val_tokens:,})")
+    parser.add_argument("--val_tokens", type=int, default=val_tokens, help=f"tokens for val (default {val_tokens:,})")
     parser.add_argument("--workers", type=int, default=workers, help="tokenizer threads (default: every core)")
     args = parser.parse_args(argv)
     if args.tokenizer is None:
@@ -473,166 +384,95 @@ def parse_args(argv):
     return args
 
 
-def open_out_dir(out_dir, run_args):
-    """The resume state: fresh for a new directory, the saved one for a run of the very same arguments on the
-    same source files, None for a dataset that is already complete."""
-    for parent in [out_dir, *out_dir.parents]:
-        if parent.exists() and not parent.is_dir():
-            raise UserError(f"--out {out_dir}: {parent} is a file, not a directory; give a directory path")
-    saved = None
-    for path in (out_dir / "meta.json", out_dir / "progress.json"):
-        if saved is None and path.exists():
-            try:
-                saved = json.loads(path.read_text())
-                previous = {**saved["args"], "tokenizer": {k: v for k, v in saved["args"]["tokenizer"].items() if k != "path"}}
-            except (OSError, ValueError, KeyError, TypeError, AttributeError):
-                raise UserError(f"--out {out_dir}: {path.name} is unreadable; delete {out_dir} to start over")
-    if saved is None:
-        if out_dir.exists() and any(not path.name.endswith(".tmp") for path in out_dir.iterdir()):
-            raise UserError(f"--out {out_dir} is not empty and was not made by prepare_data.py; give a new directory")
-        return {"args": run_args, "chars": None, "document": 0, "offset": 0, **{key: 0 for key in COUNTERS},
-                "val_closed": False, "shards": {"val": [], "train": []}, "tokens": {"val": 0, "train": 0}, "max_token_id": -1}
-    # Everything that decides the bytes of the shards must match (worker count and batch size don't).
-    now = {**run_args, "tokenizer": {k: v for k, v in run_args["tokenizer"].items() if k != "path"}}
-    for key in now:
-        if key == "files" and now[key] != previous.get(key):
-            raise UserError(f"--out {out_dir} was made from other source files or another version of them (their "
-                            f"sizes or times differ); delete {out_dir} to start over, or use another --out")
-        if now[key] != previous.get(key):
-            raise UserError(f"--out {out_dir} was made with other arguments ({key}: {previous.get(key)!r}, "
-                            f"now {now[key]!r}); use another --out, or delete it to start over")
-    check_shards(out_dir, saved, run_args["shard_size"])
-    if (out_dir / "meta.json").exists():
-        return None
-    print(f"resuming {out_dir}: {len(saved['shards']['val'])} val and {len(saved['shards']['train'])} train shards "
-          f"are finished; skipping {saved['document']:,} documents")
-    return saved
-
-
-def give_up(out_dir, created_out, message):
-    """Nothing useful was written: leave no directory that looks like a dataset behind."""
-    for path in out_dir.iterdir():
-        if path.name.startswith(("progress.json", "tokenizer.", "train_", "val_")):
-            path.unlink()
-    if created_out:
-        out_dir.rmdir()
-    raise UserError(message)
-
-
-def char_vocabulary(text_stream, max_tokens):
-    """char level, pass 1: every distinct character of the data, sorted (a char is a token: stop at max_tokens)."""
-    distinct, seen = set(), 0
-    for text in tqdm(text_stream(), unit=" docs", desc="pass 1: characters", mininterval=0.5):
-        distinct.update(text)
-        seen += len(text)
-        if max_tokens and seen >= max_tokens:
-            break
-    return sorted(distinct)
+def copy_tokenizer(tokenizer_meta, out_dir):
+    """A dataset carries its BPE tokenizer, so that it stands on its own."""
+    for name in ("tokenizer.tiktoken", "tokenizer.json") if tokenizer_meta["kind"] == "bpe" else ():
+        shutil.copyfile(Path(tokenizer_meta["path"], name), out_dir / (name + ".tmp"))
+        os.replace(out_dir / (name + ".tmp"), out_dir / name)
 
 
 def run(argv):
-    args = parse_args(argv)
-    t0 = time.time()
-    # --- the source, the tokenizer, and the output directory: new, or a run of the same arguments to finish
+    args, t0 = parse_args(argv), time.time()
     documents, source_name, source = open_source(args.data or data, args.data is not None)
-    tok = load_tokenizer(args.tokenizer)
-    # data/tinyshakespeare_char, data/fineweb_gpt2; a tokenizer named after its source (stdlib_v1000) keeps
-    # its name alone rather than data/stdlib_stdlib_v1000.
-    out_dir = Path(args.out or Path("data", tok.name if tok.name.startswith(source_name + "_") else f"{source_name}_{tok.name}"))
-    # What identifies a local source is its files' paths, sizes and times: a changed source is never mixed in.
-    files = None if (args.data or data) in HUB_DATASETS else [
+    texts = lambda: first_chars(documents, args.num_chars or sys.maxsize)  # noqa: E731
+    encoder, tokenizer_meta, tokenizer_name = load_tokenizer(args.tokenizer)
+    # data/tinyshakespeare_char, data/fineweb_gpt2; a tokenizer named after its source (stdlib_v1000) alone
+    name = tokenizer_name if tokenizer_name.startswith(source_name + "_") else f"{source_name}_{tokenizer_name}"
+    out_dir = Path(args.out or Path("data", name))
+    files = None if (args.data or data) in HUB_DATASETS else [  # a local source is known by its files
         [str(path), path.stat().st_size, path.stat().st_mtime_ns] for path in local_files(args.data)]
-    run_args = {"source": source, "tokenizer": tok.meta, "num_chars": args.num_chars, "max_tokens": args.max_tokens,
+    run_args = {"source": source, "tokenizer": tokenizer_meta, "num_chars": args.num_chars, "max_tokens": args.max_tokens,
                 "shard_size": args.shard_size, "val_tokens": args.val_tokens, "files": files}
-    progress = open_out_dir(out_dir, run_args)
-    created_out = not out_dir.exists()
-    out_dir.mkdir(parents=True, exist_ok=True)
-    if tok.kind == "bpe":  # the dataset carries its tokenizer, so it stays usable on its own
-        for name in ("tokenizer.tiktoken", "tokenizer.json"):
-            shutil.copyfile(Path(args.tokenizer, name), out_dir / (name + ".tmp"))
-            os.replace(out_dir / (name + ".tmp"), out_dir / name)
+    progress = resume_state(out_dir, run_args)
     if progress is None:
-        print(f"{out_dir} is already complete with these arguments; nothing to do")
-        return
-    write_json(out_dir / "progress.json", progress)  # early, so that a directory with anything in it is ours
-    text_stream = lambda: first_chars(documents, args.num_chars or sys.maxsize)  # noqa: E731
+        copy_tokenizer(tokenizer_meta, out_dir)
+        return print(f"{out_dir} is already complete with these arguments; nothing to do")
+    empty = f"the dataset {source} is empty: no text to tokenize; point --data at files with text in them"
 
-    # --- char level: a first pass over the data finds the vocabulary (saved, so a resume skips it)
-    char_codes, vocab_size = None, tok.vocab_size
-    if tok.kind == "char":
-        if progress["chars"] is None:
-            progress["chars"] = char_vocabulary(text_stream, args.max_tokens)
-            write_json(out_dir / "progress.json", progress)
-        if not progress["chars"]:
-            give_up(out_dir, created_out, f"the dataset {source} is empty: no text to tokenize; point --data at files with text in them")
-        char_codes = np.array([ord(c) for c in progress["chars"]], dtype=np.uint32)
-        vocab_size = len(char_codes)
-    # uint16 holds ids up to 65535, half the disk and memory bandwidth of uint32; bigger vocabularies
-    # (o200k_base, or a char vocabulary of a multilingual corpus) switch to uint32.
+    if encoder is None and progress["chars"] is None:  # char level, pass 1: the vocabulary, every distinct character
+        distinct, seen = set(), 0  # (saved with the first shard, so that a resumed run skips this pass)
+        for text in tqdm(texts(), unit=" docs", desc="pass 1: characters", mininterval=0.5):
+            distinct.update(text)
+            if args.max_tokens and (seen := seen + len(text)) >= args.max_tokens:  # a character is a token
+                break
+        progress["chars"] = sorted(distinct)
+    if encoder is None and not progress["chars"]:
+        raise UserError(empty)
+    char_codes = None if encoder else np.array([ord(c) for c in progress["chars"]], dtype=np.uint32)
+    vocab_size = encoder.n_vocab if encoder else len(char_codes)
+    # uint16 holds ids up to 65535, half the disk and memory bandwidth of uint32, which bigger vocabularies need
     dtype = np.uint16 if vocab_size <= 1 << 16 else np.uint32
 
-    # --- encode in the pool's threads, route each document to val or train, write shards
-    splitter = Splitter(out_dir, dtype, progress, args)
-    total = progress["tokens_before"]  # tokens of the documents before the resume point, for --max_tokens
-    pending, new_tokens, t1 = None, 0, time.time()
-    bar = tqdm(unit=" docs", desc="tokenizing", mininterval=0.5, initial=progress["document"])
-    with ThreadPoolExecutor(args.workers) as pool:
-        try:
-            # A resumed run that had reached --max_tokens only lacked meta.json: don't read on.
-            reached_max = bool(args.max_tokens) and total >= args.max_tokens
-            stream = () if reached_max else encoded_documents(
-                text_stream(), progress["document"], lambda texts: encode_batch(texts, tok, char_codes, dtype), pool,
-                max_in_flight=2 * args.workers)
-            for index, tokens, chars in stream:
-                bar.update(1)
-                if chars == 0:  # an empty document holds no text: it is skipped, with no EOT of its own
-                    continue
-                last = bool(args.max_tokens) and total + len(tokens) >= args.max_tokens
-                tokens = tokens[:args.max_tokens - total] if last else tokens
-                total += len(tokens)
-                new_tokens += len(tokens)
-                if pending is not None:
-                    splitter.route(*pending, is_last=False)
-                pending = (index, tokens, chars)
-                if bar.n % 64 == 0:
-                    bar.set_postfix_str(f"{new_tokens / max(time.time() - t1, 1e-9):,.0f} tokens/s", refresh=False)
-                if last:
-                    break
-        finally:
-            bar.close()
-            pool.shutdown(cancel_futures=True)
-    if pending is not None:
-        if splitter.counters["documents_before"] == 0 and len(pending[1]) < 2:
-            give_up(out_dir, created_out, f"the dataset {source} is a single character: too little to split into train and val")
-        splitter.route(*pending, is_last=True)
-        splitter.finish(pending[0] + 1)
-    elif splitter.counters["documents_before"] == 0:
-        give_up(out_dir, created_out, f"the dataset {source} is empty: no text to tokenize; point --data at files with text in them")
-    # (else: a resumed run whose every shard was finished; only meta.json was missing)
+    # encode in threads, and route to the shards one document late: the last one always trains
+    shards, before, start = Shards(out_dir, dtype, progress, args), progress["before"], progress["document"]
+    total = start_total = before["val"] + before["train"]  # the tokens before the resume point count to --max_tokens
+    reached_max = bool(args.max_tokens) and total >= args.max_tokens  # a resumed run that lacked only meta.json
+    stream = encode_in_threads(() if reached_max else itertools.islice(texts(), start, None),
+                               lambda batch: encode_batch(batch, encoder, char_codes, dtype), args.workers)
+    pending, t1 = None, time.time()
+    with tqdm(unit=" docs", desc="tokenizing", mininterval=0.5, initial=start) as bar:
+        for index, (tokens, chars) in enumerate(stream, start):
+            bar.update(1)
+            if chars == 0:  # an empty document holds no text: it is skipped, with no EOT of its own
+                continue
+            last = bool(args.max_tokens) and total + len(tokens) >= args.max_tokens
+            tokens = tokens[:args.max_tokens - total] if last else tokens
+            total += len(tokens)
+            if pending is not None:
+                shards.route(*pending, is_last=False)
+            pending = (index, tokens, chars)
+            if bar.n % 64 == 0:
+                bar.set_postfix_str(f"{(total - start_total) / (time.time() - t1):,.0f} tokens/s", refresh=False)
+            if last:
+                break
+    if pending is not None:  # (else: a resumed run whose every shard was finished, or an empty source)
+        if before["documents"] == 0 and len(pending[1]) < 2:
+            raise UserError(f"the dataset {source} is a single character: too little to split into train and val")
+        shards.route(*pending, is_last=True)
+        shards.finish((pending[0] + 1, 0))
+    elif before["documents"] == 0:
+        raise UserError(empty)
     t2 = time.time()
 
-    # --- meta.json, last: its presence says the dataset is complete
-    counters, tokens = splitter.counters, progress["tokens"]
-    meta = {"version": 1, "vocab_size": vocab_size, "eot_token": tok.eot, "dtype": np.dtype(dtype).name,
-            "max_token_id": progress["max_token_id"], "tokenizer": tok.meta, "source": source,
-            "num_chars": counters["chars_before"], "tokens": tokens, "shards": progress["shards"], "args": run_args}
-    if tok.kind == "char":
-        meta["chars"] = progress["chars"]
-    write_json(out_dir / "meta.json", meta)
+    # meta.json, last: its presence says the dataset is complete
+    copy_tokenizer(tokenizer_meta, out_dir)
+    tokens, shard_names = progress["tokens"], progress["shards"]
+    meta = {"version": 1, "vocab_size": vocab_size, "eot_token": encoder and encoder.eot_token,
+            "dtype": np.dtype(dtype).name, "max_token_id": progress["max_token_id"], "tokenizer": tokenizer_meta,
+            "source": source, "num_chars": before["chars"], "tokens": tokens, "shards": shard_names, "args": run_args}
+    write_json(out_dir / "meta.json", meta if encoder else {**meta, "chars": progress["chars"]})
     (out_dir / "progress.json").unlink()
     for leftover in out_dir.glob("*.tmp"):  # a shard a killed run had begun and this one finished
         leftover.unlink()
     if BadUTF8.count:
         print(f"warning: {BadUTF8.count} invalid UTF-8 sequences were replaced with U+FFFD", file=sys.stderr)
-    if args.num_chars and counters["chars_before"] < args.num_chars and not args.max_tokens:
-        print(f"the source ran out after {counters['chars_before']:,} characters (asked for {args.num_chars:,})")
-    if tokens["val"] > (tokens["train"] + tokens["val"]) / 2:
-        print(f"warning: val holds {tokens['val']:,} of {tokens['train'] + tokens['val']:,} tokens; lower --val_tokens",
-              file=sys.stderr)
-    print(f"wrote {out_dir}: {tokens['train']:,} train tokens in {len(progress['shards']['train'])} shards, "
-          f"{tokens['val']:,} val tokens in {len(progress['shards']['val'])}, {np.dtype(dtype).name}, "
-          f"from {counters['documents_before']:,} documents")
-    print(f"tokenizing {t2 - t1:.2f}s ({new_tokens / max(t2 - t1, 1e-9):,.0f} tokens/s) | total {t2 - t0:.2f}s")
+    if args.num_chars and before["chars"] < args.num_chars and not args.max_tokens:
+        print(f"the source ran out after {before['chars']:,} characters (asked for {args.num_chars:,})")
+    if tokens["val"] > tokens["train"]:
+        print(f"warning: val holds {tokens['val']:,} of {sum(tokens.values()):,} tokens; lower --val_tokens", file=sys.stderr)
+    print(f"wrote {out_dir}: {tokens['train']:,} train tokens in {len(shard_names['train'])} shards, {tokens['val']:,} "
+          f"val tokens in {len(shard_names['val'])}, {np.dtype(dtype).name}, from {before['documents']:,} documents")
+    print(f"tokenizing {t2 - t1:.2f}s ({(total - start_total) / max(t2 - t1, 1e-9):,.0f} tokens/s) | total {t2 - t0:.2f}s")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,9 @@
 """prepare_data.py: the shards decode back to the documents, the split and limits follow their rules,
 a run killed with SIGKILL resumes to identical files, and bad input gets one line.
 
-Every check runs the script as a user would, in a subprocess, on small generated corpora."""
+The datasets are made as a user makes them, in a subprocess, on small generated corpora; the refusals run
+in this process (run() raises the UserError that the command line prints), with one command line check
+that it reaches the user as a single `error:` line."""
 import base64
 import hashlib
 import json
@@ -21,6 +23,9 @@ import rustbpe
 import tiktoken
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+import prepare_data  # noqa: E402
+
 SCRIPT = REPO / "prepare_data.py"
 EOT = "<|endoftext|>"
 
@@ -86,6 +91,14 @@ def prepare(*args, cwd, env=None, check=True):
     return result
 
 
+def refused(*args):
+    """run() in this process (the current directory is the test's): the one-line message it refuses with."""
+    with pytest.raises(prepare_data.UserError) as error:
+        prepare_data.run(list(map(str, args)))
+    assert "\n" not in str(error.value)
+    return str(error.value)
+
+
 def read_dataset(out_dir):
     """meta.json, and the tokens of val and of train, each split's shards concatenated in order."""
     meta = json.loads((out_dir / "meta.json").read_text())
@@ -142,8 +155,8 @@ def test_bpe_dir_shards_decode_to_the_documents(tmp_path, docs, bpe_dir):
 def test_char_level_single_document_gives_its_last_tenth_to_val(tmp_path):
     text = "First Citizen:\nBefore we proceed any further, hear me speak.\n\n" * 40 + "Ünïcödé ✓ 🎉"
     (tmp_path / "play.txt").write_text(text, encoding="utf-8")
-    prepare("--tokenizer", "char", "--data", "play.txt", "--out", "ds", "--shard_size", 512, cwd=tmp_path)
-    meta, val, train = read_dataset(tmp_path / "ds")
+    prepare("--tokenizer", "char", "--data", "play.txt", "--shard_size", 512, cwd=tmp_path)
+    meta, val, train = read_dataset(tmp_path / "data" / "play_char")  # the default: data/<source>_<tokenizer>
     assert meta["chars"] == sorted(set(text)) and meta["vocab_size"] == len(set(text))
     assert meta["eot_token"] is None and meta["tokenizer"] == {"kind": "char"}
     assert len(train) == len(text) * 9 // 10  # nanoGPT's split: the first 90% trains
@@ -298,11 +311,11 @@ def test_resume_after_sigkill_gives_identical_shards(tmp_path, bpe_dir):
     assert {name: (out_dir / name).stat().st_ino for name in finished_before} == finished_before
 
 
-# ---------------------------------------------------------------- bad input: one line, non-zero exit
+# ---------------------------------------------------------------- bad input: one line, nothing left behind
 
 
 def one_line_error(result):
-    assert result.returncode != 0
+    assert result.returncode == 1
     assert "Traceback" not in result.stderr, result.stderr
     errors = [line for line in result.stderr.splitlines() if "error" in line.lower()]
     assert len(errors) == 1 and errors[0].startswith("error: "), result.stderr
@@ -317,7 +330,7 @@ def reachable(host):
         return False
 
 
-def test_bad_tokenizers(tmp_path, docs, bpe_dir):
+def test_bad_tokenizers(tmp_path, docs, bpe_dir, monkeypatch):
     write_jsonl(tmp_path / "docs.jsonl", docs[:20])
     broken_json = tmp_path / "broken_json"
     broken_json.mkdir()
@@ -328,6 +341,7 @@ def test_bad_tokenizers(tmp_path, docs, bpe_dir):
     (broken_ranks / "tokenizer.tiktoken").write_text("!!!not-base64!!! zero\n")
     (broken_ranks / "tokenizer.json").write_bytes((bpe_dir / "tokenizer.json").read_bytes())
     empty_pattern = write_bpe_dir(tmp_path / "empty_pattern", {bytes([i]): i for i in range(256)}, "x*")
+    gap = write_bpe_dir(tmp_path / "gap", {bytes([i]): i + (i > 100) for i in range(256)}, r"\S+")  # rank 101 unused
     (tmp_path / "empty_dir").mkdir()
     half = tmp_path / "half"
     half.mkdir()
@@ -339,54 +353,64 @@ def test_bad_tokenizers(tmp_path, docs, bpe_dir):
         str(half): "tokenizer.tiktoken is missing",
         str(tmp_path / "empty_dir"): "tokenizer.tiktoken is missing",
         str(empty_pattern): "matches the empty string",
+        str(gap): "ranks are not 0..V-1",
         "gpt5": "not a tiktoken encoding",
     }
+    monkeypatch.chdir(tmp_path)
     for tokenizer, message in cases.items():
-        result = prepare("--tokenizer", tokenizer, "--data", "docs.jsonl", "--out", "ds", cwd=tmp_path, check=False)
-        assert message in one_line_error(result), (tokenizer, result.stderr)
+        assert message in refused("--tokenizer", tokenizer, "--data", "docs.jsonl", "--out", "ds"), tokenizer
         assert not (tmp_path / "ds").exists()
-    assert "required" in one_line_error(prepare("--data", "docs.jsonl", cwd=tmp_path, check=False))
+    assert "required" in refused("--data", "docs.jsonl")
+    assert "--shard_size 0: must be a positive number" in refused("--tokenizer", "char", "--shard_size", 0)
+    # through the command line: one `error:` line, exit status 1
+    assert "no such directory" in one_line_error(prepare("--tokenizer", "tokenizers/missing_v1000", "--data",
+                                                         "docs.jsonl", cwd=tmp_path, check=False))
 
 
 @pytest.mark.skipif(reachable("openaipublic.blob.core.windows.net"), reason="online: tiktoken can download gpt2")
-def test_tiktoken_name_offline_says_so(tmp_path):
+def test_tiktoken_name_offline_says_so(tmp_path, monkeypatch):
     (tmp_path / "a.txt").write_text("hello")
-    result = prepare("--tokenizer", "gpt2", "--data", "a.txt", cwd=tmp_path, check=False,
-                     env={"TIKTOKEN_CACHE_DIR": str(tmp_path / "empty_cache")})
-    assert "could not download" in one_line_error(result)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path / "empty_cache"))
+    assert "could not download" in refused("--tokenizer", "gpt2", "--data", "a.txt")
 
 
-def test_empty_datasets(tmp_path, bpe_dir):
+def test_empty_datasets_leave_nothing_behind(tmp_path, bpe_dir, monkeypatch):
     (tmp_path / "empty.txt").write_text("")
     (tmp_path / "empty.jsonl").write_text("")
     write_jsonl(tmp_path / "blank_docs.jsonl", ["", "", ""])
+    (tmp_path / "one.txt").write_text("x")
+    monkeypatch.chdir(tmp_path)
     for source in ("empty.txt", "empty.jsonl", "blank_docs.jsonl"):
         for tokenizer in (bpe_dir, "char"):
-            result = prepare("--tokenizer", tokenizer, "--data", source, "--out", "ds", cwd=tmp_path, check=False)
-            assert "is empty" in one_line_error(result)
-            assert not (tmp_path / "ds").exists()  # nothing half-made is left behind
+            assert "is empty" in refused("--tokenizer", tokenizer, "--data", source, "--out", "ds")
+            assert not (tmp_path / "ds").exists()
+    assert "is a single character" in refused("--tokenizer", "char", "--data", "one.txt", "--out", "ds")
+    assert not (tmp_path / "ds").exists()
+    # through the command line, after the progress bar: still one `error:` line
+    result = prepare("--tokenizer", bpe_dir, "--data", "blank_docs.jsonl", "--out", "ds", cwd=tmp_path, check=False)
+    assert "is empty" in one_line_error(result) and not (tmp_path / "ds").exists()
 
 
-def test_out_into_a_file_and_foreign_or_mismatched_out(tmp_path, docs, bpe_dir):
+def test_out_into_a_file_and_foreign_or_mismatched_out(tmp_path, docs, bpe_dir, monkeypatch, capsys):
     write_jsonl(tmp_path / "docs.jsonl", docs[:50])
     (tmp_path / "a_file").write_text("x")
+    monkeypatch.chdir(tmp_path)
     for out in ("a_file", "a_file/sub"):
-        result = prepare("--tokenizer", "char", "--data", "docs.jsonl", "--out", out, cwd=tmp_path, check=False)
-        assert "is a file" in one_line_error(result)
+        assert "a_file is a file" in refused("--tokenizer", "char", "--data", "docs.jsonl", "--out", out)
     (tmp_path / "foreign").mkdir()
     (tmp_path / "foreign" / "precious.txt").write_text("keep me")
-    result = prepare("--tokenizer", "char", "--data", "docs.jsonl", "--out", "foreign", cwd=tmp_path, check=False)
-    assert "not made by prepare_data.py" in one_line_error(result)
+    assert "not made by prepare_data.py" in refused("--tokenizer", "char", "--data", "docs.jsonl", "--out", "foreign")
 
     prepare("--tokenizer", bpe_dir, "--data", "docs.jsonl", "--out", "ds", cwd=tmp_path)
     before = files_of(tmp_path / "ds")
-    result = prepare("--tokenizer", bpe_dir, "--data", "docs.jsonl", "--out", "ds", cwd=tmp_path)
-    assert "already complete" in result.stdout
+    prepare_data.run(["--tokenizer", str(bpe_dir), "--data", "docs.jsonl", "--out", "ds"])
+    assert "already complete" in capsys.readouterr().out
     for other in (["--shard_size", 123], ["-n", 100], ["--tokenizer", "char"]):
-        args = ["--tokenizer", bpe_dir, "--data", "docs.jsonl", "--out", "ds", *other]
-        result = prepare(*args, cwd=tmp_path, check=False)
-        assert "made with other arguments" in one_line_error(result)
+        assert "made with other arguments" in refused("--tokenizer", bpe_dir, "--data", "docs.jsonl", "--out", "ds", *other)
     assert files_of(tmp_path / "ds") == before
+    (tmp_path / "ds" / "meta.json").write_text("{")
+    assert "meta.json is unreadable" in refused("--tokenizer", bpe_dir, "--data", "docs.jsonl", "--out", "ds")
 
 
 @pytest.mark.parametrize("extra", [[], ["--max_tokens", 4321], ["-n", 6000], ["--tokenizer", "char"],
@@ -416,27 +440,6 @@ def test_resume_when_killed_just_before_meta_json(tmp_path, docs, bpe_dir, extra
     assert files_of(tmp_path / "killed") == files_of(tmp_path / "reference")
 
 
-@pytest.mark.skipif(reachable("huggingface.co"), reason="online: the default source is FineWeb itself")
-def test_default_source_offline_falls_back_to_the_stdlib(tmp_path):
-    import sysconfig
-
-    result = prepare("--tokenizer", "char", "-n", 20_000, "--val_tokens", 5_000, cwd=tmp_path)
-    assert "offline corpus" in result.stderr
-    out_dir = tmp_path / "data" / "stdlib_char"
-    meta, val, train = read_dataset(out_dir)
-    assert meta["source"] == "Python standard library source (offline fallback)"
-    # Independently: the .py files of the stdlib in sorted order of path, site-packages excluded.
-    root = Path(sysconfig.get_paths()["stdlib"])
-    paths = sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts)
-    text = ""
-    for path in paths:
-        text += path.read_text(encoding="utf-8", errors="replace")
-        if len(text) >= 20_000:
-            break
-    chars = meta["chars"]
-    assert "".join(chars[i] for i in np.concatenate([val, train])) == text[:20_000]
-
-
 def test_invalid_utf8_is_replaced_with_a_warning(tmp_path, bpe_dir):
     (tmp_path / "bad.txt").write_bytes(b"caf\xc3\xa9 ok, then bad bytes: \xff\xfe and \xc3 end")
     result = prepare("--tokenizer", bpe_dir, "--data", "bad.txt", "--out", "ds", cwd=tmp_path)
@@ -446,39 +449,36 @@ def test_invalid_utf8_is_replaced_with_a_warning(tmp_path, bpe_dir):
     assert text == EOT + "café ok, then bad bytes: \ufffd\ufffd and \ufffd end"
 
 
-def test_a_changed_source_is_never_mixed_in(tmp_path, docs, bpe_dir):
+def test_a_changed_source_is_never_mixed_in(tmp_path, docs, bpe_dir, monkeypatch):
     """Resuming, or rerunning a complete dataset, over an edited source refuses in one line, files untouched."""
     write_jsonl(tmp_path / "docs.jsonl", docs[:50])
     args = ["--tokenizer", bpe_dir, "--data", "docs.jsonl", "--out", "ds"]
     prepare(*args, cwd=tmp_path)
+    monkeypatch.chdir(tmp_path)
     before = files_of(tmp_path / "ds")
     write_jsonl(tmp_path / "docs.jsonl", docs[:60])  # edited: other size and time
-    assert "other source files" in one_line_error(prepare(*args, cwd=tmp_path, check=False))
+    assert "other source files" in refused(*args)
     assert files_of(tmp_path / "ds") == before
-    # mid-run: meta.json gone and progress.json back in its place, as a killed run leaves it
-    meta = json.loads((tmp_path / "ds" / "meta.json").read_text())
-    progress = {**meta, "chars": None, "document": 10**6, "offset": 0, "tokens_before": 0, "chars_before": 0,
-                "documents_before": 0, "val_count": 0, "val_documents": 0, "val_closed": True}
-    (tmp_path / "ds" / "meta.json").unlink()
-    (tmp_path / "ds" / "progress.json").write_text(json.dumps(progress))
+    # mid-run: a killed run leaves progress.json, which carries the same arguments, in place of meta.json
+    (tmp_path / "ds" / "meta.json").rename(tmp_path / "ds" / "progress.json")
     before = files_of(tmp_path / "ds")
-    assert "other source files" in one_line_error(prepare(*args, cwd=tmp_path, check=False))
+    assert "other source files" in refused(*args)
     assert files_of(tmp_path / "ds") == before
 
 
-def test_a_deleted_or_cut_shard_is_found_on_rerun(tmp_path, docs, bpe_dir):
+def test_a_deleted_or_cut_shard_is_found_on_rerun(tmp_path, docs, bpe_dir, monkeypatch):
     """train.py says "run prepare_data.py again" for a missing shard: that run must not answer "nothing to do"."""
     write_jsonl(tmp_path / "docs.jsonl", docs)
     args = ["--tokenizer", bpe_dir, "--data", "docs.jsonl", "--out", "ds", "--shard_size", 900, "--val_tokens", 800]
     prepare(*args, cwd=tmp_path)
+    monkeypatch.chdir(tmp_path)
     meta = json.loads((tmp_path / "ds" / "meta.json").read_text())
     assert len(meta["shards"]["train"]) > 2
     shard = tmp_path / "ds" / meta["shards"]["train"][1]
     shard.write_bytes(shard.read_bytes()[:-2])  # cut
-    error = one_line_error(prepare(*args, cwd=tmp_path, check=False))
-    assert f"the shard {shard.name} is missing or damaged; delete ds" in error
+    assert f"the shard {shard.name} is missing or damaged; delete ds" in refused(*args)
     shard.unlink()
-    assert f"the shard {shard.name} is missing or damaged" in one_line_error(prepare(*args, cwd=tmp_path, check=False))
+    assert f"the shard {shard.name} is missing or damaged" in refused(*args)
     # the advice works: delete the directory, run again, and the dataset is whole
     shutil.rmtree(tmp_path / "ds")
     prepare(*args, cwd=tmp_path)
