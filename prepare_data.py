@@ -223,6 +223,8 @@ def resume_state(out_dir, run_args):
     try:
         saved = json.loads(saved_path.read_text())
         previous = shard_deciding(saved["args"])
+        if saved_path.name == "progress.json" and "before" not in saved:
+            raise KeyError("before")  # an older prepare_data.py wrote it: its counters differ
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         raise UserError(f"--out {out_dir}: {saved_path.name} is unreadable; delete {out_dir} to start over")
     for key, value in shard_deciding(run_args).items():
