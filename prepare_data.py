@@ -396,8 +396,10 @@ def copy_tokenizer(tokenizer_meta, out_dir):
 def run(argv):
     args, t0 = parse_args(argv), time.time()
     documents, source_name, source = open_source(args.data or data, args.data is not None)
-    texts = lambda: first_chars(documents, args.num_chars or sys.maxsize)  # noqa: E731
     encoder, tokenizer_meta, tokenizer_name = load_tokenizer(args.tokenizer)
+    # at char level a token is a character: both passes then read the same first max_tokens characters
+    budget = min(args.num_chars or sys.maxsize, args.max_tokens or sys.maxsize if encoder is None else sys.maxsize)
+    texts = lambda: first_chars(documents, budget)  # noqa: E731
     # data/tinyshakespeare_char, data/fineweb_gpt2; a tokenizer named after its source (stdlib_v1000) alone
     name = tokenizer_name if tokenizer_name.startswith(source_name + "_") else f"{source_name}_{tokenizer_name}"
     out_dir = Path(args.out or Path("data", name))
@@ -412,11 +414,9 @@ def run(argv):
     empty = f"the dataset {source} is empty: no text to tokenize; point --data at files with text in them"
 
     if encoder is None and progress["chars"] is None:  # char level, pass 1: the vocabulary, every distinct character
-        distinct, seen = set(), 0  # (saved with the first shard, so that a resumed run skips this pass)
+        distinct = set()  # (saved with the first shard, so that a resumed run skips this pass)
         for text in tqdm(texts(), unit=" docs", desc="pass 1: characters", mininterval=0.5):
             distinct.update(text)
-            if args.max_tokens and (seen := seen + len(text)) >= args.max_tokens:  # a character is a token
-                break
         progress["chars"] = sorted(distinct)
     if encoder is None and not progress["chars"]:
         raise UserError(empty)

@@ -172,6 +172,13 @@ def test_char_level_documents_val_first(tmp_path, docs):
     assert "".join(chars[i] for i in np.concatenate([val, train])) == "".join(docs)  # no EOT at char level
     kept = [doc for doc in docs if doc]
     assert len(val) == sum(len(doc) for doc in kept[:expected_val_documents([len(d) for d in kept], 2000)])
+    # --max_tokens at char level: the first N characters, and the vocabulary is theirs (a character met only
+    # past the cut is not in it, and is no "the data changed" error either).
+    write_jsonl(tmp_path / "more.jsonl", docs + ["met only after the cut: \u00b6"])
+    prepare("--tokenizer", "char", "--data", "more.jsonl", "--out", "cut", "--max_tokens", 3001, cwd=tmp_path)
+    meta, val, train = read_dataset(tmp_path / "cut")
+    assert "".join(meta["chars"][i] for i in np.concatenate([val, train])) == "".join(docs)[:3001]
+    assert meta["chars"] == sorted(set("".join(docs)[:3001]))
 
 
 def test_tiktoken_name_path_with_a_local_encoding(tmp_path, docs, bpe_dir):
