@@ -223,8 +223,6 @@ def resume_state(out_dir, run_args):
     try:
         saved = json.loads(saved_path.read_text())
         previous = shard_deciding(saved["args"])
-        if saved_path.name == "progress.json" and "before" not in saved:
-            raise KeyError("before")  # an older prepare_data.py wrote it: its counters differ
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         raise UserError(f"--out {out_dir}: {saved_path.name} is unreadable; delete {out_dir} to start over")
     for key, value in shard_deciding(run_args).items():
@@ -246,6 +244,8 @@ def resume_state(out_dir, run_args):
                                 "the same command again to rebuild it")
     if saved_path.name == "meta.json":
         return None
+    if "before" not in saved:  # an older prepare_data.py counted otherwise
+        raise UserError(f"--out {out_dir}: progress.json is from an older prepare_data.py; delete {out_dir} to start over")
     print(f"resuming {out_dir}: {len(saved['shards']['val'])} val and {len(saved['shards']['train'])} train shards "
           f"are finished; skipping {saved['document']:,} documents")
     return saved
