@@ -63,7 +63,8 @@ seed = 1337
 # -----------------------------------------------------------------------------------------------------
 config_keys = [k for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, str, list, type(None)))]
 defaults = {k: globals()[k] for k in config_keys}
-extra_types = {"vocab_size": int, "total_batch_size": type(None), "n_kv_head": type(None), "compile": bool}  # besides the default's
+# A value must have its default's type; these settings take one more type.
+extra_types = {"vocab_size": int, "total_batch_size": type(None), "n_kv_head": type(None), "compile": bool}
 
 # the processes: torchrun sets RANK, WORLD_SIZE and LOCAL_RANK; under srun only SLURM's own variables exist
 slurm = not ("RANK" in os.environ and "WORLD_SIZE" in os.environ) and int(os.environ.get("SLURM_NTASKS", 1)) > 1
@@ -111,7 +112,8 @@ def set_setting(source, key, value):
 presets = []
 for arg in sys.argv[1:]:
     if arg in ("-h", "--help"):
-        sys.exit(print(__doc__.strip() + "\n\nsettings and their defaults:\n" + "\n".join(f"  --{k}={v!r}" for k, v in defaults.items())))
+        print(__doc__.strip() + "\n\nsettings and their defaults:\n" + "\n".join(f"  --{k}={v!r}" for k, v in defaults.items()))
+        sys.exit(0)
     elif arg.startswith("--"):
         key, has_value, text = arg[2:].partition("=")
         if not has_value:
@@ -135,9 +137,11 @@ for arg in sys.argv[1:]:
 n_kv_head = n_head if n_kv_head is None else n_kv_head  # None: plain multi-head attention
 for ok, rule in [  # the first broken rule is the error
     (init_from in ("scratch", "resume", "auto"), f"init_from must be 'scratch', 'resume' or 'auto', not {init_from!r}"),
-    (dtype in ("auto", "float32", "bfloat16", "float16"), f"dtype must be 'auto', 'float32', 'bfloat16' or 'float16', not {dtype!r}"),
+    (dtype in ("auto", "float32", "bfloat16", "float16"),
+     f"dtype must be 'auto', 'float32', 'bfloat16' or 'float16', not {dtype!r}"),
     (compile in ("auto", True, False), f"compile must be 'auto', True or False, not {compile!r}"),
-    (re.fullmatch(r"auto|cpu|cuda(:\d+)?|mps", device), f"device must be 'auto', 'cpu', 'cuda', 'cuda:N' or 'mps', not {device!r}"),
+    (re.fullmatch(r"auto|cpu|cuda(:\d+)?|mps", device),
+     f"device must be 'auto', 'cpu', 'cuda', 'cuda:N' or 'mps', not {device!r}"),
     (all(type(m) is int for m in milestones), f"milestones must be a list of iteration numbers, not {milestones!r}"),
     (min(batch_size, block_size, eval_interval, eval_iters, log_interval, n_layer) > 0,
      "batch_size, block_size, eval_interval, eval_iters, log_interval and n_layer must be positive"),
@@ -173,9 +177,6 @@ except (OSError, ValueError, KeyError, TypeError):
     meta_ok = False
 if not meta_ok:
     fail(f"{meta_path} is not the meta.json (version 1) of a finished prepare_data.py run: {remake}")
-for name in shard_names:
-    if name != os.path.basename(name) or name in ("", ".", ".."):
-        fail(f"{meta_path} names the shard {name!r}: only plain file names inside {dataset} are allowed; {remake}")
 if kind == "bpe":
     try:
         with open(os.path.join(dataset, "tokenizer.tiktoken"), "rb") as f:
@@ -190,9 +191,12 @@ if kind == "bpe":
         fail(f"{dataset}/tokenizer.tiktoken is not the tokenizer the shards were made with (its sha256 differs from "
              f"meta.json's): copy it back from {meta['tokenizer'].get('path', 'the tokenizer directory')}, or {remake}")
 else:
-    tokenizer = {"kind": "tiktoken", "name": meta["tokenizer"]["name"]} if kind == "tiktoken" else \
-        {"kind": "char", "chars": meta["chars"]}
-for path in [os.path.join(dataset, name) for name in shard_names]:
+    tokenizer = ({"kind": "tiktoken", "name": meta["tokenizer"]["name"]} if kind == "tiktoken"
+                 else {"kind": "char", "chars": meta["chars"]})
+for name in shard_names:
+    if name != os.path.basename(name) or name in ("", ".", ".."):
+        fail(f"{meta_path} names the shard {name!r}: only plain file names inside {dataset} are allowed; {remake}")
+    path = os.path.join(dataset, name)
     try:  # every shard is read once now: an id past meta.json's largest would fail later, deep in the embedding
         tokens = np.load(path, mmap_mode="r")
         largest = int(tokens.max()) if len(tokens) else -1
@@ -234,6 +238,7 @@ checkpoint = None
 if init_from == "resume":
     try:
         checkpoint = load_checkpoint(ckpt_path, map_location="cpu")
+        raw_model = model_from_checkpoint(checkpoint)  # the plain module: no "_orig_mod." or "module." prefixes
     except CheckpointError as e:
         fail(f"cannot resume: {e}")
     if any(checkpoint.get(k) is None for k in ("optimizer", "iter_num", "best_val_loss", "tokenizer", "train_config")):
@@ -293,12 +298,6 @@ def get_batch(split, generator):
         x, y = x.pin_memory(), y.pin_memory()
     return x.to(device, non_blocking=True), y.to(device, non_blocking=True)
 
-# Data order: the global batch of a step is num_slots micro-batches; slot j has its own generator seeded with
-# seed + j, and rank r draws slots r*grad_accum_steps ... So the data depend on the global batch, not on how
-# many processes share it: 1 process with 2 micro-steps sees what 2 processes see.
-num_slots = world_size * grad_accum_steps
-train_generators = [torch.Generator().manual_seed(seed + rank * grad_accum_steps + m) for m in range(grad_accum_steps)]
-
 def get_lr(it):
     """Linear warmup from ~0, cosine from learning_rate down to min_lr at lr_decay_iters, then min_lr."""
     if it < warmup_iters:
@@ -333,13 +332,8 @@ torch.set_float32_matmul_precision("high")  # TF32 matmuls on Ampere and later: 
 torch.backends.cudnn.allow_tf32 = True
 autocast = nullcontext() if dtype == "float32" else torch.autocast(device_type, dtype=getattr(torch, dtype))
 
-if checkpoint is None:  # the plain module: its state_dict has no "_orig_mod." or "module." prefixes
+if checkpoint is None:
     raw_model = GPT(GPTConfig(**{f.name: globals()[f.name] for f in fields(GPTConfig) if f.name in defaults}))
-else:
-    try:
-        raw_model = model_from_checkpoint(checkpoint)
-    except CheckpointError as e:
-        fail(f"cannot resume from {ckpt_path}: {e}")
 model_config = raw_model.to(device).config
 optimizer = raw_model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), device_type,
                                            "muon" if muon else "adamw", verbose=master)
@@ -363,14 +357,18 @@ if rng and len(rng["ranks"]) == world_size:
     torch.set_rng_state(rng["ranks"][rank]["torch"])
     if device_type == "cuda" and rng["ranks"][rank]["cuda"] is not None:
         torch.cuda.set_rng_state(rng["ranks"][rank]["cuda"])
+# Data order: the global batch of a step is num_slots micro-batches; slot j has its own generator, and rank r
+# draws slots r*grad_accum_steps ... So the data depend on the global batch, not on how many processes share
+# it: 1 process with 2 micro-steps sees what 2 processes see. The seed is seed + j from scratch; after a resume
+# with another global batch shape the old order can't go on, and iter_num makes it a new one, not the first again.
+num_slots = world_size * grad_accum_steps
+train_generators = [torch.Generator().manual_seed(seed + 1_000_003 * iter_num + rank * grad_accum_steps + m)
+                    for m in range(grad_accum_steps)]
 if rng and len(rng["data"]) == num_slots:
     for m, generator in enumerate(train_generators):
         generator.set_state(rng["data"][rank * grad_accum_steps + m])
-elif rng:  # another global batch shape: the old order can't go on, so start a new one, not the first one again
-    if master:
-        print(f"note: the checkpoint has {len(rng['data'])} data streams, this run {num_slots}: new data order")
-    for m, generator in enumerate(train_generators):
-        generator.manual_seed(seed + 1_000_003 * iter_num + rank * grad_accum_steps + m)
+elif rng and master:
+    print(f"note: the checkpoint has {len(rng['data'])} data streams, this run {num_slots}: new data order")
 
 def save(path):
     """Write a checkpoint (all ranks must call: the random states of every rank are gathered)."""
