@@ -61,7 +61,8 @@ compile = "auto"                 # torch.compile: "auto" means on CUDA only (on 
 timeout = 600                    # seconds a rank waits for the others in a collective before it gives up
 seed = 1337
 # -----------------------------------------------------------------------------------------------------
-config_keys = [k for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, str, list, type(None)))]
+config_keys = [k for k, v in globals().items()
+               if not k.startswith("_") and isinstance(v, (int, float, str, list, type(None)))]  # the globals above
 defaults = {k: globals()[k] for k in config_keys}
 # A value must have its default's type; these settings take one more type.
 extra_types = {"vocab_size": int, "total_batch_size": type(None), "n_kv_head": type(None), "compile": bool}
@@ -329,7 +330,6 @@ if ddp:  # NCCL between GPUs, gloo on CPUs. The timeout turns a rank that hangs 
                             rank=rank, world_size=world_size)
 torch.manual_seed(seed)  # the same initial weights on every rank and in every run
 torch.set_float32_matmul_precision("high")  # TF32 matmuls on Ampere and later: ~free speed in float32 parts
-torch.backends.cudnn.allow_tf32 = True
 autocast = nullcontext() if dtype == "float32" else torch.autocast(device_type, dtype=getattr(torch, dtype))
 
 if checkpoint is None:
