@@ -438,7 +438,8 @@ def request_stop(signum, frame):
 signal.signal(signal.SIGTERM, request_stop)
 signal.signal(signal.SIGINT, request_stop)
 if master:
-    print(f"model: {raw_model.get_num_params():,} parameters; {f'resuming at iter {iter_num}' if checkpoint else 'from scratch'}")
+    print(f"model: {raw_model.get_num_params():,} parameters; "
+          f"{f'resuming at iter {iter_num}' if checkpoint else 'from scratch'}")
     if wandb_log:
         import wandb
         wandb.init(project=wandb_project, name=wandb_run_name, config=config)
@@ -446,7 +447,7 @@ checkpoint = None  # free its memory: everything is loaded
 
 # -----------------------------------------------------------------------------------------------------
 # the training loop. At the top of iteration iter_num, iter_num steps are done: that is the state a checkpoint records.
-losses, stop_votes = {}, 0
+losses, stop_votes = {}, 0  # None and > 0 say, after the loop, that a signal stopped it
 log_start, log_steps, eval_seconds, eval_steps = time.time(), 0, 0.0, 0  # training time since the last log, eval
 while True:
     lr = get_lr(iter_num)
