@@ -10,37 +10,19 @@ Pretrain the GPT of model.py on the token shards of prepare_data.py: on a laptop
         train.py config/lillm.py                                      # and --node_rank=1 on the other node
     srun python train.py config/lillm.py --init_from=auto             # SLURM: see the README's sbatch example
 
-Every global in the settings block below is a setting. Preset files run first, in order, then each
---key=value replaces one setting; the value must have the setting's type. `python train.py --help` lists them.
+Every global in the settings block below is a setting. Presets and --key=value arguments apply in the order
+given; a value must have the setting's type. `python train.py --help` lists the settings.
 SIGTERM or Ctrl-C finishes the current step (or eval batch), saves out_dir/ckpt.pt and exits with status 0.
 """
-import ast
-import difflib
-import glob
-import hashlib
-import json
-import math
-import os
-import random
-import re
-import signal
-import sys
-import time
+import ast, difflib, glob, hashlib, json, math, os, re, signal, sys, time
 from contextlib import nullcontext
 from dataclasses import asdict, fields
 from datetime import timedelta
 
-import numpy as np
-import torch
-import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel as DDP
+import numpy as np  # torch comes once the settings and the dataset are checked: mistakes show at once, not in 2 s
 
-from model import GPT, CheckpointError, GPTConfig, load_checkpoint, model_from_checkpoint, save_checkpoint
-
-_names_before_settings = set(globals())
 # -----------------------------------------------------------------------------------------------------
 # settings; the defaults train the lilLM model on FineWeb (config/lillm.py says the same, explicitly)
-# I/O
 out_dir = "out"                  # ckpt.pt, the milestone copies ckpt_<iter>.pt and log.jsonl go here
 dataset = "data/fineweb"         # a directory written by prepare_data.py: shards and meta.json
 init_from = "scratch"            # "scratch" (refused over a checkpoint), "resume" from out_dir/ckpt.pt, "auto": either
@@ -79,15 +61,21 @@ compile = "auto"                 # torch.compile: "auto" means on CUDA only (on 
 timeout = 600                    # seconds a rank waits for the others in a collective before it gives up
 seed = 1337
 # -----------------------------------------------------------------------------------------------------
-config_keys = [k for k in globals() if k not in _names_before_settings and not k.startswith("_")]
+config_keys = [k for k, v in globals().items()
+               if not k.startswith("_") and isinstance(v, (int, float, str, list, type(None)))]  # the globals above
 defaults = {k: globals()[k] for k in config_keys}
-# Besides its default's type, a setting whose default is None or "auto" takes one more.
+# A value must have its default's type; these settings take one more type.
 extra_types = {"vocab_size": int, "total_batch_size": type(None), "n_kv_head": type(None), "compile": bool}
-rank, world_size = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0))), 1  # known early, for fail()
+
+# the processes: torchrun sets RANK, WORLD_SIZE and LOCAL_RANK; under srun only SLURM's own variables exist
+slurm = not ("RANK" in os.environ and "WORLD_SIZE" in os.environ) and int(os.environ.get("SLURM_NTASKS", 1)) > 1
+variables = ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID") if slurm else ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+rank, world_size, local_rank = (int(os.environ.get(name, default)) for name, default in zip(variables, (0, 1, 0)))
+ddp, master = world_size > 1, rank == 0  # the master is the only rank that prints, logs and writes files
 
 def fail(message):
     """A user mistake: one line on stderr (from the first rank only) and exit status 1, never a traceback."""
-    if rank == 0:
+    if master:
         print(f"error: {message}", file=sys.stderr, flush=True)
     else:
         time.sleep(3)  # every rank fails alike: don't let torchrun stop rank 0 before it has printed
@@ -96,108 +84,83 @@ def fail(message):
 def one_line_excepthook(kind, error, traceback):
     """A second Ctrl-C, or a rank that hangs or died: one line, as for a mistake. Bugs keep their traceback."""
     if issubclass(kind, KeyboardInterrupt):
-        print("error: interrupted: stopped at once, without saving (one Ctrl-C while training saves first)",
-              file=sys.stderr)
-    elif world_size > 1 and issubclass(kind, RuntimeError) and re.search(r"gloo|nccl|time.?out|connection|peer",
-                                                                          str(error), re.I):
+        print("error: interrupted: stopped at once, without saving (one Ctrl-C while training saves first)", file=sys.stderr)
+    elif ddp and issubclass(kind, RuntimeError) and re.search("gloo|nccl|time.?out|connection|peer", str(error), re.I):
         reason = re.sub(r"^\[[^\]]*\] ", "", (str(error).strip() or kind.__name__).splitlines()[0])[:150]
-        other = f"rank {1 - rank}" if world_size == 2 else "another rank"
-        print(f"error: rank {rank} lost contact with the other ranks ({reason}): {other} "
-              f"{'hangs' if 'out' in reason else 'stopped'} (see its messages); --timeout={timeout} is how long a rank "
-              f"waits", file=sys.stderr)
+        print(f"error: rank {rank} lost contact with the other ranks ({reason}): "
+              f"{f'rank {1 - rank}' if world_size == 2 else 'another rank'} {'hangs' if 'out' in reason else 'stopped'}"
+              f" (see its messages); --timeout={timeout} is how long a rank waits", file=sys.stderr)
     else:
         sys.__excepthook__(kind, error, traceback)
 
 sys.excepthook = one_line_excepthook
+if slurm and not ("MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ):
+    fail("SLURM with several tasks: export MASTER_ADDR (the first node) and MASTER_PORT in the sbatch script (see the README)")
+
+# -----------------------------------------------------------------------------------------------------
+# the command line: presets (files of Python assignments) and --key=value, in order, then checks across settings
+def set_setting(source, key, value):
+    if key not in defaults:
+        close = difflib.get_close_matches(key, config_keys, n=1)
+        fail(f"{source}: unknown setting {key!r}{f' (did you mean {close[0]!r}?)' if close else ''}; --help lists them")
+    allowed = {type(defaults[key]), extra_types.get(key, type(defaults[key]))}
+    value = float(value) if type(value) is int and float in allowed else value  # 3 is fine for 3.0
+    if type(value) not in allowed:
+        names = " or ".join(sorted("None" if t is type(None) else t.__name__ for t in allowed))
+        fail(f"{source}: {key} must be {names}, got {value!r} ({type(value).__name__})")
+    globals()[key] = value
+
 presets = []
 for arg in sys.argv[1:]:
     if arg in ("-h", "--help"):
-        print(__doc__.strip() + "\n\nsettings and their defaults:\n"
-              + "\n".join(f"  --{k}={v!r}" for k, v in defaults.items()))
+        print(__doc__.strip() + "\n\nsettings and their defaults:\n" + "\n".join(f"  --{k}={v!r}" for k, v in defaults.items()))
         sys.exit(0)
-    if not arg.startswith("--"):  # a preset: plain Python assignments, run over the current settings
-        if not os.path.isfile(arg):
-            fail(f"no preset file {arg!r} (expected a file like config/shakespeare_char.py, or --key=value)")
+    elif arg.startswith("--"):
+        key, has_value, text = arg[2:].partition("=")
+        if not has_value:
+            fail(f"{arg}: expected --key=value")
+        try:  # a setting whose only type is str takes the text as it is; the others read a Python literal
+            set_setting(arg, key, text if type(defaults.get(key)) is str and key not in extra_types else ast.literal_eval(text))
+        except (ValueError, SyntaxError):
+            set_setting(arg, key, text)  # a bare word: the type check says what was expected
+    elif not os.path.isfile(arg):
+        fail(f"no preset file {arg!r} (expected a file like config/shakespeare_char.py, or --key=value)")
+    else:
         namespace = {k: globals()[k] for k in config_keys}
         try:
             exec(open(arg).read(), namespace)
         except Exception as e:
             fail(f"{arg}: {type(e).__name__}: {e}")
         presets.append(arg)
-        updates = {k: v for k, v in namespace.items()
-                   if not k.startswith("_") and not callable(v) and type(v).__name__ != "module"}
-    else:
-        key, has_value, text = arg[2:].partition("=")
-        if not has_value:
-            fail(f"{arg}: expected --key=value")
-        try:  # a setting whose only type is str takes the text as it is; the others read a Python literal
-            updates = {key: text if type(defaults.get(key)) is str and key not in extra_types else ast.literal_eval(text)}
-        except (ValueError, SyntaxError):
-            updates = {key: text}  # a bare word: the type check below says what was expected
-    for key, value in updates.items():
-        if key not in defaults:
-            close = difflib.get_close_matches(key, config_keys, n=1)
-            fail(f"{arg}: unknown setting {key!r}" + (f" (did you mean {close[0]!r}?)" if close else "")
-                 + "; --help lists them")
-        allowed = {type(defaults[key]), extra_types.get(key, type(defaults[key]))}
-        value = float(value) if type(value) is int and float in allowed else value  # 3 is fine for 3.0
-        if type(value) not in allowed:
-            names = " or ".join(sorted("None" if t is type(None) else t.__name__ for t in allowed))
-            fail(f"{arg}: {key} must be {names}, got {value!r} ({type(value).__name__})")
-        globals()[key] = value
+        for key, value in namespace.items():
+            if not key.startswith("_") and not callable(value) and type(value).__name__ != "module":
+                set_setting(arg, key, value)
 n_kv_head = n_head if n_kv_head is None else n_kv_head  # None: plain multi-head attention
-for bad, message in [  # the first true condition is the error
-    (init_from not in ("scratch", "resume", "auto"), f"init_from must be 'scratch', 'resume' or 'auto', not {init_from!r}"),
-    (dtype not in ("auto", "float32", "bfloat16", "float16"),
+for ok, rule in [  # the first broken rule is the error
+    (init_from in ("scratch", "resume", "auto"), f"init_from must be 'scratch', 'resume' or 'auto', not {init_from!r}"),
+    (dtype in ("auto", "float32", "bfloat16", "float16"),
      f"dtype must be 'auto', 'float32', 'bfloat16' or 'float16', not {dtype!r}"),
-    (compile not in ("auto", True, False), f"compile must be 'auto', True or False, not {compile!r}"),
-    (not re.fullmatch(r"auto|cpu|cuda(:\d+)?|mps", device),
+    (compile in ("auto", True, False), f"compile must be 'auto', True or False, not {compile!r}"),
+    (re.fullmatch(r"auto|cpu|cuda(:\d+)?|mps", device),
      f"device must be 'auto', 'cpu', 'cuda', 'cuda:N' or 'mps', not {device!r}"),
-    (device.startswith("cuda") and not torch.cuda.is_available(),
-     f"device={device!r} but this torch sees no CUDA GPU; use --device=cpu"),
-    (device == "mps" and not torch.backends.mps.is_available(),
-     "device='mps' but this torch has no MPS (Apple GPU) here; use --device=cpu"),
-    (not all(type(m) is int for m in milestones), f"milestones must be a list of iteration numbers, not {milestones!r}"),
-    (min(batch_size, block_size, eval_interval, eval_iters, log_interval, n_layer) < 1,
+    (all(type(m) is int for m in milestones), f"milestones must be a list of iteration numbers, not {milestones!r}"),
+    (min(batch_size, block_size, eval_interval, eval_iters, log_interval, n_layer) > 0,
      "batch_size, block_size, eval_interval, eval_iters, log_interval and n_layer must be positive"),
-    (min(max_iters, warmup_iters, lr_decay_iters, weight_decay, grad_clip) < 0,
+    (min(max_iters, warmup_iters, lr_decay_iters, weight_decay, grad_clip) >= 0,
      "max_iters, warmup_iters, lr_decay_iters, weight_decay and grad_clip can't be negative"),
-    (n_head < 1 or n_kv_head < 1 or n_embd % n_head or n_head % n_kv_head or (n_embd // n_head) % 2,
+    (n_head > 0 and n_kv_head > 0 and n_embd % n_head == n_head % n_kv_head == (n_embd // n_head) % 2 == 0,
      f"n_embd={n_embd}, n_head={n_head}, n_kv_head={n_kv_head}: n_head must divide n_embd into an even head size "
      f"(rotary embeddings rotate pairs), and n_kv_head must divide n_head"),
-    (not 0 <= min_lr <= learning_rate or learning_rate == 0,
+    (0 <= min_lr <= learning_rate and learning_rate > 0,
      f"learning_rate={learning_rate}, min_lr={min_lr}: need learning_rate > 0 and 0 <= min_lr <= learning_rate"),
-    (not 0 <= dropout < 1, f"dropout={dropout}: it is a probability, 0 <= dropout < 1"),
-    (not (0 <= beta1 < 1 and 0 <= beta2 < 1), f"beta1={beta1}, beta2={beta2}: Adam's averaging factors need 0 <= beta < 1"),
-    (not timeout > 0, f"timeout={timeout}: give a positive number of seconds"),
-]:
-    if bad:
-        fail(message)
+    (0 <= dropout < 1, f"dropout={dropout}: it is a probability, 0 <= dropout < 1"),
+    (0 <= beta1 < 1 and 0 <= beta2 < 1, f"beta1={beta1}, beta2={beta2}: Adam's averaging factors need 0 <= beta < 1"),
+    (timeout > 0, f"timeout={timeout}: give a positive number of seconds")]:
+    if not ok:
+        fail(rule)
 
 # -----------------------------------------------------------------------------------------------------
-# who we are: torchrun sets RANK, WORLD_SIZE and LOCAL_RANK; under srun only SLURM's own variables exist
-if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-    rank, world_size, local_rank = (int(os.environ.get(k, 0)) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
-elif int(os.environ.get("SLURM_NTASKS", 1)) > 1:
-    rank, world_size, local_rank = (int(os.environ.get(k, 0)) for k in ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"))
-    if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
-        fail("SLURM with several tasks: export MASTER_ADDR (the first node) and MASTER_PORT in the sbatch script "
-             "(see the README)")
-else:
-    rank, world_size, local_rank = 0, 1, 0
-ddp, master = world_size > 1, rank == 0  # the master is the only rank that prints, logs and writes files
-if device == "auto":
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-device_type = device.split(":")[0]
-if device_type == "cuda":  # one GPU per process; srun may have hidden the others (CUDA_VISIBLE_DEVICES): the modulo
-    device = f"cuda:{local_rank % torch.cuda.device_count()}" if ddp or device == "cuda" else device
-    torch.cuda.set_device(device)
-if dtype == "auto":  # never bfloat16 on a CPU: most emulate it, many times slower than float32
-    dtype = "float32" if device_type != "cuda" else "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
-compile = device_type == "cuda" if compile == "auto" else compile
-
-# -----------------------------------------------------------------------------------------------------
-# the dataset and its tokenizer, then the checkpoint to resume (which decides the model's shape)
+# the dataset: meta.json, the tokenizer (the checkpoint carries it, so sampling needs no dataset) and the shards
 remake = f"run prepare_data.py again, or delete {dataset} and rerun it"
 meta_path = os.path.join(dataset, "meta.json")
 if not os.path.exists(meta_path):
@@ -215,11 +178,6 @@ except (OSError, ValueError, KeyError, TypeError):
     meta_ok = False
 if not meta_ok:
     fail(f"{meta_path} is not the meta.json (version 1) of a finished prepare_data.py run: {remake}")
-for name in shard_names:
-    if name != os.path.basename(name) or name in ("", ".", ".."):
-        fail(f"{meta_path} names the shard {name!r}: only plain file names inside {dataset} are allowed; {remake}")
-
-# The checkpoint carries the tokenizer itself, so sampling needs no dataset directory.
 if kind == "bpe":
     try:
         with open(os.path.join(dataset, "tokenizer.tiktoken"), "rb") as f:
@@ -230,38 +188,69 @@ if kind == "bpe":
                      "special_tokens": info["special_tokens"]}
     except (OSError, ValueError, KeyError, TypeError) as e:
         fail(f"{dataset} lacks readable tokenizer files ({type(e).__name__}: {e}): {remake}")
-    # A BPE trainer's --out pointed at the dataset would have replaced them: the shards' ids would mean other text.
-    if hashlib.sha256(ranks_bytes).hexdigest() != meta["tokenizer"]["sha256"]:
+    if hashlib.sha256(ranks_bytes).hexdigest() != meta["tokenizer"]["sha256"]:  # a BPE trainer's --out pointed here
         fail(f"{dataset}/tokenizer.tiktoken is not the tokenizer the shards were made with (its sha256 differs from "
              f"meta.json's): copy it back from {meta['tokenizer'].get('path', 'the tokenizer directory')}, or {remake}")
 else:
     tokenizer = ({"kind": "tiktoken", "name": meta["tokenizer"]["name"]} if kind == "tiktoken"
                  else {"kind": "char", "chars": meta["chars"]})
+for name in shard_names:
+    if name != os.path.basename(name) or name in ("", ".", ".."):
+        fail(f"{meta_path} names the shard {name!r}: only plain file names inside {dataset} are allowed; {remake}")
+    path = os.path.join(dataset, name)
+    try:  # every shard is read once now: an id past meta.json's largest would fail later, deep in the embedding
+        tokens = np.load(path, mmap_mode="r")
+        largest = int(tokens.max()) if len(tokens) else -1
+    except (OSError, ValueError) as e:
+        fail(f"{path}, which {meta_path} lists, is {'missing' if not os.path.exists(path) else 'unreadable'} "
+             f"({type(e).__name__}: {str(e)[:80]}): {remake}")
+    if largest > meta["max_token_id"]:
+        fail(f"{path} holds token id {largest}, past the largest that {meta_path} records ({meta['max_token_id']}): {remake}")
 
 ckpt_path = os.path.join(out_dir, "ckpt.pt")
-if init_from == "auto":
-    init_from = "resume" if os.path.exists(ckpt_path) else "scratch"
-checkpoint = None
+init_from = ("resume" if os.path.exists(ckpt_path) else "scratch") if init_from == "auto" else init_from
 existing = sorted(glob.glob(os.path.join(glob.escape(out_dir), "ckpt*.pt")))
 if init_from == "scratch" and existing:
     fail(f"{existing[0]} exists and a run from scratch would overwrite it: go on from it with --init_from=resume (or auto), "
          f"or give another --out_dir, or delete it first")
+
+# -----------------------------------------------------------------------------------------------------
+# torch, the device, and the checkpoint to resume (it decides the model's shape)
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from model import GPT, CheckpointError, GPTConfig, load_checkpoint, model_from_checkpoint, save_checkpoint
+
+if device.startswith("cuda") and not torch.cuda.is_available():
+    fail(f"device={device!r} but this torch sees no CUDA GPU; use --device=cpu")
+if device == "mps" and not torch.backends.mps.is_available():
+    fail("device='mps' but this torch has no MPS (Apple GPU) here; use --device=cpu")
+device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
+device_type = device.split(":")[0]
+if device_type == "cuda":  # one GPU per process; srun may have hidden the others (CUDA_VISIBLE_DEVICES): the modulo
+    device = f"cuda:{local_rank % torch.cuda.device_count()}" if ddp or device == "cuda" else device
+    torch.cuda.set_device(device)
+if dtype == "auto":  # never bfloat16 on a CPU: most emulate it, many times slower than float32
+    dtype = "float32" if device_type != "cuda" else "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
+compile = device_type == "cuda" if compile == "auto" else compile
+
+checkpoint = None
 if init_from == "resume":
     try:
         checkpoint = load_checkpoint(ckpt_path, map_location="cpu")
+        raw_model = model_from_checkpoint(checkpoint)  # the plain module: no "_orig_mod." or "module." prefixes
     except CheckpointError as e:
         fail(f"cannot resume: {e}")
     if any(checkpoint.get(k) is None for k in ("optimizer", "iter_num", "best_val_loss", "tokenizer", "train_config")):
-        fail(f"cannot resume from {ckpt_path}: it lacks the training state; only a checkpoint written by train.py "
-             f"can be resumed")
+        fail(f"cannot resume from {ckpt_path}: it lacks the training state; only a checkpoint written by train.py can be resumed")
     if checkpoint["tokenizer"] != tokenizer:  # the ids would mean other text: kind, ranks, name or characters differ
         old = checkpoint["dataset"] or {"tokenizer": checkpoint["tokenizer"]["kind"], "vocab_size": "?"}
         fail(f"{ckpt_path} was trained with another tokenizer ({old['tokenizer']}, vocab_size {old['vocab_size']}) than "
              f"{dataset}'s ({meta['tokenizer']}, vocab_size {meta['vocab_size']}): resume on the dataset it was trained "
              f"on (--dataset={checkpoint['train_config'].get('dataset', '?')}), or start anew in another --out_dir")
     if checkpoint["train_config"].get("muon", False) != muon:
-        fail(f"{ckpt_path} was trained with muon={not muon}: resume with --muon={not muon}, or the optimizer state "
-             f"will not fit")
+        fail(f"{ckpt_path} was trained with muon={not muon}: resume with --muon={not muon}, or the optimizer state will not fit")
     for key, value in checkpoint["model_config"].items():
         if key in defaults:
             if globals()[key] not in (None, value) and master:
@@ -269,42 +258,28 @@ if init_from == "resume":
             globals()[key] = value
 vocab_size = meta["vocab_size"] if vocab_size is None else vocab_size
 if vocab_size < meta["vocab_size"] or meta["max_token_id"] >= vocab_size:
-    fail(f"vocab_size={vocab_size} but the dataset's vocabulary has {meta['vocab_size']} ids (largest token id {meta['max_token_id']}): "
-         f"leave vocab_size unset to take meta.json's, or set it at least that large")
+    fail(f"vocab_size={vocab_size} but the dataset's vocabulary has {meta['vocab_size']} ids (largest token id "
+         f"{meta['max_token_id']}): leave vocab_size unset to take meta.json's, or set it at least that large")
 
-def split_windows(split):
-    """The shard paths of a split, and the cumulative count of block_size+1 token windows in each. Each shard
-    is read once here: an id past meta.json's largest would otherwise fail deep in the embedding."""
-    paths, counts = [os.path.join(dataset, name) for name in meta["shards"][split]], []
-    for path in paths:
-        try:
-            tokens = np.load(path, mmap_mode="r")
-            largest = int(tokens.max()) if len(tokens) else -1
-        except (OSError, ValueError) as e:
-            fail(f"{path}, which {meta_path} lists, is {'missing' if not os.path.exists(path) else 'unreadable'} "
-                 f"({type(e).__name__}: {str(e)[:80]}): {remake}")
-        if largest > meta["max_token_id"]:
-            fail(f"{path} holds token id {largest}, past the largest that {meta_path} records "
-                 f"({meta['max_token_id']}): {remake}")
-        counts.append(max(0, len(tokens) - block_size))
-    if sum(counts) == 0:
-        fail(f"the {split} split of {dataset} has fewer than block_size+1 = {block_size + 1} tokens in any shard")
-    return paths, np.array(counts, dtype=np.int64), np.cumsum(counts)
-
-windows = {split: split_windows(split) for split in ("train", "val")}
-# The batch is chosen in tokens per optimizer step, as the learning rate is tuned for it: more GPUs or a
-# smaller per-device batch_size (to fit memory) then change only how many micro-steps accumulate it.
+# -----------------------------------------------------------------------------------------------------
+# the batches. total_batch_size is what the learning rate is tuned for: more GPUs, or a smaller batch_size to
+# fit memory, only change how many micro-steps accumulate it.
 tokens_per_micro_step = batch_size * block_size * world_size
 total_batch_size = tokens_per_micro_step if total_batch_size is None else total_batch_size
 if total_batch_size % tokens_per_micro_step:
     fail(f"total_batch_size={total_batch_size} tokens is not a multiple of batch_size*block_size*world_size = "
          f"{batch_size}*{block_size}*{world_size} = {tokens_per_micro_step}: change one of them so that it divides")
 grad_accum_steps = total_batch_size // tokens_per_micro_step  # micro-steps per rank per optimizer step
-config = {k: globals()[k] for k in config_keys}  # the merged settings, with "auto" and None resolved
-if master:
-    print("config: " + ", ".join(f"{k}={v!r}" for k, v in config.items()))
-    print(f"{world_size} process(es) on {device} in {dtype}; tokens per step: total_batch_size {total_batch_size} = "
-          f"batch_size {batch_size} x block_size {block_size} x world_size {world_size} x accumulation {grad_accum_steps}")
+
+def split_windows(split):
+    """The shard paths of a split, the number of block_size+1 token windows in each, and their running total."""
+    paths = [os.path.join(dataset, name) for name in meta["shards"][split]]
+    counts = np.array([max(0, len(np.load(path, mmap_mode="r")) - block_size) for path in paths], dtype=np.int64)
+    if counts.sum() == 0:
+        fail(f"the {split} split of {dataset} has fewer than block_size+1 = {block_size + 1} tokens in any shard")
+    return paths, counts, np.cumsum(counts)
+
+windows = {split: split_windows(split) for split in ("train", "val")}
 
 def get_batch(split, generator):
     """batch_size random windows of the split, drawn uniformly over all of its shards with the generator."""
@@ -314,8 +289,8 @@ def get_batch(split, generator):
     offsets = starts - (window_ends[shard_of] - counts[shard_of])
     rows = np.empty((batch_size, block_size + 1), dtype=np.int64)
     for shard in np.unique(shard_of):
-        # Opened for this batch and dropped after it: a memmap kept for the whole run holds on to every
-        # page it touched, and the process's memory grows with the dataset (nanoGPT's leak).
+        # Opened for this batch only: a memmap kept for the whole run holds on to every page it touched, and
+        # the process's memory grows with the dataset (nanoGPT's leak).
         tokens = np.load(paths[shard], mmap_mode="r")
         for row in np.flatnonzero(shard_of == shard):
             rows[row] = tokens[offsets[row]:offsets[row] + block_size + 1]
@@ -323,19 +298,6 @@ def get_batch(split, generator):
     if device_type == "cuda":  # pinned memory: the copy runs while the GPU works on the previous micro-step
         x, y = x.pin_memory(), y.pin_memory()
     return x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-
-# Data order. The global batch of each step is made of num_slots micro-batches; slot j has its own
-# generator seeded with seed + j, and rank r draws slots r*grad_accum_steps ... So the data depend on the
-# global batch, not on how many processes share it: 1 process with 2 micro-steps sees what 2 processes see.
-num_slots = world_size * grad_accum_steps
-train_generators = [torch.Generator().manual_seed(seed + rank * grad_accum_steps + m) for m in range(grad_accum_steps)]
-
-def next_train_batch(micro_step):
-    """Draw the batch of a micro-step. A checkpoint needs slot 0's state from before its pending draw."""
-    global pending_data_state
-    if micro_step == 0:
-        pending_data_state = train_generators[0].get_state()
-    return get_batch("train", train_generators[micro_step])
 
 def get_lr(it):
     """Linear warmup from ~0, cosine from learning_rate down to min_lr at lr_decay_iters, then min_lr."""
@@ -345,44 +307,38 @@ def get_lr(it):
     return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (learning_rate - min_lr)
 
 # -----------------------------------------------------------------------------------------------------
-# out_dir, processes, precision, model, optimizer
+# out_dir, processes, model, optimizer, random states
+config = {k: globals()[k] for k in config_keys}  # the merged settings, with "auto" and None resolved
 if master:
-    probe = os.path.join(out_dir, f".write_test.{os.getpid()}")
+    print("config: " + ", ".join(f"{k}={v!r}" for k, v in config.items()))
+    print(f"{world_size} process(es) on {device} in {dtype}; tokens per step: total_batch_size {total_batch_size} = "
+          f"batch_size {batch_size} x block_size {block_size} x world_size {world_size} x accumulation {grad_accum_steps}")
     try:  # find out now, not at the first save, that out_dir can't be written
         os.makedirs(out_dir, exist_ok=True)
-        open(probe, "w").close()
+        open(probe := os.path.join(out_dir, f".write_test.{os.getpid()}"), "w").close()
         os.remove(probe)
     except OSError as e:
         in_the_way = isinstance(e, (FileExistsError, NotADirectoryError))
-        fail(f"can't write in out_dir={out_dir!r} ({e.strerror}{': a file is in the way' * in_the_way}): "
-             f"give another --out_dir")
+        fail(f"can't write in out_dir={out_dir!r} ({e.strerror}{': a file is in the way' * in_the_way}): give another --out_dir")
     for temp in glob.glob(os.path.join(glob.escape(out_dir), "ckpt*.pt.tmp.*")):  # left by a save killed mid-write
         if os.path.isdir("/proc") and not os.path.exists(f"/proc/{temp.rsplit('.', 1)[1]}"):  # whose process is gone
             os.remove(temp)
     if checkpoint is None and os.path.exists(os.path.join(out_dir, "log.jsonl")):
         os.remove(os.path.join(out_dir, "log.jsonl"))  # the log of a run that saved no checkpoint
-if ddp:
-    # NCCL between GPUs; gloo on the CPU (it is what the tests run). MASTER_ADDR/PORT come from the environment.
-    # The timeout bounds every collective: a rank that hangs becomes an error on the others, not an endless wait.
-    dist.init_process_group(backend="nccl" if device_type == "cuda" else "gloo", rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=timeout))
+if ddp:  # NCCL between GPUs, gloo on CPUs. The timeout turns a rank that hangs into an error on the others.
+    dist.init_process_group("nccl" if device_type == "cuda" else "gloo", timeout=timedelta(seconds=timeout),
+                            rank=rank, world_size=world_size)
 torch.manual_seed(seed)  # the same initial weights on every rank and in every run
 torch.set_float32_matmul_precision("high")  # TF32 matmuls on Ampere and later: ~free speed in float32 parts
-torch.backends.cudnn.allow_tf32 = True
 autocast = nullcontext() if dtype == "float32" else torch.autocast(device_type, dtype=getattr(torch, dtype))
 
-if checkpoint is None:  # the plain module: its state_dict has no "_orig_mod." or "module." prefixes
+if checkpoint is None:
     raw_model = GPT(GPTConfig(**{f.name: globals()[f.name] for f in fields(GPTConfig) if f.name in defaults}))
-else:
-    try:
-        raw_model = model_from_checkpoint(checkpoint)
-    except CheckpointError as e:
-        fail(f"cannot resume from {ckpt_path}: {e}")
 model_config = raw_model.to(device).config
 optimizer = raw_model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), device_type,
                                            "muon" if muon else "adamw", verbose=master)
-# float16 has too little range for small gradients: the scaler multiplies the loss first, and skips a
-# step whose gradients overflowed. bfloat16 and float32 need none of it.
+# float16 has too little range for small gradients: the scaler multiplies the loss first, and skips a step
+# whose gradients overflowed. bfloat16 and float32 need none of it.
 scaler = torch.amp.GradScaler(device_type, enabled=dtype == "float16")
 iter_num, best_val_loss = 0, float("inf")
 if checkpoint is not None:
@@ -393,38 +349,31 @@ if checkpoint is not None:
 model = torch.compile(raw_model) if compile else raw_model  # for evaluation: no DDP machinery needed
 train_model = DDP(model, device_ids=[torch.cuda.current_device()] if device_type == "cuda" else None) if ddp else model
 
-# Every random state, so that a resumed run goes on exactly as if it never stopped: a fresh seed would
-# repeat the first batches (nanoGPT's issue #467), and dropout masks would differ.
+# The random states of dropout and of the data, so that a resumed run goes on exactly as if it never stopped:
+# a fresh seed would repeat the first batches (nanoGPT's issue #467).
 torch.manual_seed(seed + rank)  # dropout differs between ranks, as their data do
-random.seed(seed + rank)
-np.random.seed(seed + rank)
-if checkpoint is not None and checkpoint.get("rng") is not None:
-    rng = checkpoint["rng"]
-    if len(rng["ranks"]) == world_size:
-        mine = rng["ranks"][rank]
-        random.setstate(mine["python"])
-        np.random.set_state(dict(mine["numpy"], state=dict(mine["numpy"]["state"], key=np.array(
-            mine["numpy"]["state"]["key"], dtype=np.uint32))))
-        torch.set_rng_state(mine["torch"])
-        if device_type == "cuda" and mine["cuda"] is not None:
-            torch.cuda.set_rng_state(mine["cuda"])
-    if len(rng["data"]) == num_slots:
-        for m, generator in enumerate(train_generators):
-            generator.set_state(rng["data"][rank * grad_accum_steps + m])
-    else:
-        # Another global batch shape: the old order can't continue, so start a new one, not the first one again.
-        if master:
-            print(f"note: the checkpoint has {len(rng['data'])} data streams, this run {num_slots}: new data order")
-        for m, generator in enumerate(train_generators):
-            generator.manual_seed(seed + 1_000_003 * iter_num + rank * grad_accum_steps + m)
+rng = checkpoint.get("rng") if checkpoint else None
+if rng and len(rng["ranks"]) == world_size:
+    torch.set_rng_state(rng["ranks"][rank]["torch"])
+    if device_type == "cuda" and rng["ranks"][rank]["cuda"] is not None:
+        torch.cuda.set_rng_state(rng["ranks"][rank]["cuda"])
+# Data order: the global batch of a step is num_slots micro-batches; slot j has its own generator, and rank r
+# draws slots r*grad_accum_steps ... So the data depend on the global batch, not on how many processes share
+# it: 1 process with 2 micro-steps sees what 2 processes see. The seed is seed + j from scratch; after a resume
+# with another global batch shape the old order can't go on, and iter_num makes it a new one, not the first again.
+num_slots = world_size * grad_accum_steps
+train_generators = [torch.Generator().manual_seed(seed + 1_000_003 * iter_num + rank * grad_accum_steps + m)
+                    for m in range(grad_accum_steps)]
+if rng and len(rng["data"]) == num_slots:
+    for m, generator in enumerate(train_generators):
+        generator.set_state(rng["data"][rank * grad_accum_steps + m])
+elif rng and master:
+    print(f"note: the checkpoint has {len(rng['data'])} data streams, this run {num_slots}: new data order")
 
 def save(path):
     """Write a checkpoint (all ranks must call: the random states of every rank are gathered)."""
-    numpy_state = np.random.get_state(legacy=False)
-    numpy_state["state"]["key"] = numpy_state["state"]["key"].tolist()  # plain enough for weights_only=True
-    mine = {"rng": {"python": random.getstate(), "numpy": numpy_state, "torch": torch.get_rng_state(),
-                    "cuda": torch.cuda.get_rng_state() if device_type == "cuda" else None},
-            "data": [pending_data_state] + [g.get_state() for g in train_generators[1:]]}
+    mine = {"rng": {"torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state() if device_type == "cuda" else None},
+            "data": [g.get_state() for g in train_generators]}
     everyone = [mine] * world_size
     if ddp:
         dist.all_gather_object(everyone, mine)
@@ -449,8 +398,7 @@ def estimate_loss():
             if stop_signal:
                 total[2] = 1
                 break
-            generator = torch.Generator().manual_seed(seed + 10**9 + 2 * k + split_index)  # apart from training's
-            x, y = get_batch(split, generator)
+            x, y = get_batch(split, torch.Generator().manual_seed(seed + 10**9 + 2 * k + split_index))  # not training's
             with autocast:
                 _, loss = model(x, y)
             total[:2] += torch.stack([loss.float(), torch.ones((), device=device)])
@@ -462,10 +410,7 @@ def estimate_loss():
     model.train()
     return losses if len(losses) == 2 else None
 
-def percent(mfu):
-    return "n/a" if mfu is None or mfu != mfu else f"{mfu * 100:.1f}%"  # NaN: the CPU's peak is unknown
-
-def log(record, line):
+def log(line, **record):
     """Print a line, and append the record to log.jsonl (and to wandb for evals), on the first rank only."""
     record = {k: None if v != v else v for k, v in record.items()}  # JSON has no NaN
     if master:
@@ -475,16 +420,14 @@ def log(record, line):
         if wandb_log and "val_loss" in record:
             wandb.log(record, step=record["iter"])
 
-def save_and_stop():
-    save(ckpt_path)
-    if master:
-        print(f"stopped by {stop_signal or 'another rank'} after iter {iter_num}; {ckpt_path} saved: go on with "
-              f"--init_from=resume", flush=True)
+def percent(mfu):
+    return "n/a" if mfu is None or mfu != mfu else f"{mfu * 100:.1f}%"  # NaN: the CPU's peak is unknown
 
 stop_signal = None
 
 def request_stop(signum, frame):
-    """SIGTERM (SLURM preemption, torchrun shutting down) or Ctrl-C: stop after this step, with a checkpoint."""
+    """SIGTERM (SLURM preemption, torchrun shutting down) or Ctrl-C: stop after this step, with a checkpoint.
+    Under torchrun, the ranks save and exit 0, but torchrun itself exits 1 with a SignalException traceback."""
     global stop_signal
     if stop_signal == "SIGINT" and signum == signal.SIGINT:
         raise KeyboardInterrupt  # Ctrl-C twice: stop now, without saving (one_line_excepthook says so)
@@ -492,23 +435,19 @@ def request_stop(signum, frame):
     if master:
         print(f"{stop_signal}: finishing this step or eval batch, then saving a checkpoint and exiting", flush=True)
 
-# Under torchrun, SIGTERM reaches torchrun first: it passes it on to every rank, which saves and exits 0,
-# but torchrun itself then exits 1 with a SignalException traceback. That is torchrun's way; srun and plain
-# python exit 0.
 signal.signal(signal.SIGTERM, request_stop)
 signal.signal(signal.SIGINT, request_stop)
 if master:
     print(f"model: {raw_model.get_num_params():,} parameters; "
-          f"{'resuming at iter ' + str(iter_num) if checkpoint else 'from scratch'}")
+          f"{f'resuming at iter {iter_num}' if checkpoint else 'from scratch'}")
     if wandb_log:
         import wandb
         wandb.init(project=wandb_project, name=wandb_run_name, config=config)
 checkpoint = None  # free its memory: everything is loaded
 
 # -----------------------------------------------------------------------------------------------------
-# the training loop. At the top of iteration iter_num, iter_num steps are done and the first micro-batch
-# of the next one is already drawn: that is the state a checkpoint records.
-x, y = next_train_batch(0)
+# the training loop. At the top of iteration iter_num, iter_num steps are done: that is the state a checkpoint records.
+losses, stop_votes = {}, 0  # None and > 0 say, after the loop, that a signal stopped it
 log_start, log_steps, eval_seconds, eval_steps = time.time(), 0, 0.0, 0  # training time since the last log, eval
 while True:
     lr = get_lr(iter_num)
@@ -517,17 +456,15 @@ while True:
     last_iter = iter_num >= max_iters
     if iter_num % eval_interval == 0 or last_iter:
         losses = estimate_loss()
-        if losses is None:
-            save_and_stop()
+        if losses is None:  # a signal came during the eval
             break
         step_seconds = eval_seconds / eval_steps if eval_steps else None  # None before the first step
         mfu = raw_model.estimate_mfu(batch_size * grad_accum_steps, step_seconds) if step_seconds else None
-        log({"iter": iter_num, "tokens": iter_num * total_batch_size, "train_loss": losses["train"], "val_loss": losses["val"],
-             "lr": lr, "tokens_per_sec": total_batch_size / step_seconds if step_seconds else None, "mfu": mfu},
-            f"eval iter {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}, lr {lr:.3g}, "
-            f"{total_batch_size / step_seconds if step_seconds else 0:,.0f} tokens/s, mfu {percent(mfu)}")
-        improved = losses["val"] < best_val_loss
-        best_val_loss = min(best_val_loss, losses["val"])
+        tokens_per_sec = total_batch_size / step_seconds if step_seconds else None
+        log(f"eval iter {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}, lr {lr:.3g}, "
+            f"{tokens_per_sec or 0:,.0f} tokens/s, mfu {percent(mfu)}", iter=iter_num, tokens=iter_num * total_batch_size,
+            train_loss=losses["train"], val_loss=losses["val"], lr=lr, tokens_per_sec=tokens_per_sec, mfu=mfu)
+        improved, best_val_loss = losses["val"] < best_val_loss, min(best_val_loss, losses["val"])
         if iter_num > 0 and (improved or always_save_checkpoint):
             save(ckpt_path)
         log_start, eval_seconds, eval_steps = time.time(), 0.0, 0  # evaluating is not training time
@@ -540,11 +477,11 @@ while True:
     for micro_step in range(grad_accum_steps):
         if ddp:  # gradients are averaged across ranks in the last micro-step's backward; before, each rank accumulates
             train_model.require_backward_grad_sync = micro_step == grad_accum_steps - 1
+        x, y = get_batch("train", train_generators[micro_step])
         with autocast:
             _, loss = train_model(x, y)
             loss = loss / grad_accum_steps  # so the accumulated gradient is that of the mean over the step
         step_loss += loss.detach()
-        x, y = next_train_batch((micro_step + 1) % grad_accum_steps)  # drawn while the GPU still computes
         scaler.scale(loss).backward()
     if grad_clip > 0:
         scaler.unscale_(optimizer)
@@ -567,17 +504,17 @@ while True:
     if iter_num % log_interval == 0:
         seconds = (time.time() - log_start) / log_steps
         mfu = raw_model.estimate_mfu(batch_size * grad_accum_steps, seconds)
-        log({"iter": iter_num, "loss": step_loss_value, "lr": lr, "ms_per_step": seconds * 1000,
-             "tokens_per_sec": total_batch_size / seconds, "mfu": mfu},
-            f"iter {iter_num}: loss {step_loss_value:.4f}, {seconds * 1000:.1f} ms/step, {total_batch_size / seconds:,.0f} "
-            f"tokens/s, mfu {percent(mfu)}, eta {(max_iters - iter_num) * seconds / 60:.1f} min")
+        log(f"iter {iter_num}: loss {step_loss_value:.4f}, {seconds * 1000:.1f} ms/step, {total_batch_size / seconds:,.0f} "
+            f"tokens/s, mfu {percent(mfu)}, eta {(max_iters - iter_num) * seconds / 60:.1f} min", iter=iter_num,
+            loss=step_loss_value, lr=lr, ms_per_step=seconds * 1000, tokens_per_sec=total_batch_size / seconds, mfu=mfu)
         log_start, log_steps = time.time(), 0
     if stop_votes > 0:
-        save_and_stop()
         break
-
-if ddp:
-    # Leave together: the other ranks reach this line while rank 0 still writes the last checkpoint. Without
-    # the barrier, gloo aborted a rank at exit once in the tests ("terminate called without an active exception").
+if losses is None or stop_votes > 0:
+    save(ckpt_path)
+    if master:
+        print(f"stopped by {stop_signal or 'another rank'} after iter {iter_num}; {ckpt_path} saved: go on with "
+              f"--init_from=resume", flush=True)
+if ddp:  # leave together: the other ranks get here while rank 0 still writes the last checkpoint
     dist.barrier()
     dist.destroy_process_group()
