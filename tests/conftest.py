@@ -1,5 +1,7 @@
 """Shared pytest fixtures: where the repo and the real-text corpora are."""
 import os
+import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -39,3 +41,29 @@ def child_with_env(parent_pid, entry):
         except (OSError, IndexError, ValueError):
             continue  # a process that ended meanwhile, or not ours to read
     return None
+
+
+def freeze_rank_1(launcher, ready, seconds=6):
+    """The frozen-rank drill on a torchrun launcher: once ready() returns, stop rank 1 (SIGSTOP) for `seconds`
+    (twice --timeout: rank 0 has given up by then), then continue it so that torchrun's SIGTERM ends it at once.
+    Returns (stdout, stderr, seconds from the freeze to the launcher's exit); the processes never outlive the test."""
+    frozen = None
+    try:
+        ready()
+        frozen = child_with_env(launcher.pid, "RANK=1")
+        assert frozen is not None, "rank 1's process not found"
+        os.kill(frozen, signal.SIGSTOP)
+        started = time.time()
+        time.sleep(seconds)
+        os.kill(frozen, signal.SIGCONT)
+        stdout, stderr = launcher.communicate(timeout=90)
+        return stdout, stderr, time.time() - started
+    finally:
+        if frozen is not None:
+            try:
+                os.kill(frozen, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
