@@ -6,6 +6,10 @@ from pathlib import Path
 
 import pytest
 
+# One OpenMP thread, here and in every script the tests start (they inherit the environment): the tests' models are
+# tiny, and two threads that wait for each other on a busy 2-core machine made their steps 10x slower. It is set
+# before any test module imports torch. An OMP_NUM_THREADS of your own is kept.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 REPO = Path(__file__).resolve().parent.parent
 # CI puts the shared corpora beside the checkout; a fresh clone without them still passes (tests skip).
 CORPORA = Path(os.environ.get("CORPORA_DIR", REPO.parent / "shared" / "corpora"))
