@@ -525,7 +525,8 @@ def test_bad_checkpoints_give_one_line_errors(tmp_path):
     torch.save({"version": 1, "model": NotPlainData(), "model_config": {}}, tmp_path / "pickled_object.pt")
     refused = "not a plain-data checkpoint, refused"
     cases = {"pickled_object.pt": refused, "missing.pt": "no checkpoint at", "truncated.pt": "truncated or corrupt",
-             "garbage.pt": "truncated or corrupt", "v2.pt": "version 2 checkpoint", "foreign.pt": "not a lilLM"}
+             "garbage.pt": "truncated or corrupt", "v2.pt": "is a version 2 checkpoint; this model.py reads version 1",
+             "foreign.pt": "not a lilLM"}
     for name, message in cases.items():
         with pytest.raises(CheckpointError, match=message) as info:
             load_checkpoint(str(tmp_path / name))
