@@ -1,4 +1,5 @@
-"""Shared pytest fixtures: where the repo and the real-text corpora are."""
+"""Shared by the tests: the test environment, where the real-text corpora are, the one-line error contract, and
+the frozen-rank drill of the distributed scripts."""
 import os
 import signal
 import time
