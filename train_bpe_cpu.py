@@ -5,10 +5,8 @@ Train a byte-level BPE tokenizer on the CPU: exact, and fast enough for real dat
     python train_bpe_cpu.py --data ../shared/corpora/enwiki.jsonl -v 8192 -n 16777216
 
 It writes tokenizers/<source>_v<vocab_size>/tokenizer.tiktoken (tiktoken's rank file) and tokenizer.json
-(pattern and special tokens). The README shows how to load them into tiktoken.
-
-How it works, in three steps, after reading the first n characters of a document stream (FineWeb by
-default, or local files; the "reading text" section near the end, the same in every script):
+(pattern and special tokens), which the README loads into tiktoken. It reads the first n characters of a
+document stream (FineWeb by default, or local files: the "reading text" section near the end), then:
 1. Split every document into chunks with a regex, and count each distinct chunk once. A corpus of a
    million words has only tens of thousands of distinct words, so all later work shrinks by 10-100x.
 2. Count adjacent token pairs inside the distinct chunks, weighted by chunk frequency.
@@ -28,7 +26,7 @@ import sys
 import sysconfig
 import time
 import urllib.parse
-from collections import Counter
+from collections import Counter, defaultdict
 from pathlib import Path
 
 import regex
@@ -65,13 +63,11 @@ def time_is_up(signum, frame):
 def count_chunks(documents, split_pattern, num_chars):
     """Split each document with the pattern and count distinct chunks. Chunks never cross documents."""
     signal.signal(signal.SIGPROF, time_is_up)
-    chunk_counts = Counter()
-    chars_read = 0
+    chunk_counts, chars_read = Counter(), 0
     with tqdm(total=num_chars, unit="char", unit_scale=True, desc="reading", mininterval=0.5) as progress:
         for number, document in enumerate(documents, 1):
-            # A pattern that backtracks catastrophically ((a|a)+b on a run of a's) would hang here with no
-            # word. regex's own timeout= makes every match 3x slower, so a CPU-time alarm watches each
-            # document instead: a second, plus 10 s per million characters (GPT-4's pattern needs 0.3 s).
+            # A CPU-time alarm stops a pattern that backtracks catastrophically ((a|a)+b on a run of a's): 1 s
+            # plus 10 s per million characters (GPT-4's needs 0.3 s). regex's own timeout= slows every match 3x.
             signal.setitimer(signal.ITIMER_PROF, 1 + len(document) / 1e5)
             try:
                 chunk_counts.update(split_pattern.findall(document))
@@ -101,29 +97,22 @@ def build_symbols(chunk_counts):
     """Flatten the distinct chunks into (ids, prev_pos, next_pos, weight): one entry per UTF-8 byte."""
     ids, prev_pos, next_pos, weight = [], [], [], []
     for chunk, count in chunk_counts.items():
-        chunk_bytes = chunk.encode("utf-8")
-        start, length = len(ids), len(chunk_bytes)
+        start, chunk_bytes = len(ids), chunk.encode("utf-8")
         ids.extend(chunk_bytes)
-        prev_pos.extend(range(start - 1, start + length - 1))
-        next_pos.extend(range(start + 1, start + length + 1))
-        prev_pos[start] = -1
-        next_pos[-1] = -1
-        weight.extend([count] * length)
+        prev_pos.extend([-1, *range(start, len(ids) - 1)])  # -1: no token before the chunk's first
+        next_pos.extend([*range(start + 1, len(ids)), -1])  # nor after its last
+        weight.extend([count] * len(chunk_bytes))
     return ids, prev_pos, next_pos, weight
 
 
 def count_pairs(ids, next_pos, weight):
     """pair_counts[(a, b)]: weighted occurrences; pair_positions[(a, b)]: where each occurrence starts."""
-    pair_counts = Counter()
-    pair_positions = {}
+    pair_counts, pair_positions = Counter(), defaultdict(list)
     for position, right in enumerate(next_pos):
         if right != -1:
             pair = (ids[position], ids[right])
             pair_counts[pair] += weight[position]
-            if pair in pair_positions:
-                pair_positions[pair].append(position)
-            else:
-                pair_positions[pair] = [position]
+            pair_positions[pair].append(position)
     return pair_counts, pair_positions
 
 
@@ -150,14 +139,13 @@ def merge_pair(pair, new_id, ids, prev_pos, next_pos, weight, pair_counts, pair_
         if before != -1:
             changed[(ids[before], left)] -= count
             changed[(ids[before], new_id)] += count
-            pair_positions.setdefault((ids[before], new_id), []).append(before)
+            pair_positions[(ids[before], new_id)].append(before)
         if after != -1:
             changed[(right, ids[after])] -= count
             changed[(new_id, ids[after])] += count
-            pair_positions.setdefault((new_id, ids[after]), []).append(position)
+            pair_positions[(new_id, ids[after])].append(position)
         # unlink the right token: the chunk is one token shorter, nothing else moves
-        ids[position] = new_id
-        ids[second] = -1
+        ids[position], ids[second] = new_id, -1
         next_pos[position] = after
         if after != -1:
             prev_pos[after] = position
@@ -166,10 +154,9 @@ def merge_pair(pair, new_id, ids, prev_pos, next_pos, weight, pair_counts, pair_
     # deltas that touched it ("aaaa": the middle (a, a)) are dropped along with its count.
     del pair_counts[pair]
     changed.pop(pair, None)
-    for other, delta in changed.items():
-        if delta:
-            pair_counts[other] += delta
-    return [other for other, delta in changed.items() if delta], tokens_saved
+    changed = {other: delta for other, delta in changed.items() if delta}
+    pair_counts.update(changed)  # a Counter adds the deltas
+    return list(changed), tokens_saved
 
 
 def train(chunk_counts, vocab_size):
@@ -183,25 +170,23 @@ def train(chunk_counts, vocab_size):
     heap = [(-count, pair) for pair, count in pair_counts.items()]
     heapq.heapify(heap)
     merges = []
-    num_merges = vocab_size - 256
-    progress = tqdm(total=num_merges, unit="merge", desc="merging", mininterval=0.5)
-    while len(merges) < num_merges and heap:
-        negative_count, pair = heapq.heappop(heap)
-        if pair_counts.get(pair, 0) != -negative_count:
-            continue  # stale: the pair's count has changed since this entry was pushed
-        new_id = 256 + len(merges)
-        merges.append((pair, new_id))
-        changed, tokens_saved = merge_pair(pair, new_id, ids, prev_pos, next_pos, weight, pair_counts, pair_positions)
-        total_tokens -= tokens_saved
-        for other in changed:
-            count = pair_counts[other]
-            if count > 0:
-                heapq.heappush(heap, (-count, other))
-            else:  # no occurrence left: forget the pair and its (now all stale) positions
-                del pair_counts[other]
-                pair_positions.pop(other, None)
-        progress.update(1)
-    progress.close()
+    with tqdm(total=vocab_size - 256, unit="merge", desc="merging", mininterval=0.5) as progress:
+        while 256 + len(merges) < vocab_size and heap:
+            negative_count, pair = heapq.heappop(heap)
+            if pair_counts.get(pair, 0) != -negative_count:
+                continue  # stale: the pair's count has changed since this entry was pushed
+            new_id = 256 + len(merges)
+            merges.append((pair, new_id))
+            changed, tokens_saved = merge_pair(pair, new_id, ids, prev_pos, next_pos, weight, pair_counts, pair_positions)
+            total_tokens -= tokens_saved
+            for other in changed:
+                count = pair_counts[other]
+                if count > 0:
+                    heapq.heappush(heap, (-count, other))
+                else:  # no occurrence left: forget the pair and its (now all stale) positions
+                    del pair_counts[other]
+                    pair_positions.pop(other, None)
+            progress.update(1)
     return merges, total_tokens
 
 
@@ -216,19 +201,14 @@ def token_bytes(merges):
     return vocab
 
 
-def write_atomically(path, text):
-    """Write to a temporary name and rename: a crash never leaves a half-written file behind."""
-    temporary = path.with_name(path.name + ".tmp")
-    temporary.write_text(text, encoding="utf-8")
-    os.replace(temporary, path)
-
-
 def save_tokenizer(out_dir, merges, info):
+    """Each file is written under a temporary name, then renamed: a crash never leaves half a file behind."""
+    ranks = "".join(f"{base64.b64encode(token).decode()} {rank}\n" for rank, token in enumerate(token_bytes(merges)))
+    sidecar = json.dumps(info, indent=2, ensure_ascii=False) + "\n"
     out_dir.mkdir(parents=True, exist_ok=True)
-    vocab = token_bytes(merges)
-    ranks = "".join(f"{base64.b64encode(token).decode()} {rank}\n" for rank, token in enumerate(vocab))
-    write_atomically(out_dir / "tokenizer.tiktoken", ranks)
-    write_atomically(out_dir / "tokenizer.json", json.dumps(info, indent=2, ensure_ascii=False) + "\n")
+    for name, text in [("tokenizer.tiktoken", ranks), ("tokenizer.json", sidecar)]:
+        (out_dir / f"{name}.tmp").write_text(text, encoding="utf-8")
+        os.replace(out_dir / f"{name}.tmp", out_dir / name)
 
 
 # ---------------------------------------------------------------- reading text (the same in every script)
@@ -348,27 +328,15 @@ def first_chars(documents, num_chars):  # the last document is cut to fit
 # ---------------------------------------------------------------- the run
 
 
-def parse_args(argv):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("-v", "--vocab_size", type=int, default=vocab_size, help="tokens before <|endoftext|> (256 bytes + merges)")
-    parser.add_argument("-n", "--num_chars", type=int, default=num_chars, help="train on the first N characters")
-    parser.add_argument("--data", default=None, help=f"fineweb | fineweb-edu | path to .txt/.jsonl/.parquet or a directory (default {data})")
-    parser.add_argument("--out", default=out, help="output directory (default tokenizers/<source>_v<vocab_size>)")
-    parser.add_argument("--pattern", default=pattern, help="the pre-tokenizer regex (default GPT-4's)")
-    return parser.parse_args(argv)
-
-
 def check_out_dir(out_dir):
-    """Find a bad --out before any work: a file on the way, no permission, or a directory that holds
-    something else (a dataset from prepare_data.py: its tokenizer files would be overwritten)."""
+    """Find a bad --out before any work: a file on the way, no permission, or a directory of other files."""
     for path in [out_dir, *out_dir.parents]:
         if path.exists() and not path.is_dir():
             raise UserError(f"--out {out_dir}: {path} is a file, not a directory; give a directory path")
-    if out_dir.is_dir():
-        others = sorted(p.name for p in out_dir.iterdir() if p.name not in TOKENIZER_FILES)
-        if others:
-            what = "a dataset directory" if {"meta.json", "progress.json"} & set(others) else "not a tokenizer directory"
-            raise UserError(f"--out {out_dir} is {what} (it holds {others[0]}); give a new or a tokenizer directory")
+    others = sorted(p.name for p in out_dir.iterdir() if p.name not in TOKENIZER_FILES) if out_dir.is_dir() else []
+    if others:  # a dataset from prepare_data.py, say: its tokenizer files would be overwritten
+        what = "a dataset directory" if {"meta.json", "progress.json"} & set(others) else "not a tokenizer directory"
+        raise UserError(f"--out {out_dir} is {what} (it holds {others[0]}); give a new or a tokenizer directory")
     created = [p for p in [out_dir, *out_dir.parents] if not p.exists()]
     try:  # write and remove a probe file: the only sure test (root passes os.access checks on /proc)
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -376,14 +344,19 @@ def check_out_dir(out_dir):
         (out_dir / "tokenizer.json.tmp").unlink()
     except OSError as error:
         raise UserError(f"--out {out_dir} can't be written ({error.strerror or error}); give a directory you can write")
-    finally:
-        for path in created:  # leave nothing behind: the tokenizer is written only once it exists
-            if path.is_dir():
-                path.rmdir()
+    finally:  # leave nothing behind: the tokenizer is written only once it exists
+        for path in filter(Path.is_dir, created):
+            path.rmdir()
 
 
 def run(argv):
-    args = parse_args(argv)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("-v", "--vocab_size", type=int, default=vocab_size, help="tokens before <|endoftext|> (256 bytes + merges)")
+    parser.add_argument("-n", "--num_chars", type=int, default=num_chars, help="train on the first N characters")
+    parser.add_argument("--data", default=None, help=f"fineweb | fineweb-edu | path to .txt/.jsonl/.parquet or a directory (default {data})")
+    parser.add_argument("--out", default=out, help="output directory (default tokenizers/<source>_v<vocab_size>)")
+    parser.add_argument("--pattern", default=pattern, help="the pre-tokenizer regex (default GPT-4's)")
+    args = parser.parse_args(argv)
     if not 256 <= args.vocab_size <= 2**31 - 1:
         raise UserError(f"-v {args.vocab_size}: vocab_size must be between 256 (the bytes alone) and 2^31-1; try -v 1000")
     if args.num_chars <= 0:
@@ -412,15 +385,13 @@ def run(argv):
 
     merges, total_tokens = train(chunk_counts, args.vocab_size)
     t2 = time.time()
-    num_merges = len(merges)
-    stop_reason = "vocab_size reached" if 256 + num_merges == args.vocab_size else "no pairs left to merge"
-    if stop_reason != "vocab_size reached":
-        print(f"stopped early after {num_merges} merges: no pairs left to merge (vocab {256 + num_merges} < {args.vocab_size})")
-
-    eot_id = 256 + num_merges
+    num_merges, eot_id = len(merges), 256 + len(merges)  # <|endoftext|> takes the first id after the merges
+    if eot_id < args.vocab_size:
+        print(f"stopped early after {num_merges} merges: no pairs left to merge (vocab {eot_id} < {args.vocab_size})")
     info = {"pattern": args.pattern, "special_tokens": {EOT: eot_id}, "vocab_size": eot_id + 1,
             "num_merges": num_merges, "num_chars": chars_read, "source": source, "trainer": "train_bpe_cpu.py",
-            "seconds": round(t2 - t0, 3), "stop_reason": stop_reason}
+            "seconds": round(t2 - t0, 3),
+            "stop_reason": "vocab_size reached" if eot_id == args.vocab_size else "no pairs left to merge"}
     save_tokenizer(out_dir, merges, info)
     total_bytes = sum(len(chunk.encode("utf-8")) * count for chunk, count in chunk_counts.items())
     print(f"reading + pre-tokenizing {t1 - t0:.2f}s | merging {t2 - t1:.2f}s ({num_merges / max(t2 - t1, 1e-9):,.0f} merges/s) "

@@ -115,8 +115,6 @@ def train_a_little(config, tokens):
                 param.normal_(0.0, 0.2)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     data = torch.tensor(tokens)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny matmuls: one thread is faster, and much faster on a busy machine
     for _ in range(10):
         starts = torch.randint(0, len(data) - config.block_size - 1, (4,))
         x = torch.stack([data[s:s + config.block_size] for s in starts])
@@ -125,7 +123,6 @@ def train_a_little(config, tokens):
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-    torch.set_num_threads(threads)
     return model.eval()
 
 

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import CORPORA, assert_one_error_line, child_with_env
+from conftest import CORPORA, assert_one_error_line, freeze_rank_1
 
 REPO = Path(__file__).resolve().parent.parent
 TRAIN = str(REPO / "train.py")
@@ -338,28 +338,14 @@ def test_a_frozen_rank_stops_the_other_after_the_timeout(dataset, tmp_path):
                                  "--max_iters=1000000", "--eval_interval=100000", "--timeout=3", "--log_interval=50",
                                  "--total_batch_size=None"],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV, cwd=tmp_path)
-    frozen = None
-    try:
-        for line in launcher.stdout:  # rank 0 prints; rank 1 is training too by then. A line per 50 steps only:
-            if line.startswith("iter 50:"):  # a full pipe would block rank 0 outside any collective
-                break
-        frozen = child_with_env(launcher.pid, "RANK=1")
-        assert frozen is not None, "rank 1's process not found"
-        os.kill(frozen, signal.SIGSTOP)
-        started = time.time()
-        time.sleep(6)  # twice --timeout: rank 0 has given up by now
-        os.kill(frozen, signal.SIGCONT)  # so that torchrun's SIGTERM ends it at once
-        stdout, stderr = launcher.communicate(timeout=90)
-    finally:
-        if frozen is not None:
-            try:
-                os.kill(frozen, signal.SIGCONT)
-            except ProcessLookupError:
-                pass
-        if launcher.poll() is None:
-            launcher.kill()
-            launcher.wait()
-    assert launcher.returncode != 0 and time.time() - started < 150  # far below --timeout's default of 600 s
+
+    def iter_50():  # rank 0 prints; rank 1 is training too by then. A line per 50 steps only:
+        for line in launcher.stdout:  # a full pipe would block rank 0 outside any collective
+            if line.startswith("iter 50:"):
+                return
+
+    stdout, stderr, seconds = freeze_rank_1(launcher, iter_50)
+    assert launcher.returncode != 0 and seconds < 150  # far below --timeout's default of 600 s
     rank0 = [line for line in stderr.splitlines() if line.startswith("[rank0]:")]  # torchrun's prefix
     assert len(rank0) == 1 and rank0[0].startswith("[rank0]: error: rank 0 lost contact with the other ranks (Timed out")
     assert "rank 1 hangs" in rank0[0], stderr[-3000:]

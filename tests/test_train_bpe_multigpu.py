@@ -8,7 +8,6 @@ Runs are slow on a small machine, so each is shared by several tests (module-sco
 import base64
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -22,6 +21,7 @@ import pyarrow.parquet
 import pytest
 import rustbpe
 import torch
+from conftest import freeze_rank_1
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -267,36 +267,16 @@ def test_a_frozen_rank_stops_the_others_after_the_timeout(tmp_path):
                "--device", "cpu", "--timeout", "3", "--cache_dir", str(tmp_path / "cache"), "--data", str(path),
                "-v", "20000", "--out", str(tmp_path / "tok")]
     launcher = subprocess.Popen(command, cwd=tmp_path, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    frozen = None
-    try:
-        for _ in range(600):  # wait (up to 60 s) for rank 1 to finish counting: it is merging from then on
+
+    def counted():  # wait (up to 60 s) for rank 1 to finish counting: it is merging from then on
+        for _ in range(600):
             if list((tmp_path / "cache").glob("*/rank1.json")):
                 break
             time.sleep(0.1)
-        for stat in Path("/proc").glob("[0-9]*/stat"):  # torchrun's children, and among them rank 1
-            try:
-                parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-                if parent == launcher.pid and b"\0RANK=1\0" in b"\0" + (stat.parent / "environ").read_bytes():
-                    frozen = int(stat.parent.name)
-            except (OSError, IndexError, ValueError):
-                continue  # a process that ended meanwhile, or not ours to read
-        assert frozen is not None, "rank 1's process not found"
         time.sleep(0.5)
-        os.kill(frozen, signal.SIGSTOP)
-        started = time.time()
-        time.sleep(6)  # twice --timeout: rank 0 has given up by now
-        os.kill(frozen, signal.SIGCONT)  # so that torchrun's SIGTERM ends it at once
-        stdout, stderr = launcher.communicate(timeout=90)
-    finally:
-        if frozen is not None:
-            try:
-                os.kill(frozen, signal.SIGCONT)
-            except ProcessLookupError:
-                pass
-        if launcher.poll() is None:
-            launcher.kill()
-            launcher.wait()
-    assert launcher.returncode != 0 and time.time() - started < 60
+
+    stdout, stderr, seconds = freeze_rank_1(launcher, counted)
+    assert launcher.returncode != 0 and seconds < 60
     errors = [line for line in (stdout + stderr).splitlines() if line.startswith("error:")]
     assert any(line.startswith("error: rank 0 lost contact with the other ranks") for line in errors), stdout + stderr
     assert not (tmp_path / "tok").exists()
