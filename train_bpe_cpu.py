@@ -55,7 +55,6 @@ class UserError(Exception):
 
 # ---------------------------------------------------------------- step 1: pre-tokenize and deduplicate
 
-
 def time_is_up(signum, frame):
     raise TimeoutError
 
@@ -85,13 +84,11 @@ def count_chunks(documents, split_pattern, num_chars):
 
 
 # ---------------------------------------------------------------- step 2: pair counts over distinct chunks
-#
 # All distinct chunks live in one flat list of token ids, as doubly linked lists: next_pos[i] is the position
 # of the token after i in the same chunk (-1 at the chunk's end), prev_pos[i] the one before. Merging a pair
 # at position i then takes O(1): the right token is unlinked, i takes the new id, and nothing is shifted.
 # That is what lets the cost of a merge follow the occurrences of the pair, not the length of the chunks
 # (a 500-character Chinese chunk is not rescanned on every merge that touches it).
-
 
 def build_symbols(chunk_counts):
     """Flatten the distinct chunks into (ids, prev_pos, next_pos, weight): one entry per UTF-8 byte."""
@@ -118,13 +115,11 @@ def count_pairs(ids, next_pos, weight):
 
 # ---------------------------------------------------------------- step 3: the merge loop
 
-
 def merge_pair(pair, new_id, ids, prev_pos, next_pos, weight, pair_counts, pair_positions):
     """Replace every occurrence of `pair` by `new_id`, left to right, and update the pair counts in place.
     Returns the pairs whose counts changed and the number of tokens saved (weighted)."""
     left, right = pair
-    changed = Counter()  # count deltas of the neighbouring pairs: (x, left) -> (x, new), (right, y) -> (new, y)
-    tokens_saved = 0
+    changed, tokens_saved = Counter(), 0  # count deltas of the neighbours: (x, left) -> (x, new), (right, y) -> (new, y)
     # Positions are appended as pairs appear, so a list can hold stale entries (the pair was merged away
     # since) and duplicates; checking the ids at use time is cheaper than keeping exact sets. Sorted order
     # puts each chunk's occurrences left to right, which is what makes "aaa" become [aa, a].
@@ -192,7 +187,6 @@ def train(chunk_counts, vocab_size):
 
 # ---------------------------------------------------------------- output
 
-
 def token_bytes(merges):
     """The bytes of every token: 0..255 are themselves, a merge is its two halves glued."""
     vocab = [bytes([i]) for i in range(256)]
@@ -204,9 +198,8 @@ def token_bytes(merges):
 def save_tokenizer(out_dir, merges, info):
     """Each file is written under a temporary name, then renamed: a crash never leaves half a file behind."""
     ranks = "".join(f"{base64.b64encode(token).decode()} {rank}\n" for rank, token in enumerate(token_bytes(merges)))
-    sidecar = json.dumps(info, indent=2, ensure_ascii=False) + "\n"
     out_dir.mkdir(parents=True, exist_ok=True)
-    for name, text in [("tokenizer.tiktoken", ranks), ("tokenizer.json", sidecar)]:
+    for name, text in [("tokenizer.tiktoken", ranks), ("tokenizer.json", json.dumps(info, indent=2, ensure_ascii=False) + "\n")]:
         (out_dir / f"{name}.tmp").write_text(text, encoding="utf-8")
         os.replace(out_dir / f"{name}.tmp", out_dir / name)
 
@@ -327,7 +320,6 @@ def first_chars(documents, num_chars):  # the last document is cut to fit
 
 # ---------------------------------------------------------------- the run
 
-
 def check_out_dir(out_dir):
     """Find a bad --out before any work: a file on the way, no permission, or a directory of other files."""
     for path in [out_dir, *out_dir.parents]:
@@ -388,9 +380,8 @@ def run(argv):
     num_merges, eot_id = len(merges), 256 + len(merges)  # <|endoftext|> takes the first id after the merges
     if eot_id < args.vocab_size:
         print(f"stopped early after {num_merges} merges: no pairs left to merge (vocab {eot_id} < {args.vocab_size})")
-    info = {"pattern": args.pattern, "special_tokens": {EOT: eot_id}, "vocab_size": eot_id + 1,
-            "num_merges": num_merges, "num_chars": chars_read, "source": source, "trainer": "train_bpe_cpu.py",
-            "seconds": round(t2 - t0, 3),
+    info = {"pattern": args.pattern, "special_tokens": {EOT: eot_id}, "vocab_size": eot_id + 1, "num_merges": num_merges,
+            "num_chars": chars_read, "source": source, "trainer": "train_bpe_cpu.py", "seconds": round(t2 - t0, 3),
             "stop_reason": "vocab_size reached" if eot_id == args.vocab_size else "no pairs left to merge"}
     save_tokenizer(out_dir, merges, info)
     total_bytes = sum(len(chunk.encode("utf-8")) * count for chunk, count in chunk_counts.items())
