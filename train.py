@@ -81,6 +81,10 @@ def fail(message):
         time.sleep(3)  # every rank fails alike: don't let torchrun stop rank 0 before it has printed
     sys.exit(1)
 
+def check(ok, message):
+    if not ok:
+        fail(message)
+
 def one_line_excepthook(kind, error, traceback):
     """A second Ctrl-C, or a rank that hangs or died: one line, as for a mistake. Bugs keep their traceback."""
     if issubclass(kind, KeyboardInterrupt):
@@ -94,20 +98,18 @@ def one_line_excepthook(kind, error, traceback):
         sys.__excepthook__(kind, error, traceback)
 
 sys.excepthook = one_line_excepthook
-if slurm and not ("MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ):
-    fail("SLURM with several tasks: export MASTER_ADDR (the first node) and MASTER_PORT in the sbatch script (see the README)")
+check(not slurm or "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ,
+      "SLURM with several tasks: export MASTER_ADDR (the first node) and MASTER_PORT in the sbatch script (see the README)")
 
 # -----------------------------------------------------------------------------------------------------
 # the command line: presets (files of Python assignments) and --key=value, in order, then checks across settings
 def set_setting(source, key, value):
-    if key not in defaults:
-        close = difflib.get_close_matches(key, config_keys, n=1)
-        fail(f"{source}: unknown setting {key!r}{f' (did you mean {close[0]!r}?)' if close else ''}; --help lists them")
+    hint = "".join(f" (did you mean {close!r}?)" for close in difflib.get_close_matches(key, config_keys, n=1))
+    check(key in defaults, f"{source}: unknown setting {key!r}{hint}; --help lists them")
     allowed = {type(defaults[key]), extra_types.get(key, type(defaults[key]))}
     value = float(value) if type(value) is int and float in allowed else value  # 3 is fine for 3.0
-    if type(value) not in allowed:
-        names = " or ".join(sorted("None" if t is type(None) else t.__name__ for t in allowed))
-        fail(f"{source}: {key} must be {names}, got {value!r} ({type(value).__name__})")
+    names = " or ".join(sorted("None" if t is type(None) else t.__name__ for t in allowed))
+    check(type(value) in allowed, f"{source}: {key} must be {names}, got {value!r} ({type(value).__name__})")
     globals()[key] = value
 
 presets = []
@@ -117,15 +119,13 @@ for arg in sys.argv[1:]:
         sys.exit(0)
     elif arg.startswith("--"):
         key, has_value, text = arg[2:].partition("=")
-        if not has_value:
-            fail(f"{arg}: expected --key=value")
+        check(has_value, f"{arg}: expected --key=value")
         try:  # a setting whose only type is str takes the text as it is; the others read a Python literal
             set_setting(arg, key, text if type(defaults.get(key)) is str and key not in extra_types else ast.literal_eval(text))
         except (ValueError, SyntaxError):
             set_setting(arg, key, text)  # a bare word: the type check says what was expected
-    elif not os.path.isfile(arg):
-        fail(f"no preset file {arg!r} (expected a file like config/shakespeare_char.py, or --key=value)")
     else:
+        check(os.path.isfile(arg), f"no preset file {arg!r} (expected a file like config/shakespeare_char.py, or --key=value)")
         namespace = {k: globals()[k] for k in config_keys}
         try:
             exec(open(arg).read(), namespace)
@@ -136,37 +136,33 @@ for arg in sys.argv[1:]:
             if not key.startswith("_") and not callable(value) and type(value).__name__ != "module":
                 set_setting(arg, key, value)
 n_kv_head = n_head if n_kv_head is None else n_kv_head  # None: plain multi-head attention
-for ok, rule in [  # the first broken rule is the error
-    (init_from in ("scratch", "resume", "auto"), f"init_from must be 'scratch', 'resume' or 'auto', not {init_from!r}"),
-    (dtype in ("auto", "float32", "bfloat16", "float16"),
-     f"dtype must be 'auto', 'float32', 'bfloat16' or 'float16', not {dtype!r}"),
-    (compile in ("auto", True, False), f"compile must be 'auto', True or False, not {compile!r}"),
-    (re.fullmatch(r"auto|cpu|cuda(:\d+)?|mps", device),
-     f"device must be 'auto', 'cpu', 'cuda', 'cuda:N' or 'mps', not {device!r}"),
-    (all(type(m) is int for m in milestones), f"milestones must be a list of iteration numbers, not {milestones!r}"),
-    (min(batch_size, block_size, eval_interval, eval_iters, log_interval, n_layer) > 0,
-     "batch_size, block_size, eval_interval, eval_iters, log_interval and n_layer must be positive"),
-    (min(max_iters, warmup_iters, lr_decay_iters, weight_decay, grad_clip) >= 0,
-     "max_iters, warmup_iters, lr_decay_iters, weight_decay and grad_clip can't be negative"),
-    (n_head > 0 and n_kv_head > 0 and n_embd % n_head == n_head % n_kv_head == (n_embd // n_head) % 2 == 0,
-     f"n_embd={n_embd}, n_head={n_head}, n_kv_head={n_kv_head}: n_head must divide n_embd into an even head size "
-     f"(rotary embeddings rotate pairs), and n_kv_head must divide n_head"),
-    (0 <= min_lr <= learning_rate and learning_rate > 0,
-     f"learning_rate={learning_rate}, min_lr={min_lr}: need learning_rate > 0 and 0 <= min_lr <= learning_rate"),
-    (0 <= dropout < 1, f"dropout={dropout}: it is a probability, 0 <= dropout < 1"),
-    (0 <= beta1 < 1 and 0 <= beta2 < 1, f"beta1={beta1}, beta2={beta2}: Adam's averaging factors need 0 <= beta < 1"),
-    (timeout > 0, f"timeout={timeout}: give a positive number of seconds")]:
-    if not ok:
-        fail(rule)
+check(init_from in ("scratch", "resume", "auto"), f"init_from must be 'scratch', 'resume' or 'auto', not {init_from!r}")
+check(dtype in ("auto", "float32", "bfloat16", "float16"),
+      f"dtype must be 'auto', 'float32', 'bfloat16' or 'float16', not {dtype!r}")
+check(compile in ("auto", True, False), f"compile must be 'auto', True or False, not {compile!r}")
+check(re.fullmatch(r"auto|cpu|cuda(:\d+)?|mps", device),
+      f"device must be 'auto', 'cpu', 'cuda', 'cuda:N' or 'mps', not {device!r}")
+check(all(type(m) is int for m in milestones), f"milestones must be a list of iteration numbers, not {milestones!r}")
+check(min(batch_size, block_size, eval_interval, eval_iters, log_interval, n_layer) > 0,
+      "batch_size, block_size, eval_interval, eval_iters, log_interval and n_layer must be positive")
+check(min(max_iters, warmup_iters, lr_decay_iters, weight_decay, grad_clip) >= 0,
+      "max_iters, warmup_iters, lr_decay_iters, weight_decay and grad_clip can't be negative")
+check(n_head > 0 and n_kv_head > 0 and n_embd % n_head == n_head % n_kv_head == (n_embd // n_head) % 2 == 0,
+      f"n_embd={n_embd}, n_head={n_head}, n_kv_head={n_kv_head}: n_head must divide n_embd into an even head size "
+      f"(rotary embeddings rotate pairs), and n_kv_head must divide n_head")
+check(0 <= min_lr <= learning_rate and learning_rate > 0,
+      f"learning_rate={learning_rate}, min_lr={min_lr}: need learning_rate > 0 and 0 <= min_lr <= learning_rate")
+check(0 <= dropout < 1, f"dropout={dropout}: it is a probability, 0 <= dropout < 1")
+check(0 <= beta1 < 1 and 0 <= beta2 < 1, f"beta1={beta1}, beta2={beta2}: Adam's averaging factors need 0 <= beta < 1")
+check(timeout > 0, f"timeout={timeout}: give a positive number of seconds")
 
 # -----------------------------------------------------------------------------------------------------
 # the dataset: meta.json, the tokenizer (the checkpoint carries it, so sampling needs no dataset) and the shards
 remake = f"run prepare_data.py again, or delete {dataset} and rerun it"
 meta_path = os.path.join(dataset, "meta.json")
-if not os.path.exists(meta_path):
-    fail(f"no dataset at {dataset!r} ({meta_path} is missing): make it first with `python prepare_data.py --data <source> "
-         f"--tokenizer <dir|gpt2|char> --out {dataset}`" + (f" (the exact command is at the top of {presets[-1]})" if presets else "")
-         + ", or point --dataset at one")
+check(os.path.exists(meta_path), f"no dataset at {dataset!r} ({meta_path} is missing): make it first with `python "
+      f"prepare_data.py --data <source> --tokenizer <dir|gpt2|char> --out {dataset}`"
+      + (f" (the exact command is at the top of {presets[-1]})" if presets else "") + ", or point --dataset at one")
 try:
     with open(meta_path) as f:
         meta = json.load(f)
@@ -176,8 +172,7 @@ try:
                and (kind != "char" or type(meta["chars"]) is list) and all(type(n) is str for n in shard_names))
 except (OSError, ValueError, KeyError, TypeError):
     meta_ok = False
-if not meta_ok:
-    fail(f"{meta_path} is not the meta.json (version 1) of a finished prepare_data.py run: {remake}")
+check(meta_ok, f"{meta_path} is not the meta.json (version 1) of a finished prepare_data.py run: {remake}")
 if kind == "bpe":
     try:
         with open(os.path.join(dataset, "tokenizer.tiktoken"), "rb") as f:
@@ -188,15 +183,15 @@ if kind == "bpe":
                      "special_tokens": info["special_tokens"]}
     except (OSError, ValueError, KeyError, TypeError) as e:
         fail(f"{dataset} lacks readable tokenizer files ({type(e).__name__}: {e}): {remake}")
-    if hashlib.sha256(ranks_bytes).hexdigest() != meta["tokenizer"]["sha256"]:  # a BPE trainer's --out pointed here
-        fail(f"{dataset}/tokenizer.tiktoken is not the tokenizer the shards were made with (its sha256 differs from "
-             f"meta.json's): copy it back from {meta['tokenizer'].get('path', 'the tokenizer directory')}, or {remake}")
+    check(hashlib.sha256(ranks_bytes).hexdigest() == meta["tokenizer"]["sha256"],  # a BPE trainer's --out pointed here
+          f"{dataset}/tokenizer.tiktoken is not the tokenizer the shards were made with (its sha256 differs from "
+          f"meta.json's): copy it back from {meta['tokenizer'].get('path', 'the tokenizer directory')}, or {remake}")
 else:
     tokenizer = ({"kind": "tiktoken", "name": meta["tokenizer"]["name"]} if kind == "tiktoken"
                  else {"kind": "char", "chars": meta["chars"]})
 for name in shard_names:
-    if name != os.path.basename(name) or name in ("", ".", ".."):
-        fail(f"{meta_path} names the shard {name!r}: only plain file names inside {dataset} are allowed; {remake}")
+    check(name == os.path.basename(name) and name not in ("", ".", ".."),
+          f"{meta_path} names the shard {name!r}: only plain file names inside {dataset} are allowed; {remake}")
     path = os.path.join(dataset, name)
     try:  # every shard is read once now: an id past meta.json's largest would fail later, deep in the embedding
         tokens = np.load(path, mmap_mode="r")
@@ -204,8 +199,8 @@ for name in shard_names:
     except (OSError, ValueError) as e:
         fail(f"{path}, which {meta_path} lists, is {'missing' if not os.path.exists(path) else 'unreadable'} "
              f"({type(e).__name__}: {str(e)[:80]}): {remake}")
-    if largest > meta["max_token_id"]:
-        fail(f"{path} holds token id {largest}, past the largest that {meta_path} records ({meta['max_token_id']}): {remake}")
+    check(largest <= meta["max_token_id"],
+          f"{path} holds token id {largest}, past the largest that {meta_path} records ({meta['max_token_id']}): {remake}")
 
 ckpt_path = os.path.join(out_dir, "ckpt.pt")
 init_from = ("resume" if os.path.exists(ckpt_path) else "scratch") if init_from == "auto" else init_from
@@ -222,12 +217,11 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from model import GPT, CheckpointError, GPTConfig, load_checkpoint, model_from_checkpoint, save_checkpoint
 
-if device.startswith("cuda") and not torch.cuda.is_available():
-    fail(f"device={device!r} but this torch sees no CUDA GPU; use --device=cpu")
-if device == "mps" and not torch.backends.mps.is_available():
-    fail("device='mps' but this torch has no MPS (Apple GPU) here; use --device=cpu")
 device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
 device_type = device.split(":")[0]
+check(device_type != "cuda" or torch.cuda.is_available(), f"device={device!r} but this torch sees no CUDA GPU; use --device=cpu")
+check(device_type != "mps" or torch.backends.mps.is_available(),
+      "device='mps' but this torch has no MPS (Apple GPU) here; use --device=cpu")
 if device_type == "cuda":  # one GPU per process; srun may have hidden the others (CUDA_VISIBLE_DEVICES): the modulo
     device = f"cuda:{local_rank % torch.cuda.device_count()}" if ddp or device == "cuda" else device
     torch.cuda.set_device(device)
@@ -242,41 +236,40 @@ if init_from == "resume":
         raw_model = model_from_checkpoint(checkpoint)  # the plain module: no "_orig_mod." or "module." prefixes
     except CheckpointError as e:
         fail(f"cannot resume: {e}")
-    if any(checkpoint.get(k) is None for k in ("optimizer", "iter_num", "best_val_loss", "tokenizer", "train_config")):
-        fail(f"cannot resume from {ckpt_path}: it lacks the training state; only a checkpoint written by train.py can be resumed")
-    if checkpoint["tokenizer"] != tokenizer:  # the ids would mean other text: kind, ranks, name or characters differ
-        old = checkpoint["dataset"] or {"tokenizer": checkpoint["tokenizer"]["kind"], "vocab_size": "?"}
-        fail(f"{ckpt_path} was trained with another tokenizer ({old['tokenizer']}, vocab_size {old['vocab_size']}) than "
-             f"{dataset}'s ({meta['tokenizer']}, vocab_size {meta['vocab_size']}): resume on the dataset it was trained "
-             f"on (--dataset={checkpoint['train_config'].get('dataset', '?')}), or start anew in another --out_dir")
-    if checkpoint["train_config"].get("muon", False) != muon:
-        fail(f"{ckpt_path} was trained with muon={not muon}: resume with --muon={not muon}, or the optimizer state will not fit")
+    check(all(checkpoint.get(k) is not None for k in ("optimizer", "iter_num", "best_val_loss", "tokenizer", "train_config")),
+          f"cannot resume from {ckpt_path}: it lacks the training state; only a checkpoint written by train.py can be resumed")
+    old = checkpoint.get("dataset") or {"tokenizer": checkpoint["tokenizer"].get("kind"), "vocab_size": "?"}
+    check(checkpoint["tokenizer"] == tokenizer,  # the ids would mean other text: kind, ranks, name or characters differ
+          f"{ckpt_path} was trained with another tokenizer ({old['tokenizer']}, vocab_size {old['vocab_size']}) than "
+          f"{dataset}'s ({meta['tokenizer']}, vocab_size {meta['vocab_size']}): resume on the dataset it was trained "
+          f"on (--dataset={checkpoint['train_config'].get('dataset', '?')}), or start anew in another --out_dir")
+    check(checkpoint["train_config"].get("muon", False) == muon,
+          f"{ckpt_path} was trained with muon={not muon}: resume with --muon={not muon}, or the optimizer state will not fit")
     for key, value in checkpoint["model_config"].items():
         if key in defaults:
             if globals()[key] not in (None, value) and master:
                 print(f"note: resuming keeps the checkpoint's {key}={value!r} (not {globals()[key]!r})")
             globals()[key] = value
 vocab_size = meta["vocab_size"] if vocab_size is None else vocab_size
-if vocab_size < meta["vocab_size"] or meta["max_token_id"] >= vocab_size:
-    fail(f"vocab_size={vocab_size} but the dataset's vocabulary has {meta['vocab_size']} ids (largest token id "
-         f"{meta['max_token_id']}): leave vocab_size unset to take meta.json's, or set it at least that large")
+check(vocab_size >= meta["vocab_size"] and vocab_size > meta["max_token_id"],
+      f"vocab_size={vocab_size} but the dataset's vocabulary has {meta['vocab_size']} ids (largest token id "
+      f"{meta['max_token_id']}): leave vocab_size unset to take meta.json's, or set it at least that large")
 
 # -----------------------------------------------------------------------------------------------------
 # the batches. total_batch_size is what the learning rate is tuned for: more GPUs, or a smaller batch_size to
 # fit memory, only change how many micro-steps accumulate it.
 tokens_per_micro_step = batch_size * block_size * world_size
 total_batch_size = tokens_per_micro_step if total_batch_size is None else total_batch_size
-if total_batch_size % tokens_per_micro_step:
-    fail(f"total_batch_size={total_batch_size} tokens is not a multiple of batch_size*block_size*world_size = "
-         f"{batch_size}*{block_size}*{world_size} = {tokens_per_micro_step}: change one of them so that it divides")
+check(total_batch_size % tokens_per_micro_step == 0,
+      f"total_batch_size={total_batch_size} tokens is not a multiple of batch_size*block_size*world_size = "
+      f"{batch_size}*{block_size}*{world_size} = {tokens_per_micro_step}: change one of them so that it divides")
 grad_accum_steps = total_batch_size // tokens_per_micro_step  # micro-steps per rank per optimizer step
 
 def split_windows(split):
     """The shard paths of a split, the number of block_size+1 token windows in each, and their running total."""
     paths = [os.path.join(dataset, name) for name in meta["shards"][split]]
     counts = np.array([max(0, len(np.load(path, mmap_mode="r")) - block_size) for path in paths], dtype=np.int64)
-    if counts.sum() == 0:
-        fail(f"the {split} split of {dataset} has fewer than block_size+1 = {block_size + 1} tokens in any shard")
+    check(counts.sum() > 0, f"the {split} split of {dataset} has fewer than block_size+1 = {block_size + 1} tokens in any shard")
     return paths, counts, np.cumsum(counts)
 
 windows = {split: split_windows(split) for split in ("train", "val")}
@@ -497,10 +490,9 @@ while True:
     loss_sum, stop_votes = status.tolist()
     step_loss_value, iter_num, log_steps = loss_sum / world_size, iter_num + 1, log_steps + 1
     eval_seconds, eval_steps = eval_seconds + time.time() - step_start, eval_steps + 1
-    if not math.isfinite(step_loss_value):
-        fail(f"the loss is {step_loss_value} at iter {iter_num}: training diverged. Lower learning_rate, lengthen "
-             f"warmup_iters, keep grad_clip on, or use bfloat16/float32 over float16; "
-             f"--init_from=resume restarts from the last checkpoint")
+    check(math.isfinite(step_loss_value), f"the loss is {step_loss_value} at iter {iter_num}: training diverged. Lower "
+          f"learning_rate, lengthen warmup_iters, keep grad_clip on, or use bfloat16/float32 over float16; "
+          f"--init_from=resume restarts from the last checkpoint")
     if iter_num % log_interval == 0:
         seconds = (time.time() - log_start) / log_steps
         mfu = raw_model.estimate_mfu(batch_size * grad_accum_steps, seconds)
