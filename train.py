@@ -189,13 +189,14 @@ if kind == "bpe":
 else:
     tokenizer = ({"kind": "tiktoken", "name": meta["tokenizer"]["name"]} if kind == "tiktoken"
                  else {"kind": "char", "chars": meta["chars"]})
+shard_sizes = {}  # path -> number of tokens
 for name in shard_names:
     check(name == os.path.basename(name) and name not in ("", ".", ".."),
           f"{meta_path} names the shard {name!r}: only plain file names inside {dataset} are allowed; {remake}")
     path = os.path.join(dataset, name)
     try:  # every shard is read once now: an id past meta.json's largest would fail later, deep in the embedding
         tokens = np.load(path, mmap_mode="r")
-        largest = int(tokens.max()) if len(tokens) else -1
+        shard_sizes[path], largest = len(tokens), (int(tokens.max()) if len(tokens) else -1)
     except (OSError, ValueError) as e:
         fail(f"{path}, which {meta_path} lists, is {'missing' if not os.path.exists(path) else 'unreadable'} "
              f"({type(e).__name__}: {str(e)[:80]}): {remake}")
@@ -204,10 +205,9 @@ for name in shard_names:
 
 ckpt_path = os.path.join(out_dir, "ckpt.pt")
 init_from = ("resume" if os.path.exists(ckpt_path) else "scratch") if init_from == "auto" else init_from
-existing = sorted(glob.glob(os.path.join(glob.escape(out_dir), "ckpt*.pt")))
-if init_from == "scratch" and existing:
-    fail(f"{existing[0]} exists and a run from scratch would overwrite it: go on from it with --init_from=resume (or auto), "
-         f"or give another --out_dir, or delete it first")
+existing = glob.glob(os.path.join(glob.escape(out_dir), "ckpt*.pt"))
+check(init_from != "scratch" or not existing, f"{min(existing, default='')} exists and a run from scratch would overwrite "
+      f"it: go on from it with --init_from=resume (or auto), or give another --out_dir, or delete it first")
 
 # -----------------------------------------------------------------------------------------------------
 # torch, the device, and the checkpoint to resume (it decides the model's shape)
@@ -265,14 +265,12 @@ check(total_batch_size % tokens_per_micro_step == 0,
       f"{batch_size}*{block_size}*{world_size} = {tokens_per_micro_step}: change one of them so that it divides")
 grad_accum_steps = total_batch_size // tokens_per_micro_step  # micro-steps per rank per optimizer step
 
-def split_windows(split):
-    """The shard paths of a split, the number of block_size+1 token windows in each, and their running total."""
+windows = {}  # split -> its shard paths, the number of block_size+1 token windows in each, and their running total
+for split in ("train", "val"):
     paths = [os.path.join(dataset, name) for name in meta["shards"][split]]
-    counts = np.array([max(0, len(np.load(path, mmap_mode="r")) - block_size) for path in paths], dtype=np.int64)
+    counts = np.array([max(0, shard_sizes[path] - block_size) for path in paths], dtype=np.int64)
     check(counts.sum() > 0, f"the {split} split of {dataset} has fewer than block_size+1 = {block_size + 1} tokens in any shard")
-    return paths, counts, np.cumsum(counts)
-
-windows = {split: split_windows(split) for split in ("train", "val")}
+    windows[split] = paths, counts, np.cumsum(counts)
 
 def get_batch(split, generator):
     """batch_size random windows of the split, drawn uniformly over all of its shards with the generator."""
@@ -333,12 +331,11 @@ optimizer = raw_model.configure_optimizers(weight_decay, learning_rate, (beta1, 
 # float16 has too little range for small gradients: the scaler multiplies the loss first, and skips a step
 # whose gradients overflowed. bfloat16 and float32 need none of it.
 scaler = torch.amp.GradScaler(device_type, enabled=dtype == "float16")
-iter_num, best_val_loss = 0, float("inf")
+iter_num, best_val_loss = (checkpoint["iter_num"], checkpoint["best_val_loss"]) if checkpoint else (0, float("inf"))
 if checkpoint is not None:
     optimizer.load_state_dict(checkpoint["optimizer"])
     if checkpoint.get("scaler"):
         scaler.load_state_dict(checkpoint["scaler"])
-    iter_num, best_val_loss = checkpoint["iter_num"], checkpoint["best_val_loss"]
 model = torch.compile(raw_model) if compile else raw_model  # for evaluation: no DDP machinery needed
 train_model = DDP(model, device_ids=[torch.cuda.current_device()] if device_type == "cuda" else None) if ddp else model
 
