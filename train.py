@@ -15,7 +15,6 @@ given; a value must have the setting's type. `python train.py --help` lists the 
 SIGTERM or Ctrl-C finishes the current step (or eval batch), saves out_dir/ckpt.pt and exits with status 0.
 """
 import ast, difflib, glob, hashlib, json, math, os, re, signal, sys, time
-from contextlib import nullcontext
 from dataclasses import asdict, fields
 from datetime import timedelta
 
@@ -61,9 +60,8 @@ compile = "auto"                 # torch.compile: "auto" means on CUDA only (on 
 timeout = 600                    # seconds a rank waits for the others in a collective before it gives up
 seed = 1337
 # -----------------------------------------------------------------------------------------------------
-config_keys = [k for k, v in globals().items()
-               if not k.startswith("_") and isinstance(v, (int, float, str, list, type(None)))]  # the globals above
-defaults = {k: globals()[k] for k in config_keys}
+defaults = {k: v for k, v in globals().items()  # the globals above are the settings
+            if not k.startswith("_") and isinstance(v, (int, float, str, list, type(None)))}
 # A value must have its default's type; these settings take one more type.
 extra_types = {"vocab_size": int, "total_batch_size": type(None), "n_kv_head": type(None), "compile": bool}
 
@@ -104,7 +102,7 @@ check(not slurm or "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ,
 # -----------------------------------------------------------------------------------------------------
 # the command line: presets (files of Python assignments) and --key=value, in order, then checks across settings
 def set_setting(source, key, value):
-    hint = "".join(f" (did you mean {close!r}?)" for close in difflib.get_close_matches(key, config_keys, n=1))
+    hint = "".join(f" (did you mean {close!r}?)" for close in difflib.get_close_matches(key, defaults, n=1))
     check(key in defaults, f"{source}: unknown setting {key!r}{hint}; --help lists them")
     allowed = {type(defaults[key]), extra_types.get(key, type(defaults[key]))}
     value = float(value) if type(value) is int and float in allowed else value  # 3 is fine for 3.0
@@ -126,7 +124,7 @@ for arg in sys.argv[1:]:
             set_setting(arg, key, text)  # a bare word: the type check says what was expected
     else:
         check(os.path.isfile(arg), f"no preset file {arg!r} (expected a file like config/shakespeare_char.py, or --key=value)")
-        namespace = {k: globals()[k] for k in config_keys}
+        namespace = {k: globals()[k] for k in defaults}
         try:
             exec(open(arg).read(), namespace)
         except Exception as e:
@@ -245,19 +243,17 @@ if init_from == "resume":
           f"on (--dataset={checkpoint['train_config'].get('dataset', '?')}), or start anew in another --out_dir")
     check(checkpoint["train_config"].get("muon", False) == muon,
           f"{ckpt_path} was trained with muon={not muon}: resume with --muon={not muon}, or the optimizer state will not fit")
-    for key, value in checkpoint["model_config"].items():
-        if key in defaults:
-            if globals()[key] not in (None, value) and master:
-                print(f"note: resuming keeps the checkpoint's {key}={value!r} (not {globals()[key]!r})")
-            globals()[key] = value
+    for key, value in [(k, v) for k, v in checkpoint["model_config"].items() if k in defaults]:
+        if globals()[key] not in (None, value) and master:
+            print(f"note: resuming keeps the checkpoint's {key}={value!r} (not {globals()[key]!r})")
+        globals()[key] = value
 vocab_size = meta["vocab_size"] if vocab_size is None else vocab_size
 check(vocab_size >= meta["vocab_size"] and vocab_size > meta["max_token_id"],
       f"vocab_size={vocab_size} but the dataset's vocabulary has {meta['vocab_size']} ids (largest token id "
       f"{meta['max_token_id']}): leave vocab_size unset to take meta.json's, or set it at least that large")
 
 # -----------------------------------------------------------------------------------------------------
-# the batches. total_batch_size is what the learning rate is tuned for: more GPUs, or a smaller batch_size to
-# fit memory, only change how many micro-steps accumulate it.
+# the batches: more GPUs, or a smaller batch_size to fit memory, only change how many micro-steps make total_batch_size
 tokens_per_micro_step = batch_size * block_size * world_size
 total_batch_size = tokens_per_micro_step if total_batch_size is None else total_batch_size
 check(total_batch_size % tokens_per_micro_step == 0,
@@ -299,7 +295,7 @@ def get_lr(it):
 
 # -----------------------------------------------------------------------------------------------------
 # out_dir, processes, model, optimizer, random states
-config = {k: globals()[k] for k in config_keys}  # the merged settings, with "auto" and None resolved
+config = {k: globals()[k] for k in defaults}  # the merged settings, with "auto" and None resolved
 if master:
     print("config: " + ", ".join(f"{k}={v!r}" for k, v in config.items()))
     print(f"{world_size} process(es) on {device} in {dtype}; tokens per step: total_batch_size {total_batch_size} = "
@@ -321,7 +317,7 @@ if ddp:  # NCCL between GPUs, gloo on CPUs. The timeout turns a rank that hangs 
                             rank=rank, world_size=world_size)
 torch.manual_seed(seed)  # the same initial weights on every rank and in every run
 torch.set_float32_matmul_precision("high")  # TF32 matmuls on Ampere and later: ~free speed in float32 parts
-autocast = nullcontext() if dtype == "float32" else torch.autocast(device_type, dtype=getattr(torch, dtype))
+autocast = torch.autocast(device_type, dtype=getattr(torch, dtype), enabled=dtype != "float32")
 
 if checkpoint is None:
     raw_model = GPT(GPTConfig(**{f.name: globals()[f.name] for f in fields(GPTConfig) if f.name in defaults}))
@@ -347,10 +343,9 @@ if rng and len(rng["ranks"]) == world_size:
     torch.set_rng_state(rng["ranks"][rank]["torch"])
     if device_type == "cuda" and rng["ranks"][rank]["cuda"] is not None:
         torch.cuda.set_rng_state(rng["ranks"][rank]["cuda"])
-# Data order: the global batch of a step is num_slots micro-batches; slot j has its own generator, and rank r
-# draws slots r*grad_accum_steps ... So the data depend on the global batch, not on how many processes share
-# it: 1 process with 2 micro-steps sees what 2 processes see. The seed is seed + j from scratch; after a resume
-# with another global batch shape the old order can't go on, and iter_num makes it a new one, not the first again.
+# Data order: a step's global batch is num_slots micro-batches, each slot with its own generator (rank r draws slots
+# r*grad_accum_steps...), so 1 process with 2 micro-steps sees what 2 processes see. A resume with another global
+# batch shape can't go on with the old order: seeding with iter_num makes a new one, not the first again.
 num_slots = world_size * grad_accum_steps
 train_generators = [torch.Generator().manual_seed(seed + 1_000_003 * iter_num + rank * grad_accum_steps + m)
                     for m in range(grad_accum_steps)]
@@ -368,10 +363,9 @@ def save(path):
     if ddp:
         dist.all_gather_object(everyone, mine)
     if master:
-        save_checkpoint(path, {
-            "version": 1, "model": raw_model.state_dict(), "model_config": asdict(model_config),
-            "train_config": config, "iter_num": iter_num, "best_val_loss": best_val_loss,
-            "optimizer": optimizer.state_dict(), "scaler": scaler.state_dict() if scaler.is_enabled() else None,
+        save_checkpoint(path, {"version": 1, "model": raw_model.state_dict(), "model_config": asdict(model_config),
+            "train_config": config, "iter_num": iter_num, "best_val_loss": best_val_loss, "optimizer": optimizer.state_dict(),
+            "scaler": scaler.state_dict() if scaler.is_enabled() else None,
             "rng": {"ranks": [e["rng"] for e in everyone], "data": [s for e in everyone for s in e["data"]]},
             "tokenizer": tokenizer, "dataset": meta})
 
@@ -479,8 +473,7 @@ while True:
     scaler.step(optimizer)
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
-    # One small all-reduce a step: the mean loss of the global batch, and whether any rank got a signal.
-    # Every rank must agree to stop at the same step, or the others would wait for it forever.
+    # One all-reduce a step: the global batch's mean loss, and whether any rank got a signal (all must stop together)
     status = torch.stack([step_loss.float(), torch.tensor(float(stop_signal is not None), device=device)])
     if ddp:
         dist.all_reduce(status)
