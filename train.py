@@ -14,7 +14,7 @@ Every global in the settings block below is a setting. Presets and --key=value a
 given; a value must have the setting's type. `python train.py --help` lists the settings.
 SIGTERM or Ctrl-C finishes the current step (or eval batch), saves out_dir/ckpt.pt and exits with status 0.
 """
-import ast, difflib, glob, hashlib, json, math, os, re, signal, sys, time
+import ast, difflib, glob, hashlib, json, math, os, re, signal, sys, tempfile, time
 from dataclasses import asdict, fields
 from datetime import timedelta
 
@@ -302,8 +302,7 @@ if master:
           f"batch_size {batch_size} x block_size {block_size} x world_size {world_size} x accumulation {grad_accum_steps}")
     try:  # find out now, not at the first save, that out_dir can't be written
         os.makedirs(out_dir, exist_ok=True)
-        open(probe := os.path.join(out_dir, f".write_test.{os.getpid()}"), "w").close()
-        os.remove(probe)
+        tempfile.TemporaryFile(dir=out_dir).close()
     except OSError as e:
         in_the_way = isinstance(e, (FileExistsError, NotADirectoryError))
         fail(f"can't write in out_dir={out_dir!r} ({e.strerror}{': a file is in the way' * in_the_way}): give another --out_dir")
