@@ -392,6 +392,16 @@ MISTAKES = {
     "vocab_size": (["--vocab_size=10"], "vocab_size=10 but the dataset's vocabulary has"),
     "batch": (["--total_batch_size=1000"], "not a multiple of batch_size*block_size*world_size = 4*32*1 = 128"),
     "no dataset": (["--dataset=TMP/nowhere"], "python prepare_data.py"),
+    "no value": (["--batch_size"], "--batch_size: expected --key=value"),
+    "no preset": (["nowhere.py"], "no preset file 'nowhere.py'"),
+    "init_from": (["--init_from=restart"], "init_from must be 'scratch', 'resume' or 'auto', not 'restart'"),
+    "dtype": (["--dtype=fp8"], "dtype must be"),
+    "compile": (["--compile='yes'"], "compile must be 'auto', True or False, not 'yes'"),
+    "milestones": (["--milestones=[2.5]"], "milestones must be a list of iteration numbers"),
+    "positive": (["--eval_iters=0"], "must be positive"),
+    "negative": (["--max_iters=-1"], "can't be negative"),
+    "heads": (["--n_head=3"], "n_head must divide n_embd"),
+    "timeout": (["--timeout=0"], "timeout=0"),
     "learning_rate": (["--learning_rate=-1"], "learning_rate=-1.0"),
     "dropout": (["--dropout=1.5"], "dropout=1.5"),
     "beta2": (["--beta2=1.5"], "beta2=1.5"),
@@ -406,7 +416,9 @@ MISTAKES = {
     "shard deleted": (["--dataset=DATA"], "is missing", "or delete"),
     "shard truncated": (["--dataset=DATA"], "unreadable"),
     "ids past vocab": (["--dataset=DATA"], "holds token id"),
+    "short split": (["--block_size=100000", "--total_batch_size=None"], "split of", "fewer than block_size+1 = 100001 tokens"),
     "config vs weights": (["--init_from=resume", "--out_dir=TMP/misfit"], "does not fit"),
+    "no training state": (["--init_from=resume", "--out_dir=TMP/bare"], "lacks the training state"),
     # Resuming with the other optimizer: its state would not fit.
     "adamw resumed with muon": (["--init_from=resume", "--out_dir=TMP/adamw", "--muon=True"],
                                 "was trained with muon=False: resume with --muon=False"),
@@ -431,7 +443,8 @@ def mistakes(dataset, trained, tmp_path_factory):
     (tmp / "file").write_text("not a directory")
     checkpoint = load(trained / "ckpt.pt")  # trained with AdamW
     for name, edit in [("adamw", {}), ("muon", {"train_config": dict(checkpoint["train_config"], muon=True)}),
-                       ("misfit", {"model_config": dict(checkpoint["model_config"], n_layer=3)})]:  # the weights have 2
+                       ("misfit", {"model_config": dict(checkpoint["model_config"], n_layer=3)}),  # the weights have 2
+                       ("bare", {"optimizer": None})]:  # as if written by another program: weights only
         (tmp / name).mkdir()
         torch.save(dict(checkpoint, **edit), tmp / name / "ckpt.pt")
     processes = {}
