@@ -55,9 +55,9 @@ class UserError(Exception):
 # tiktoken's Rust core releases the GIL while it encodes, so threads use every core without a process pool's cost
 # (pickling documents to workers and tokens back); encode_to_numpy builds no list of ints. See bench/RESULTS.md.
 def encode_batch(texts, encoder, dtype):
-    """Each document's token ids: <|endoftext|> (none at char level), then its text's."""
+    """Each document's token ids: <|endoftext|> (none at char level), then its text's, where a written
+    "<|endoftext|>" is plain text."""
     eot = np.array([] if encoder.eot_token is None else [encoder.eot_token], dtype)
-    # disallowed_special=(): an "<|endoftext|>" written in a document is plain text
     return [np.concatenate([eot, encoder.encode_to_numpy(text, allowed_special=set(), disallowed_special=())], dtype=dtype)
             for text in texts]
 
@@ -81,26 +81,12 @@ def encode_in_threads(texts, encode, workers):
         pool.shutdown(cancel_futures=True)
 
 
-class CharEncoder:
-    """tiktoken's interface at char level: a character's id is its rank among the data's distinct characters."""
-    def __init__(self, chars):
-        self.n_vocab, self.eot_token, self.ids = len(chars), None, np.full(0x110000, len(chars), np.uint32)
-        self.ids[[ord(c) for c in chars]] = np.arange(len(chars))  # (len(chars): not in the vocabulary)
-
-    def encode_to_numpy(self, text, **_):
-        ids = self.ids[np.frombuffer(text.encode("utf-32-le"), np.uint32)]
-        if (ids == self.n_vocab).any():
-            raise UserError("the data changed between the two passes (a character is missing from the "
-                            "vocabulary); run again on data that does not change")
-        return ids
-
-
 # ---------------------------------------------------------------- step 2: shards, val first, then train
 # Shard k of a split holds its tokens [k * shard_size, (k + 1) * shard_size): the boundaries depend on nothing but
 # the data. A .npy file is a 128-byte header (dtype, shape) and the raw array: tokens stream in after a placeholder
 # header, the true one goes in when the shard is full, and the file is renamed from its temporary name, so a shard
 # under its final name is whole. Each finished shard saves progress.json: the meta.json to be, and where a resumed
-# run starts (the first token not in a finished shard) with how many documents came before it.
+# run starts, the first token not in a finished shard.
 class Shards:
     def __init__(self, out_dir, dtype, state, args):
         self.out_dir, self.dtype, self.state, self.args = out_dir, dtype, state, args
@@ -108,9 +94,9 @@ class Shards:
 
     def route(self, index, tokens, chars, skip, is_last):
         """Val takes the first documents until it holds val_tokens (at least one document); train takes the rest,
-        and always the last. A source of a single document trains on its first 90%, as nanoGPT does. (The first
+        and always the last. A source of a single document trains on its first 90%, as nanoGPT does. (Its first
         `skip` tokens are in finished shards already.)"""
-        if is_last and self.state["resume"]["documents"] == 0:
+        if is_last and index == 0:
             if len(tokens) < 2:
                 raise UserError(f"the dataset {self.state['source']} is a single character: too little to split "
                                 "into train and val")
@@ -121,7 +107,6 @@ class Shards:
             written = self.state["tokens"]
             val = not is_last and written["train"] == 0 and written["val"] - skip < self.args.val_tokens
             self.write("val" if val else "train", tokens, skip, len(tokens), index)
-        self.state["resume"]["documents"] += 1
         self.state["num_chars"] += chars
 
     def write(self, split, tokens, start, end, index):
@@ -174,11 +159,10 @@ def load_tokenizer(name):
     import regex
     import tiktoken
 
-    choices = "give a directory written by train_bpe_cpu.py, a tiktoken name (gpt2, cl100k_base, o200k_base) or char"
-    if not Path(name).exists():
+    if not Path(name).exists():  # a tiktoken name
         if name not in tiktoken.list_encoding_names():
             raise UserError(f"--tokenizer {name}: no such directory, and not a tiktoken encoding "
-                            f"({', '.join(tiktoken.list_encoding_names())}); {choices}")
+                            f"({', '.join(tiktoken.list_encoding_names())}) or char")
         try:  # the first use downloads the ranks (a few MB) and caches them
             return tiktoken.get_encoding(name), {"kind": "tiktoken", "name": name}, name
         except Exception as error:  # requests' connection errors and friends
@@ -186,7 +170,7 @@ def load_tokenizer(name):
                             "needs internet once (then it is cached), or use a BPE directory from train_bpe_cpu.py")
     for file in ("tokenizer.tiktoken", "tokenizer.json"):
         if not Path(name, file).is_file():
-            raise UserError(f"--tokenizer {name}: {file} is missing; {choices}")
+            raise UserError(f"--tokenizer {name}: {file} is missing; give a directory written by train_bpe_cpu.py")
     try:  # any broken file: say which directory, and why, in one line
         info, ranks_file = json.loads(Path(name, "tokenizer.json").read_text()), Path(name, "tokenizer.tiktoken").read_bytes()
         ranks = {base64.b64decode(token, validate=True): int(rank)
@@ -206,6 +190,20 @@ def load_tokenizer(name):
     return encoder, {"kind": "bpe", "path": name, "sha256": sha256}, Path(name).resolve().name
 
 
+class CharEncoder:
+    """tiktoken's interface at char level: a character's id is its rank among the data's distinct characters."""
+    def __init__(self, chars):
+        self.n_vocab, self.eot_token, self.ids = len(chars), None, np.full(0x110000, len(chars), np.uint32)
+        self.ids[[ord(c) for c in chars]] = np.arange(len(chars))  # (len(chars): not in the vocabulary)
+
+    def encode_to_numpy(self, text, **_):
+        ids = self.ids[np.frombuffer(text.encode("utf-32-le"), np.uint32)]
+        if (ids == self.n_vocab).any():
+            raise UserError("the data changed between the two passes (a character is missing from the "
+                            "vocabulary); run again on data that does not change")
+        return ids
+
+
 def resume_state(out_dir, run_args):
     """Fresh for a new directory; the saved state for a run of the same arguments (where the tokenizer lies aside) on
     the same source files (paths, sizes, times), after checking its shards; None for a dataset already complete."""
@@ -216,21 +214,21 @@ def resume_state(out_dir, run_args):
     if saved_path is None:
         if out_dir.exists() and any(not path.name.endswith(".tmp") for path in out_dir.iterdir()):
             raise UserError(f"--out {out_dir} is not empty and was not made by prepare_data.py; give a new directory")
-        return {"version": 1, "vocab_size": None, "eot_token": None, "dtype": None, "max_token_id": -1,
-                "tokenizer": run_args["tokenizer"], "source": run_args["source"], "num_chars": 0,
-                "tokens": {"val": 0, "train": 0}, "shards": {"val": [], "train": []}, "args": run_args,
-                "resume": {"document": 0, "offset": 0, "documents": 0}}
+        return {"version": 1, "max_token_id": -1, "tokenizer": run_args["tokenizer"], "source": run_args["source"],
+                "num_chars": 0, "tokens": {"val": 0, "train": 0}, "shards": {"val": [], "train": []},
+                "args": run_args, "resume": {"document": 0, "offset": 0}}
     shard_deciding = lambda args: {**args, "tokenizer": {k: v for k, v in args["tokenizer"].items() if k != "path"}}
+    start_over = f"delete {out_dir} to start over"
     try:
         saved = json.loads(saved_path.read_text())
         previous = shard_deciding(saved["args"])
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        raise UserError(f"--out {out_dir}: {saved_path.name} is unreadable; delete {out_dir} to start over")
+        raise UserError(f"--out {out_dir}: {saved_path.name} is unreadable; {start_over}")
     for key, value in shard_deciding(run_args).items():
         if value != previous.get(key):
             why = ("from other source files or another version of them (their sizes or times differ)" if key == "files"
                    else f"with other arguments ({key}: {previous.get(key)!r}, now {value!r})")
-            raise UserError(f"--out {out_dir} was made {why}; use another --out, or delete it to start over")
+            raise UserError(f"--out {out_dir} was made {why}; use another --out, or {start_over}")
     for split, names in saved["shards"].items():  # each shard but a split's last holds shard_size tokens
         for k, name in enumerate(names):
             try:
@@ -239,12 +237,11 @@ def resume_state(out_dir, run_args):
             except (OSError, ValueError):
                 whole = False
             if not whole:  # one shard can't be rebuilt alone
-                raise UserError(f"--out {out_dir}: the shard {name} is missing or damaged; delete {out_dir} and run "
-                                "the same command again to rebuild it")
+                raise UserError(f"--out {out_dir}: the shard {name} is missing or damaged; {start_over}")
     if saved_path.name == "meta.json":
         return None
     if "resume" not in saved:  # an older prepare_data.py counted otherwise
-        raise UserError(f"--out {out_dir}: progress.json is from an older prepare_data.py; delete {out_dir} to start over")
+        raise UserError(f"--out {out_dir}: progress.json is from an older prepare_data.py; {start_over}")
     print(f"resuming {out_dir}: {len(saved['shards']['val'])} val and {len(saved['shards']['train'])} train shards "
           f"are finished; skipping {saved['resume']['document']:,} documents")
     return {**saved, "tokenizer": run_args["tokenizer"], "args": run_args}  # the same, but for the tokenizer's path
@@ -377,16 +374,14 @@ def parse_args(argv):
     parser.add_argument("--workers", type=int, default=workers, help="tokenizer threads (default: every core)")
     args = parser.parse_args(argv)
     if args.tokenizer is None:
-        raise UserError("--tokenizer is required: a directory from train_bpe_cpu.py (e.g. tokenizers/stdlib_v1000), "
-                        "a tiktoken name (gpt2) or char")
+        raise UserError("--tokenizer is required: a directory from train_bpe_cpu.py, a tiktoken name (gpt2) or char")
     for flag in ("num_chars", "max_tokens", "shard_size", "val_tokens", "workers"):
         if getattr(args, flag) is not None and getattr(args, flag) <= 0:
             raise UserError(f"--{flag} {getattr(args, flag)}: must be a positive number")
     return args
 
 
-def copy_tokenizer(tokenizer_meta, out_dir):
-    """A dataset carries its BPE tokenizer, so that it stands on its own."""
+def copy_tokenizer(tokenizer_meta, out_dir):  # a dataset carries its BPE tokenizer, so that it stands on its own
     for name in ("tokenizer.tiktoken", "tokenizer.json") if tokenizer_meta["kind"] == "bpe" else ():
         (out_dir / name).write_bytes(Path(tokenizer_meta["path"], name).read_bytes())
 
@@ -397,7 +392,7 @@ def run(argv):
     encoder, tokenizer_meta, tokenizer_name = load_tokenizer(args.tokenizer)
     # at char level a token is a character: both passes then read the same first max_tokens characters
     budget = min(args.num_chars or sys.maxsize, args.max_tokens or sys.maxsize if encoder is None else sys.maxsize)
-    texts = lambda: first_chars(documents, budget)  # noqa: E731
+    texts = lambda: (text for text in first_chars(documents, budget) if text)  # noqa: E731 (empty: not a document)
     # data/tinyshakespeare_char, data/fineweb_gpt2; a tokenizer named after its source (stdlib_v1000) alone
     name = tokenizer_name if tokenizer_name.startswith(source_name + "_") else f"{source_name}_{tokenizer_name}"
     out_dir = Path(args.out or Path("data", name))
@@ -420,24 +415,22 @@ def run(argv):
     state.update(vocab_size=encoder.n_vocab, eot_token=encoder.eot_token, dtype=np.dtype(dtype).name)
 
     # encode in threads, and route to the shards one document late: the last one always trains
-    shards, resume, limit = Shards(out_dir, dtype, state, args), state["resume"], args.max_tokens or sys.maxsize
-    start, offset = resume["document"], resume["offset"]
+    shards, limit = Shards(out_dir, dtype, state, args), args.max_tokens or sys.maxsize
+    start, offset = state["resume"]["document"], state["resume"]["offset"]
     total = start_total = sum(state["tokens"].values()) - offset  # the tokens before the resume point count
     stream = encode_in_threads(itertools.islice(texts(), start, None) if total < limit else (),
                                lambda batch: encode_batch(batch, encoder, dtype), args.workers)
     pending, t1 = None, time.time()
     with tqdm(unit="tok", unit_scale=True, desc="tokenizing", mininterval=0.5, initial=total, total=args.max_tokens) as bar:
         for index, (tokens, chars) in enumerate(stream, start):
-            if chars == 0:  # an empty document holds no text: it is skipped, with no EOT of its own
-                continue
             if pending:
                 shards.route(*pending, is_last=False)
-            tokens = tokens[:limit - total]
-            pending, total = (index, tokens, chars, offset if index == start else 0), total + len(tokens)
-            bar.update(len(tokens))
+            pending = (index, tokens[:limit - total], chars, offset if index == start else 0)
+            total += len(pending[1])
+            bar.update(len(pending[1]))
             if total == limit:
                 break
-    if pending is None and resume["documents"] == 0:
+    if pending is None and start == 0:
         raise UserError(f"the dataset {source} is empty: no text to tokenize; point --data at files with text in them")
     if pending:  # (else: a resumed run whose every shard was finished)
         shards.route(*pending, is_last=True)
@@ -458,7 +451,7 @@ def run(argv):
     if tokens["val"] > tokens["train"]:
         print(f"warning: val holds {tokens['val']:,} of {sum(tokens.values()):,} tokens; lower --val_tokens", file=sys.stderr)
     print(f"wrote {out_dir}: {tokens['train']:,} train tokens in {len(shard_names['train'])} shards, {tokens['val']:,} "
-          f"val tokens in {len(shard_names['val'])}, {np.dtype(dtype).name}, from {resume['documents']:,} documents")
+          f"val tokens in {len(shard_names['val'])}, {state['dtype']}, from {pending[0] + 1 if pending else start:,} documents")
     print(f"tokenizing {t2 - t1:.2f}s ({(total - start_total) / max(t2 - t1, 1e-9):,.0f} tokens/s) | total {t2 - t0:.2f}s")
 
 
