@@ -55,8 +55,7 @@ class UserError(Exception):
 # tiktoken's Rust core releases the GIL while it encodes, so threads use every core without a process pool's cost
 # (pickling documents to workers and tokens back); encode_to_numpy builds no list of ints. See bench/RESULTS.md.
 def encode_batch(texts, encoder, dtype):
-    """Each document's token ids: <|endoftext|> (none at char level), then its text's, where a written
-    "<|endoftext|>" is plain text."""
+    """Each document's ids: <|endoftext|> (none at char level), then its text's, where "<|endoftext|>" is text."""
     eot = np.array([] if encoder.eot_token is None else [encoder.eot_token], dtype)
     return [np.concatenate([eot, encoder.encode_to_numpy(text, allowed_special=set(), disallowed_special=())], dtype=dtype)
             for text in texts]
@@ -94,8 +93,7 @@ class Shards:
 
     def route(self, index, tokens, chars, skip, is_last):
         """Val takes the first documents until it holds val_tokens (at least one document); train takes the rest,
-        and always the last. A source of a single document trains on its first 90%, as nanoGPT does. (Its first
-        `skip` tokens are in finished shards already.)"""
+        and always the last. A source of a single document trains on its first 90%, as nanoGPT does."""
         if is_last and index == 0:
             if len(tokens) < 2:
                 raise UserError(f"the dataset {self.state['source']} is a single character: too little to split "
@@ -153,9 +151,9 @@ def write_json(path, obj):  # under a temporary name, then renamed: readers neve
 
 # ---------------------------------------------------------------- the tokenizer, and the output directory
 def load_tokenizer(name):
-    """--tokenizer -> (a tiktoken encoder, None for char; its entry in meta.json; its name for the default --out)."""
+    """--tokenizer -> (a tiktoken encoder, None for char; its entry in meta.json)."""
     if name == "char":  # the vocabulary comes later, from the data
-        return None, {"kind": "char"}, "char"
+        return None, {"kind": "char"}
     import regex
     import tiktoken
 
@@ -164,7 +162,7 @@ def load_tokenizer(name):
             raise UserError(f"--tokenizer {name}: no such directory, and not a tiktoken encoding "
                             f"({', '.join(tiktoken.list_encoding_names())}) or char")
         try:  # the first use downloads the ranks (a few MB) and caches them
-            return tiktoken.get_encoding(name), {"kind": "tiktoken", "name": name}, name
+            return tiktoken.get_encoding(name), {"kind": "tiktoken", "name": name}
         except Exception as error:  # requests' connection errors and friends
             raise UserError(f"--tokenizer {name}: tiktoken could not download its ranks ({type(error).__name__}); this "
                             "needs internet once (then it is cached), or use a BPE directory from train_bpe_cpu.py")
@@ -186,8 +184,7 @@ def load_tokenizer(name):
     except Exception as error:
         reason = f"{type(error).__name__}: {error}".splitlines()[0]
         raise UserError(f"--tokenizer {name} is broken ({reason}); re-run train_bpe_cpu.py to rewrite it")
-    sha256 = hashlib.sha256(ranks_file).hexdigest()
-    return encoder, {"kind": "bpe", "path": name, "sha256": sha256}, Path(name).resolve().name
+    return encoder, {"kind": "bpe", "path": name, "sha256": hashlib.sha256(ranks_file).hexdigest()}
 
 
 class CharEncoder:
@@ -229,19 +226,18 @@ def resume_state(out_dir, run_args):
             why = ("from other source files or another version of them (their sizes or times differ)" if key == "files"
                    else f"with other arguments ({key}: {previous.get(key)!r}, now {value!r})")
             raise UserError(f"--out {out_dir} was made {why}; use another --out, or {start_over}")
+    if saved_path.name == "progress.json" and "resume" not in saved:  # an older prepare_data.py counted otherwise
+        raise UserError(f"--out {out_dir}: progress.json is from an older prepare_data.py; {start_over}")
     for split, names in saved["shards"].items():  # each shard but a split's last holds shard_size tokens
         for k, name in enumerate(names):
             try:
-                whole = Path(name).name == name and len(np.load(out_dir / name, mmap_mode="r")) == min(
-                    run_args["shard_size"], saved["tokens"][split] - k * run_args["shard_size"])
+                length = len(np.load(out_dir / name, mmap_mode="r")) if Path(name).name == name else -1
             except (OSError, ValueError):
-                whole = False
-            if not whole:  # one shard can't be rebuilt alone
+                length = -1
+            if length != min(run_args["shard_size"], saved["tokens"][split] - k * run_args["shard_size"]):
                 raise UserError(f"--out {out_dir}: the shard {name} is missing or damaged; {start_over}")
     if saved_path.name == "meta.json":
         return None
-    if "resume" not in saved:  # an older prepare_data.py counted otherwise
-        raise UserError(f"--out {out_dir}: progress.json is from an older prepare_data.py; {start_over}")
     print(f"resuming {out_dir}: {len(saved['shards']['val'])} val and {len(saved['shards']['train'])} train shards "
           f"are finished; skipping {saved['resume']['document']:,} documents")
     return {**saved, "tokenizer": run_args["tokenizer"], "args": run_args}  # the same, but for the tokenizer's path
@@ -389,11 +385,12 @@ def copy_tokenizer(tokenizer_meta, out_dir):  # a dataset carries its BPE tokeni
 def run(argv):
     args, t0 = parse_args(argv), time.time()
     documents, source_name, source = open_source(args.data or data, args.data is not None)
-    encoder, tokenizer_meta, tokenizer_name = load_tokenizer(args.tokenizer)
+    encoder, tokenizer_meta = load_tokenizer(args.tokenizer)
     # at char level a token is a character: both passes then read the same first max_tokens characters
     budget = min(args.num_chars or sys.maxsize, args.max_tokens or sys.maxsize if encoder is None else sys.maxsize)
     texts = lambda: (text for text in first_chars(documents, budget) if text)  # noqa: E731 (empty: not a document)
     # data/tinyshakespeare_char, data/fineweb_gpt2; a tokenizer named after its source (stdlib_v1000) alone
+    tokenizer_name = Path(args.tokenizer).resolve().name
     name = tokenizer_name if tokenizer_name.startswith(source_name + "_") else f"{source_name}_{tokenizer_name}"
     out_dir = Path(args.out or Path("data", name))
     files = None if (args.data or data) in HUB_DATASETS else [  # a local source is known by its files
