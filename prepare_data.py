@@ -55,10 +55,10 @@ class UserError(Exception):
 # tiktoken's Rust core releases the GIL while it encodes, so threads use every core without a process pool's cost
 # (pickling documents to workers and tokens back); encode_to_numpy builds no list of ints. See bench/RESULTS.md.
 def encode_batch(texts, encoder, dtype):
-    """Each document's ids: <|endoftext|> (none at char level), then its text's, where "<|endoftext|>" is text."""
+    """Each document's ids: <|endoftext|> (none at char level), then its text's, where "<|endoftext|>" is plain text."""
     eot = np.array([] if encoder.eot_token is None else [encoder.eot_token], dtype)
-    return [np.concatenate([eot, encoder.encode_to_numpy(text, allowed_special=set(), disallowed_special=())], dtype=dtype)
-            for text in texts]
+    return [np.concatenate([eot, encoder.encode_to_numpy(text, allowed_special=set(), disallowed_special=())],
+                           dtype=dtype) for text in texts]
 
 
 def encode_in_threads(texts, encode, workers):
@@ -87,8 +87,8 @@ def encode_in_threads(texts, encode, workers):
 # under its final name is whole. Each finished shard saves progress.json: the meta.json to be, and where a resumed
 # run starts, the first token not in a finished shard.
 class Shards:
-    def __init__(self, out_dir, dtype, state, args):
-        self.out_dir, self.dtype, self.state, self.args = out_dir, dtype, state, args
+    def __init__(self, out_dir, state, args):
+        self.out_dir, self.state, self.args = out_dir, state, args
         self.split, self.file, self.filled = None, None, 0
 
     def route(self, index, tokens, chars, skip, is_last):
@@ -101,7 +101,7 @@ class Shards:
             cut = min(len(tokens) - 1, len(tokens) * 9 // 10)
             self.write("train", tokens, skip, cut, index)
             self.write("val", tokens, max(skip, cut), len(tokens), index)
-        else:
+        else:  # the shards hold the documents before this one, and its first `skip` tokens
             written = self.state["tokens"]
             val = not is_last and written["train"] == 0 and written["val"] - skip < self.args.val_tokens
             self.write("val" if val else "train", tokens, skip, len(tokens), index)
@@ -126,17 +126,17 @@ class Shards:
 
     def finish(self, document, offset):
         """Close the open shard, if any, and save that a resumed run starts at token `offset` of `document`."""
+        self.state["resume"].update(document=document, offset=offset)
         if self.file is None:
             return
         self.file.seek(0)
-        np.lib.format.write_array_header_1_0(self.file, {"descr": np.dtype(self.dtype).str, "fortran_order": False,
-                                                         "shape": (self.filled,)})
+        header = {"descr": np.dtype(self.state["dtype"]).str, "fortran_order": False, "shape": (self.filled,)}
+        np.lib.format.write_array_header_1_0(self.file, header)
         self.file.flush()
         os.fsync(self.file.fileno())  # the data is on disk before the name says the shard is whole
         self.file.close()
         self.state["shards"][self.split].append(Path(self.file.name).stem)
         os.replace(self.file.name, self.out_dir / Path(self.file.name).stem)
-        self.state["resume"].update(document=document, offset=offset)
         write_json(self.out_dir / "progress.json", self.state)
         self.file, self.filled = None, 0
 
@@ -170,7 +170,8 @@ def load_tokenizer(name):
         if not Path(name, file).is_file():
             raise UserError(f"--tokenizer {name}: {file} is missing; give a directory written by train_bpe_cpu.py")
     try:  # any broken file: say which directory, and why, in one line
-        info, ranks_file = json.loads(Path(name, "tokenizer.json").read_text()), Path(name, "tokenizer.tiktoken").read_bytes()
+        info = json.loads(Path(name, "tokenizer.json").read_text())
+        ranks_file = Path(name, "tokenizer.tiktoken").read_bytes()
         ranks = {base64.b64decode(token, validate=True): int(rank)
                  for token, rank in (line.split() for line in ranks_file.splitlines() if line.strip())}
         if sorted(ranks.values()) != list(range(len(ranks))) or "<|endoftext|>" not in info["special_tokens"]:
@@ -412,7 +413,7 @@ def run(argv):
     state.update(vocab_size=encoder.n_vocab, eot_token=encoder.eot_token, dtype=np.dtype(dtype).name)
 
     # encode in threads, and route to the shards one document late: the last one always trains
-    shards, limit = Shards(out_dir, dtype, state, args), args.max_tokens or sys.maxsize
+    shards, limit = Shards(out_dir, state, args), args.max_tokens or sys.maxsize
     start, offset = state["resume"]["document"], state["resume"]["offset"]
     total = start_total = sum(state["tokens"].values()) - offset  # the tokens before the resume point count
     stream = encode_in_threads(itertools.islice(texts(), start, None) if total < limit else (),
@@ -448,7 +449,7 @@ def run(argv):
     if tokens["val"] > tokens["train"]:
         print(f"warning: val holds {tokens['val']:,} of {sum(tokens.values()):,} tokens; lower --val_tokens", file=sys.stderr)
     print(f"wrote {out_dir}: {tokens['train']:,} train tokens in {len(shard_names['train'])} shards, {tokens['val']:,} "
-          f"val tokens in {len(shard_names['val'])}, {state['dtype']}, from {pending[0] + 1 if pending else start:,} documents")
+          f"val tokens in {len(shard_names['val'])}, {state['dtype']}, from {state['resume']['document']:,} documents")
     print(f"tokenizing {t2 - t1:.2f}s ({(total - start_total) / max(t2 - t1, 1e-9):,.0f} tokens/s) | total {t2 - t0:.2f}s")
 
 
