@@ -372,9 +372,9 @@ def parse_args(argv):
     args = parser.parse_args(argv)
     if args.tokenizer is None:
         raise UserError("--tokenizer is required: a directory from train_bpe_cpu.py, a tiktoken name (gpt2) or char")
-    for flag in ("num_chars", "max_tokens", "shard_size", "val_tokens", "workers"):
-        if getattr(args, flag) is not None and getattr(args, flag) <= 0:
-            raise UserError(f"--{flag} {getattr(args, flag)}: must be a positive number")
+    for flag, value in vars(args).items():
+        if isinstance(value, int) and value <= 0:
+            raise UserError(f"--{flag} {value}: must be a positive number")
     return args
 
 
