@@ -96,8 +96,7 @@ class Shards:
         and always the last. A source of a single document trains on its first 90%, as nanoGPT does."""
         if is_last and index == 0:
             if len(tokens) < 2:
-                raise UserError(f"the dataset {self.state['source']} is a single character: too little to split "
-                                "into train and val")
+                raise UserError(f"the dataset {self.state['source']} is a single character: too little for train and val")
             cut = min(len(tokens) - 1, len(tokens) * 9 // 10)
             self.write("train", tokens, skip, cut, index)
             self.write("val", tokens, max(skip, cut), len(tokens), index)
@@ -197,8 +196,7 @@ class CharEncoder:
     def encode_to_numpy(self, text, **_):
         ids = self.ids[np.frombuffer(text.encode("utf-32-le"), np.uint32)]
         if (ids == self.n_vocab).any():
-            raise UserError("the data changed between the two passes (a character is missing from the "
-                            "vocabulary); run again on data that does not change")
+            raise UserError("the data changed between the two passes (a new character); run again once it no longer changes")
         return ids
 
 
