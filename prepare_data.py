@@ -201,7 +201,7 @@ class CharEncoder:
 
 
 def resume_state(out_dir, run_args):
-    """Fresh for a new directory; the saved state for a run of the same arguments (where the tokenizer lies aside) on
+    """Fresh for a new directory; the saved state for a run of the same arguments (the tokenizer's path aside) on
     the same source files (paths, sizes, times), after checking its shards; None for a dataset already complete."""
     for parent in [out_dir, *out_dir.parents]:
         if parent.exists() and not parent.is_dir():
