@@ -458,6 +458,6 @@ if __name__ == "__main__":
         print("\ninterrupted: run the same command again to resume; finished shards are kept", file=sys.stderr)
         sys.exit(130)
     except (UserError, OSError) as error:  # OSError: a full disk, a lost mount; the finished shards are safe
-        resume = "; fix it and run the same command again to resume" if isinstance(error, OSError) else ""
-        print(f"error: {error}{resume}", file=sys.stderr)
+        advice = "; fix it and run the same command again to resume" if isinstance(error, OSError) else ""
+        print(f"error: {error}{advice}", file=sys.stderr)
         sys.exit(1)
