@@ -16,7 +16,6 @@ import hashlib
 import itertools
 import json
 import os
-import shutil
 import socket
 import sys
 import sysconfig
@@ -55,22 +54,11 @@ class UserError(Exception):
 # ---------------------------------------------------------------- step 1: encode documents in parallel threads
 # tiktoken's Rust core releases the GIL while it encodes, so threads use every core without a process pool's cost
 # (pickling documents to workers and tokens back); encode_to_numpy builds no list of ints. See bench/RESULTS.md.
-def encode_batch(texts, encoder, char_codes, dtype):
-    """Each document's token ids: <|endoftext|> and its text's, or at char level each character's rank."""
-    encoded = []
-    for text in texts:
-        if char_codes is None:  # disallowed_special=(): an "<|endoftext|>" written in a document is plain text
-            ids = encoder.encode_to_numpy(text, allowed_special=set(), disallowed_special=())
-            tokens = np.empty(len(ids) + 1, dtype)
-            tokens[0], tokens[1:] = encoder.eot_token, ids
-        else:
-            codes = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
-            tokens = np.searchsorted(char_codes, codes).astype(dtype)
-            if not np.array_equal(char_codes[np.minimum(tokens, len(char_codes) - 1)], codes):
-                raise UserError("the data changed between the two passes (a character is missing from the "
-                                "vocabulary); run again on data that does not change")
-        encoded.append(tokens)
-    return encoded
+def encode_batch(texts, encoder, dtype):
+    """Each document's ids: <|endoftext|> (none at char level), then its text's, where "<|endoftext|>" is plain text."""
+    eot = np.array([] if encoder.eot_token is None else [encoder.eot_token], dtype)
+    return [np.concatenate([eot, encoder.encode_to_numpy(text, allowed_special=set(), disallowed_special=())],
+                           dtype=dtype) for text in texts]
 
 
 def encode_in_threads(texts, encode, workers):
@@ -96,67 +84,63 @@ def encode_in_threads(texts, encode, workers):
 # Shard k of a split holds its tokens [k * shard_size, (k + 1) * shard_size): the boundaries depend on nothing but
 # the data. A .npy file is a 128-byte header (dtype, shape) and the raw array: tokens stream in after a placeholder
 # header, the true one goes in when the shard is full, and the file is renamed from its temporary name, so a shard
-# under its final name is whole. Each finished shard saves progress.json: where a resumed run starts, and what the
-# documents before that held, so that it makes the same choices.
+# under its final name is whole. Each finished shard saves progress.json: the meta.json to be, and where a resumed
+# run starts, the first token not in a finished shard.
 class Shards:
-    def __init__(self, out_dir, dtype, progress, args):
-        self.out_dir, self.dtype, self.progress, self.args = out_dir, dtype, progress, args
-        self.resume = (progress["document"], progress["offset"])  # the first token not in a finished shard
+    def __init__(self, out_dir, state, args):
+        self.out_dir, self.state, self.args = out_dir, state, args
         self.split, self.file, self.filled = None, None, 0
 
-    def route(self, index, tokens, chars, is_last):
+    def route(self, index, tokens, chars, skip, is_last):
         """Val takes the first documents until it holds val_tokens (at least one document); train takes the rest,
         and always the last. A source of a single document trains on its first 90%, as nanoGPT does."""
-        before, skip = self.progress["before"], self.resume[1] if index == self.resume[0] else 0
-        if is_last and before["documents"] == 0:
+        if is_last and index == 0:
+            if len(tokens) < 2:
+                raise UserError(f"the dataset {self.state['source']} is a single character: too little for train and val")
             cut = min(len(tokens) - 1, len(tokens) * 9 // 10)
             self.write("train", tokens, skip, cut, index)
             self.write("val", tokens, max(skip, cut), len(tokens), index)
-        else:
-            split = "val" if not is_last and before["train"] == 0 and before["val"] < self.args.val_tokens else "train"
-            self.write(split, tokens, skip, len(tokens), index)
-            before[split] += len(tokens)
-        before["documents"] += 1
-        before["chars"] += chars
+        else:  # the shards hold the documents before this one, and its first `skip` tokens
+            written = self.state["tokens"]
+            val = not is_last and written["train"] == 0 and written["val"] - skip < self.args.val_tokens
+            self.write("val" if val else "train", tokens, skip, len(tokens), index)
+        self.state["num_chars"] += chars
 
     def write(self, split, tokens, start, end, index):
-        """Append tokens[start:end] of document `index` to `split`, finishing each shard that fills up."""
         if split != self.split:
-            self.finish((index, start))
+            self.finish(index, start)
             self.split = split
         while start < end:
             if self.file is None:  # the directory appears with the first shard: an empty source leaves none
                 self.out_dir.mkdir(parents=True, exist_ok=True)
-                self.name = f"{split}_{len(self.progress['shards'][split]):06d}.npy"
-                self.file = open(self.out_dir / (self.name + ".tmp"), "wb")
+                self.file = open(self.out_dir / f"{split}_{len(self.state['shards'][split]):06d}.npy.tmp", "wb")
                 self.file.write(bytes(128))
             chunk = tokens[start:min(end, start + self.args.shard_size - self.filled)]
             self.file.write(chunk.tobytes())
             self.filled, start = self.filled + len(chunk), start + len(chunk)
-            self.progress["tokens"][split] += len(chunk)
-            self.progress["max_token_id"] = max(self.progress["max_token_id"], int(chunk.max()))
+            self.state["tokens"][split] += len(chunk)
+            self.state["max_token_id"] = max(self.state["max_token_id"], int(chunk.max()))
             if self.filled == self.args.shard_size:
-                self.finish((index, start))
+                self.finish(index, start)
 
-    def finish(self, position):
-        """Close the open shard, if any, and save that a resumed run starts at `position` (document, token)."""
+    def finish(self, document, offset):
+        """Close the open shard, if any, and save that a resumed run starts at token `offset` of `document`."""
+        self.state["resume"].update(document=document, offset=offset)
         if self.file is None:
             return
         self.file.seek(0)
-        np.lib.format.write_array_header_1_0(self.file, {"descr": np.dtype(self.dtype).str, "fortran_order": False,
-                                                         "shape": (self.filled,)})
+        header = {"descr": np.dtype(self.state["dtype"]).str, "fortran_order": False, "shape": (self.filled,)}
+        np.lib.format.write_array_header_1_0(self.file, header)
         self.file.flush()
         os.fsync(self.file.fileno())  # the data is on disk before the name says the shard is whole
         self.file.close()
-        os.replace(self.out_dir / (self.name + ".tmp"), self.out_dir / self.name)
-        self.progress["shards"][self.split].append(self.name)
-        self.progress["document"], self.progress["offset"] = position
-        write_json(self.out_dir / "progress.json", self.progress)
+        self.state["shards"][self.split].append(Path(self.file.name).stem)
+        os.replace(self.file.name, self.out_dir / Path(self.file.name).stem)
+        write_json(self.out_dir / "progress.json", self.state)
         self.file, self.filled = None, 0
 
 
-def write_json(path, obj):
-    """Write under a temporary name, then rename: readers never see half a file."""
+def write_json(path, obj):  # under a temporary name, then renamed: readers never see half a file
     with open(f"{path}.tmp", "w") as f:
         json.dump(obj, f, indent=1, ensure_ascii=False)
         f.flush()
@@ -166,31 +150,29 @@ def write_json(path, obj):
 
 # ---------------------------------------------------------------- the tokenizer, and the output directory
 def load_tokenizer(name):
-    """--tokenizer -> (a tiktoken encoder, None for char; its entry in meta.json; its name for the default --out)."""
+    """--tokenizer -> (a tiktoken encoder, None for char; its entry in meta.json)."""
     if name == "char":  # the vocabulary comes later, from the data
-        return None, {"kind": "char"}, "char"
+        return None, {"kind": "char"}
     import regex
     import tiktoken
 
-    if os.sep not in name and not name.startswith(".") and not Path(name).exists():
+    if not Path(name).exists():  # a tiktoken name
         if name not in tiktoken.list_encoding_names():
-            raise UserError(f"--tokenizer {name}: not a directory, not char, and not a tiktoken encoding "
-                            f"({', '.join(tiktoken.list_encoding_names())}); check the spelling or the path")
+            raise UserError(f"--tokenizer {name}: no such directory, and not a tiktoken encoding "
+                            f"({', '.join(tiktoken.list_encoding_names())}) or char")
         try:  # the first use downloads the ranks (a few MB) and caches them
-            return tiktoken.get_encoding(name), {"kind": "tiktoken", "name": name}, name
+            return tiktoken.get_encoding(name), {"kind": "tiktoken", "name": name}
         except Exception as error:  # requests' connection errors and friends
             raise UserError(f"--tokenizer {name}: tiktoken could not download its ranks ({type(error).__name__}); this "
                             "needs internet once (then it is cached), or use a BPE directory from train_bpe_cpu.py")
-    missing = [file for file in ("tokenizer.tiktoken", "tokenizer.json") if not Path(name, file).is_file()]
-    if missing:
-        what = f"{missing[0]} is missing" if Path(name).is_dir() else "no such directory"
-        raise UserError(f"--tokenizer {name}: {what}; give a directory written by train_bpe_cpu.py, a tiktoken name "
-                        "(gpt2, cl100k_base, o200k_base) or char")
+    for file in ("tokenizer.tiktoken", "tokenizer.json"):
+        if not Path(name, file).is_file():
+            raise UserError(f"--tokenizer {name}: {file} is missing; give a directory written by train_bpe_cpu.py")
     try:  # any broken file: say which directory, and why, in one line
         info = json.loads(Path(name, "tokenizer.json").read_text())
-        with open(Path(name, "tokenizer.tiktoken"), "rb") as f:
-            ranks = {base64.b64decode(token, validate=True): int(rank)
-                     for token, rank in (line.split() for line in f if line.strip())}
+        ranks_file = Path(name, "tokenizer.tiktoken").read_bytes()
+        ranks = {base64.b64decode(token, validate=True): int(rank)
+                 for token, rank in (line.split() for line in ranks_file.splitlines() if line.strip())}
         if sorted(ranks.values()) != list(range(len(ranks))) or "<|endoftext|>" not in info["special_tokens"]:
             raise ValueError("its ranks are not 0..V-1, each once, or it has no <|endoftext|>")
         if regex.compile(info["pattern"]).fullmatch(""):  # tiktoken would panic on its empty chunks
@@ -202,12 +184,24 @@ def load_tokenizer(name):
     except Exception as error:
         reason = f"{type(error).__name__}: {error}".splitlines()[0]
         raise UserError(f"--tokenizer {name} is broken ({reason}); re-run train_bpe_cpu.py to rewrite it")
-    sha256 = hashlib.sha256(Path(name, "tokenizer.tiktoken").read_bytes()).hexdigest()
-    return encoder, {"kind": "bpe", "path": name, "sha256": sha256}, Path(name).resolve().name
+    return encoder, {"kind": "bpe", "path": name, "sha256": hashlib.sha256(ranks_file).hexdigest()}
+
+
+class CharEncoder:
+    """tiktoken's interface at char level: a character's id is its rank among the data's distinct characters."""
+    def __init__(self, chars):
+        self.n_vocab, self.eot_token, self.ids = len(chars), None, np.full(0x110000, len(chars), np.uint32)
+        self.ids[[ord(c) for c in chars]] = np.arange(len(chars))  # (len(chars): not in the vocabulary)
+
+    def encode_to_numpy(self, text, **_):
+        ids = self.ids[np.frombuffer(text.encode("utf-32-le"), np.uint32)]
+        if (ids == self.n_vocab).any():
+            raise UserError("the data changed between the two passes (a new character); run again once it no longer changes")
+        return ids
 
 
 def resume_state(out_dir, run_args):
-    """Fresh for a new directory; the saved state for a run of the same arguments (where the tokenizer lies aside) on
+    """Fresh for a new directory; the saved state for a run of the same arguments (the tokenizer's path aside) on
     the same source files (paths, sizes, times), after checking its shards; None for a dataset already complete."""
     for parent in [out_dir, *out_dir.parents]:
         if parent.exists() and not parent.is_dir():
@@ -216,39 +210,36 @@ def resume_state(out_dir, run_args):
     if saved_path is None:
         if out_dir.exists() and any(not path.name.endswith(".tmp") for path in out_dir.iterdir()):
             raise UserError(f"--out {out_dir} is not empty and was not made by prepare_data.py; give a new directory")
-        return {"args": run_args, "chars": None, "document": 0, "offset": 0, "shards": {"val": [], "train": []},
-                "tokens": {"val": 0, "train": 0}, "max_token_id": -1,
-                "before": {"documents": 0, "chars": 0, "val": 0, "train": 0}}  # of the document being routed
+        return {"version": 1, "max_token_id": -1, "tokenizer": run_args["tokenizer"], "source": run_args["source"],
+                "num_chars": 0, "tokens": {"val": 0, "train": 0}, "shards": {"val": [], "train": []},
+                "args": run_args, "resume": {"document": 0, "offset": 0}}
     shard_deciding = lambda args: {**args, "tokenizer": {k: v for k, v in args["tokenizer"].items() if k != "path"}}
+    start_over = f"delete {out_dir} to start over"
     try:
         saved = json.loads(saved_path.read_text())
         previous = shard_deciding(saved["args"])
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        raise UserError(f"--out {out_dir}: {saved_path.name} is unreadable; delete {out_dir} to start over")
+        raise UserError(f"--out {out_dir}: {saved_path.name} is unreadable; {start_over}")
     for key, value in shard_deciding(run_args).items():
-        if key == "files" and value != previous.get(key):
-            raise UserError(f"--out {out_dir} was made from other source files or another version of them (their "
-                            f"sizes or times differ); delete {out_dir} to start over, or use another --out")
         if value != previous.get(key):
-            raise UserError(f"--out {out_dir} was made with other arguments ({key}: {previous.get(key)!r}, "
-                            f"now {value!r}); use another --out, or delete it to start over")
-    for split in ("val", "train"):  # each shard but a split's last holds shard_size tokens
-        for k, name in enumerate(saved["shards"][split]):
+            why = ("from other source files or another version of them (their sizes or times differ)" if key == "files"
+                   else f"with other arguments ({key}: {previous.get(key)!r}, now {value!r})")
+            raise UserError(f"--out {out_dir} was made {why}; use another --out, or {start_over}")
+    if saved_path.name == "progress.json" and "resume" not in saved:  # an older prepare_data.py counted otherwise
+        raise UserError(f"--out {out_dir}: progress.json is from an older prepare_data.py; {start_over}")
+    for split, names in saved["shards"].items():  # each shard but a split's last holds shard_size tokens
+        for k, name in enumerate(names):
             try:
-                whole = Path(name).name == name and len(np.load(out_dir / name, mmap_mode="r")) == min(
-                    run_args["shard_size"], saved["tokens"][split] - k * run_args["shard_size"])
+                length = len(np.load(out_dir / name, mmap_mode="r")) if Path(name).name == name else -1
             except (OSError, ValueError):
-                whole = False
-            if not whole:  # one shard can't be rebuilt alone
-                raise UserError(f"--out {out_dir}: the shard {name} is missing or damaged; delete {out_dir} and run "
-                                "the same command again to rebuild it")
+                length = -1
+            if length != min(run_args["shard_size"], saved["tokens"][split] - k * run_args["shard_size"]):
+                raise UserError(f"--out {out_dir}: the shard {name} is missing or damaged; {start_over}")
     if saved_path.name == "meta.json":
         return None
-    if "before" not in saved:  # an older prepare_data.py counted otherwise
-        raise UserError(f"--out {out_dir}: progress.json is from an older prepare_data.py; delete {out_dir} to start over")
     print(f"resuming {out_dir}: {len(saved['shards']['val'])} val and {len(saved['shards']['train'])} train shards "
-          f"are finished; skipping {saved['document']:,} documents")
-    return saved
+          f"are finished; skipping {saved['resume']['document']:,} documents")
+    return {**saved, "tokenizer": run_args["tokenizer"], "args": run_args}  # the same, but for the tokenizer's path
 
 
 # ---------------------------------------------------------------- reading text (the same in every script)
@@ -378,114 +369,95 @@ def parse_args(argv):
     parser.add_argument("--workers", type=int, default=workers, help="tokenizer threads (default: every core)")
     args = parser.parse_args(argv)
     if args.tokenizer is None:
-        raise UserError("--tokenizer is required: a directory from train_bpe_cpu.py (e.g. tokenizers/stdlib_v1000), "
-                        "a tiktoken name (gpt2) or char")
-    for flag in ("num_chars", "max_tokens", "shard_size", "val_tokens", "workers"):
-        if getattr(args, flag) is not None and getattr(args, flag) <= 0:
-            raise UserError(f"--{flag} {getattr(args, flag)}: must be a positive number")
+        raise UserError("--tokenizer is required: a directory from train_bpe_cpu.py, a tiktoken name (gpt2) or char")
+    for flag, value in vars(args).items():
+        if isinstance(value, int) and value <= 0:
+            raise UserError(f"--{flag} {value}: must be a positive number")
     return args
 
 
-def copy_tokenizer(tokenizer_meta, out_dir):
-    """A dataset carries its BPE tokenizer, so that it stands on its own."""
+def copy_tokenizer(tokenizer_meta, out_dir):  # a dataset carries its BPE tokenizer, so that it stands on its own
     for name in ("tokenizer.tiktoken", "tokenizer.json") if tokenizer_meta["kind"] == "bpe" else ():
-        shutil.copyfile(Path(tokenizer_meta["path"], name), out_dir / (name + ".tmp"))
-        os.replace(out_dir / (name + ".tmp"), out_dir / name)
+        (out_dir / name).write_bytes(Path(tokenizer_meta["path"], name).read_bytes())
 
 
 def run(argv):
     args, t0 = parse_args(argv), time.time()
     documents, source_name, source = open_source(args.data or data, args.data is not None)
-    encoder, tokenizer_meta, tokenizer_name = load_tokenizer(args.tokenizer)
+    encoder, tokenizer_meta = load_tokenizer(args.tokenizer)
     # at char level a token is a character: both passes then read the same first max_tokens characters
     budget = min(args.num_chars or sys.maxsize, args.max_tokens or sys.maxsize if encoder is None else sys.maxsize)
-    texts = lambda: first_chars(documents, budget)  # noqa: E731
+    texts = lambda: (text for text in first_chars(documents, budget) if text)  # noqa: E731 (empty: not a document)
     # data/tinyshakespeare_char, data/fineweb_gpt2; a tokenizer named after its source (stdlib_v1000) alone
+    tokenizer_name = Path(args.tokenizer).resolve().name
     name = tokenizer_name if tokenizer_name.startswith(source_name + "_") else f"{source_name}_{tokenizer_name}"
     out_dir = Path(args.out or Path("data", name))
     files = None if (args.data or data) in HUB_DATASETS else [  # a local source is known by its files
         [str(path), path.stat().st_size, path.stat().st_mtime_ns] for path in local_files(args.data)]
     run_args = {"source": source, "tokenizer": tokenizer_meta, "num_chars": args.num_chars, "max_tokens": args.max_tokens,
                 "shard_size": args.shard_size, "val_tokens": args.val_tokens, "files": files}
-    progress = resume_state(out_dir, run_args)
-    if progress is None:
+    state = resume_state(out_dir, run_args)
+    if state is None:
         copy_tokenizer(tokenizer_meta, out_dir)
         return print(f"{out_dir} is already complete with these arguments; nothing to do")
-    empty = f"the dataset {source} is empty: no text to tokenize; point --data at files with text in them"
 
-    if encoder is None and progress["chars"] is None:  # char level, pass 1: the vocabulary, every distinct character
-        distinct = set()  # (saved with the first shard, so that a resumed run skips this pass)
-        for text in tqdm(texts(), unit=" docs", desc="pass 1: characters", mininterval=0.5):
-            distinct.update(text)
-        progress["chars"] = sorted(distinct)
-    if encoder is None and not progress["chars"]:
-        raise UserError(empty)
-    char_codes = None if encoder else np.array([ord(c) for c in progress["chars"]], dtype=np.uint32)
-    vocab_size = encoder.n_vocab if encoder else len(char_codes)
+    if encoder is None:  # char level: pass 1 finds the vocabulary, every distinct character (progress.json keeps it)
+        if "chars" not in state:
+            state["chars"] = sorted(set(itertools.chain.from_iterable(
+                tqdm(texts(), unit=" docs", desc="pass 1: characters", mininterval=0.5))))
+        encoder = CharEncoder(state["chars"])
     # uint16 holds ids up to 65535, half the disk and memory bandwidth of uint32, which bigger vocabularies need
-    dtype = np.uint16 if vocab_size <= 1 << 16 else np.uint32
+    dtype = np.uint16 if encoder.n_vocab <= 1 << 16 else np.uint32
+    state.update(vocab_size=encoder.n_vocab, eot_token=encoder.eot_token, dtype=np.dtype(dtype).name)
 
     # encode in threads, and route to the shards one document late: the last one always trains
-    shards, before, start = Shards(out_dir, dtype, progress, args), progress["before"], progress["document"]
-    total = start_total = before["val"] + before["train"]  # the tokens before the resume point count to --max_tokens
-    reached_max = bool(args.max_tokens) and total >= args.max_tokens  # a resumed run that lacked only meta.json
-    stream = encode_in_threads(() if reached_max else itertools.islice(texts(), start, None),
-                               lambda batch: encode_batch(batch, encoder, char_codes, dtype), args.workers)
+    shards, limit = Shards(out_dir, state, args), args.max_tokens or sys.maxsize
+    start, offset = state["resume"]["document"], state["resume"]["offset"]
+    total = start_total = sum(state["tokens"].values()) - offset  # the tokens before the resume point count
+    stream = encode_in_threads(itertools.islice(texts(), start, None) if total < limit else (),
+                               lambda batch: encode_batch(batch, encoder, dtype), args.workers)
     pending, t1 = None, time.time()
-    with tqdm(unit=" docs", desc="tokenizing", mininterval=0.5, initial=start) as bar:
+    with tqdm(unit="tok", unit_scale=True, desc="tokenizing", mininterval=0.5, initial=total, total=args.max_tokens) as bar:
         for index, (tokens, chars) in enumerate(stream, start):
-            bar.update(1)
-            if chars == 0:  # an empty document holds no text: it is skipped, with no EOT of its own
-                continue
-            last = bool(args.max_tokens) and total + len(tokens) >= args.max_tokens
-            tokens = tokens[:args.max_tokens - total] if last else tokens
-            total += len(tokens)
-            if pending is not None:
+            if pending:
                 shards.route(*pending, is_last=False)
-            pending = (index, tokens, chars)
-            if bar.n % 64 == 0:
-                bar.set_postfix_str(f"{(total - start_total) / (time.time() - t1):,.0f} tokens/s", refresh=False)
-            if last:
+            pending = (index, tokens[:limit - total], chars, offset if index == start else 0)
+            total += len(pending[1])
+            bar.update(len(pending[1]))
+            if total == limit:
                 break
-    if pending is not None:  # (else: a resumed run whose every shard was finished, or an empty source)
-        if before["documents"] == 0 and len(pending[1]) < 2:
-            raise UserError(f"the dataset {source} is a single character: too little to split into train and val")
+    if pending is None and start == 0:
+        raise UserError(f"the dataset {source} is empty: no text to tokenize; point --data at files with text in them")
+    if pending:  # (else: a resumed run whose every shard was finished)
         shards.route(*pending, is_last=True)
-        shards.finish((pending[0] + 1, 0))
-    elif before["documents"] == 0:
-        raise UserError(empty)
+        shards.finish(pending[0] + 1, 0)
     t2 = time.time()
 
     # meta.json, last: its presence says the dataset is complete
     copy_tokenizer(tokenizer_meta, out_dir)
-    tokens, shard_names = progress["tokens"], progress["shards"]
-    meta = {"version": 1, "vocab_size": vocab_size, "eot_token": encoder and encoder.eot_token,
-            "dtype": np.dtype(dtype).name, "max_token_id": progress["max_token_id"], "tokenizer": tokenizer_meta,
-            "source": source, "num_chars": before["chars"], "tokens": tokens, "shards": shard_names, "args": run_args}
-    write_json(out_dir / "meta.json", meta if encoder else {**meta, "chars": progress["chars"]})
+    write_json(out_dir / "meta.json", {key: value for key, value in state.items() if key != "resume"})
     (out_dir / "progress.json").unlink()
     for leftover in out_dir.glob("*.tmp"):  # a shard a killed run had begun and this one finished
         leftover.unlink()
+    tokens, shard_names = state["tokens"], state["shards"]
     if BadUTF8.count:
         print(f"warning: {BadUTF8.count} invalid UTF-8 sequences were replaced with U+FFFD", file=sys.stderr)
-    if args.num_chars and before["chars"] < args.num_chars and not args.max_tokens:
-        print(f"the source ran out after {before['chars']:,} characters (asked for {args.num_chars:,})")
+    if args.num_chars and state["num_chars"] < args.num_chars and not args.max_tokens:
+        print(f"the source ran out after {state['num_chars']:,} characters (asked for {args.num_chars:,})")
     if tokens["val"] > tokens["train"]:
         print(f"warning: val holds {tokens['val']:,} of {sum(tokens.values()):,} tokens; lower --val_tokens", file=sys.stderr)
     print(f"wrote {out_dir}: {tokens['train']:,} train tokens in {len(shard_names['train'])} shards, {tokens['val']:,} "
-          f"val tokens in {len(shard_names['val'])}, {np.dtype(dtype).name}, from {before['documents']:,} documents")
+          f"val tokens in {len(shard_names['val'])}, {state['dtype']}, from {state['resume']['document']:,} documents")
     print(f"tokenizing {t2 - t1:.2f}s ({(total - start_total) / max(t2 - t1, 1e-9):,.0f} tokens/s) | total {t2 - t0:.2f}s")
 
 
 if __name__ == "__main__":
     try:
         run(sys.argv[1:])
-    except UserError as error:
-        print(f"error: {error}", file=sys.stderr)
-        sys.exit(1)
     except KeyboardInterrupt:
         print("\ninterrupted: run the same command again to resume; finished shards are kept", file=sys.stderr)
         sys.exit(130)
-    except OSError as error:  # a full disk, a lost mount: the finished shards are safe, so say how to go on
-        print(f"error: {error}; fix it and run the same command again to resume", file=sys.stderr)
+    except (UserError, OSError) as error:  # OSError: a full disk, a lost mount; the finished shards are safe
+        advice = "; fix it and run the same command again to resume" if isinstance(error, OSError) else ""
+        print(f"error: {error}{advice}", file=sys.stderr)
         sys.exit(1)

@@ -181,6 +181,14 @@ def test_char_level_documents_val_first(tmp_path, docs):
     assert meta["chars"] == sorted(set("".join(docs)[:3001]))
 
 
+def test_char_ids_are_ranks_and_an_unseen_character_is_refused():
+    """Pass 2 of char level reads the data again: a character that pass 1 did not see means the data changed."""
+    encoder = prepare_data.CharEncoder(sorted("ab🎉"))
+    assert encoder.encode_to_numpy("🎉ba").tolist() == [2, 1, 0] and encoder.n_vocab == 3
+    with pytest.raises(prepare_data.UserError, match="the data changed between the two passes"):
+        encoder.encode_to_numpy("abc")
+
+
 def test_tiktoken_name_path_with_a_local_encoding(tmp_path, docs, bpe_dir):
     """The tiktoken-name route (tiktoken.get_encoding) for real, on an encoding that tiktoken finds through its
     plugin mechanism (a tiktoken_ext module on PYTHONPATH) and builds from local ranks: gpt2 & co. would need
@@ -416,6 +424,9 @@ def test_out_into_a_file_and_foreign_or_mismatched_out(tmp_path, docs, bpe_dir, 
     for other in (["--shard_size", 123], ["-n", 100], ["--tokenizer", "char"]):
         assert "made with other arguments" in refused("--tokenizer", bpe_dir, "--data", "docs.jsonl", "--out", "ds", *other)
     assert files_of(tmp_path / "ds") == before
+    (tmp_path / "ds" / "meta.json").rename(tmp_path / "ds" / "progress.json")  # as an older run's: no "resume"
+    assert "progress.json is from an older" in refused("--tokenizer", bpe_dir, "--data", "docs.jsonl", "--out", "ds")
+    (tmp_path / "ds" / "progress.json").rename(tmp_path / "ds" / "meta.json")
     (tmp_path / "ds" / "meta.json").write_text("{")
     assert "meta.json is unreadable" in refused("--tokenizer", bpe_dir, "--data", "docs.jsonl", "--out", "ds")
 
