@@ -328,9 +328,10 @@ def test_configure_optimizers_muon_takes_the_block_matrices():
     assert [p is model.lm_head.weight for p in matrices["params"]] == [True]  # the tied embedding: AdamW
     assert all(p.dim() == 1 for p in gains["params"]) and gains["weight_decay"] == 0.0
     assert sum(len(g["params"]) for g in optimizer.param_groups) == len(list(model.parameters()))
-    # Newton-Schulz every 4th step on the CPU (float32, small batches), every step on a GPU.
-    assert muon["ns_every"] == 4
-    assert model.configure_optimizers(0.1, 1e-3, (0.9, 0.95), "cuda", optimizer="muon").param_groups[0]["ns_every"] == 1
+    # Newton-Schulz on the CPU (float32, small batches): every step for 250, then every 2nd; on a GPU every step.
+    assert (muon["ns_every"], muon["ns_warmup"]) == (2, 250)
+    on_gpu = model.configure_optimizers(0.1, 1e-3, (0.9, 0.95), "cuda", optimizer="muon").param_groups[0]
+    assert (on_gpu["ns_every"], on_gpu["ns_warmup"]) == (1, 0)
     with pytest.raises(ValueError, match="adamw' or 'muon"):
         model.configure_optimizers(0.1, 1e-3, (0.9, 0.95), "cpu", optimizer="sgd")
 
@@ -393,6 +394,23 @@ def test_muon_ns_every_reuses_the_direction_and_resumes_exactly(tmp_path):
         restored.step()
     for w, r in zip(weights, resumed):
         assert torch.equal(w, r)
+
+
+def test_muon_ns_warmup_orthogonalizes_every_step_before_the_period_starts():
+    # ns_warmup=2, ns_every=3: steps 1 and 2 each take a fresh direction, step 3 (index 2, not a multiple of 3)
+    # reuses step 2's, step 4 (index 3) takes a fresh one again.
+    torch.manual_seed(3)
+    weight = torch.nn.Parameter(torch.randn(8, 24))
+    optimizer = MuonAdamW([{"params": [weight], "use_muon": True}], lr=0.1, ns_every=3, ns_warmup=2)
+    moves = []
+    for _ in range(4):
+        before = weight.detach().clone()
+        weight.grad = torch.randn_like(weight)
+        optimizer.step()
+        moves.append(weight.detach() - before)
+    assert (moves[1] - moves[0]).abs().max() > 1e-3
+    torch.testing.assert_close(moves[2], moves[1], rtol=0, atol=1e-6)
+    assert (moves[3] - moves[2]).abs().max() > 1e-3
 
 
 def test_muon_step_is_the_scaled_orthogonal_direction():
