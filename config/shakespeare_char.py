@@ -4,7 +4,7 @@
 # Train, then sample:
 #   python train.py config/shakespeare_char.py
 #   python sample.py --out_dir=out-shakespeare-char
-# On a CPU, nanoGPT's small recipe (a 0.8M-parameter model, 2000 steps; bench/bench_train.py times it):
+# On a CPU, nanoGPT's small recipe (0.40M parameters here, 0.80M in nanoGPT; 2000 steps; bench/bench_train.py):
 #   python train.py config/shakespeare_char.py --device=cpu --compile=False --eval_iters=20 --block_size=64 \
 #       --batch_size=12 --n_layer=4 --n_head=4 --n_embd=128 --max_iters=2000 --lr_decay_iters=2000
 
