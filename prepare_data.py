@@ -112,7 +112,9 @@ class Shards:
             self.split = split
         while start < end:
             if self.file is None:  # the directory appears with the first shard: an empty source leaves none
-                self.out_dir.mkdir(parents=True, exist_ok=True)
+                if not (self.out_dir / "progress.json").exists():  # before any shard: a run killed now resumes
+                    self.out_dir.mkdir(parents=True, exist_ok=True)
+                    write_json(self.out_dir / "progress.json", self.state)
                 self.file = open(self.out_dir / f"{split}_{len(self.state['shards'][split]):06d}.npy.tmp", "wb")
                 self.file.write(bytes(128))
             chunk = tokens[start:min(end, start + self.args.shard_size - self.filled)]
@@ -378,7 +380,8 @@ def parse_args(argv):
 
 def copy_tokenizer(tokenizer_meta, out_dir):  # a dataset carries its BPE tokenizer, so that it stands on its own
     for name in ("tokenizer.tiktoken", "tokenizer.json") if tokenizer_meta["kind"] == "bpe" else ():
-        (out_dir / name).write_bytes(Path(tokenizer_meta["path"], name).read_bytes())
+        (out_dir / f"{name}.tmp").write_bytes(Path(tokenizer_meta["path"], name).read_bytes())
+        os.replace(out_dir / f"{name}.tmp", out_dir / name)  # train.py never reads half a tokenizer
 
 
 def run(argv):
@@ -386,7 +389,9 @@ def run(argv):
     documents, source_name, source = open_source(args.data or data, args.data is not None)
     encoder, tokenizer_meta = load_tokenizer(args.tokenizer)
     # at char level a token is a character: both passes then read the same first max_tokens characters
-    budget = min(args.num_chars or sys.maxsize, args.max_tokens or sys.maxsize if encoder is None else sys.maxsize)
+    budget = args.num_chars or sys.maxsize
+    if encoder is None and args.max_tokens:
+        budget = min(budget, args.max_tokens)
     texts = lambda: (text for text in first_chars(documents, budget) if text)  # noqa: E731 (empty: not a document)
     # data/tinyshakespeare_char, data/fineweb_gpt2; a tokenizer named after its source (stdlib_v1000) alone
     tokenizer_name = Path(args.tokenizer).resolve().name

@@ -256,6 +256,7 @@ check(vocab_size >= meta["vocab_size"] and vocab_size > meta["max_token_id"],
 # the batches: more GPUs, or a smaller batch_size to fit memory, only change how many micro-steps make total_batch_size
 tokens_per_micro_step = batch_size * block_size * world_size
 total_batch_size = tokens_per_micro_step if total_batch_size is None else total_batch_size
+check(total_batch_size > 0, f"total_batch_size={total_batch_size}: must be a positive number of tokens, or None")
 check(total_batch_size % tokens_per_micro_step == 0,
       f"total_batch_size={total_batch_size} tokens is not a multiple of batch_size*block_size*world_size = "
       f"{batch_size}*{block_size}*{world_size} = {tokens_per_micro_step}: change one of them so that it divides")

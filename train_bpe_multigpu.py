@@ -603,9 +603,12 @@ def validate(args):
         what = "a dataset directory (it holds meta.json)" if {"meta.json", "progress.json"} & set(others) else \
             f"not a tokenizer directory (it holds {others[0]})"
         raise UserError(f"--out {out_dir} is {what}; give a new or a tokenizer directory")
-    try:  # rank 0 writes: a probe in the deepest directory that exists (root passes os.access even on /proc)
-        if RANK == 0:
-            tempfile.TemporaryDirectory(dir=next(p for p in [out_dir, *out_dir.parents] if p.exists())).cleanup()
+    try:  # rank 0 writes a probe (root passes os.access even on /proc): in out_dir, a name that the other ranks'
+        if RANK == 0 and out_dir.is_dir():  # listing above ignores; else a directory in the deepest one that exists
+            (out_dir / "tokenizer.json.tmp").write_text("")
+            (out_dir / "tokenizer.json.tmp").unlink()
+        elif RANK == 0:
+            tempfile.TemporaryDirectory(dir=next(p for p in out_dir.parents if p.exists())).cleanup()
     except OSError as error:
         raise UserError(f"--out {out_dir} can't be written ({error.strerror}); give a directory you can write")
     return source, out_dir

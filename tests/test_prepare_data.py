@@ -431,11 +431,18 @@ def test_out_into_a_file_and_foreign_or_mismatched_out(tmp_path, docs, bpe_dir, 
     assert "meta.json is unreadable" in refused("--tokenizer", bpe_dir, "--data", "docs.jsonl", "--out", "ds")
 
 
-@pytest.mark.parametrize("extra", [[], ["--max_tokens", 4321], ["-n", 6000], ["--tokenizer", "char"],
-                                   ["--data", "one_document.txt"]])
-def test_resume_when_killed_just_before_meta_json(tmp_path, docs, bpe_dir, extra):
-    """The narrowest window: every shard finished, meta.json not yet written. The process dies there for
-    certain (os._exit, as abrupt as SIGKILL, in place of writing meta.json); the next run must only finish."""
+META_JSON = "str(path).endswith('meta.json')"
+FIRST_SHARD = "str(path).endswith('progress.json') and obj['shards']['val'] + obj['shards']['train']"
+
+
+@pytest.mark.parametrize("extra, dies_at", [([], META_JSON), (["--max_tokens", 4321], META_JSON),
+                                            (["-n", 6000], META_JSON), (["--tokenizer", "char"], META_JSON),
+                                            (["--data", "one_document.txt"], META_JSON), ([], FIRST_SHARD),
+                                            (["--tokenizer", "char"], FIRST_SHARD)])
+def test_resume_when_killed_just_before_meta_json(tmp_path, docs, bpe_dir, extra, dies_at):
+    """The narrowest windows: every shard finished, meta.json not yet written; or the first shard renamed, its
+    progress not yet saved. The process dies there for certain (os._exit, as abrupt as SIGKILL, in place of the
+    write); the next run must resume and end with the same files."""
     write_jsonl(tmp_path / "docs.jsonl", docs)
     (tmp_path / "one_document.txt").write_text("".join(docs), encoding="utf-8")
     args = ["--tokenizer", bpe_dir, "--data", "docs.jsonl", "--shard_size", 900, "--val_tokens", 800, *extra]
@@ -446,7 +453,7 @@ def test_resume_when_killed_just_before_meta_json(tmp_path, docs, bpe_dir, extra
         "namespace = script['run'].__globals__  # the functions' own globals (run_path returns a copy)\n"
         "write_json = namespace['write_json']\n"
         "def dying_write_json(path, obj):\n"
-        "    if str(path).endswith('meta.json'):\n"
+        f"    if {dies_at}:\n"
         "        os._exit(9)\n"
         "    write_json(path, obj)\n"
         "namespace['write_json'] = dying_write_json\n"

@@ -402,6 +402,7 @@ MISTAKES = {
     "negative": (["--max_iters=-1"], "can't be negative"),
     "heads": (["--n_head=3"], "n_head must divide n_embd"),
     "timeout": (["--timeout=0"], "timeout=0"),
+    "total_batch_size": (["--total_batch_size=0"], "total_batch_size=0: must be a positive number of tokens"),
     "learning_rate": (["--learning_rate=-1"], "learning_rate=-1.0"),
     "dropout": (["--dropout=1.5"], "dropout=1.5"),
     "beta2": (["--beta2=1.5"], "beta2=1.5"),
