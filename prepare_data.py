@@ -314,7 +314,7 @@ def read_jsonl(path, start=0, end=None):
                 continue
             try:
                 text = json.loads(decode_utf8(line))["text"]
-            except (ValueError, KeyError, TypeError):  # not JSON, no "text", not an object
+            except (ValueError, KeyError, TypeError, RecursionError):  # not JSON, no "text", not an object, too deep
                 text = None
             if not isinstance(text, str):
                 where = f"{path}:{number}" if start == 0 else f"{path} (the line at byte {position - len(line)})"

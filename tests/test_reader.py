@@ -125,6 +125,7 @@ BAD_JSONL_LINES = {
     "a bool": 'true',
     "a string": '"just text"',
     "not json": '{"text": "unclosed',
+    "nested past the recursion limit": '{"text": ' + "[" * 100_000 + "]" * 100_000 + "}",
 }
 
 
