@@ -491,7 +491,7 @@ def split_documents(documents, pattern_text, progress=None):
 
 
 def split_byte_range(job):
-    """In a worker: the chunks of the .jsonl lines starting in [start, end), read here: the parent sends no text."""
+    """The chunks of the .jsonl lines starting in [start, end), read where this runs: the parent sends no text."""
     pattern_text, path, start, end, budget = job
     BadUTF8.count = 0
     chunk_counts, chars = split_documents(first_chars(lambda _: read_jsonl(path, start, end), budget), pattern_text)
