@@ -45,6 +45,13 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+os.environ.setdefault("TRITON_INTERPRET", "0" if torch.cuda.is_available() else "1")  # read when triton is imported
+try:
+    import triton
+    import triton.language as tl
+except ImportError:
+    sys.exit("error: train_bpe_multigpu.py needs triton (pip install triton; CUDA builds of torch bring it)")
+
 # -----------------------------------------------------------------------------
 # defaults, each overridable from the command line
 vocab_size = 65534  # byte tokens (256) + merges; <|endoftext|> gets the next id (65534 keeps ids in uint16)
@@ -63,7 +70,8 @@ HUB_DATASETS = {"fineweb": ("HuggingFaceFW/fineweb", "sample-10BT", None),
                 "fineweb-edu": ("HuggingFaceFW/fineweb-edu", "sample-10BT", None)}
 LOCAL_SUFFIXES = (".txt", ".jsonl", ".parquet")
 CACHE_VERSION = 2
-LANES = 256  # count changes a rank receives per all_to_all, LANES / W from each rank (more: a second round)
+INTERPRETER_SHAPE = (1, 1024, 64, 1024)  # programs, block of positions, of dirty rows, of best_pair's rows
+MERGES_PER_READ = 16  # merges launched per host read of the "done" flag
 # -----------------------------------------------------------------------------
 
 
@@ -72,207 +80,306 @@ class UserError(Exception):
 
 
 # ---------------------------------------------------------------- the merge loop, split across ranks
-# Each rank holds its distinct chunks as flattened positions with linked-list neighbours (train_bpe_gpu.py's
-# layout), so a merge never moves a token: tokens[pos] is an id (-1 at the spare slots END = L and DUMP = L + 1,
-# DEAD once merged away), next_pos / prev_pos the live neighbours in the chunk (or END), weight[pos] how often
-# this rank's text holds the chunk. Lanes that don't apply write to DUMP: every step is whole-tensor, with no
-# filtering whose size the host would have to wait for.
-DEAD = -2
+# train_bpe_gpu.py's kernels and layout, on each rank's own distinct chunks (read that file first: the names
+# are the same). tokens[p], next_pos[p], prev_pos[p] and weight[p] hold this rank's chunks as linked lists, with
+# END the spare slot past them; lists of positions per token make a merge of (a, b) visit only a's positions.
+# What changes: no rank holds the V x V counts. Rank r owns the rows `left` with left % W == r, stored at
+# left // W, with their row keys (count << 20 | (2^20 - 1 - right): the row's largest count, ties to the
+# smallest right). A merge (a, b) -> new changes only pairs in column a, row b, row new, and (a, b) itself:
+#   (x, a) loses w and (x, new) gains w   where x is a merged occurrence's left neighbour: one number per x
+#   (b, y) loses w, (new, y') gains w     where y is the right neighbour (y' = new if y merged too)
+# so each rank sums its changes into `delta`, 3V + 1 numbers [x | y | y' | (a, b)], one all_reduce(SUM) adds
+# them up over the ranks, and each owner applies the part in its rows. The next pair is one all_reduce(MAX)
+# of each rank's best key. Fixed sizes everywhere: the host only launches, and reads "done?" per 16 merges.
+# Why this cannot deadlock or diverge: every rank launches the same collectives in the same order, merge after
+# merge (a rank with no text sends zeros), and every decision - the pair, "done" - is made from the REDUCED
+# values, the same on every rank. Exact: counts are integers, and each count has one owner, who adds all its
+# changes. No kernel needs a lock; each docstring says why, from who writes what.
+
+NEXT, NEW, A, B, DONE, START, LENGTH, SURVIVORS, DIRTY = (tl.constexpr(i) for i in range(9))  # slots of `state`
+DEAD = tl.constexpr(-2)  # the token of an unlinked position (the right half of a merged pair)
+ID_BITS = tl.constexpr(20)  # a row key's low bits hold 2^20 - 1 - right id
+LOW = tl.constexpr((1 << 20) - 1)
 
 
-def chunks_to_tensors(blob, lengths, counts, count_dtype, device):
-    L = blob.size
-    tokens = torch.full((L + 2,), -1, dtype=torch.int64, device=device)
-    tokens[:L] = torch.from_numpy(np.array(blob)).to(device)  # copied as bytes, small beside the int64 tensors
-    lengths, counts = (torch.from_numpy(np.array(array)).to(device) for array in (lengths, counts))
-    next_pos, prev_pos = torch.arange(1, L + 3, device=device), torch.arange(-1, L + 1, device=device)
-    ends = torch.cumsum(lengths, 0)
-    next_pos[ends - 1], prev_pos[ends - lengths] = L, L
-    next_pos[L:], prev_pos[L:] = L, L
-    weight = torch.zeros(L + 2, dtype=count_dtype, device=device)
-    weight[:L] = torch.repeat_interleave(counts, lengths).to(count_dtype)
-    return tokens, next_pos, prev_pos, weight
+@triton.jit
+def append(length, buffer, values, keep):
+    """Appends the lanes' values where keep to a list: one atomic add reserves the block's slots, one per lane."""
+    slot = tl.atomic_add(length, tl.sum(keep.to(tl.int32), axis=0)) + tl.cumsum(keep.to(tl.int32), axis=0) - 1
+    tl.store(buffer + slot, values, mask=keep)
 
 
-class OwnedRows:
-    """This rank's rows of the pair-count matrix: row `left` for each left % W == rank, stored at left // W.
-    Their maximum is kept exact in two levels (each block of ~sqrt(V) columns, then each row), so a changed
-    count costs one block and one row. max and argmax return the FIRST maximal index, so among equal counts
-    the smallest right wins in a row, and the smallest left across rows: BPE's tie-break, for free."""
-
-    def __init__(self, vocab_size, rank, world_size, count_dtype, device):
-        self.rank, self.world_size = rank, world_size
-        self.bits = max(1, (vocab_size - 1).bit_length())  # bits of a token id, for the int64 key
-        self.block = 1 << ((self.bits + 1) // 2)
-        self.width = -(-vocab_size // self.block) * self.block
-        rows = (vocab_size - 1 - rank) // world_size + 1
-        self.counts = torch.zeros(rows, self.width, dtype=count_dtype, device=device)
-
-    def refresh_all(self):
-        self.block_max, self.block_arg = self.counts.view(len(self.counts), -1, self.block).max(dim=2)
-        self.row_max, block = self.block_max.max(dim=1)
-        self.row_arg = block * self.block + self.block_arg.gather(1, block[:, None]).squeeze(1)
-
-    def apply(self, received):
-        """Add (flat local index, delta) lanes, then refresh the block and the row of each. Lanes that repeat a
-        block compute the same values from the same counts, so their duplicate writes agree."""
-        flat, delta = received[:, 0], received[:, 1]
-        self.counts.view(-1).index_add_(0, flat, delta.to(self.counts.dtype))
-        rows, blocks = flat // self.width, flat % self.width // self.block
-        columns = (blocks * self.block)[:, None] + torch.arange(self.block, device=flat.device)
-        values, where = self.counts[rows[:, None], columns].max(dim=1)
-        self.block_max[rows, blocks], self.block_arg[rows, blocks] = values, where
-        values, block = self.block_max[rows].max(dim=1)
-        self.row_max[rows], self.row_arg[rows] = values, block * self.block + self.block_arg[rows, block]
-
-    def best(self):  # (count, left, right) of this rank's best pair, as device tensors: no host read
-        row = torch.argmax(self.row_max).view(1)  # a 1-element index: a 0-dim one would be read by the host
-        return self.row_max[row][0].long(), (row * self.world_size + self.rank)[0], self.row_arg[row][0]
+@triton.jit
+def best_pair(state, row_key, fresh_key, dirty_flag, dirty_rows, best, BITS: tl.constexpr, ONE_KEY: tl.constexpr,
+              BLOCK: tl.constexpr):
+    """This rank's best pair as a key that orders pairs across ranks: with B bits an id and M = 2^B - 1,
+    count << 2B | (M - left) << B | (M - right) is largest for the pair BPE takes, tie-break included. Counts past
+    63 - 2B bits don't fit: then best = [count, tie, count] for two reductions. One program, alone on the device."""
+    if tl.load(state + DONE) == 0:
+        dirty = tl.load(state + DIRTY)  # the rows refresh_rows recomputed become exact again
+        for first in range(0, dirty, BLOCK):
+            i = first + tl.arange(0, BLOCK)
+            rows = tl.load(dirty_rows + i, mask=i < dirty, other=0)
+            tl.store(row_key + rows, tl.load(fresh_key + rows, mask=i < dirty), mask=i < dirty)
+            tl.store(fresh_key + rows, 0, mask=i < dirty)
+            tl.store(dirty_flag + rows, 0, mask=i < dirty)
+        tl.store(state + DIRTY, 0)
+        new = tl.load(state + NEXT)
+        best_count, best_row = tl.full((), 0, tl.int64), tl.full((), 0, tl.int64)
+        for first in range(0, new, BLOCK):  # rows this rank doesn't own have key 0
+            rows = first + tl.arange(0, BLOCK)
+            count = tl.load(row_key + rows, mask=rows < new, other=0) >> ID_BITS
+            block_best = tl.max(count, axis=0)
+            block_row = tl.min(tl.where(count == block_best, rows, new), axis=0).to(tl.int64)
+            best_row = tl.where(block_best > best_count, block_row, best_row)
+            best_count = tl.maximum(block_best, best_count)
+        right = LOW - (tl.load(row_key + best_row) & LOW)
+        tie = tl.where(best_count > 0, ((1 << BITS) - 1 - best_row) << BITS | ((1 << BITS) - 1 - right), 0)
+        tl.store(best, (best_count << 2 * BITS | tie) if ONE_KEY else best_count)
+        tl.store(best + 1, tie)
+        tl.store(best + 2, best_count)
 
 
-def choose(owned, count, left, right, overflow, one_key):
-    """Every rank gets the same next pair. With B bits an id and M = 2^B - 1, the key
-    count << 2B | (M - left) << B | (M - right) is largest for the pair BPE takes, tie-break included, so one
-    all_reduce(MAX) chooses. It also carries the overflow: the most changes a rank could not send to one owner
-    in the last all_to_all. Counts past 63 - 2B bits are reduced before the tie-break (2 collectives)."""
-    B, M = owned.bits, (1 << owned.bits) - 1
-    tie = (M - left) << B | (M - right)
-    packed = torch.stack([count << 2 * B | tie if one_key else count, overflow])
-    dist.all_reduce(packed, op=dist.ReduceOp.MAX)
-    if one_key:
-        count, tie = packed[0] >> 2 * B, packed[0] & ((1 << 2 * B) - 1)
-    else:
-        count, tie = packed[0], torch.where(count == packed[0], tie, -1)
-        dist.all_reduce(tie, op=dist.ReduceOp.MAX)
-    return count, M - (tie >> B), M - (tie & M), packed[1]
-
-
-def sum_by_owner(pair_index, delta, owned, V):
-    """Sum this rank's count changes per pair in fixed-size tensors (no size for the host to read): sort the
-    lanes by (owner, pair), add up each run of one pair, and number the nonzero sums within each owner."""
-    W, span = owned.world_size, owned.counts.numel() + owned.width  # span > any flat local index
-    left = pair_index // V
-    keys, order = torch.sort(left % W * span + left // W * owned.width + pair_index % V)
-    first = torch.ones_like(keys, dtype=torch.bool)
-    first[1:] = keys[1:] != keys[:-1]
-    run = torch.cumsum(first, 0) - 1
-    summed = torch.zeros_like(keys).index_add_(0, run, delta[order])
-    run_key = torch.zeros_like(keys).scatter_(0, run, keys)  # every lane of a run writes the same key
-    live, owner = summed != 0, run_key // span
-    per_owner = torch.zeros(W, dtype=torch.int64, device=keys.device).index_add_(0, owner, live.long())
-    slot = torch.cumsum(live, 0) - 1 - (torch.cumsum(per_owner, 0) - per_owner)[owner]
-    return run_key % span, summed, owner, slot, live, per_owner.max()
-
-
-def exchange(sums, skip, width, device):
-    """One all_to_all of `width` lanes per owner: its sums numbered skip .. skip + width - 1. Unused lanes are
-    (0, 0): adding 0 to the owner's first count changes nothing. Fixed sizes: no sizes to send first."""
-    flat, summed, owner, slot, live, _ = sums
-    W = dist.get_world_size()
-    send = torch.zeros(W * width + 1, 2, dtype=torch.int64, device=device)  # the last lane is a dump
-    sent = live & (slot >= skip) & (slot < skip + width)
-    send[torch.where(sent, owner * width + slot - skip, W * width)] = torch.stack([flat, summed], dim=1)
-    if W == 1:
-        return send[:-1]  # a world of one sends to itself: gloo would spend ~1 ms on the copy
-    received = torch.empty(W * width, 2, dtype=torch.int64, device=device)
-    dist.all_to_all_single(received, send[:-1])
-    return received
-
-
-# Why this cannot deadlock or diverge: every branch of the loop below depends only on the REDUCED values that
-# choose() returns, the same on every rank: the pair, its count (0 everywhere at once when no pair is left, so
-# all stop together), and the overflow that calls a second all_to_all. So every rank runs the same collectives
-# in the same order; a rank with no text sends padding and takes part all the same. Exact: counts are
-# integers, and each pair has one owner that adds all its changes, in any order, to the same sum.
-
-
-def train(tokens, next_pos, prev_pos, weight, vocab_size, total_pairs, device, show_progress):
-    """The merges in order, [((left, right), new_id)]; this rank's tokens saved; per-run counters."""
-    L, V, DUMP = tokens.numel() - 2, vocab_size, tokens.numel() - 1
-    rank, W = dist.get_rank(), dist.get_world_size()
-    owned = OwnedRows(V, rank, W, weight.dtype, device)
-    one_key, cap = total_pairs < 2 ** (63 - 2 * owned.bits), max(LANES // W, 16)
-    # Only byte pairs exist at first: one all_reduce of a 256 x 256 block, then each owner keeps its rows.
-    lefts = torch.nonzero(next_pos[:L] != L).squeeze(1)
-    byte_pairs = torch.zeros(256 * 256, dtype=torch.int64, device=device)
-    byte_pairs.index_add_(0, tokens[lefts] * 256 + tokens[next_pos[lefts]], weight[lefts].long())
-    dist.all_reduce(byte_pairs)
-    mine = byte_pairs.view(256, 256)[rank::W]
-    owned.counts[:len(mine), :256] = mine.to(weight.dtype)
-    owned.refresh_all()
-    # Position lists in one flat buffer: for each id, this rank's positions that hold it, in order, so a merge
-    # of (a, b) visits only a's. A merge appends as many positions as it kills: twice the start size suffices.
-    list_buffer = torch.zeros(2 * len(lefts) + 1, dtype=torch.int64, device=device)
-    byte_ids, order = torch.sort(tokens[lefts], stable=True)
-    list_buffer[:len(order)] = lefts[order]
-    list_len = torch.bincount(byte_ids, minlength=V)
-    list_start, append_at = torch.cumsum(list_len, 0) - list_len, list_len.sum()
-
-    merges, sums, overflow, stats = [], None, torch.zeros((), dtype=torch.int64, device=device), Counter()
-    progress = tqdm(total=V - 256, unit="merge", desc="merging", mininterval=0.5, disable=not show_progress)
-    while len(merges) < V - 256:
-        count, a, b, most = choose(owned, *owned.best(), overflow, one_key)
-        # The one host read of a merge, right after the collective's own wait: the pair, and where a's
-        # positions are on this rank (the sizes of this merge's tensors).
-        at = a.view(1)
-        count, a, b, most, start, length = torch.stack([count, a, b, most, list_start[at][0], list_len[at][0]]).tolist()
-        stats.update(collectives=1 + (not one_key), host_reads=1)
-        if most > cap:  # a rank had more changes for one owner than a round carries: send the rest, choose again
-            owned.apply(exchange(sums, cap, most - cap, device))
-            overflow = torch.zeros_like(overflow)
-            stats.update(collectives=1, second_rounds=1)
-            continue
-        if count == 0:
-            break  # no pair left on any rank
-        new_id = 256 + len(merges)
-        merges.append(((a, b), new_id))
-
-        # --- this rank's occurrences: positions that hold a, followed by b
-        candidates = list_buffer[start:start + length].clone()
-        right = next_pos[candidates]
-        match = (tokens[candidates] == a) & (tokens[right] == b)
-        if a == b:  # inside a run of adjacent matches ("aaaa"), take every other one, starting with the first
-            chained = match & (tokens[prev_pos[candidates]] == a)
-            match_number = torch.cumsum(match, 0)
-            run_first = torch.cummax(torch.where(match & ~chained, match_number, 0), 0).values
-            selected = match & ((match_number - run_first) % 2 == 0)
+@triton.jit
+def begin_merge(state, best, list_start, list_len, merges, V, BITS: tl.constexpr, ONE_KEY: tl.constexpr):
+    """Reads the reduced key (the same on every rank) into the merge's state. One program."""
+    if tl.load(state + DONE) == 0:
+        count, tie = tl.load(best), tl.load(best + 1)
+        if ONE_KEY:
+            count, tie = count >> 2 * BITS, count & ((1 << 2 * BITS) - 1)
+        new = tl.load(state + NEXT)
+        if (count == 0) | (new >= V):
+            tl.store(state + DONE, 1)
         else:
-            selected = match
-        before, after = prev_pos[candidates], next_pos[right]
-        token_before, token_after = tokens[before], tokens[after]
-        count_here = torch.where(selected, weight[candidates], 0).long()
-        # Unlink the right halves first: then a left neighbour that is DEAD is the right half of the previous
-        # occurrence ("abab", or a run "aaaa"), whose pair that occurrence already accounts for.
-        tokens.index_fill_(0, torch.where(selected, right, DUMP), DEAD)
-        count_before = torch.where(selected & (tokens[before] >= 0), count_here, 0)
-        has_after = selected & (after != L)
-        count_after = torch.where(has_after, count_here, 0)
-        left_halves = torch.where(selected, candidates, DUMP)
-        tokens.index_fill_(0, left_halves, new_id)
-        next_pos[left_halves] = after
-        prev_pos[torch.where(has_after, after, DUMP)] = candidates
-        # The changes: (x, a), (a, b), (b, y) lose, (x, new) and (new, y) gain. y is read again: it is new_id
-        # itself when the next occurrence starts right after this one.
-        pair_index = torch.cat([token_before * V + a, torch.full_like(candidates, a * V + b),
-                                b * V + token_after, token_before * V + new_id, new_id * V + tokens[after]])
-        delta = torch.cat([-count_before, -count_here, -count_after, count_before, count_after])
-        sums = sum_by_owner(torch.where(delta != 0, pair_index, 0), delta, owned, V)
-        owned.apply(exchange(sums, 0, cap, device))
-        overflow = sums[-1]
-        stats.update(collectives=1)
+            a, b = (1 << BITS) - 1 - (tie >> BITS), (1 << BITS) - 1 - (tie & ((1 << BITS) - 1))
+            tl.store(merges + 2 * (new - 256), a)
+            tl.store(merges + 2 * (new - 256) + 1, b)
+            tl.store(state + NEW, new)
+            tl.store(state + NEXT, new + 1)
+            tl.store(state + A, a)
+            tl.store(state + B, b)
+            tl.store(state + START, tl.load(list_start + a))
+            tl.store(state + LENGTH, tl.load(list_len + a))
+            tl.store(state + SURVIVORS, 0)
+            tl.store(list_start + new, tl.load(list_start + new - 1) + tl.load(list_len + new - 1))
+            tl.store(list_len + new, 0)
 
-        # --- the position lists: a's keeps the positions that still hold a, new_id's gets the merged ones
-        still_a = tokens[candidates] == a
-        list_buffer[torch.where(still_a, torch.cumsum(still_a, 0) + (start - 1), -1)] = candidates
-        list_len[a] = still_a.sum()
-        list_buffer[torch.where(selected, torch.cumsum(selected, 0) + (append_at - 1), -1)] = candidates
-        list_start[new_id] = append_at
-        list_len[new_id] = selected.sum()
-        append_at += list_len[new_id]
-        progress.update(1)
-    progress.close()
-    tokens_saved = int(weight[tokens == DEAD].sum())  # one token saved per merged occurrence, times its weight
-    return merges, tokens_saved, stats
+
+@triton.jit
+def find_occurrences(state, list_buffer, tokens, next_pos, prev_pos, mark, END, BLOCK: tl.constexpr):
+    """Marks this rank's occurrences that merge: mark[p] = 2 new, mark[next_pos[p]] = 2 new + 1. Reads only,
+    except these marks of its own p, which differ for different p (merged occurrences never overlap)."""
+    if tl.load(state + DONE) == 0:
+        a, b, new = tl.load(state + A), tl.load(state + B), tl.load(state + NEW)
+        start, length = tl.load(state + START), tl.load(state + LENGTH)
+        for first in range(tl.program_id(0) * BLOCK, length, tl.num_programs(0) * BLOCK):
+            i = first + tl.arange(0, BLOCK)
+            p = tl.load(list_buffer + start + i, mask=i < length, other=END)
+            right = tl.load(next_pos + p)
+            merge = (tl.load(tokens + p) == a) & (tl.load(tokens + right) == b)
+            if a == b:  # in a run "aaaa", p merges when an even number of a's come before it in the run
+                odd = merge & False
+                q = tl.load(prev_pos + p)
+                walking = merge & (tl.load(tokens + q) == a)
+                while tl.max(walking.to(tl.int32), axis=0) > 0:
+                    odd = odd ^ walking
+                    q = tl.load(prev_pos + q, mask=walking, other=END)
+                    walking = walking & (tl.load(tokens + q) == a)
+                merge = merge & ~odd
+            tl.store(mark + p, 2 * new, mask=merge)
+            tl.store(mark + right, 2 * new + 1, mask=merge)
+
+
+@triton.jit
+def apply_merges(state, list_buffer, scratch, list_start, list_len, tokens, next_pos, prev_pos, mark, weight, delta,
+                 V, END, BLOCK: tl.constexpr):
+    """Merges this rank's marked occurrences, as in train_bpe_gpu.py: the lane of (p, right) writes only the
+    links it owns. The count changes go to `delta` by atomic adds, which commute."""
+    if tl.load(state + DONE) == 0:
+        a, new = tl.load(state + A), tl.load(state + NEW)
+        start, length = tl.load(state + START), tl.load(state + LENGTH)
+        new_list = list_buffer + tl.load(list_start + new)
+        for first in range(tl.program_id(0) * BLOCK, length, tl.num_programs(0) * BLOCK):
+            i = first + tl.arange(0, BLOCK)
+            p = tl.load(list_buffer + start + i, mask=i < length, other=END)
+            mark_p = tl.load(mark + p)
+            merged = (i < length) & (mark_p == 2 * new)
+            unmarked = (i < length) & (mark_p != 2 * new) & (mark_p != 2 * new + 1)
+            survives = unmarked & (tl.load(tokens + p, mask=unmarked, other=-1) == a)
+            append(state + SURVIVORS, scratch, p, survives)
+            append(list_len + new, new_list, p, merged)
+            right = tl.load(next_pos + p, mask=merged, other=END)
+            before = tl.load(prev_pos + p, mask=merged, other=END)
+            after = tl.load(next_pos + right, mask=merged, other=END)
+            w = tl.load(weight + p, mask=merged, other=0)
+            before_merged = merged & (tl.load(mark + before, mask=merged, other=0) == 2 * new + 1)
+            after_merged = merged & (tl.load(mark + after, mask=merged, other=0) == 2 * new)
+            x = tl.load(tokens + before, mask=merged & ~before_merged, other=-1)
+            y = tl.where(after_merged, a, tl.load(tokens + after, mask=merged & ~after_merged, other=-1))
+            y_new = tl.where(after_merged, new, y)
+            has_x, has_y = merged & (x >= 0), merged & (y >= 0)
+            tl.store(tokens + p, new, mask=merged)
+            tl.store(tokens + right, DEAD, mask=merged)
+            tl.store(next_pos + p, after, mask=merged)
+            tl.store(prev_pos + after, p, mask=has_y & ~after_merged)
+            tl.store(prev_pos + p, tl.load(prev_pos + before, mask=before_merged, other=END), mask=before_merged)
+            tl.atomic_add(delta + x, w, mask=has_x)
+            tl.atomic_add(delta + V + y, w, mask=has_y)
+            tl.atomic_add(delta + 2 * V + y_new, w, mask=has_y)
+            tl.atomic_add(delta + 3 * V + 0 * x, w, mask=merged)
+
+
+@triton.jit
+def apply_owned(state, delta, counts, row_key, dirty_flag, dirty_rows, V, RANK, WORLD, BLOCK: tl.constexpr):
+    """Adds every rank's summed changes (delta, after the all_reduce) to this rank's rows, and zeroes delta for the
+    next merge. Lane i owns delta[i]. Each gained count, (x, new) or (new, y'), has one lane: its atomic add
+    returns the final count, and atomic_max makes the row key. Only row new's key can rise: (x, new) gains what
+    (x, a) loses, so it never beats the key row x had. A loss of the pair a row key names lists the row as dirty,
+    once (the lane that flips dirty_flag); keys of rows that lose are never written here, so the test is stable."""
+    if tl.load(state + DONE) == 0:
+        a, b, new = tl.load(state + A), tl.load(state + B), tl.load(state + NEW)
+        for first in range(tl.program_id(0) * BLOCK, 3 * V + 1, tl.num_programs(0) * BLOCK):
+            i = first + tl.arange(0, BLOCK)
+            d = tl.load(delta + i, mask=i <= 3 * V, other=0).to(tl.int64)
+            tl.store(delta + i, 0, mask=i <= 3 * V)
+            part, j = i // V, (i % V).to(tl.int64)  # 0: (x=j, a) -> (j, new); 1: (b, j); 2: (new, j); 3: (a, b)
+            row = tl.where(part == 0, j, tl.where(part == 1, b, tl.where(part == 2, new, a)))
+            mine = (d != 0) & (row % WORLD == RANK)
+            at = counts + (row // WORLD) * V
+            lose, column = mine & (part != 2), tl.where(part == 0, a, tl.where(part == 1, j, b))
+            tl.atomic_add(at + column, -d.to(counts.dtype.element_ty), mask=lose)
+            was_max = lose & ((tl.load(row_key + row, mask=lose, other=0) & LOW) == LOW - column)
+            flipped = was_max & (tl.atomic_xchg(dirty_flag + row, 1, mask=was_max) == 0)
+            append(state + DIRTY, dirty_rows, row.to(tl.int32), flipped)
+            gain, column = mine & (part % 2 == 0), tl.where(part == 0, new, j)
+            total = tl.atomic_add(at + column, d.to(counts.dtype.element_ty), mask=gain).to(tl.int64) + d
+            tl.atomic_max(row_key + row, (total << ID_BITS) | (LOW - column), mask=gain)
+
+
+@triton.jit
+def refresh_rows(state, list_buffer, scratch, list_len, counts, fresh_key, dirty_rows, V, WORLD, ROWS: tl.constexpr,
+                 BLOCK: tl.constexpr):
+    """Copies a's surviving positions back from scratch, one slot per lane; then recomputes the dirty rows'
+    maxima into fresh_key, in items of ROWS rows x BLOCK columns over the programs. Nothing writes counts now,
+    and atomic_max makes the order free."""
+    if tl.load(state + DONE) == 0:
+        if tl.load(state + NEW) >= 256:
+            a, survivors = tl.load(state + A), tl.load(state + SURVIVORS)
+            a_list = list_buffer + tl.load(state + START)
+            for first in range(tl.program_id(0) * BLOCK, survivors, tl.num_programs(0) * BLOCK):
+                i = first + tl.arange(0, BLOCK)
+                tl.store(a_list + i, tl.load(scratch + i, mask=i < survivors), mask=i < survivors)
+            if tl.program_id(0) == 0:
+                tl.store(list_len + a, survivors)
+        columns, dirty = tl.load(state + NEXT), tl.load(state + DIRTY)
+        slices = tl.cdiv(columns, BLOCK)
+        for item in range(tl.program_id(0), tl.cdiv(dirty, ROWS) * slices, tl.num_programs(0)):
+            i = (item // slices) * ROWS + tl.arange(0, ROWS)
+            row = tl.load(dirty_rows + i, mask=i < dirty, other=0).to(tl.int64)
+            col = (item % slices) * BLOCK + tl.arange(0, BLOCK)
+            count = tl.load(counts + (row // WORLD)[:, None] * V + col[None, :],
+                            mask=(i < dirty)[:, None] & (col < columns)[None, :], other=0).to(tl.int64)
+            key = tl.where(count > 0, (count << ID_BITS) | (LOW - col[None, :]), 0)
+            tl.atomic_max(fresh_key + row, tl.max(key, axis=1), mask=i < dirty)
+
+
+def chunks_to_arrays(blob, lengths, counts, count_dtype):
+    """This rank's distinct chunks (from the cache) as the flat arrays above, built in numpy."""
+    L = END = blob.size
+    tokens = np.full(L + 2, -1, np.int32)
+    tokens[:L] = blob
+    ends = np.cumsum(lengths)
+    next_pos, prev_pos = np.arange(1, L + 3, dtype=np.int32), np.arange(-1, L + 1, dtype=np.int32)
+    next_pos[ends - 1], prev_pos[ends - lengths] = END, END
+    next_pos[L:], prev_pos[L:] = END, END
+    weight = np.zeros(L + 2, count_dtype)
+    weight[:L] = np.repeat(counts, lengths)
+    left = np.flatnonzero(next_pos[:L] != END)  # every position with a right neighbour starts a pair
+    order = np.argsort(tokens[left], kind="stable")  # the 256 byte lists, one after another
+    list_buffer = np.zeros(2 * len(left) + 1, np.int32)  # each merge appends as many positions as it kills
+    list_buffer[:len(left)] = left[order]
+    list_len = np.bincount(tokens[left], minlength=256).astype(np.int64)
+    return dict(tokens=tokens, next_pos=next_pos, prev_pos=prev_pos, weight=weight, list_buffer=list_buffer,
+                list_len=list_len, list_start=np.cumsum(list_len) - list_len,
+                byte_pairs=tokens[left].astype(np.int64) * 256 + tokens[left + 1], pair_weights=weight[left])
+
+
+def merge_on_device(arrays, vocab_size, total_pairs, device, show_progress):
+    """The merges in order, [((left, right), new_id)], this rank's tokens saved, and per-run counters."""
+    V, rank, W = vocab_size, dist.get_rank(), dist.get_world_size()
+    upload = lambda name: torch.from_numpy(arrays[name]).to(device)  # noqa: E731
+    zeros = lambda size, dtype=torch.int64: torch.zeros(size, dtype=dtype, device=device)  # noqa: E731
+    tokens, next_pos, prev_pos, weight, list_buffer = map(upload, ("tokens", "next_pos", "prev_pos", "weight", "list_buffer"))
+    list_len, list_start = zeros(V), zeros(V)
+    list_len[:256], list_start[:256] = upload("list_len"), upload("list_start")
+    END, bits, stats = len(tokens) - 2, max(1, (V - 1).bit_length()), Counter()
+    one_key = total_pairs < 2 ** (63 - 2 * bits)
+    # Only byte pairs exist at first: one all_reduce of a 256 x 256 block, then each owner keeps its rows.
+    byte_pairs = zeros(256 * 256).index_add_(0, upload("byte_pairs"), upload("pair_weights").long())
+    dist.all_reduce(byte_pairs)
+    counts = zeros(((V - 1 - rank) // W + 1) * V, weight.dtype)
+    mine = byte_pairs.view(256, 256)[rank::W]
+    counts.view(-1, V)[:len(mine), :256] = mine.to(weight.dtype)
+    mark, scratch, row_key, fresh_key = zeros(END + 2, torch.int32), torch.empty_like(list_buffer), zeros(V), zeros(V)
+    dirty_flag, dirty_rows, state, merges = zeros(V, torch.int32), zeros(V, torch.int32), zeros(16), zeros(2 * V)
+    delta, best = zeros(3 * V + 1, weight.dtype), zeros(3)
+    owned_bytes = torch.arange(rank, 256, W, device=device)  # the first refresh makes their keys
+    dirty_flag[owned_bytes], dirty_rows[:len(owned_bytes)] = 1, owned_bytes.int()
+    state[NEXT.value], state[DIRTY.value] = 256, len(owned_bytes)
+    programs, block, rows, choose_block = INTERPRETER_SHAPE if device.type == "cpu" else \
+        (4 * torch.cuda.get_device_properties(device).multi_processor_count, 256, 4, 4096)
+    grid = (programs,)
+
+    def refresh():
+        refresh_rows[grid](state, list_buffer, scratch, list_len, counts, fresh_key, dirty_rows, V, W, ROWS=rows, BLOCK=block)
+
+    def merge_group():  # past the last merge, begin_merge sets DONE and every kernel does nothing
+        for _ in range(MERGES_PER_READ):
+            best_pair[(1,)](state, row_key, fresh_key, dirty_flag, dirty_rows, best, BITS=bits, ONE_KEY=one_key,
+                            BLOCK=choose_block)
+            if W > 1:
+                dist.all_reduce(best[:1], op=dist.ReduceOp.MAX)
+                if not one_key:  # the count first, then the tie-break among the ranks that have that count
+                    best[1:2] = torch.where(best[2:] == best[:1], best[1:2], -1)
+                    dist.all_reduce(best[1:2], op=dist.ReduceOp.MAX)
+                stats.update(collectives=2 + (not one_key))
+            begin_merge[(1,)](state, best, list_start, list_len, merges, V, BITS=bits, ONE_KEY=one_key)
+            find_occurrences[grid](state, list_buffer, tokens, next_pos, prev_pos, mark, END, BLOCK=block)
+            apply_merges[grid](state, list_buffer, scratch, list_start, list_len, tokens, next_pos, prev_pos, mark,
+                               weight, delta, V, END, BLOCK=block)
+            if W > 1:
+                dist.all_reduce(delta)
+            apply_owned[grid](state, delta, counts, row_key, dirty_flag, dirty_rows, V, rank, W, BLOCK=block)
+            refresh()
+
+    refresh()
+    # On CUDA in a world of one (no collectives), 16 merges are recorded once as a CUDA graph, as in
+    # train_bpe_gpu.py. With W > 1 they are launched one by one: NCCL's watchdog, which enforces --timeout on a
+    # hung rank, does not see collectives inside a graph.
+    graph = None
+    with tqdm(total=V - 256, unit="merge", desc="merging", mininterval=0.5, disable=not show_progress) as progress:
+        for group in range(0, V - 256, MERGES_PER_READ):
+            if group > 0 and graph is None and device.type == "cuda" and W == 1:
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    merge_group()
+            if graph is None:
+                merge_group()
+            else:
+                graph.replay()
+            progress.update(min(MERGES_PER_READ, V - 256 - group))
+            stats.update(host_reads=1)
+            if merges_done(state):
+                break
+    num_merges = int(state[NEXT.value]) - 256
+    merged_pairs = merges[:2 * num_merges].view(-1, 2).tolist()
+    tokens_saved = int(weight[tokens == DEAD.value].sum())  # a merged occurrence saves one token per use of its chunk
+    return [((left, right), 256 + i) for i, (left, right) in enumerate(merged_pairs)], tokens_saved, stats
+
+
+def merges_done(state):
+    """The one host read of a group of merges: here, and only here, the host waits for the device."""
+    return bool(state[DONE.value].item())
 
 
 # ---------------------------------------------------------------- reading text (the same in every script)
@@ -664,6 +771,8 @@ def run(argv):
     t1 = time.time()
     if total["chars"] == 0:
         raise UserError(f"the corpus {source} is empty: no text to train on; point --data at files with text in them")
+    if total["total_pairs"] >= 2**43:  # a row key holds a count in 43 bits
+        raise UserError(f"{total['total_pairs']:,} pairs of text: more than 2^43, the most the row keys hold; lower -n")
     if "tampered" in states:
         say("warning: a cached part did not match its checksum (edited or half-copied): counted again", file=sys.stderr)
     if "reused" in states:
@@ -678,13 +787,11 @@ def run(argv):
         + ", ".join(f"{stats['part']['chars']:,}/{stats['distinct']:,}" for stats, _ in parts))
 
     # --- the merges, each rank in its own chunks and its own rows of the count matrix
-    count_dtype = torch.int32 if total["total_pairs"] < 2**31 else torch.int64  # no count exceeds the total
-    tokens, next_pos, prev_pos, weight = chunks_to_tensors(*cached[:3], count_dtype, run_device)
-    if run_device.type == "cuda":
-        torch.cuda.synchronize(run_device)  # CUDA copies are queued: wait, or their time lands in the merge phase
+    count_dtype = np.int32 if total["total_pairs"] < 2**31 else np.int64  # no count exceeds the total
+    arrays = chunks_to_arrays(*cached[:3], count_dtype)
     t2 = time.time()
-    merges, tokens_saved, loop = train(tokens, next_pos, prev_pos, weight, args.vocab_size, total["total_pairs"],
-                                       run_device, show_progress=RANK == 0)
+    merges, tokens_saved, loop = merge_on_device(arrays, args.vocab_size, total["total_pairs"], run_device,
+                                                 show_progress=RANK == 0)
     t3 = time.time()
     peak = torch.cuda.max_memory_allocated(run_device) if args.device == "cuda" else \
         resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
@@ -708,10 +815,10 @@ def run(argv):
             indent=2, ensure_ascii=False) + "\n")
     tokens_left = total["total_bytes"] - sum(saved for saved, _ in ends)
     say(f"{'loading the cache' if states.count('reused') == world_size else 'reading + pre-tokenizing'} "
-        f"{t1 - t0:.2f}s | to {args.device} {t2 - t1:.2f}s | merging {t3 - t2:.2f}s "
+        f"{t1 - t0:.2f}s | layout {t2 - t1:.2f}s | merging {t3 - t2:.2f}s "
         f"({num_merges / max(t3 - t2, 1e-9):,.0f} merges/s) | total {t3 - t0:.2f}s")
     say(f"per merge: {loop['collectives'] / max(num_merges, 1):.2f} collectives, {loop['host_reads'] / max(num_merges, 1):.2f} "
-        f"host reads; {loop['second_rounds']} merges needed a second all_to_all")
+        "host reads")
     say(f"{'peak device memory' if args.device == 'cuda' else 'peak RSS'} per rank: "
         + ", ".join(f"{peak:,.0f} MiB" for _, peak in ends))
     say(f"compression: {total['total_bytes'] / max(tokens_left, 1):.3f} bytes/token; wrote {out_dir}/tokenizer.tiktoken"
