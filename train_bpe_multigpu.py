@@ -2,8 +2,8 @@
 Train a byte-level BPE tokenizer on many GPUs (or CPU processes) at once: exact, one tokenizer for all ranks.
 
     torchrun --standalone --nproc_per_node=8 train_bpe_multigpu.py -v 65534 -n 1073741824
-    torchrun --standalone --nproc_per_node=2 train_bpe_multigpu.py --device cpu -v 1000 -n 1048576
-    python train_bpe_multigpu.py --device cpu          # world size 1, no torchrun needed
+    torchrun --standalone --nproc_per_node=2 train_bpe_multigpu.py --device cpu -v 300 -n 65536
+    python train_bpe_multigpu.py --device cpu -v 300 -n 65536   # world size 1, no torchrun needed
 
 The tokenizer is rustbpe's (and train_bpe_gpu.py's), byte for byte, trained on the documents that the ranks read
 taken together: BPE depends only on the multiset of chunks. With -n past the end of the data, that is all of it,
@@ -13,8 +13,10 @@ records what each rank read.
 This is not data-parallel training: a merge chosen from one rank's counts would be wrong. The ranks split
 1. the text: each rank reads only its own part of the source, about n / W characters, documents whole;
 2. the chunks: each rank pre-tokenizes its part and merges in its own distinct chunks, on its device;
-3. the [V, V] pair-count matrix: rank r owns the rows `left` with left % W == r. A merge sends each count
-   change to the owner of its pair (all_to_all), and one all_reduce(MAX) gives every rank the next pair.
+3. the [V, V] pair-count matrix: rank r owns the rows `left` with left % W == r. A merge's count changes are
+   summed over the ranks (all_reduce), each owner applies those in its rows, and one all_reduce(MAX) gives
+   every rank the next pair.
+--device cpu (gloo) runs the same Triton kernels in Triton's interpreter: exact, slow, for testing.
 """
 
 import argparse

@@ -321,3 +321,54 @@ def test_the_merge_loop_reads_the_device_once_per_16_merges_counting_every_kind(
     # one "done?" per 16 merges, then three after the loop: the merge count, the merges, the tokens saved
     assert loop["host_reads"] == 3 and CountReads.reads == loop["host_reads"] + 3, (CountReads.reads, loop)
     assert merges == cpu_bpe.train(chunk_counts, 300)[0]
+
+
+def test_many_programs_and_small_blocks_give_the_same_merges(monkeypatch):
+    """On a GPU the kernels run many programs over small blocks; here the same stride loops, several programs
+    and blocks of a few lanes, in a world of one."""
+    monkeypatch.setattr(mg, "INTERPRETER_SHAPE", (3, 64, 2, 64))
+    chunk_counts = Counter(regex_chunk for doc in EDGE_CASES[1:4] + [words(7, 60)]
+                           for regex_chunk in mg.regex.findall(mg.pattern, doc))
+    chunks = [chunk.encode() for chunk in chunk_counts]
+    arrays = mg.chunks_to_arrays(np.frombuffer(b"".join(chunks), np.uint8), np.array([len(c) for c in chunks]),
+                                 np.array(list(chunk_counts.values())), np.int32)
+    torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
+    try:
+        merges, _, _ = mg.merge_on_device(arrays, 288, 10**6, torch.device("cpu"), False)
+    finally:
+        torch.distributed.destroy_process_group()
+    assert len(merges) == 32 and merges == cpu_bpe.train(chunk_counts, 288)[0]
+
+
+COMPILE_FOR_A_GPU = """
+import os, sys
+os.environ["TRITON_INTERPRET"] = "0"
+sys.path.insert(0, sys.argv[1])
+import triton
+import train_bpe_multigpu as mg
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+INT64 = {"state", "row_key", "fresh_key", "list_start", "list_len", "merges", "best"}
+CONSTANTS = {"BLOCK": 256, "ROWS": 4, "BITS": 11}
+kernels = (mg.best_pair, mg.begin_merge, mg.find_occurrences, mg.apply_merges, mg.apply_owned, mg.refresh_rows)
+for counts in ("*i32", "*i64"):
+    for kernel in kernels:
+        names = kernel.arg_names
+        signature = {name: "constexpr" if name in (*CONSTANTS, "ONE_KEY") else "i32" if name in ("V", "END", "RANK", "WORLD")
+                     else counts if name in ("counts", "weight", "delta") else "*i64" if name in INT64 else "*i32"
+                     for name in names}
+        constexprs = {(names.index(name),): value for name, value in CONSTANTS.items() if name in names}
+        if "ONE_KEY" in names:
+            constexprs[(names.index("ONE_KEY"),)] = counts == "*i32"
+        triton.compile(ASTSource(kernel, signature, constexprs), target=GPUTarget("cuda", 90, 32))
+        print(kernel.fn.__name__, counts, "compiled")
+"""
+
+
+def test_the_kernels_compile_for_a_gpu():
+    """The interpreter accepts some constructs that the GPU compiler rejects: compile each kernel for an H100
+    (sm_90) with Triton's own compiler, which needs no GPU."""
+    result = subprocess.run([sys.executable, "-c", COMPILE_FOR_A_GPU, str(REPO)], capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0 and result.stdout.count("compiled") == 12, result.stdout + result.stderr[-3000:]
