@@ -694,6 +694,9 @@ def validate(args):
                         "and the timeout a positive number of seconds; try --workers 4 --timeout 1800")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise UserError("--device cuda: no CUDA GPU is visible here; use --device cpu (gloo) instead")
+    if (args.device == "cpu") != bool(triton.knobs.runtime.interpret):  # the env var counts when triton is imported
+        raise UserError(f"--device {args.device} with TRITON_INTERPRET={os.environ['TRITON_INTERPRET']}: the kernels run "
+                        "compiled on cuda, in Triton's interpreter on cpu; set TRITON_INTERPRET=1 for cpu, 0 for cuda")
     try:
         empty_match = regex.compile(args.pattern).fullmatch("") is not None
     except regex.error as error:

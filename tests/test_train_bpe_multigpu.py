@@ -30,7 +30,9 @@ import train_bpe_cpu as cpu_bpe  # noqa: E402
 import train_bpe_multigpu as mg  # noqa: E402
 
 SCRIPT = REPO / "train_bpe_multigpu.py"
-ENV = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+ENV = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", TRITON_INTERPRET="1")  # the CPU runs: interpreted
+# In this process the kernels run as imported: compiled where a GPU is (on it), else in the interpreter.
+DEVICE, BACKEND = ("cuda", "nccl") if torch.cuda.is_available() else ("cpu", "gloo")
 
 
 def torchrun(nproc, *args, cwd, timeout=60):
@@ -242,6 +244,15 @@ def test_checks_before_any_work(tmp_path, monkeypatch, argv, message):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["DATASET", "FILE", "ok.txt"]
 
 
+def test_the_device_and_the_interpreter_must_agree(tmp_path, monkeypatch):
+    """cpu runs the kernels in Triton's interpreter and cuda compiled: the other way round is one line, not a
+    traceback from inside a kernel launch."""
+    monkeypatch.setattr(mg.triton.knobs.runtime, "interpret", not mg.triton.knobs.runtime.interpret)
+    (tmp_path / "ok.txt").write_text("some text to train on " * 10)
+    with pytest.raises(mg.UserError, match=f"--device {DEVICE} with TRITON_INTERPRET=.*set TRITON_INTERPRET=1 for cpu"):
+        mg.validate(mg.parse_args(["--data", str(tmp_path / "ok.txt"), "--device", DEVICE]))
+
+
 def test_a_pattern_that_backtracks_or_matches_empty_in_context_is_one_error():
     mg.start_worker(r"(?:a|a)+b|\s")
     started = time.process_time()
@@ -283,7 +294,8 @@ def test_nccl_on_one_gpu_equals_rustbpe(tmp_path):
     path = write_jsonl(tmp_path / "g.jsonl", docs)
     command = [sys.executable, str(SCRIPT), "--device", "cuda", "--data", str(path), "-v", "500", "--out",
                str(tmp_path / "tok"), "--cache_dir", str(tmp_path / "cache")]
-    result = subprocess.run(command, cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=240)
+    result = subprocess.run(command, cwd=tmp_path, env=dict(ENV, TRITON_INTERPRET="0"), capture_output=True, text=True,
+                            timeout=240)
     assert result.returncode == 0 and "backend nccl" in result.stdout, result.stdout + result.stderr
     assert (tmp_path / "tok" / "tokenizer.tiktoken").read_bytes() == rustbpe_file(docs, 500)
 
@@ -311,10 +323,11 @@ def test_the_merge_loop_reads_the_device_once_per_16_merges_counting_every_kind(
     lengths = np.array([len(chunk) for chunk in chunks])
     counts = np.array([chunk_counts[chunk.decode()] for chunk in chunks])
     arrays = mg.chunks_to_arrays(blob, lengths, counts, np.int32)
-    torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
+    torch.distributed.init_process_group(BACKEND, store=torch.distributed.HashStore(), rank=0, world_size=1)
     try:
         with CountReads():
-            merges, _, loop = mg.merge_on_device(arrays, 300, int(((lengths - 1) * counts).sum()), torch.device("cpu"), False)
+            merges, _, loop = mg.merge_on_device(arrays, 300, int(((lengths - 1) * counts).sum()), torch.device(DEVICE),
+                                                 False)
     finally:
         torch.distributed.destroy_process_group()
     assert len(merges) == 300 - 256
@@ -332,9 +345,9 @@ def test_many_programs_and_small_blocks_give_the_same_merges(monkeypatch):
     chunks = [chunk.encode() for chunk in chunk_counts]
     arrays = mg.chunks_to_arrays(np.frombuffer(b"".join(chunks), np.uint8), np.array([len(c) for c in chunks]),
                                  np.array(list(chunk_counts.values())), np.int32)
-    torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
+    torch.distributed.init_process_group(BACKEND, store=torch.distributed.HashStore(), rank=0, world_size=1)
     try:
-        merges, _, _ = mg.merge_on_device(arrays, 288, 10**6, torch.device("cpu"), False)
+        merges, _, _ = mg.merge_on_device(arrays, 288, 10**6, torch.device(DEVICE), False)
     finally:
         torch.distributed.destroy_process_group()
     assert len(merges) == 32 and merges == cpu_bpe.train(chunk_counts, 288)[0]
