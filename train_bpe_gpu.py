@@ -112,6 +112,9 @@ def choose_pair(state, row_key, fresh_key, dirty_flag, dirty_rows, list_start, l
             tl.store(row_key + rows, tl.load(fresh_key + rows, mask=i < dirty), mask=i < dirty)
             tl.store(fresh_key + rows, 0, mask=i < dirty)
             tl.store(dirty_flag + rows, 0, mask=i < dirty)
+        # A row copied by one thread may be read below by another, and Triton orders global memory only within
+        # a thread: a barrier, or a thread could scan a dirty row's stale key (or read DIRTY after it is reset).
+        tl.debug_barrier()
         tl.store(state + DIRTY, 0)
         # The largest count over all rows; blocks go in increasing row order, and the first row wins a tie.
         new = tl.load(state + NEXT)

@@ -87,7 +87,7 @@ class UserError(Exception):
 # END the spare slot past them; lists of positions per token make a merge of (a, b) visit only a's positions.
 # What changes: no rank holds the V x V counts. Rank r owns the rows `left` with left % W == r, stored at
 # left // W, with their row keys (count << 20 | (2^20 - 1 - right): the row's largest count, ties to the
-# smallest right). A merge (a, b) -> new changes only pairs in column a, row b, row new, and (a, b) itself:
+# smallest right). A merge (a, b) -> new changes only pairs in columns a and new, rows b and new, and (a, b):
 #   (x, a) loses w and (x, new) gains w   where x is a merged occurrence's left neighbour: one number per x
 #   (b, y) loses w, (new, y') gains w     where y is the right neighbour (y' = new if y merged too)
 # so each rank sums its changes into `delta`, 3V + 1 numbers [x | y | y' | (a, b)], one all_reduce(SUM) adds
@@ -125,6 +125,9 @@ def best_pair(state, row_key, fresh_key, dirty_flag, dirty_rows, best, BITS: tl.
             tl.store(row_key + rows, tl.load(fresh_key + rows, mask=i < dirty), mask=i < dirty)
             tl.store(fresh_key + rows, 0, mask=i < dirty)
             tl.store(dirty_flag + rows, 0, mask=i < dirty)
+        # A row copied by one thread may be read below by another, and Triton orders global memory only within
+        # a thread: a barrier, or a thread could scan a dirty row's stale key (or read DIRTY after it is reset).
+        tl.debug_barrier()
         tl.store(state + DIRTY, 0)
         new = tl.load(state + NEXT)
         best_count, best_row = tl.full((), 0, tl.int64), tl.full((), 0, tl.int64)
@@ -228,16 +231,16 @@ def apply_merges(state, list_buffer, scratch, list_start, list_len, tokens, next
             tl.atomic_add(delta + x, w, mask=has_x)
             tl.atomic_add(delta + V + y, w, mask=has_y)
             tl.atomic_add(delta + 2 * V + y_new, w, mask=has_y)
-            tl.atomic_add(delta + 3 * V + 0 * x, w, mask=merged)
+            tl.atomic_add(delta + 3 * V, tl.sum(w, axis=0))  # one atomic a block for the one pair (a, b)
 
 
 @triton.jit
 def apply_owned(state, delta, counts, row_key, dirty_flag, dirty_rows, V, RANK, WORLD, BLOCK: tl.constexpr):
     """Adds every rank's summed changes (delta, after the all_reduce) to this rank's rows, and zeroes delta for the
     next merge. Lane i owns delta[i]. Each gained count, (x, new) or (new, y'), has one lane: its atomic add
-    returns the final count, and atomic_max makes the row key. Only row new's key can rise: (x, new) gains what
-    (x, a) loses, so it never beats the key row x had. A loss of the pair a row key names lists the row as dirty,
-    once (the lane that flips dirty_flag); keys of rows that lose are never written here, so the test is stable."""
+    returns the final count. Only row new's key can rise (its lanes' atomic_max make it): (x, new) gains what
+    (x, a) loses, so it stays below the key row x had. A loss of the pair a row key names lists the row as dirty,
+    once (the lane that flips dirty_flag); no key of a row that loses is written here, so the test is stable."""
     if tl.load(state + DONE) == 0:
         a, b, new = tl.load(state + A), tl.load(state + B), tl.load(state + NEW)
         for first in range(tl.program_id(0) * BLOCK, 3 * V + 1, tl.num_programs(0) * BLOCK):
@@ -255,7 +258,7 @@ def apply_owned(state, delta, counts, row_key, dirty_flag, dirty_rows, V, RANK, 
             append(state + DIRTY, dirty_rows, row.to(tl.int32), flipped)
             gain, column = mine & (part % 2 == 0), tl.where(part == 0, new, j)
             total = tl.atomic_add(at + column, d.to(counts.dtype.element_ty), mask=gain).to(tl.int64) + d
-            tl.atomic_max(row_key + row, (total << ID_BITS) | (LOW - column), mask=gain)
+            tl.atomic_max(row_key + row, (total << ID_BITS) | (LOW - column), mask=gain & (part == 2))
 
 
 @triton.jit
