@@ -146,37 +146,29 @@ def best_pair(state, row_key, fresh_key, dirty_flag, dirty_rows, best, BITS: tl.
 
 
 @triton.jit
-def begin_merge(state, best, list_start, list_len, merges, V, BITS: tl.constexpr, ONE_KEY: tl.constexpr):
-    """Reads the reduced key (the same on every rank) into the merge's state. One program."""
-    if tl.load(state + DONE) == 0:
-        count, tie = tl.load(best), tl.load(best + 1)
-        if ONE_KEY:
-            count, tie = count >> 2 * BITS, count & ((1 << 2 * BITS) - 1)
-        new = tl.load(state + NEXT)
-        if (count == 0) | (new >= V):
-            tl.store(state + DONE, 1)
-        else:
-            a, b = (1 << BITS) - 1 - (tie >> BITS), (1 << BITS) - 1 - (tie & ((1 << BITS) - 1))
+def find_occurrences(state, best, list_start, list_len, merges, list_buffer, tokens, next_pos, prev_pos, mark, V, END,
+                     BITS: tl.constexpr, ONE_KEY: tl.constexpr, BLOCK: tl.constexpr):
+    """Decodes the reduced key, the same on every rank: the pair to merge. Each program decodes it for itself, and
+    program 0 writes the merge's state for the kernels that follow (NEXT moves on in apply_owned: no program here
+    reads what program 0 writes). Then marks this rank's occurrences that merge, as train_bpe_gpu.py does:
+    mark[p] = 2 new, mark[next_pos[p]] = 2 new + 1, each lane its own p's, different for different p."""
+    count, tie, new = tl.load(best), tl.load(best + 1), tl.load(state + NEXT)
+    if ONE_KEY:
+        count, tie = count >> 2 * BITS, count & ((1 << 2 * BITS) - 1)
+    if (tl.load(state + DONE) == 0) & (count > 0) & (new < V):
+        a, b = (1 << BITS) - 1 - (tie >> BITS), (1 << BITS) - 1 - (tie & ((1 << BITS) - 1))
+        start, length = tl.load(list_start + a), tl.load(list_len + a)
+        if tl.program_id(0) == 0:
             tl.store(merges + 2 * (new - 256), a)
             tl.store(merges + 2 * (new - 256) + 1, b)
             tl.store(state + NEW, new)
-            tl.store(state + NEXT, new + 1)
             tl.store(state + A, a)
             tl.store(state + B, b)
-            tl.store(state + START, tl.load(list_start + a))
-            tl.store(state + LENGTH, tl.load(list_len + a))
+            tl.store(state + START, start)
+            tl.store(state + LENGTH, length)
             tl.store(state + SURVIVORS, 0)
             tl.store(list_start + new, tl.load(list_start + new - 1) + tl.load(list_len + new - 1))
             tl.store(list_len + new, 0)
-
-
-@triton.jit
-def find_occurrences(state, list_buffer, tokens, next_pos, prev_pos, mark, END, BLOCK: tl.constexpr):
-    """Marks this rank's occurrences that merge: mark[p] = 2 new, mark[next_pos[p]] = 2 new + 1. Reads only,
-    except these marks of its own p, which differ for different p (merged occurrences never overlap)."""
-    if tl.load(state + DONE) == 0:
-        a, b, new = tl.load(state + A), tl.load(state + B), tl.load(state + NEW)
-        start, length = tl.load(state + START), tl.load(state + LENGTH)
         for first in range(tl.program_id(0) * BLOCK, length, tl.num_programs(0) * BLOCK):
             i = first + tl.arange(0, BLOCK)
             p = tl.load(list_buffer + start + i, mask=i < length, other=END)
@@ -193,6 +185,8 @@ def find_occurrences(state, list_buffer, tokens, next_pos, prev_pos, mark, END, 
                 merge = merge & ~odd
             tl.store(mark + p, 2 * new, mask=merge)
             tl.store(mark + right, 2 * new + 1, mask=merge)
+    elif tl.program_id(0) == 0:
+        tl.store(state + DONE, 1)  # no pair left on any rank, or V reached: every kernel does nothing from now on
 
 
 @triton.jit
@@ -243,6 +237,8 @@ def apply_owned(state, delta, counts, row_key, dirty_flag, dirty_rows, V, RANK, 
     once (the lane that flips dirty_flag); no key of a row that loses is written here, so the test is stable."""
     if tl.load(state + DONE) == 0:
         a, b, new = tl.load(state + A), tl.load(state + B), tl.load(state + NEW)
+        if tl.program_id(0) == 0:
+            tl.store(state + NEXT, new + 1)  # nothing here reads NEXT
         for first in range(tl.program_id(0) * BLOCK, 3 * V + 1, tl.num_programs(0) * BLOCK):
             i = first + tl.arange(0, BLOCK)
             d = tl.load(delta + i, mask=i <= 3 * V, other=0).to(tl.int64)
@@ -338,7 +334,7 @@ def merge_on_device(arrays, vocab_size, total_pairs, device, show_progress):
     def refresh():
         refresh_rows[grid](state, list_buffer, scratch, list_len, counts, fresh_key, dirty_rows, V, W, ROWS=rows, BLOCK=block)
 
-    def merge_group():  # past the last merge, begin_merge sets DONE and every kernel does nothing
+    def merge_group():  # past the last merge, find_occurrences sets DONE and every kernel does nothing
         for _ in range(MERGES_PER_READ):
             best_pair[(1,)](state, row_key, fresh_key, dirty_flag, dirty_rows, best, BITS=bits, ONE_KEY=one_key,
                             BLOCK=choose_block)
@@ -348,8 +344,8 @@ def merge_on_device(arrays, vocab_size, total_pairs, device, show_progress):
                     best[1:2] = torch.where(best[2:] == best[:1], best[1:2], -1)
                     dist.all_reduce(best[1:2], op=dist.ReduceOp.MAX)
                 stats.update(collectives=2 + (not one_key))
-            begin_merge[(1,)](state, best, list_start, list_len, merges, V, BITS=bits, ONE_KEY=one_key)
-            find_occurrences[grid](state, list_buffer, tokens, next_pos, prev_pos, mark, END, BLOCK=block)
+            find_occurrences[grid](state, best, list_start, list_len, merges, list_buffer, tokens, next_pos, prev_pos,
+                                   mark, V, END, BITS=bits, ONE_KEY=one_key, BLOCK=block)
             apply_merges[grid](state, list_buffer, scratch, list_start, list_len, tokens, next_pos, prev_pos, mark,
                                weight, delta, V, END, BLOCK=block)
             if W > 1:

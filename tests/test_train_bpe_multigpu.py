@@ -366,7 +366,7 @@ from triton.compiler import ASTSource
 
 INT64 = {"state", "row_key", "fresh_key", "list_start", "list_len", "merges", "best"}
 CONSTANTS = {"BLOCK": 256, "ROWS": 4, "BITS": 11}
-kernels = (mg.best_pair, mg.begin_merge, mg.find_occurrences, mg.apply_merges, mg.apply_owned, mg.refresh_rows)
+kernels = (mg.best_pair, mg.find_occurrences, mg.apply_merges, mg.apply_owned, mg.refresh_rows)
 for counts in ("*i32", "*i64"):
     for kernel in kernels:
         names = kernel.arg_names
@@ -386,4 +386,4 @@ def test_the_kernels_compile_for_a_gpu():
     (sm_90) with Triton's own compiler, which needs no GPU."""
     result = subprocess.run([sys.executable, "-c", COMPILE_FOR_A_GPU, str(REPO)], capture_output=True, text=True,
                             timeout=300)
-    assert result.returncode == 0 and result.stdout.count("compiled") == 12, result.stdout + result.stderr[-3000:]
+    assert result.returncode == 0 and result.stdout.count("compiled") == 10, result.stdout + result.stderr[-3000:]
