@@ -497,14 +497,17 @@ def split_byte_range(job):
     """The chunks of the .jsonl lines starting in [start, end), read where this runs: the parent sends no text."""
     pattern_text, path, start, end, budget = job
     BadUTF8.count = 0
-    chunk_counts, chars = split_documents(first_chars(lambda _: read_jsonl(path, start, end), budget), pattern_text)
+    try:
+        chunk_counts, chars = split_documents(first_chars(lambda _: read_jsonl(path, start, end), budget), pattern_text)
+    except (UserError if multiprocessing.parent_process() else ()):  # a worker's; the parent's own call catches none
+        return Counter(), float("inf"), 0  # the bad line may lie past the budget: the parent redoes the range if needed
     return chunk_counts, chars, BadUTF8.count
 
 
 def count_chunks(documents, files, pattern_text, num_chars):
     """The chunk counts of the first num_chars characters. Large .jsonl inputs go to worker processes (the regex
     holds the GIL), a byte range each; the parent adds their Counters in file order, and redoes the range where
-    the budget runs out with the exact remainder."""
+    the budget runs out, or a bad line stopped a worker, with the exact remainder."""
     with tqdm(total=num_chars, unit="char", unit_scale=True, desc="reading", mininterval=0.5) as progress:
         if num_chars < PARALLEL_CHARS or not files or any(path.suffix != ".jsonl" for path in files):
             chunk_counts, chars = split_documents(first_chars(documents, num_chars), pattern_text, progress)
