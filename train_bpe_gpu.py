@@ -356,8 +356,7 @@ def merges_done(state):
 # .txt and .jsonl are read with the standard library: `datasets`' loaders would turn CRLF into LF (no longer
 # byte-identical to rustbpe), stop at invalid UTF-8, and take seconds to start. The Hub and parquet use `datasets`.
 
-def hub_problem(timeout=3.0):
-    """None if the Hub can be used, else why not: a 3 s probe, where `datasets` would retry for ~25 s."""
+def hub_problem(timeout=3.0):  # None if the Hub can be used, else why not: a 3 s probe, where `datasets` would retry for ~25 s
     for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
         if os.environ.get(name, "").upper() in ("1", "ON", "YES", "TRUE"):  # huggingface_hub's own rule
             return f"the Hugging Face Hub is off ({name}={os.environ[name]})"
@@ -399,12 +398,11 @@ def decode_utf8(raw, decoder=None, final=True):
 
 def read_txt(path, budget):  # one document, CRLF kept, read only as far as the budget of characters needs
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")  # holds a character cut between blocks
-    pieces, have, block = [], 0, None
+    pieces, block = [], None
     with open(path, "rb") as f:
-        while have < budget and block != b"":
+        while sum(map(len, pieces)) < budget and block != b"":
             block = f.read(1 << 24)
             pieces.append(decode_utf8(block, decoder, final=not block))  # the empty read at the end flushes
-            have += len(pieces[-1])
     yield "".join(pieces)[:budget]
 
 def read_jsonl(path, start=0, end=None):
@@ -428,6 +426,9 @@ def read_jsonl(path, start=0, end=None):
                 where = f"{path}:{number}" if start == 0 else f"{path} (the line at byte {position - len(line)})"
                 raise UserError(f"{where} is not a JSON object with a string \"text\" field; "
                                 "each line of a .jsonl file must look like {\"text\": \"...\"}")
+            if not text.isascii() and b"\xed" in text.encode("utf-8", "surrogatepass"):  # U+D000-DFFF: a lone "\ud800"?
+                fixed = text.encode("utf-16-le", "surrogatepass").decode("utf-16-le", "replace")  # json joined real pairs
+                BadUTF8.count, text = BadUTF8.count + fixed.count("\ufffd") - text.count("\ufffd"), fixed  # it has no UTF-8
             yield text
 
 def local_files(data):  # the file itself, or a directory's text files in sorted order
@@ -442,8 +443,7 @@ def local_files(data):  # the file itself, or a directory's text files in sorted
         raise UserError(f"{path} holds no .txt, .jsonl or .parquet files; point --data at text files")
     return files
 
-def open_source(data, data_was_named):
-    """(documents, name, description), where documents(budget) yields the documents as strings."""
+def open_source(data, data_was_named):  # (documents, name, description); documents(budget) yields strings
     if data not in HUB_DATASETS:
         files = local_files(data)
         readers = {".txt": read_txt, ".jsonl": lambda path, budget: read_jsonl(path),
@@ -497,14 +497,17 @@ def split_byte_range(job):
     """The chunks of the .jsonl lines starting in [start, end), read where this runs: the parent sends no text."""
     pattern_text, path, start, end, budget = job
     BadUTF8.count = 0
-    chunk_counts, chars = split_documents(first_chars(lambda _: read_jsonl(path, start, end), budget), pattern_text)
+    try:
+        chunk_counts, chars = split_documents(first_chars(lambda _: read_jsonl(path, start, end), budget), pattern_text)
+    except (UserError if multiprocessing.parent_process() else ()):  # a worker's; the parent's own call catches none
+        return Counter(), float("inf"), 0  # the bad line may lie past the budget: the parent redoes the range if needed
     return chunk_counts, chars, BadUTF8.count
 
 
 def count_chunks(documents, files, pattern_text, num_chars):
     """The chunk counts of the first num_chars characters. Large .jsonl inputs go to worker processes (the regex
     holds the GIL), a byte range each; the parent adds their Counters in file order, and redoes the range where
-    the budget runs out with the exact remainder."""
+    the budget runs out, or a bad line stopped a worker, with the exact remainder."""
     with tqdm(total=num_chars, unit="char", unit_scale=True, desc="reading", mininterval=0.5) as progress:
         if num_chars < PARALLEL_CHARS or not files or any(path.suffix != ".jsonl" for path in files):
             chunk_counts, chars = split_documents(first_chars(documents, num_chars), pattern_text, progress)

@@ -447,21 +447,40 @@ def test_resume_when_killed_just_before_meta_json(tmp_path, docs, bpe_dir, extra
     (tmp_path / "one_document.txt").write_text("".join(docs), encoding="utf-8")
     args = ["--tokenizer", bpe_dir, "--data", "docs.jsonl", "--shard_size", 900, "--val_tokens", 800, *extra]
     prepare(*args, "--out", "reference", cwd=tmp_path)
-    die_at_meta = (
+    died = run_dying_at(dies_at, *args, "--out", "killed", cwd=tmp_path)
+    assert died.returncode == 9 and not (tmp_path / "killed" / "meta.json").exists(), died.stderr
+    assert "resuming" in prepare(*args, "--out", "killed", cwd=tmp_path).stdout
+    assert files_of(tmp_path / "killed") == files_of(tmp_path / "reference")
+
+
+def run_dying_at(dies_at, *args, cwd, after_the_write=False):
+    """prepare_data.py, dying for certain (os._exit, as abrupt as SIGKILL) in place of, or just after, the first
+    write_json(path, obj) for which the expression dies_at is true."""
+    die = "        os._exit(9)\n"
+    script = (
         "import os, runpy, sys\n"
         f"script = runpy.run_path({str(SCRIPT)!r}, run_name='prepare_data')\n"
         "namespace = script['run'].__globals__  # the functions' own globals (run_path returns a copy)\n"
         "write_json = namespace['write_json']\n"
         "def dying_write_json(path, obj):\n"
-        f"    if {dies_at}:\n"
-        "        os._exit(9)\n"
+        f"    if not {after_the_write} and {dies_at}:\n" + die +
         "    write_json(path, obj)\n"
+        f"    if {after_the_write} and {dies_at}:\n" + die +
         "namespace['write_json'] = dying_write_json\n"
         "script['run'](sys.argv[1:])\n")
-    died = subprocess.run([sys.executable, "-c", die_at_meta, *map(str, args), "--out", "killed"], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=120)
-    assert died.returncode == 9 and not (tmp_path / "killed" / "meta.json").exists(), died.stderr
-    assert "resuming" in prepare(*args, "--out", "killed", cwd=tmp_path).stdout
+    return subprocess.run([sys.executable, "-c", script, *map(str, args)], cwd=cwd, capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_a_run_killed_just_after_meta_json_leaves_no_progress_json_on_rerun(tmp_path, docs, bpe_dir):
+    """meta.json written, progress.json not yet deleted: the rerun finds the dataset complete, removes the
+    leftover, and ends with the files of a run never killed."""
+    write_jsonl(tmp_path / "docs.jsonl", docs)
+    args = ["--tokenizer", bpe_dir, "--data", "docs.jsonl", "--shard_size", 900, "--val_tokens", 800]
+    prepare(*args, "--out", "reference", cwd=tmp_path)
+    died = run_dying_at(META_JSON, *args, "--out", "killed", cwd=tmp_path, after_the_write=True)
+    assert died.returncode == 9 and (tmp_path / "killed" / "progress.json").exists(), died.stderr
+    assert "already complete" in prepare(*args, "--out", "killed", cwd=tmp_path).stdout
     assert files_of(tmp_path / "killed") == files_of(tmp_path / "reference")
 
 

@@ -78,6 +78,26 @@ def test_invalid_utf8_is_replaced_and_counted(tmp_path):
     assert reader.BadUTF8.count == 4  # three in the .txt (the real U+FFFD is not one), one in the .jsonl
 
 
+# "\ud800" is valid JSON, but json.loads makes it a lone surrogate, which has no UTF-8 encoding: like an invalid
+# UTF-8 byte, each becomes U+FFFD and counts. An escaped pair is one real character (😀) and stays.
+LONE_SURROGATES = r'{"text": "lone \ud800, \uDC00\ud800; paired \ud83d\ude00 \u00fc \ufffd"}' + "\n" + r'{"text": "real \ufffd"}' + "\n"
+
+
+def test_a_lone_surrogate_escape_is_replaced_and_counted(tmp_path):
+    (tmp_path / "lone.jsonl").write_text(LONE_SURROGATES)
+    reader.BadUTF8.count = 0
+    assert read(tmp_path / "lone.jsonl") == ["lone \ufffd, \ufffd\ufffd; paired \U0001f600 ü \ufffd", "real \ufffd"]
+    assert reader.BadUTF8.count == 3  # the U+FFFD that the second document holds is no error
+
+
+def test_a_lone_surrogate_is_a_warning_on_the_command_line(tmp_path):
+    (tmp_path / "lone.jsonl").write_text(LONE_SURROGATES * 50)
+    result = subprocess.run([sys.executable, str(REPO / "train_bpe_cpu.py"), "--data", "lone.jsonl", "-v", "260", "--out", "tok"],
+                            cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert "warning: 150 invalid UTF-8 sequences were replaced with U+FFFD" in result.stderr
+
+
 def test_a_txt_file_is_read_only_as_far_as_the_budget_needs():
     # /dev/zero never ends: only a reader that stops at its budget returns
     assert list(reader.read_txt("/dev/zero", 5)) == ["\0" * 5]

@@ -269,6 +269,28 @@ def test_byte_ranges_read_by_workers_equal_one_stream(tmp_path, monkeypatch):
         assert serial[1] > 0
 
 
+def test_a_bad_line_fails_the_workers_only_where_it_fails_one_stream(tmp_path, monkeypatch):
+    monkeypatch.setattr(bpe, "PARALLEL_CHARS", 1)
+    monkeypatch.setattr(bpe, "RANGE_BYTES", 2_000)
+    docs = generated_docs(100, 60)
+    lines = [json.dumps({"text": doc}) + "\n" for doc in docs]  # ASCII (é escaped): a character is a byte
+    starts = [sum(map(len, lines[:i])) for i in range(len(lines) + 1)]
+    bad = next(i for i in range(20, 60) if starts[i - 1] // 2_000 == starts[i] // 2_000 > 0)  # shares a later range
+    path = tmp_path / "docs.jsonl"  # with the previous document, so a worker reads it with the budget already spent
+    path.write_text("".join(lines[:bad]) + '{"text": 42}\n' + "".join(lines[bad:]))
+    documents, _, _ = bpe.open_source(str(path), data_was_named=True)
+    chars_before_bad = sum(map(len, docs[:bad]))
+    for num_chars in (chars_before_bad - 1, chars_before_bad):  # the budget runs out before the bad line
+        serial = bpe.split_documents(bpe.first_chars(documents, num_chars), bpe.pattern)
+        assert bpe.count_chunks(documents, [path], bpe.pattern, num_chars) == serial
+    message = " is not a JSON object with a string \"text\" field"
+    for num_chars in (chars_before_bad + 1, 10**9):  # the bad line is needed: the one error, naming the line
+        with pytest.raises(bpe.UserError, match=regex.escape(f"docs.jsonl:{bad + 1}{message}")):
+            bpe.split_documents(bpe.first_chars(documents, num_chars), bpe.pattern)
+        with pytest.raises(bpe.UserError, match=regex.escape(f"docs.jsonl (the line at byte {starts[bad]}){message}")):
+            bpe.count_chunks(documents, [path], bpe.pattern, num_chars)
+
+
 # ---------------------------------------------------------------- the command line
 
 
