@@ -155,8 +155,10 @@ for counts in ("*i32", "*i64"):
         signature = {name: "constexpr" if name in ("BLOCK", "ROWS") else "i32" if name in ("V", "END") else
                      counts if name in ("counts", "weight") else "*i64" if name in INT64 else "*i32" for name in names}
         constexprs = {(names.index(name),): 4 if name == "ROWS" else 256 for name in ("BLOCK", "ROWS") if name in names}
-        triton.compile(ASTSource(kernel, signature, constexprs), target=GPUTarget("cuda", 90, 32))
+        ttir = triton.compile(ASTSource(kernel, signature, constexprs), target=GPUTarget("cuda", 90, 32)).asm["ttir"]
         print(kernel.fn.__name__, counts, "compiled")
+        if kernel is bpe.choose_pair:  # the dirty rows' keys are copied (stores), then a barrier, then scanned (reduce)
+            print("barrier between copy and scan:", ttir.index("tt.store") < ttir.find("ttg.barrier") < ttir.index("tt.reduce"))
 """
 
 
@@ -164,6 +166,7 @@ def test_the_kernels_compile_for_a_gpu():
     result = subprocess.run([sys.executable, "-c", COMPILE_FOR_A_GPU, str(REPO)], capture_output=True, text=True,
                             timeout=300)
     assert result.returncode == 0 and result.stdout.count("compiled") == 6, result.stdout + result.stderr[-3000:]
+    assert result.stdout.count("barrier between copy and scan: True") == 1, result.stdout  # a GPU race, else
 
 
 # ---------------------------------------------------------------- the host stays out of the merge loop

@@ -376,8 +376,10 @@ for counts in ("*i32", "*i64"):
         constexprs = {(names.index(name),): value for name, value in CONSTANTS.items() if name in names}
         if "ONE_KEY" in names:
             constexprs[(names.index("ONE_KEY"),)] = counts == "*i32"
-        triton.compile(ASTSource(kernel, signature, constexprs), target=GPUTarget("cuda", 90, 32))
+        ttir = triton.compile(ASTSource(kernel, signature, constexprs), target=GPUTarget("cuda", 90, 32)).asm["ttir"]
         print(kernel.fn.__name__, counts, "compiled")
+        if kernel is mg.best_pair:  # the dirty rows' keys are copied (stores), then a barrier, then scanned (reduce)
+            print("barrier between copy and scan:", ttir.index("tt.store") < ttir.find("ttg.barrier") < ttir.index("tt.reduce"))
 """
 
 
@@ -387,3 +389,4 @@ def test_the_kernels_compile_for_a_gpu():
     result = subprocess.run([sys.executable, "-c", COMPILE_FOR_A_GPU, str(REPO)], capture_output=True, text=True,
                             timeout=300)
     assert result.returncode == 0 and result.stdout.count("compiled") == 10, result.stdout + result.stderr[-3000:]
+    assert result.stdout.count("barrier between copy and scan: True") == 2, result.stdout  # a GPU race, else
