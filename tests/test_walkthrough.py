@@ -97,3 +97,12 @@ def test_quickstart_end_to_end(tmp_path):
     sample = result.stdout.split("\n---------------\n")[0]
     assert sample.startswith("def ") and len(sample) > len("def ")
     assert "tokens/s" in result.stderr
+
+
+def test_the_readme_stage_table_gives_each_script_its_line_count():
+    """The first screen of the README says how long each script is: it must stay true as the scripts change."""
+    import re
+    rows = re.findall(r"^\|[^|\n]*\| `(\w+\.py)` \|[^|\n]*\| (\d+) \|$", (REPO / "README.md").read_text(), re.M)
+    assert len(rows) == 8, rows
+    for name, lines in rows:
+        assert len((REPO / name).read_text().splitlines()) == int(lines), f"README says {name} has {lines} lines"
