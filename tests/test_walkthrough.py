@@ -6,6 +6,7 @@ import base64
 import hashlib
 import json
 import os
+import re
 import subprocess
 import sys
 import sysconfig
@@ -101,7 +102,6 @@ def test_quickstart_end_to_end(tmp_path):
 
 def test_the_readme_stage_table_gives_each_script_its_line_count():
     """The first screen of the README says how long each script is: it must stay true as the scripts change."""
-    import re
     rows = re.findall(r"^\|[^|\n]*\| `(\w+\.py)` \|[^|\n]*\| (\d+) \|$", (REPO / "README.md").read_text(), re.M)
     assert len(rows) == 8, rows
     for name, lines in rows:
