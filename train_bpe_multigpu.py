@@ -60,7 +60,7 @@ vocab_size = 65534  # byte tokens (256) + merges; <|endoftext|> gets the next id
 num_chars = 2**27  # characters to train on, all ranks together (about n / W each)
 data = "fineweb"  # fineweb | fineweb-edu | a .txt/.jsonl/.parquet file | a directory of them
 out = None  # output directory; default tokenizers/<source>_v<vocab_size>
-device = "cuda" if torch.cuda.is_available() else "cpu"  # cuda -> NCCL, cpu -> gloo
+device = "cuda"  # cuda: NCCL; cpu: gloo, and the kernels in Triton's interpreter (slow: for testing)
 cache_dir = "tokenizers/.cache"  # per-rank counted chunks, keyed by data/n/pattern/world size
 workers = 0  # pre-tokenizing processes per rank; 0 = this rank's share of the cores when its part is big
 timeout = 1800  # seconds a rank waits in a collective before giving up (reading a big part takes a while)
@@ -672,7 +672,8 @@ def parse_args(argv):
     parser.add_argument("--data", default=None, help=f"fineweb | fineweb-edu | path to .txt/.jsonl/.parquet or a directory (default {data})")
     parser.add_argument("--out", default=out, help="output directory (default tokenizers/<source>_v<vocab_size>)")
     parser.add_argument("--pattern", default=pattern, help="the pre-tokenizer regex (default GPT-4's)")
-    parser.add_argument("--device", default=device, choices=["cuda", "cpu"], help=f"cuda (NCCL) or cpu (gloo) (default {device})")
+    parser.add_argument("--device", default=None, choices=["cuda", "cpu"], help=f"cuda (NCCL) or cpu (gloo; the kernels in "
+                        f"Triton's interpreter, for testing) (default {device})")
     parser.add_argument("--cache_dir", default=cache_dir, help=f"where each rank caches its counted chunks (default {cache_dir})")
     parser.add_argument("--no_cache", action="store_true", help="count again even if a cache exists (and refresh it)")
     parser.add_argument("--workers", type=int, default=workers, help="pre-tokenizing processes per rank (default: "
@@ -691,8 +692,10 @@ def validate(args):
     if args.workers < 0 or args.timeout <= 0:
         raise UserError(f"--workers {args.workers} --timeout {args.timeout}: workers must be 0 (automatic) or more, "
                         "and the timeout a positive number of seconds; try --workers 4 --timeout 1800")
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise UserError("--device cuda: no CUDA GPU is visible here; use --device cpu (gloo) instead")
+    if (args.device or device) == "cuda" and not torch.cuda.is_available():  # the interpreter: never a silent default
+        raise UserError("--device cuda (the default): no CUDA GPU is visible here; --device cpu runs the kernels in "
+                        "Triton's interpreter, for testing (slow), and train_bpe_cpu.py is the better choice on a CPU")
+    args.device = args.device or device
     if (args.device == "cpu") != bool(triton.knobs.runtime.interpret):  # the env var counts when triton is imported
         raise UserError(f"--device {args.device} with TRITON_INTERPRET={os.environ['TRITON_INTERPRET']}: the kernels run "
                         "compiled on cuda, in Triton's interpreter on cpu; set TRITON_INTERPRET=1 for cpu, 0 for cuda")

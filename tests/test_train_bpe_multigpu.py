@@ -255,6 +255,13 @@ def test_the_device_and_the_interpreter_must_agree(tmp_path, monkeypatch):
         mg.validate(mg.parse_args(["--data", str(tmp_path / "ok.txt"), "--device", DEVICE]))
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here: cuda is the right default")
+def test_no_gpu_and_no_device_is_refused_rather_than_interpreted_slowly(tmp_path):
+    (tmp_path / "ok.txt").write_text("some text to train on " * 10)
+    with pytest.raises(mg.UserError, match="no CUDA GPU is visible here; --device cpu runs the kernels in Triton's"):
+        mg.validate(mg.parse_args(["--data", str(tmp_path / "ok.txt")]))
+
+
 def test_a_pattern_that_backtracks_or_matches_empty_in_context_is_one_error():
     mg.start_worker(r"(?:a|a)+b|\s")
     started = time.process_time()
