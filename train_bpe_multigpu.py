@@ -149,9 +149,9 @@ def best_pair(state, row_key, fresh_key, dirty_flag, dirty_rows, best, BITS: tl.
 def find_occurrences(state, best, list_start, list_len, merges, list_buffer, tokens, next_pos, prev_pos, mark, V, END,
                      BITS: tl.constexpr, ONE_KEY: tl.constexpr, BLOCK: tl.constexpr):
     """Decodes the reduced key, the same on every rank: the pair to merge. Each program decodes it for itself, and
-    program 0 writes the merge's state for the kernels that follow (NEXT moves on in apply_owned: no program here
-    reads what program 0 writes). Then marks this rank's occurrences that merge, as train_bpe_gpu.py does:
-    mark[p] = 2 new, mark[next_pos[p]] = 2 new + 1, each lane its own p's, different for different p."""
+    program 0 writes the merge's state for the kernels that follow: NEXT moves on in apply_owned, and DONE is set
+    only when every program finds the end itself, so no program depends on what program 0 writes. Then marks this
+    rank's occurrences that merge, as train_bpe_gpu.py does: mark[p] = 2 new, mark[next_pos[p]] = 2 new + 1."""
     count, tie, new = tl.load(best), tl.load(best + 1), tl.load(state + NEXT)
     if ONE_KEY:
         count, tie = count >> 2 * BITS, count & ((1 << 2 * BITS) - 1)
