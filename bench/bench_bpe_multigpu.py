@@ -41,7 +41,7 @@ parser.add_argument("--device", default="cpu")
 args = parser.parse_args()
 
 work = Path(tempfile.mkdtemp(prefix="bench_bpe_multigpu_"))
-env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", TRITON_INTERPRET="1" if args.device == "cpu" else "0")
 
 
 def documents_read(info):
