@@ -411,6 +411,7 @@ def run(argv):
         if "chars" not in state:
             state["chars"] = sorted(set(itertools.chain.from_iterable(
                 tqdm(texts(), unit=" docs", desc="pass 1: characters", mininterval=0.5))))
+            BadUTF8.count = 0  # pass 2 reads the same text again, and counts it again
         encoder = CharEncoder(state["chars"])
     # uint16 holds ids up to 65535, half the disk and memory bandwidth of uint32, which bigger vocabularies need
     dtype = np.uint16 if encoder.n_vocab <= 1 << 16 else np.uint32

@@ -488,6 +488,9 @@ def test_invalid_utf8_is_replaced_with_a_warning(tmp_path, bpe_dir):
     (tmp_path / "bad.txt").write_bytes(b"caf\xc3\xa9 ok, then bad bytes: \xff\xfe and \xc3 end")
     result = prepare("--tokenizer", bpe_dir, "--data", "bad.txt", "--out", "ds", cwd=tmp_path)
     assert "warning: 3 invalid UTF-8 sequences were replaced" in result.stderr
+    # char level reads the source twice (the vocabulary first): still 3
+    result = prepare("--tokenizer", "char", "--data", "bad.txt", "--out", "ds_char", cwd=tmp_path)
+    assert "warning: 3 invalid UTF-8 sequences were replaced" in result.stderr, result.stderr
     meta, val, train = read_dataset(tmp_path / "ds")
     text = load_encoding(bpe_dir).decode(np.concatenate([train, val]).tolist())
     assert text == EOT + "café ok, then bad bytes: \ufffd\ufffd and \ufffd end"
