@@ -706,6 +706,13 @@ def validate(args):
     if empty_match:
         raise UserError(f"--pattern {args.pattern!r} matches the empty string; every match must take at least one "
                         "character (x+, not x*)")
+    world, V = int(os.environ.get("WORLD_SIZE", "1")), args.vocab_size  # this rank's count rows: ~V^2 / W int32s
+    need = 4 * V * ((V - 1 - RANK) // world + 1)  # (twice that past 2^31 pairs of text, known only once it is read)
+    memory = torch.cuda.get_device_properties(int(os.environ.get("LOCAL_RANK", "0"))).total_memory \
+        if args.device == "cuda" else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if need > 0.8 * memory:
+        raise UserError(f"-v {V} on {world} rank(s) needs {need / 2**30:.1f} GiB of pair counts per rank, more than "
+                        f"its {args.device} can spare ({memory / 2**30:.1f} GiB); use more ranks or a smaller -v")
     with contextlib.redirect_stderr(io.StringIO()) if RANK else contextlib.nullcontext():  # one warning, rank 0's
         _, source_name, source = open_source(args.data or data, data_was_named=args.data is not None)
     out_dir = Path(args.out or f"tokenizers/{source_name}_v{args.vocab_size}")

@@ -262,6 +262,15 @@ def test_no_gpu_and_no_device_is_refused_rather_than_interpreted_slowly(tmp_path
         mg.validate(mg.parse_args(["--data", str(tmp_path / "ok.txt")]))
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU's memory; a GPU's is checked alike")
+def test_count_rows_that_do_not_fit_are_one_line(tmp_path, monkeypatch):
+    (tmp_path / "ok.txt").write_text("some text to train on " * 10)
+    monkeypatch.setattr(mg.os, "sysconf", lambda name: {"SC_PAGE_SIZE": 4096, "SC_PHYS_PAGES": 2**14}[name])  # 64 MiB
+    mg.validate(mg.parse_args(["--data", str(tmp_path / "ok.txt"), "--device", "cpu", "-v", "3000"]))  # 34 MiB
+    with pytest.raises(mg.UserError, match=r"-v 4096 on 1 rank\(s\) needs 0.1 GiB of pair counts per rank"):
+        mg.validate(mg.parse_args(["--data", str(tmp_path / "ok.txt"), "--device", "cpu", "-v", "4096"]))  # 64 MiB
+
+
 def test_a_pattern_that_backtracks_or_matches_empty_in_context_is_one_error():
     mg.start_worker(r"(?:a|a)+b|\s")
     started = time.process_time()
