@@ -404,7 +404,8 @@ def run(argv):
     state = resume_state(out_dir, run_args)
     if state is None:
         copy_tokenizer(tokenizer_meta, out_dir)
-        (out_dir / "progress.json").unlink(missing_ok=True)  # left by a run killed between meta.json and its unlink
+        for leftover in [out_dir / "progress.json", *out_dir.glob("*.tmp")]:  # a run killed just after meta.json
+            leftover.unlink(missing_ok=True)
         return print(f"{out_dir} is already complete with these arguments; nothing to do")
 
     if encoder is None:  # char level: pass 1 finds the vocabulary, every distinct character (progress.json keeps it)

@@ -473,13 +473,14 @@ def run_dying_at(dies_at, *args, cwd, after_the_write=False):
 
 
 def test_a_run_killed_just_after_meta_json_leaves_no_progress_json_on_rerun(tmp_path, docs, bpe_dir):
-    """meta.json written, progress.json not yet deleted: the rerun finds the dataset complete, removes the
-    leftover, and ends with the files of a run never killed."""
+    """meta.json written, progress.json and *.tmp not yet deleted: the rerun finds the dataset complete, removes
+    the leftovers, and ends with the files of a run never killed."""
     write_jsonl(tmp_path / "docs.jsonl", docs)
     args = ["--tokenizer", bpe_dir, "--data", "docs.jsonl", "--shard_size", 900, "--val_tokens", 800]
     prepare(*args, "--out", "reference", cwd=tmp_path)
     died = run_dying_at(META_JSON, *args, "--out", "killed", cwd=tmp_path, after_the_write=True)
     assert died.returncode == 9 and (tmp_path / "killed" / "progress.json").exists(), died.stderr
+    (tmp_path / "killed" / "train_000000.npy.tmp").write_bytes(b"")  # as a shard an earlier killed run began
     assert "already complete" in prepare(*args, "--out", "killed", cwd=tmp_path).stdout
     assert files_of(tmp_path / "killed") == files_of(tmp_path / "reference")
 
