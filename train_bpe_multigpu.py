@@ -242,7 +242,7 @@ def apply_owned(state, delta, counts, row_key, dirty_flag, dirty_rows, V, RANK, 
         for first in range(tl.program_id(0) * BLOCK, 3 * V + 1, tl.num_programs(0) * BLOCK):
             i = first + tl.arange(0, BLOCK)
             d = tl.load(delta + i, mask=i <= 3 * V, other=0).to(tl.int64)
-            tl.store(delta + i, 0, mask=i <= 3 * V)
+            tl.store(delta + i, 0, mask=d != 0)  # most lanes hold 0 already: no write
             part, j = i // V, (i % V).to(tl.int64)  # 0: (x=j, a) -> (j, new); 1: (b, j); 2: (new, j); 3: (a, b)
             row = tl.where(part == 0, j, tl.where(part == 1, b, tl.where(part == 2, new, a)))
             mine = (d != 0) & (row % WORLD == RANK)
