@@ -219,17 +219,15 @@ def hub_problem(timeout=3.0):  # None if the Hub can be used, else why not: a 3 
     except (OSError, ValueError):
         return f"can't reach the Hugging Face Hub at {endpoint}"
 
-def datasets_texts(where, node=None, **load):
-    """The "text" of each row of load_dataset(**load), streamed; node=(rank, world_size) keeps that rank's share."""
+def datasets_texts(where, node=None, **load):  # each row's "text", streamed; node=(rank, world_size): that rank's share
     import datasets.distributed  # here, not at the top: it takes seconds, and .txt/.jsonl never need it
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its errors reach the user as our one line
     try:
         rows = datasets.load_dataset(split="train", streaming=True, **load)
         for number, row in enumerate(datasets.distributed.split_dataset_by_node(rows, *node) if node else rows, 1):
-            if not isinstance(row.get("text"), str):
-                raise UserError(f"{where}, row {number}: \"text\" is {row.get('text')!r:.20}, not a string "
-                                f"(columns: {', '.join(row)})")
-            yield row["text"]
+            if not isinstance(text := row.get("text"), str):
+                raise UserError(f"{where}, row {number}: \"text\" is {text!r:.20}, not a string (columns: {', '.join(row)})")
+            yield text
     except UserError:
         raise
     except Exception as error:  # no such dataset, a corrupt file (ArrowInvalid), a dropped connection
@@ -257,12 +255,11 @@ def read_txt(path, budget):  # one document, CRLF kept, read only as far as the 
             pieces.append(decode_utf8(block, decoder, final=not block))  # the empty read at the end flushes
     yield "".join(pieces)[:budget]
 
-def read_jsonl(path, start=0, end=None):
-    """The "text" of each line; with a byte range, the lines that start in it: ranges tiling a file read each line once."""
+def read_jsonl(path, start=0, end=None):  # the "text" of each line that starts in bytes [start, end)
     with open(path, "rb") as f:
-        if start > 0:
+        if start > 0:  # the range before owns the line holding byte start-1: tiling ranges read each line once
             f.seek(start - 1)
-            f.readline()  # the line holding byte start-1 began before start: the previous range reads it
+            f.readline()
         position = f.tell()
         for number, line in enumerate(f, 1):
             if end is not None and position >= end:
@@ -278,7 +275,7 @@ def read_jsonl(path, start=0, end=None):
                 where = f"{path}:{number}" if start == 0 else f"{path} (the line at byte {position - len(line)})"
                 raise UserError(f"{where} is not a JSON object with a string \"text\" field; "
                                 "each line of a .jsonl file must look like {\"text\": \"...\"}")
-            if not text.isascii() and b"\xed" in text.encode("utf-8", "surrogatepass"):  # U+D000-DFFF: a lone "\ud800"?
+            if not text.isascii() and b"\xed" in text.encode("utf-8", "surrogatepass"):  # \xed: maybe a lone "\ud800"
                 fixed = text.encode("utf-16-le", "surrogatepass").decode("utf-16-le", "replace")  # json joined real pairs
                 BadUTF8.count, text = BadUTF8.count + fixed.count("\ufffd") - text.count("\ufffd"), fixed  # it has no UTF-8
             yield text
