@@ -275,7 +275,7 @@ def read_jsonl(path, start=0, end=None):  # the "text" of each line that starts 
                 where = f"{path}:{number}" if start == 0 else f"{path} (the line at byte {position - len(line)})"
                 raise UserError(f"{where} is not a JSON object with a string \"text\" field; "
                                 "each line of a .jsonl file must look like {\"text\": \"...\"}")
-            if not text.isascii() and b"\xed" in text.encode("utf-8", "surrogatepass"):  # \xed: maybe a lone "\ud800"
+            if not text.isascii() and b"\xed" in text.encode("utf-8", "surrogatepass"):  # U+D000-DFFF: a lone "\ud800"?
                 fixed = text.encode("utf-16-le", "surrogatepass").decode("utf-16-le", "replace")  # json joined real pairs
                 BadUTF8.count, text = BadUTF8.count + fixed.count("\ufffd") - text.count("\ufffd"), fixed  # it has no UTF-8
             yield text
