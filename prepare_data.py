@@ -389,9 +389,7 @@ def run(argv):
     documents, source_name, source = open_source(args.data or data, args.data is not None)
     encoder, tokenizer_meta = load_tokenizer(args.tokenizer)
     # at char level a token is a character: both passes then read the same first max_tokens characters
-    budget = args.num_chars or sys.maxsize
-    if encoder is None and args.max_tokens:
-        budget = min(budget, args.max_tokens)
+    budget = min(args.num_chars or sys.maxsize, encoder is None and args.max_tokens or sys.maxsize)
     texts = lambda: (text for text in first_chars(documents, budget) if text)  # noqa: E731 (empty: not a document)
     # data/tinyshakespeare_char, data/fineweb_gpt2; a tokenizer named after its source (stdlib_v1000) alone
     tokenizer_name = Path(args.tokenizer).resolve().name
@@ -467,5 +465,4 @@ if __name__ == "__main__":
         sys.exit(130)
     except (UserError, OSError) as error:  # OSError: a full disk, a lost mount; the finished shards are safe
         advice = "; fix it and run the same command again to resume" if isinstance(error, OSError) else ""
-        print(f"error: {error}{advice}", file=sys.stderr)
-        sys.exit(1)
+        sys.exit(f"error: {error}{advice}")  # printed to stderr, exit status 1
