@@ -378,10 +378,16 @@ def parse_args(argv):
     return args
 
 
-def copy_tokenizer(tokenizer_meta, out_dir):  # a dataset carries its BPE tokenizer, so that it stands on its own
+def complete(out_dir, tokenizer_meta, meta=None):
+    """A copy of the BPE tokenizer, so that the dataset stands on its own; meta.json, last, as its presence says the
+    dataset is complete; then no progress.json, nor a *.tmp that a killed run began and this one finished."""
     for name in ("tokenizer.tiktoken", "tokenizer.json") if tokenizer_meta["kind"] == "bpe" else ():
         (out_dir / f"{name}.tmp").write_bytes(Path(tokenizer_meta["path"], name).read_bytes())
         os.replace(out_dir / f"{name}.tmp", out_dir / name)  # train.py never reads half a tokenizer
+    if meta:
+        write_json(out_dir / "meta.json", meta)
+    for leftover in [out_dir / "progress.json", *out_dir.glob("*.tmp")]:
+        leftover.unlink(missing_ok=True)
 
 
 def run(argv):
@@ -400,10 +406,8 @@ def run(argv):
     run_args = {"source": source, "tokenizer": tokenizer_meta, "num_chars": args.num_chars, "max_tokens": args.max_tokens,
                 "shard_size": args.shard_size, "val_tokens": args.val_tokens, "files": files}
     state = resume_state(out_dir, run_args)
-    if state is None:
-        copy_tokenizer(tokenizer_meta, out_dir)
-        for leftover in [out_dir / "progress.json", *out_dir.glob("*.tmp")]:  # a run killed just after meta.json
-            leftover.unlink(missing_ok=True)
+    if state is None:  # a rerun puts back the tokenizer files, and clears what a run killed after meta.json left
+        complete(out_dir, tokenizer_meta)
         return print(f"{out_dir} is already complete with these arguments; nothing to do")
 
     if encoder is None:  # char level: pass 1 finds the vocabulary, every distinct character (progress.json keeps it)
@@ -438,13 +442,8 @@ def run(argv):
         shards.route(*pending, is_last=True)
         shards.finish(pending[0] + 1, 0)
     t2 = time.time()
+    complete(out_dir, tokenizer_meta, {key: value for key, value in state.items() if key != "resume"})
 
-    # meta.json, last: its presence says the dataset is complete
-    copy_tokenizer(tokenizer_meta, out_dir)
-    write_json(out_dir / "meta.json", {key: value for key, value in state.items() if key != "resume"})
-    (out_dir / "progress.json").unlink()
-    for leftover in out_dir.glob("*.tmp"):  # a shard a killed run had begun and this one finished
-        leftover.unlink()
     tokens, shard_names = state["tokens"], state["shards"]
     if BadUTF8.count:
         print(f"warning: {BadUTF8.count} invalid UTF-8 sequences were replaced with U+FFFD", file=sys.stderr)
