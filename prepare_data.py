@@ -26,13 +26,15 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
+import regex
+import tiktoken
 from tqdm import tqdm
 
 # -----------------------------------------------------------------------------
 # defaults, each overridable from the command line
 data = "fineweb"  # fineweb | fineweb-edu | openwebtext | tinystories | a .txt/.jsonl/.parquet file | a directory
 tokenizer = None  # a directory from train_bpe_*.py | a tiktoken name (gpt2, o200k_base) | char: one id per character
-out = None  # output directory; default data/<source>_<tokenizer name>
+out = None  # default data/<source>_<tokenizer> (data/fineweb_gpt2), or data/<tokenizer> if named after its source
 num_chars = None  # read only the first N characters of the stream (default: all of it)
 max_tokens = None  # stop after N tokens, train + val (default: no limit)
 shard_size = 100_000_000  # tokens per shard: 200 MB of uint16, as in build-nanogpt
@@ -81,11 +83,10 @@ def encode_in_threads(texts, encode, workers):
 
 
 # ---------------------------------------------------------------- step 2: shards, val first, then train
-# Shard k of a split holds its tokens [k * shard_size, (k + 1) * shard_size): the boundaries depend on nothing but
-# the data. A .npy file is a 128-byte header (dtype, shape) and the raw array: tokens stream in after a placeholder
-# header, the true one goes in when the shard is full, and the file is renamed from its temporary name, so a shard
-# under its final name is whole. Each finished shard saves progress.json: the meta.json to be, and where a resumed
-# run starts, the first token not in a finished shard.
+# Shard k of a split holds its tokens [k * shard_size, (k + 1) * shard_size): the boundaries depend on the data alone.
+# A .npy file is a 128-byte header and the raw array: tokens stream into NAME.tmp behind a placeholder header, the
+# true header goes in when the shard is full, and only then is it renamed NAME. Each finished shard saves
+# progress.json: the meta.json to be, and where a resumed run starts (the first token not in a finished shard).
 class Shards:
     def __init__(self, out_dir, state, args):
         self.out_dir, self.state, self.args = out_dir, state, args
@@ -155,9 +156,6 @@ def load_tokenizer(name):
     """--tokenizer -> (a tiktoken encoder, None for char; its entry in meta.json)."""
     if name == "char":  # the vocabulary comes later, from the data
         return None, {"kind": "char"}
-    import regex
-    import tiktoken
-
     if not Path(name).exists():  # a tiktoken name
         if name not in tiktoken.list_encoding_names():
             raise UserError(f"--tokenizer {name}: no such directory, and not a tiktoken encoding "
@@ -397,7 +395,6 @@ def run(argv):
     # at char level a token is a character: both passes then read the same first max_tokens characters
     budget = min(args.num_chars or sys.maxsize, encoder is None and args.max_tokens or sys.maxsize)
     texts = lambda: (text for text in first_chars(documents, budget) if text)  # noqa: E731 (empty: not a document)
-    # data/tinyshakespeare_char, data/fineweb_gpt2; a tokenizer named after its source (stdlib_v1000) alone
     tokenizer_name = Path(args.tokenizer).resolve().name
     name = tokenizer_name if tokenizer_name.startswith(source_name + "_") else f"{source_name}_{tokenizer_name}"
     out_dir = Path(args.out or Path("data", name))
