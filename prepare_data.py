@@ -357,7 +357,19 @@ def first_chars(documents, num_chars):  # the last document is cut to fit
             return  # before the source is asked for one more document: it may be slow to fetch, or malformed
 
 # ---------------------------------------------------------------- the run
-def parse_args(argv):
+def complete(out_dir, tokenizer_meta, meta=None):
+    """A copy of the BPE tokenizer, so that the dataset stands on its own; meta.json, last, as its presence says the
+    dataset is complete; then no progress.json, nor a *.tmp that a killed run began and this one finished."""
+    for name in ("tokenizer.tiktoken", "tokenizer.json") if tokenizer_meta["kind"] == "bpe" else ():
+        (out_dir / f"{name}.tmp").write_bytes(Path(tokenizer_meta["path"], name).read_bytes())
+        os.replace(out_dir / f"{name}.tmp", out_dir / name)  # train.py never reads half a tokenizer
+    if meta:
+        write_json(out_dir / "meta.json", meta)
+    for leftover in [out_dir / "progress.json", *out_dir.glob("*.tmp")]:
+        leftover.unlink(missing_ok=True)
+
+
+def run(argv):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokenizer", default=tokenizer, help="a BPE directory, a tiktoken name, or char")
     parser.add_argument("--data", default=None, help=f"{' | '.join(HUB_DATASETS)} | a file or directory (default {data})")
@@ -373,23 +385,8 @@ def parse_args(argv):
     for flag, value in vars(args).items():
         if isinstance(value, int) and value <= 0:
             raise UserError(f"--{flag} {value}: must be a positive number")
-    return args
 
-
-def complete(out_dir, tokenizer_meta, meta=None):
-    """A copy of the BPE tokenizer, so that the dataset stands on its own; meta.json, last, as its presence says the
-    dataset is complete; then no progress.json, nor a *.tmp that a killed run began and this one finished."""
-    for name in ("tokenizer.tiktoken", "tokenizer.json") if tokenizer_meta["kind"] == "bpe" else ():
-        (out_dir / f"{name}.tmp").write_bytes(Path(tokenizer_meta["path"], name).read_bytes())
-        os.replace(out_dir / f"{name}.tmp", out_dir / name)  # train.py never reads half a tokenizer
-    if meta:
-        write_json(out_dir / "meta.json", meta)
-    for leftover in [out_dir / "progress.json", *out_dir.glob("*.tmp")]:
-        leftover.unlink(missing_ok=True)
-
-
-def run(argv):
-    args, t0 = parse_args(argv), time.time()
+    t0 = time.time()
     documents, source_name, source = open_source(args.data or data, args.data is not None)
     encoder, tokenizer_meta = load_tokenizer(args.tokenizer)
     # at char level a token is a character: both passes then read the same first max_tokens characters
