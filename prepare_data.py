@@ -26,13 +26,15 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
+import regex
+import tiktoken
 from tqdm import tqdm
 
 # -----------------------------------------------------------------------------
 # defaults, each overridable from the command line
 data = "fineweb"  # fineweb | fineweb-edu | openwebtext | tinystories | a .txt/.jsonl/.parquet file | a directory
 tokenizer = None  # a directory from train_bpe_*.py | a tiktoken name (gpt2, o200k_base) | char: one id per character
-out = None  # output directory; default data/<source>_<tokenizer name>
+out = None  # default data/<source>_<tokenizer> (data/fineweb_gpt2), or data/<tokenizer> if named after its source
 num_chars = None  # read only the first N characters of the stream (default: all of it)
 max_tokens = None  # stop after N tokens, train + val (default: no limit)
 shard_size = 100_000_000  # tokens per shard: 200 MB of uint16, as in build-nanogpt
@@ -81,11 +83,10 @@ def encode_in_threads(texts, encode, workers):
 
 
 # ---------------------------------------------------------------- step 2: shards, val first, then train
-# Shard k of a split holds its tokens [k * shard_size, (k + 1) * shard_size): the boundaries depend on nothing but
-# the data. A .npy file is a 128-byte header (dtype, shape) and the raw array: tokens stream in after a placeholder
-# header, the true one goes in when the shard is full, and the file is renamed from its temporary name, so a shard
-# under its final name is whole. Each finished shard saves progress.json: the meta.json to be, and where a resumed
-# run starts, the first token not in a finished shard.
+# Shard k of a split holds its tokens [k * shard_size, (k + 1) * shard_size): the boundaries depend on the data alone.
+# A .npy file is a 128-byte header and the raw array: tokens stream into NAME.tmp behind a placeholder header, the
+# true header goes in when the shard is full, and only then is it renamed NAME. Each finished shard saves
+# progress.json: the meta.json to be, and where a resumed run starts (the first token not in a finished shard).
 class Shards:
     def __init__(self, out_dir, state, args):
         self.out_dir, self.state, self.args = out_dir, state, args
@@ -155,9 +156,6 @@ def load_tokenizer(name):
     """--tokenizer -> (a tiktoken encoder, None for char; its entry in meta.json)."""
     if name == "char":  # the vocabulary comes later, from the data
         return None, {"kind": "char"}
-    import regex
-    import tiktoken
-
     if not Path(name).exists():  # a tiktoken name
         if name not in tiktoken.list_encoding_names():
             raise UserError(f"--tokenizer {name}: no such directory, and not a tiktoken encoding "
@@ -356,7 +354,19 @@ def first_chars(documents, num_chars):  # the last document is cut to fit
             return  # before the source is asked for one more document: it may be slow to fetch, or malformed
 
 # ---------------------------------------------------------------- the run
-def parse_args(argv):
+def complete(out_dir, tokenizer_meta, meta=None):
+    """A copy of the BPE tokenizer, so that the dataset stands on its own; meta.json, last, as its presence says the
+    dataset is complete; then no progress.json, nor a *.tmp that a killed run began and this one finished."""
+    for name in ("tokenizer.tiktoken", "tokenizer.json") if tokenizer_meta["kind"] == "bpe" else ():
+        (out_dir / f"{name}.tmp").write_bytes(Path(tokenizer_meta["path"], name).read_bytes())
+        os.replace(out_dir / f"{name}.tmp", out_dir / name)  # train.py never reads half a tokenizer
+    if meta:
+        write_json(out_dir / "meta.json", meta)
+    for leftover in [out_dir / "progress.json", *out_dir.glob("*.tmp")]:
+        leftover.unlink(missing_ok=True)
+
+
+def run(argv):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokenizer", default=tokenizer, help="a BPE directory, a tiktoken name, or char")
     parser.add_argument("--data", default=None, help=f"{' | '.join(HUB_DATASETS)} | a file or directory (default {data})")
@@ -372,25 +382,13 @@ def parse_args(argv):
     for flag, value in vars(args).items():
         if isinstance(value, int) and value <= 0:
             raise UserError(f"--{flag} {value}: must be a positive number")
-    return args
 
-
-def copy_tokenizer(tokenizer_meta, out_dir):  # a dataset carries its BPE tokenizer, so that it stands on its own
-    for name in ("tokenizer.tiktoken", "tokenizer.json") if tokenizer_meta["kind"] == "bpe" else ():
-        (out_dir / f"{name}.tmp").write_bytes(Path(tokenizer_meta["path"], name).read_bytes())
-        os.replace(out_dir / f"{name}.tmp", out_dir / name)  # train.py never reads half a tokenizer
-
-
-def run(argv):
-    args, t0 = parse_args(argv), time.time()
+    t0 = time.time()
     documents, source_name, source = open_source(args.data or data, args.data is not None)
     encoder, tokenizer_meta = load_tokenizer(args.tokenizer)
     # at char level a token is a character: both passes then read the same first max_tokens characters
-    budget = args.num_chars or sys.maxsize
-    if encoder is None and args.max_tokens:
-        budget = min(budget, args.max_tokens)
+    budget = min(args.num_chars or sys.maxsize, encoder is None and args.max_tokens or sys.maxsize)
     texts = lambda: (text for text in first_chars(documents, budget) if text)  # noqa: E731 (empty: not a document)
-    # data/tinyshakespeare_char, data/fineweb_gpt2; a tokenizer named after its source (stdlib_v1000) alone
     tokenizer_name = Path(args.tokenizer).resolve().name
     name = tokenizer_name if tokenizer_name.startswith(source_name + "_") else f"{source_name}_{tokenizer_name}"
     out_dir = Path(args.out or Path("data", name))
@@ -399,10 +397,8 @@ def run(argv):
     run_args = {"source": source, "tokenizer": tokenizer_meta, "num_chars": args.num_chars, "max_tokens": args.max_tokens,
                 "shard_size": args.shard_size, "val_tokens": args.val_tokens, "files": files}
     state = resume_state(out_dir, run_args)
-    if state is None:
-        copy_tokenizer(tokenizer_meta, out_dir)
-        for leftover in [out_dir / "progress.json", *out_dir.glob("*.tmp")]:  # a run killed just after meta.json
-            leftover.unlink(missing_ok=True)
+    if state is None:  # a rerun puts back the tokenizer files, and clears what a run killed after meta.json left
+        complete(out_dir, tokenizer_meta)
         return print(f"{out_dir} is already complete with these arguments; nothing to do")
 
     if encoder is None:  # char level: pass 1 finds the vocabulary, every distinct character (progress.json keeps it)
@@ -437,13 +433,8 @@ def run(argv):
         shards.route(*pending, is_last=True)
         shards.finish(pending[0] + 1, 0)
     t2 = time.time()
+    complete(out_dir, tokenizer_meta, {key: value for key, value in state.items() if key != "resume"})
 
-    # meta.json, last: its presence says the dataset is complete
-    copy_tokenizer(tokenizer_meta, out_dir)
-    write_json(out_dir / "meta.json", {key: value for key, value in state.items() if key != "resume"})
-    (out_dir / "progress.json").unlink()
-    for leftover in out_dir.glob("*.tmp"):  # a shard a killed run had begun and this one finished
-        leftover.unlink()
     tokens, shard_names = state["tokens"], state["shards"]
     if BadUTF8.count:
         print(f"warning: {BadUTF8.count} invalid UTF-8 sequences were replaced with U+FFFD", file=sys.stderr)
@@ -464,5 +455,4 @@ if __name__ == "__main__":
         sys.exit(130)
     except (UserError, OSError) as error:  # OSError: a full disk, a lost mount; the finished shards are safe
         advice = "; fix it and run the same command again to resume" if isinstance(error, OSError) else ""
-        print(f"error: {error}{advice}", file=sys.stderr)
-        sys.exit(1)
+        sys.exit(f"error: {error}{advice}")  # printed to stderr, exit status 1
