@@ -23,6 +23,7 @@ import signal
 import socket
 import sys
 import sysconfig
+import tempfile
 import time
 import urllib.parse
 from collections import Counter
@@ -557,17 +558,10 @@ def check_out_dir(out_dir):
     if others:
         what = "a dataset directory" if {"meta.json", "progress.json"} & set(others) else "not a tokenizer directory"
         raise UserError(f"--out {out_dir} is {what} (it holds {others[0]}); give a new or a tokenizer directory")
-    created = [p for p in [out_dir, *out_dir.parents] if not p.exists()]
-    try:  # write and remove a probe file: the only sure test (root passes os.access checks on /proc)
-        out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "tokenizer.json.tmp").write_text("")
-        (out_dir / "tokenizer.json.tmp").unlink()
+    try:  # a probe directory in the deepest one that exists: the only sure test (root passes os.access on /proc)
+        tempfile.TemporaryDirectory(dir=next(p for p in [out_dir, *out_dir.parents] if p.exists())).cleanup()
     except OSError as error:
         raise UserError(f"--out {out_dir} can't be written ({error.strerror or error}); give a directory you can write")
-    finally:
-        for path in created:  # leave nothing behind: the tokenizer is written only once it exists
-            if path.is_dir():
-                path.rmdir()
 
 
 def pick_device(name):

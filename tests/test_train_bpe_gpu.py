@@ -333,6 +333,7 @@ BAD_INPUTS = {
     "out under a file": (["--out", "ok.txt/tok"], "is a file, not a directory"),
     "out is a dataset directory": (["--out", "dataset"], "is a dataset directory"),
     "out holds other files": (["--out", "notes"], "not a tokenizer directory"),
+    "out in /proc": (["--out", "/proc/tok"], "--out /proc/tok can't be written"),
 }
 
 
