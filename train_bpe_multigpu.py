@@ -10,13 +10,10 @@ taken together: BPE depends only on the multiset of chunks. With -n past the end
 whatever the world size. Output: tokenizers/<source>_v<vocab_size>/tokenizer.tiktoken, and tokenizer.json, which
 records what each rank read.
 
-This is not data-parallel training: a merge chosen from one rank's counts would be wrong. The ranks split
-1. the text: each rank reads only its own part of the source, about n / W characters, documents whole;
-2. the chunks: each rank pre-tokenizes its part and merges in its own distinct chunks, on its device;
-3. the [V, V] pair-count matrix: rank r owns the rows `left` with left % W == r. A merge's count changes are
-   summed over the ranks (all_reduce), each owner applies those in its rows, and one all_reduce(MAX) gives
-   every rank the next pair.
---device cpu (gloo) runs the same Triton kernels in Triton's interpreter: exact, slow, for testing.
+This is not data-parallel training: a merge chosen from one rank's counts would be wrong. The ranks split the
+text (each reads only its own part, about n / W characters, documents whole), the distinct chunks (each merges in
+its own, on its device) and the [V, V] pair-count matrix (each owns 1/W of its rows); collectives make every merge
+the same on every rank. --device cpu (gloo) runs the Triton kernels in Triton's interpreter: exact, slow, for tests.
 """
 
 import argparse
@@ -76,40 +73,35 @@ INTERPRETER_SHAPE = (1, 1024, 64, 1024)  # programs, block of positions, of dirt
 MERGES_PER_READ = 16  # merges launched per host read of the "done" flag
 # -----------------------------------------------------------------------------
 
-
 class UserError(Exception):
     """A mistake in the input: printed as one line, never as a traceback."""
 
-
 # ---------------------------------------------------------------- the merge loop, split across ranks
-# train_bpe_gpu.py's kernels and layout, on each rank's own distinct chunks (read that file first: the names
-# are the same). tokens[p], next_pos[p], prev_pos[p] and weight[p] hold this rank's chunks as linked lists, with
-# END the spare slot past them; lists of positions per token make a merge of (a, b) visit only a's positions.
-# What changes: no rank holds the V x V counts. Rank r owns the rows `left` with left % W == r, stored at
-# left // W, with their row keys (count << 20 | (2^20 - 1 - right): the row's largest count, ties to the
-# smallest right). A merge (a, b) -> new changes only pairs in columns a and new, rows b and new, and (a, b):
+# train_bpe_gpu.py's kernels and layout (read that file first: the names are the same), on this rank's distinct
+# chunks: tokens, next_pos, prev_pos and weight hold them as linked lists (END: the spare slot past them), and
+# lists of positions per token make a merge of (a, b) visit only a's positions. Rank r keeps its rows `left`
+# (left % W == r) at left // W, and their row keys: count << 20 | (2^20 - 1 - right), the row's largest count,
+# ties to the smallest right. A merge (a, b) -> new changes only pairs in columns a and new, rows b and new:
 #   (x, a) loses w and (x, new) gains w   where x is a merged occurrence's left neighbour: one number per x
 #   (b, y) loses w, (new, y') gains w     where y is the right neighbour (y' = new if y merged too)
-# so each rank sums its changes into `delta`, 3V + 1 numbers [x | y | y' | (a, b)], one all_reduce(SUM) adds
-# them up over the ranks, and each owner applies the part in its rows. The next pair is one all_reduce(MAX)
-# of each rank's best key. Fixed sizes everywhere: the host only launches, and reads "done?" per 16 merges.
-# Why this cannot deadlock or diverge: every rank launches the same collectives in the same order, merge after
-# merge (a rank with no text sends zeros), and every decision - the pair, "done" - is made from the REDUCED
-# values, the same on every rank. Exact: counts are integers, and each count has one owner, who adds all its
-# changes. No kernel needs a lock; each docstring says why, from who writes what.
+# and (a, b) itself. Each rank sums its changes into `delta`, 3V + 1 numbers [x | y | y' | (a, b)], one
+# all_reduce(SUM) adds them up over the ranks, and each owner applies the part in its rows; the next pair is one
+# all_reduce(MAX) of the ranks' best keys. Fixed sizes everywhere: the host only launches, and reads "done?" per
+# 16 merges. No deadlock, no divergence: every rank launches the same collectives in the same order (a rank
+# with no text sends zeros), and decides - the pair, "done" - from the REDUCED values, the same on every rank.
+# Exact: counts are integers, each with one owner, who adds all its changes. No kernel needs a lock; each
+# docstring says why, from who writes what.
 
 NEXT, NEW, A, B, DONE, START, LENGTH, SURVIVORS, DIRTY = (tl.constexpr(i) for i in range(9))  # slots of `state`
 DEAD = tl.constexpr(-2)  # the token of an unlinked position (the right half of a merged pair)
 ID_BITS = tl.constexpr(20)  # a row key's low bits hold 2^20 - 1 - right id
 LOW = tl.constexpr((1 << 20) - 1)
 
-
 @triton.jit
 def append(length, buffer, values, keep):
     """Appends the lanes' values where keep to a list: one atomic add reserves the block's slots, one per lane."""
     slot = tl.atomic_add(length, tl.sum(keep.to(tl.int32), axis=0)) + tl.cumsum(keep.to(tl.int32), axis=0) - 1
     tl.store(buffer + slot, values, mask=keep)
-
 
 @triton.jit
 def best_pair(state, row_key, fresh_key, dirty_flag, dirty_rows, best, BITS: tl.constexpr, ONE_KEY: tl.constexpr,
@@ -143,7 +135,6 @@ def best_pair(state, row_key, fresh_key, dirty_flag, dirty_rows, best, BITS: tl.
         tl.store(best, (best_count << 2 * BITS | tie) if ONE_KEY else best_count)
         tl.store(best + 1, tie)
         tl.store(best + 2, best_count)
-
 
 @triton.jit
 def find_occurrences(state, best, list_start, list_len, merges, list_buffer, tokens, next_pos, prev_pos, mark, V, END,
@@ -188,7 +179,6 @@ def find_occurrences(state, best, list_start, list_len, merges, list_buffer, tok
     elif tl.program_id(0) == 0:
         tl.store(state + DONE, 1)  # no pair left on any rank, or V reached: every kernel does nothing from now on
 
-
 @triton.jit
 def apply_merges(state, list_buffer, scratch, list_start, list_len, tokens, next_pos, prev_pos, mark, weight, delta,
                  V, END, BLOCK: tl.constexpr):
@@ -227,7 +217,6 @@ def apply_merges(state, list_buffer, scratch, list_start, list_len, tokens, next
             tl.atomic_add(delta + 2 * V + y_new, w, mask=has_y)
             tl.atomic_add(delta + 3 * V, tl.sum(w, axis=0))  # one atomic a block for the one pair (a, b)
 
-
 @triton.jit
 def apply_owned(state, delta, counts, row_key, dirty_flag, dirty_rows, V, RANK, WORLD, BLOCK: tl.constexpr):
     """Adds every rank's summed changes (delta, after the all_reduce) to this rank's rows, and zeroes delta for the
@@ -256,7 +245,6 @@ def apply_owned(state, delta, counts, row_key, dirty_flag, dirty_rows, V, RANK, 
             total = tl.atomic_add(at + column, d.to(counts.dtype.element_ty), mask=gain).to(tl.int64) + d
             tl.atomic_max(row_key + row, (total << ID_BITS) | (LOW - column), mask=gain & (part == 2))
 
-
 @triton.jit
 def refresh_rows(state, list_buffer, scratch, list_len, counts, fresh_key, dirty_rows, V, WORLD, ROWS: tl.constexpr,
                  BLOCK: tl.constexpr):
@@ -283,7 +271,6 @@ def refresh_rows(state, list_buffer, scratch, list_len, counts, fresh_key, dirty
             key = tl.where(count > 0, (count << ID_BITS) | (LOW - col[None, :]), 0)
             tl.atomic_max(fresh_key + row, tl.max(key, axis=1), mask=i < dirty)
 
-
 def chunks_to_arrays(blob, lengths, counts, count_dtype):
     """This rank's distinct chunks (from the cache) as the flat arrays above, built in numpy."""
     L = END = blob.size
@@ -303,7 +290,6 @@ def chunks_to_arrays(blob, lengths, counts, count_dtype):
     return dict(tokens=tokens, next_pos=next_pos, prev_pos=prev_pos, weight=weight, list_buffer=list_buffer,
                 list_len=list_len, list_start=np.cumsum(list_len) - list_len,
                 byte_pairs=tokens[left].astype(np.int64) * 256 + tokens[left + 1], pair_weights=weight[left])
-
 
 def merge_on_device(arrays, vocab_size, total_pairs, device, show_progress):
     """The merges in order, [((left, right), new_id)], this rank's tokens saved, and per-run counters."""
@@ -370,18 +356,12 @@ def merge_on_device(arrays, vocab_size, total_pairs, device, show_progress):
                 graph.replay()
             progress.update(min(MERGES_PER_READ, V - 256 - group))
             stats.update(host_reads=1)
-            if merges_done(state):
+            if state[DONE.value].item():  # the one host read of a group: here, and only here, the host waits
                 break
     num_merges = int(state[NEXT.value]) - 256
     merged_pairs = merges[:2 * num_merges].view(-1, 2).tolist()
     tokens_saved = int(weight[tokens == DEAD.value].sum())  # a merged occurrence saves one token per use of its chunk
     return [((left, right), 256 + i) for i, (left, right) in enumerate(merged_pairs)], tokens_saved, stats
-
-
-def merges_done(state):
-    """The one host read of a group of merges: here, and only here, the host waits for the device."""
-    return bool(state[DONE.value].item())
-
 
 # ---------------------------------------------------------------- reading text (the same in every script)
 # .txt and .jsonl are read with the standard library: `datasets`' loaders would turn CRLF into LF (no longer
@@ -515,7 +495,6 @@ def my_documents(name, source, budget, record):
             if size and first < hi and (lo <= first or first + size > lo and path.suffix in (".jsonl", ".parquet"))]
     return part_documents(mine, lo, hi, budget), files
 
-
 def part_documents(files, lo, hi, budget):
     for path, first, size in files:
         if path.suffix == ".jsonl":
@@ -524,7 +503,6 @@ def part_documents(files, lo, hi, budget):
             yield from parquet_row_groups(path, size, lo - first, hi - first)
         else:
             yield from read_txt(path, budget)
-
 
 def parquet_row_groups(path, size, start, end):
     """The texts of the row groups placed in the byte range [start, end) of the file."""
@@ -544,14 +522,12 @@ def parquet_row_groups(path, size, start, end):
         reason = f"{type(error).__name__}: {error}".splitlines()[0]
         raise UserError(f"can't read {path} ({reason}); check it, or use other files: --data path/to/files")
 
-
 # The regex is the slow part, so worker processes count batches of whole documents, at most two per worker in
 # flight (RAM stays bounded). A CPU-time alarm per document (1 s + 10 us a character) turns a pattern that
 # backtracks catastrophically into one line instead of a hang.
 
 def time_is_up(signum, frame):
     raise TimeoutError
-
 
 def count_batch(documents, pattern_text):
     split_pattern, counts = regex.compile(pattern_text), Counter()  # compiled once per process: regex caches it
@@ -569,7 +545,6 @@ def count_batch(documents, pattern_text):
         raise UserError(f"--pattern {pattern_text!r} matches the empty string; every match must take at least "
                         "one character (x+, not x*)")
     return counts
-
 
 def count_chunks(documents, budget, pattern_text, workers, record):
     """The documents up to this rank's share of -n, the last one cut to fit (and never one more asked of the
@@ -595,7 +570,6 @@ def count_chunks(documents, budget, pattern_text, workers, record):
             chunk_counts.update(result.get())
     return chunk_counts
 
-
 # The cache is what the merge loop needs, as .npy files (no pickle: loading one can't run code): the UTF-8
 # bytes of this rank's distinct chunks of 2+ bytes, and the length and count of each. The .json, written last,
 # holds the statistics, what was read, and a sha256 of it all: a cache that fails it (or is half written) is
@@ -607,13 +581,11 @@ def cache_key(args, source, files, world_size):
     key = json.dumps([CACHE_VERSION, source, stamp, args.num_chars, args.pattern, world_size])
     return hashlib.sha256(key.encode()).hexdigest()[:16]
 
-
 def checksum(arrays, stats):
     digest = hashlib.sha256(json.dumps(stats, sort_keys=True).encode())
     for array in arrays:
         digest.update(np.ascontiguousarray(array).data)
     return digest.hexdigest()
-
 
 def write_cache(prefix, chunk_counts, record):
     chunks = [chunk.encode("utf-8") for chunk in chunk_counts]
@@ -629,7 +601,6 @@ def write_cache(prefix, chunk_counts, record):
         np.save(prefix.with_suffix(f".{name}.npy"), array)
     prefix.with_suffix(".json").write_text(json.dumps({**stats, "sha256": checksum(arrays, stats)}))
 
-
 def read_cache(prefix):
     """(bytes, lengths, counts, stats) memory-mapped; None when absent, "tampered" when it fails its checksum."""
     try:
@@ -640,18 +611,15 @@ def read_cache(prefix):
         return None
     return (*arrays, stats) if checksum(arrays, stats) == expected else "tampered"
 
-
 # ---------------------------------------------------------------- the run
 
 RANK, WORLD = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))  # torchrun sets them
 LOCAL_RANK = int(os.environ.get("LOCAL_RANK", "0"))  # this rank's GPU on its node
 OUR_FILES = {"tokenizer.tiktoken", "tokenizer.json", "tokenizer.tiktoken.tmp", "tokenizer.json.tmp"}
 
-
 def say(*args, **kwargs):  # rank 0 alone speaks
     if RANK == 0:
         print(*args, **kwargs, flush=True)
-
 
 def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -668,7 +636,6 @@ def parse_args(argv):
                         "the node's cores / ranks on the node, for parts of 2^24+ characters; 1 below)")
     parser.add_argument("--timeout", type=float, default=timeout, help=f"seconds to wait for the other ranks (default {timeout})")
     return parser.parse_args(argv)
-
 
 def validate(args):
     """Every check that needs no text runs on every rank BEFORE the process group exists: each rank reaches
@@ -721,7 +688,6 @@ def validate(args):
     except OSError as error:
         raise UserError(f"--out {out_dir} can't be written ({error.strerror}); give a directory you can write")
     return source, out_dir
-
 
 def run(argv):
     args = parse_args(argv)
@@ -823,7 +789,6 @@ def run(argv):
     say(f"compression: {total['total_bytes'] / max(tokens_left, 1):.3f} bytes/token; wrote {out_dir}/tokenizer.tiktoken"
         f" and tokenizer.json ({EOT} = {eot_id}, vocab_size {eot_id + 1})")
     dist.barrier()  # nobody leaves (and tears the group down) while rank 0 still writes
-
 
 if __name__ == "__main__":
     try:
