@@ -628,7 +628,7 @@ def parse_args(argv):
     parser.add_argument("--data", default=None, help=f"fineweb | fineweb-edu | path to .txt/.jsonl/.parquet or a directory (default {data})")
     parser.add_argument("--out", default=out, help="output directory (default tokenizers/<source>_v<vocab_size>)")
     parser.add_argument("--pattern", default=pattern, help="the pre-tokenizer regex (default GPT-4's)")
-    parser.add_argument("--device", default=None, choices=["cuda", "cpu"], help=f"cuda (NCCL) or cpu (gloo; the kernels in "
+    parser.add_argument("--device", default=device, choices=["cuda", "cpu"], help=f"cuda (NCCL) or cpu (gloo; the kernels in "
                         f"Triton's interpreter, for testing) (default {device})")
     parser.add_argument("--cache_dir", default=cache_dir, help=f"where each rank caches its counted chunks (default {cache_dir})")
     parser.add_argument("--no_cache", action="store_true", help="count again even if a cache exists (and refresh it)")
@@ -647,10 +647,9 @@ def validate(args):
     if args.workers < 0 or args.timeout <= 0:
         raise UserError(f"--workers {args.workers} --timeout {args.timeout}: workers must be 0 (automatic) or more, "
                         "and the timeout a positive number of seconds; try --workers 4 --timeout 1800")
-    if (args.device or device) == "cuda" and not torch.cuda.is_available():  # the interpreter: never a silent default
+    if args.device == "cuda" and not torch.cuda.is_available():  # the interpreter: never a silent default
         raise UserError("--device cuda (the default): no CUDA GPU is visible here; --device cpu runs the kernels in "
                         "Triton's interpreter, for testing (slow), and train_bpe_cpu.py is the better choice on a CPU")
-    args.device = args.device or device
     if (args.device == "cpu") != bool(triton.knobs.runtime.interpret):  # the env var counts when triton is imported
         raise UserError(f"--device {args.device} with TRITON_INTERPRET={os.environ['TRITON_INTERPRET']}: the kernels run "
                         "compiled on cuda, in Triton's interpreter on cpu; set TRITON_INTERPRET=1 for cpu, 0 for cuda")
@@ -725,9 +724,8 @@ def run(argv):
     # rank stops together and rank 0 reports it, instead of the others waiting for the lost rank.
     parts = [None] * WORLD
     dist.all_gather_object(parts, error or {**cached[3], "state": state})
-    errors = [part for part in parts if isinstance(part, str)]
-    if errors:
-        raise UserError(errors[0])
+    if any(isinstance(part, str) for part in parts):
+        raise UserError(next(part for part in parts if isinstance(part, str)))
     total = {key: sum(part[key] for part in parts) for key in ("chunks", "total_bytes", "total_pairs", "bad_utf8")}
     chars, states = sum(part["part"]["chars"] for part in parts), [part["state"] for part in parts]
     t1 = time.time()
@@ -761,21 +759,21 @@ def run(argv):
     ends = [None] * WORLD
     dist.all_gather_object(ends, (tokens_saved, peak / 2**20))
     num_merges, eot_id = len(merges), 256 + len(merges)
+    stop_reason = "vocab_size reached" if eot_id == args.vocab_size else "no pairs left to merge"
     if eot_id < args.vocab_size:
         say(f"stopped early after {num_merges} merges: no pairs left to merge (vocab {eot_id} < {args.vocab_size})")
     if RANK == 0:
         vocab = [bytes([i]) for i in range(256)]  # the bytes themselves, then each merge's two halves glued
         for (left, right), _ in merges:
             vocab.append(vocab[left] + vocab[right])
-        info = {"pattern": args.pattern, "special_tokens": {EOT: eot_id}, "vocab_size": eot_id + 1,
-                "num_merges": num_merges, "num_chars": chars, "source": source, "trainer": "train_bpe_multigpu.py",
-                "world_size": WORLD, "seconds": round(t3 - t0, 3),
-                "stop_reason": "vocab_size reached" if eot_id == args.vocab_size else "no pairs left to merge",
-                "read": [part["part"] for part in parts]}
+        ranks = "".join(f"{base64.b64encode(token).decode()} {rank}\n" for rank, token in enumerate(vocab))
+        info = json.dumps({
+            "pattern": args.pattern, "special_tokens": {EOT: eot_id}, "vocab_size": eot_id + 1, "num_merges": num_merges,
+            "num_chars": chars, "source": source, "trainer": "train_bpe_multigpu.py", "world_size": WORLD,
+            "seconds": round(t3 - t0, 3), "stop_reason": stop_reason, "read": [part["part"] for part in parts]},
+            indent=2, ensure_ascii=False)
         out_dir.mkdir(parents=True, exist_ok=True)
-        for name, text in [("tokenizer.tiktoken", "".join(f"{base64.b64encode(token).decode()} {rank}\n"
-                                                          for rank, token in enumerate(vocab))),
-                           ("tokenizer.json", json.dumps(info, indent=2, ensure_ascii=False) + "\n")]:
+        for name, text in [("tokenizer.tiktoken", ranks), ("tokenizer.json", info + "\n")]:
             (out_dir / f"{name}.tmp").write_text(text, encoding="utf-8")  # then renamed: never half a file
             os.replace(out_dir / f"{name}.tmp", out_dir / name)
     tokens_left = total["total_bytes"] - sum(saved for saved, _ in ends)
