@@ -60,7 +60,7 @@ out = None  # output directory; default tokenizers/<source>_v<vocab_size>
 device = "cuda"  # cuda: NCCL; cpu: gloo, and the kernels in Triton's interpreter (slow: for testing)
 cache_dir = "tokenizers/.cache"  # per-rank counted chunks, keyed by data/n/pattern/world size
 workers = 0  # pre-tokenizing processes per rank; 0 = this rank's share of the cores when its part is big
-timeout = 1800  # seconds a rank waits in a collective before giving up (reading a big part takes a while)
+timeout = 1800  # seconds a rank waits for the others before giving up (reading a big part takes a while)
 # GPT-4's split pattern: letters with their leading space, numbers in groups of up to 3, punctuation runs,
 # and whitespace, so that merges never glue a word to the punctuation or the space after it.
 pattern = r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]++[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+"""
@@ -711,13 +711,13 @@ def run(argv):
         except OSError as os_error:
             error = f"can't write the cache in {prefix.parent} ({os_error.strerror}); give a writable --cache_dir"
 
-    # --- the process group. Its timeout bounds every collective: a rank that hangs turns into an error on the
-    # others after it (one that dies is noticed sooner: its sockets close). With plain python, a world of one.
+    # --- the process group. Its timeout bounds each wait for the others, in joining (each counts its part first)
+    # and in collectives: a hung rank becomes an error on the others (a dead one sooner: its sockets close).
     if args.device == "cuda":
         torch.cuda.set_device(LOCAL_RANK)
     elif "OMP_NUM_THREADS" not in os.environ:  # small ops: waking OpenMP threads for each costs more than it saves
         torch.set_num_threads(1)
-    alone = {} if "RANK" in os.environ else dict(store=dist.HashStore(), rank=0, world_size=1)
+    alone = {} if "RANK" in os.environ else dict(store=dist.HashStore(), rank=0, world_size=1)  # plain python
     dist.init_process_group("nccl" if args.device == "cuda" else "gloo", timeout=datetime.timedelta(seconds=args.timeout), **alone)
     say(f"{WORLD} rank(s), backend {dist.get_backend()}, device {args.device}")
     # A reading error happens on one rank (the one whose part holds the bad line): share it, so that every
