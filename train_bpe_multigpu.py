@@ -73,6 +73,7 @@ INTERPRETER_SHAPE = (1, 1024, 64, 1024)  # programs, block of positions, of dirt
 MERGES_PER_READ = 16  # merges launched per host read of the "done" flag
 # -----------------------------------------------------------------------------
 
+
 class UserError(Exception):
     """A mistake in the input: printed as one line, never as a traceback."""
 
@@ -97,11 +98,13 @@ DEAD = tl.constexpr(-2)  # the token of an unlinked position (the right half of 
 ID_BITS = tl.constexpr(20)  # a row key's low bits hold 2^20 - 1 - right id
 LOW = tl.constexpr((1 << 20) - 1)
 
+
 @triton.jit
 def append(length, buffer, values, keep):
     """Appends the lanes' values where keep to a list: one atomic add reserves the block's slots, one per lane."""
     slot = tl.atomic_add(length, tl.sum(keep.to(tl.int32), axis=0)) + tl.cumsum(keep.to(tl.int32), axis=0) - 1
     tl.store(buffer + slot, values, mask=keep)
+
 
 @triton.jit
 def best_pair(state, row_key, fresh_key, dirty_flag, dirty_rows, best, BITS: tl.constexpr, ONE_KEY: tl.constexpr,
@@ -135,6 +138,7 @@ def best_pair(state, row_key, fresh_key, dirty_flag, dirty_rows, best, BITS: tl.
         tl.store(best, (best_count << 2 * BITS | tie) if ONE_KEY else best_count)
         tl.store(best + 1, tie)
         tl.store(best + 2, best_count)
+
 
 @triton.jit
 def find_occurrences(state, best, list_start, list_len, merges, list_buffer, tokens, next_pos, prev_pos, mark, V, END,
@@ -179,6 +183,7 @@ def find_occurrences(state, best, list_start, list_len, merges, list_buffer, tok
     elif tl.program_id(0) == 0:
         tl.store(state + DONE, 1)  # no pair left on any rank, or V reached: every kernel does nothing from now on
 
+
 @triton.jit
 def apply_merges(state, list_buffer, scratch, list_start, list_len, tokens, next_pos, prev_pos, mark, weight, delta,
                  V, END, BLOCK: tl.constexpr):
@@ -217,6 +222,7 @@ def apply_merges(state, list_buffer, scratch, list_start, list_len, tokens, next
             tl.atomic_add(delta + 2 * V + y_new, w, mask=has_y)
             tl.atomic_add(delta + 3 * V, tl.sum(w, axis=0))  # one atomic a block for the one pair (a, b)
 
+
 @triton.jit
 def apply_owned(state, delta, counts, row_key, dirty_flag, dirty_rows, V, RANK, WORLD, BLOCK: tl.constexpr):
     """Adds every rank's summed changes (delta, after the all_reduce) to this rank's rows, and zeroes delta for the
@@ -245,6 +251,7 @@ def apply_owned(state, delta, counts, row_key, dirty_flag, dirty_rows, V, RANK, 
             total = tl.atomic_add(at + column, d.to(counts.dtype.element_ty), mask=gain).to(tl.int64) + d
             tl.atomic_max(row_key + row, (total << ID_BITS) | (LOW - column), mask=gain & (part == 2))
 
+
 @triton.jit
 def refresh_rows(state, list_buffer, scratch, list_len, counts, fresh_key, dirty_rows, V, WORLD, ROWS: tl.constexpr,
                  BLOCK: tl.constexpr):
@@ -271,6 +278,7 @@ def refresh_rows(state, list_buffer, scratch, list_len, counts, fresh_key, dirty
             key = tl.where(count > 0, (count << ID_BITS) | (LOW - col[None, :]), 0)
             tl.atomic_max(fresh_key + row, tl.max(key, axis=1), mask=i < dirty)
 
+
 def chunks_to_arrays(blob, lengths, counts, count_dtype):
     """This rank's distinct chunks (from the cache) as the flat arrays above, built in numpy."""
     L = END = blob.size
@@ -290,6 +298,7 @@ def chunks_to_arrays(blob, lengths, counts, count_dtype):
     return dict(tokens=tokens, next_pos=next_pos, prev_pos=prev_pos, weight=weight, list_buffer=list_buffer,
                 list_len=list_len, list_start=np.cumsum(list_len) - list_len,
                 byte_pairs=tokens[left].astype(np.int64) * 256 + tokens[left + 1], pair_weights=weight[left])
+
 
 def merge_on_device(arrays, vocab_size, total_pairs, device, show_progress):
     """The merges in order, [((left, right), new_id)], this rank's tokens saved, and per-run counters."""
@@ -482,6 +491,7 @@ def first_chars(documents, num_chars):  # the last document is cut to fit
 # range that holds its first byte: a .jsonl line, a whole .txt file, a parquet row group (placed at its share
 # of the file's bytes). So each is read whole, by one rank, and a rank seeks straight to its range.
 
+
 def my_documents(name, source, budget, record):
     """This rank's documents (a generator: nothing is read yet), and the files they come from."""
     if name in HUB_DATASETS and not source.startswith("Python standard library"):  # `datasets` splits a stream
@@ -495,6 +505,7 @@ def my_documents(name, source, budget, record):
             if size and first < hi and (lo <= first or first + size > lo and path.suffix in (".jsonl", ".parquet"))]
     return part_documents(mine, lo, hi, budget), files
 
+
 def part_documents(files, lo, hi, budget):
     for path, first, size in files:
         if path.suffix == ".jsonl":
@@ -503,6 +514,7 @@ def part_documents(files, lo, hi, budget):
             yield from parquet_row_groups(path, size, lo - first, hi - first)
         else:
             yield from read_txt(path, budget)
+
 
 def parquet_row_groups(path, size, start, end):
     """The texts of the row groups placed in the byte range [start, end) of the file."""
@@ -526,8 +538,10 @@ def parquet_row_groups(path, size, start, end):
 # flight (RAM stays bounded). A CPU-time alarm per document (1 s + 10 us a character) turns a pattern that
 # backtracks catastrophically into one line instead of a hang.
 
+
 def time_is_up(signum, frame):
     raise TimeoutError
+
 
 def count_batch(documents, pattern_text):
     split_pattern, counts = regex.compile(pattern_text), Counter()  # compiled once per process: regex caches it
@@ -545,6 +559,7 @@ def count_batch(documents, pattern_text):
         raise UserError(f"--pattern {pattern_text!r} matches the empty string; every match must take at least "
                         "one character (x+, not x*)")
     return counts
+
 
 def count_chunks(documents, budget, pattern_text, workers, record):
     """The documents up to this rank's share of -n, the last one cut to fit (and never one more asked of the
@@ -575,17 +590,20 @@ def count_chunks(documents, budget, pattern_text, workers, record):
 # holds the statistics, what was read, and a sha256 of it all: a cache that fails it (or is half written) is
 # counted again.
 
+
 def cache_key(args, source, files, world_size):
     """Changes whenever the counted chunks could: other data (or the same files changed), n, pattern, W."""
     stamp = [(str(path.resolve()), path.stat().st_size, path.stat().st_mtime_ns) for path in files]
     key = json.dumps([CACHE_VERSION, source, stamp, args.num_chars, args.pattern, world_size])
     return hashlib.sha256(key.encode()).hexdigest()[:16]
 
+
 def checksum(arrays, stats):
     digest = hashlib.sha256(json.dumps(stats, sort_keys=True).encode())
     for array in arrays:
         digest.update(np.ascontiguousarray(array).data)
     return digest.hexdigest()
+
 
 def write_cache(prefix, chunk_counts, record):
     chunks = [chunk.encode("utf-8") for chunk in chunk_counts]
@@ -600,6 +618,7 @@ def write_cache(prefix, chunk_counts, record):
     for name, array in zip(("bytes", "lengths", "counts"), arrays):
         np.save(prefix.with_suffix(f".{name}.npy"), array)
     prefix.with_suffix(".json").write_text(json.dumps({**stats, "sha256": checksum(arrays, stats)}))
+
 
 def read_cache(prefix):
     """(bytes, lengths, counts, stats) memory-mapped; None when absent, "tampered" when it fails its checksum."""
@@ -617,9 +636,11 @@ RANK, WORLD = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE",
 LOCAL_RANK = int(os.environ.get("LOCAL_RANK", "0"))  # this rank's GPU on its node
 OUR_FILES = {"tokenizer.tiktoken", "tokenizer.json", "tokenizer.tiktoken.tmp", "tokenizer.json.tmp"}
 
+
 def say(*args, **kwargs):  # rank 0 alone speaks
     if RANK == 0:
         print(*args, **kwargs, flush=True)
+
 
 def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -636,6 +657,7 @@ def parse_args(argv):
                         "the node's cores / ranks on the node, for parts of 2^24+ characters; 1 below)")
     parser.add_argument("--timeout", type=float, default=timeout, help=f"seconds to wait for the other ranks (default {timeout})")
     return parser.parse_args(argv)
+
 
 def validate(args):
     """Every check that needs no text runs on every rank BEFORE the process group exists: each rank reaches
@@ -687,6 +709,7 @@ def validate(args):
     except OSError as error:
         raise UserError(f"--out {out_dir} can't be written ({error.strerror}); give a directory you can write")
     return source, out_dir
+
 
 def run(argv):
     args = parse_args(argv)
