@@ -10,13 +10,10 @@ taken together: BPE depends only on the multiset of chunks. With -n past the end
 whatever the world size. Output: tokenizers/<source>_v<vocab_size>/tokenizer.tiktoken, and tokenizer.json, which
 records what each rank read.
 
-This is not data-parallel training: a merge chosen from one rank's counts would be wrong. The ranks split
-1. the text: each rank reads only its own part of the source, about n / W characters, documents whole;
-2. the chunks: each rank pre-tokenizes its part and merges in its own distinct chunks, on its device;
-3. the [V, V] pair-count matrix: rank r owns the rows `left` with left % W == r. A merge's count changes are
-   summed over the ranks (all_reduce), each owner applies those in its rows, and one all_reduce(MAX) gives
-   every rank the next pair.
---device cpu (gloo) runs the same Triton kernels in Triton's interpreter: exact, slow, for testing.
+This is not data-parallel training: a merge chosen from one rank's counts would be wrong. The ranks split the
+text (each reads only its own part, about n / W characters, documents whole), the distinct chunks (each merges in
+its own, on its device) and the [V, V] pair-count matrix (each owns 1/W of its rows); collectives make every merge
+the same on every rank. --device cpu (gloo) runs the Triton kernels in Triton's interpreter: exact, slow, for tests.
 """
 
 import argparse
@@ -63,7 +60,7 @@ out = None  # output directory; default tokenizers/<source>_v<vocab_size>
 device = "cuda"  # cuda: NCCL; cpu: gloo, and the kernels in Triton's interpreter (slow: for testing)
 cache_dir = "tokenizers/.cache"  # per-rank counted chunks, keyed by data/n/pattern/world size
 workers = 0  # pre-tokenizing processes per rank; 0 = this rank's share of the cores when its part is big
-timeout = 1800  # seconds a rank waits in a collective before giving up (reading a big part takes a while)
+timeout = 1800  # seconds a rank waits for the others before giving up (reading a big part takes a while)
 # GPT-4's split pattern: letters with their leading space, numbers in groups of up to 3, punctuation runs,
 # and whitespace, so that merges never glue a word to the punctuation or the space after it.
 pattern = r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]++[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+"""
@@ -80,23 +77,21 @@ MERGES_PER_READ = 16  # merges launched per host read of the "done" flag
 class UserError(Exception):
     """A mistake in the input: printed as one line, never as a traceback."""
 
-
 # ---------------------------------------------------------------- the merge loop, split across ranks
-# train_bpe_gpu.py's kernels and layout, on each rank's own distinct chunks (read that file first: the names
-# are the same). tokens[p], next_pos[p], prev_pos[p] and weight[p] hold this rank's chunks as linked lists, with
-# END the spare slot past them; lists of positions per token make a merge of (a, b) visit only a's positions.
-# What changes: no rank holds the V x V counts. Rank r owns the rows `left` with left % W == r, stored at
-# left // W, with their row keys (count << 20 | (2^20 - 1 - right): the row's largest count, ties to the
-# smallest right). A merge (a, b) -> new changes only pairs in columns a and new, rows b and new, and (a, b):
+# train_bpe_gpu.py's kernels and layout (read that file first: the names are the same), on this rank's distinct
+# chunks: tokens, next_pos, prev_pos and weight hold them as linked lists (END: the spare slot past them), and
+# lists of positions per token make a merge of (a, b) visit only a's positions. Rank r keeps its rows `left`
+# (left % W == r) at left // W, and their row keys: count << 20 | (2^20 - 1 - right), the row's largest count,
+# ties to the smallest right. A merge (a, b) -> new changes only pairs in columns a and new, rows b and new:
 #   (x, a) loses w and (x, new) gains w   where x is a merged occurrence's left neighbour: one number per x
 #   (b, y) loses w, (new, y') gains w     where y is the right neighbour (y' = new if y merged too)
-# so each rank sums its changes into `delta`, 3V + 1 numbers [x | y | y' | (a, b)], one all_reduce(SUM) adds
-# them up over the ranks, and each owner applies the part in its rows. The next pair is one all_reduce(MAX)
-# of each rank's best key. Fixed sizes everywhere: the host only launches, and reads "done?" per 16 merges.
-# Why this cannot deadlock or diverge: every rank launches the same collectives in the same order, merge after
-# merge (a rank with no text sends zeros), and every decision - the pair, "done" - is made from the REDUCED
-# values, the same on every rank. Exact: counts are integers, and each count has one owner, who adds all its
-# changes. No kernel needs a lock; each docstring says why, from who writes what.
+# and (a, b) itself. Each rank sums its changes into `delta`, 3V + 1 numbers [x | y | y' | (a, b)], one
+# all_reduce(SUM) adds them up over the ranks, and each owner applies the part in its rows; the next pair is one
+# all_reduce(MAX) of the ranks' best keys. Fixed sizes everywhere: the host only launches, and reads "done?" per
+# 16 merges. No deadlock, no divergence: every rank launches the same collectives in the same order (a rank
+# with no text sends zeros), and decides - the pair, "done" - from the REDUCED values, the same on every rank.
+# Exact: counts are integers, each with one owner, who adds all its changes. No kernel needs a lock; each
+# docstring says why, from who writes what.
 
 NEXT, NEW, A, B, DONE, START, LENGTH, SURVIVORS, DIRTY = (tl.constexpr(i) for i in range(9))  # slots of `state`
 DEAD = tl.constexpr(-2)  # the token of an unlinked position (the right half of a merged pair)
@@ -370,18 +365,12 @@ def merge_on_device(arrays, vocab_size, total_pairs, device, show_progress):
                 graph.replay()
             progress.update(min(MERGES_PER_READ, V - 256 - group))
             stats.update(host_reads=1)
-            if merges_done(state):
+            if state[DONE.value].item():  # the one host read of a group: here, and only here, the host waits
                 break
     num_merges = int(state[NEXT.value]) - 256
     merged_pairs = merges[:2 * num_merges].view(-1, 2).tolist()
     tokens_saved = int(weight[tokens == DEAD.value].sum())  # a merged occurrence saves one token per use of its chunk
     return [((left, right), 256 + i) for i, (left, right) in enumerate(merged_pairs)], tokens_saved, stats
-
-
-def merges_done(state):
-    """The one host read of a group of merges: here, and only here, the host waits for the device."""
-    return bool(state[DONE.value].item())
-
 
 # ---------------------------------------------------------------- reading text (the same in every script)
 # .txt and .jsonl are read with the standard library: `datasets`' loaders would turn CRLF into LF (no longer
@@ -495,21 +484,20 @@ def first_chars(documents, num_chars):  # the last document is cut to fit
             return  # before the source is asked for one more document: it may be slow to fetch, or malformed
 
 # ---------------------------------------------------------------- this rank's part of the text, counted
-#
 # Local files are laid end to end, and rank r gets bytes [r S / W, (r + 1) S / W). A document belongs to the
 # range that holds its first byte: a .jsonl line, a whole .txt file, a parquet row group (placed at its share
 # of the file's bytes). So each is read whole, by one rank, and a rank seeks straight to its range.
 
 
-def my_documents(name, source, rank, world_size, budget, record):
+def my_documents(name, source, budget, record):
     """This rank's documents (a generator: nothing is read yet), and the files they come from."""
     if name in HUB_DATASETS and not source.startswith("Python standard library"):  # `datasets` splits a stream
         repository, config, _ = HUB_DATASETS[name]
-        return datasets_texts(repository, node=(rank, world_size), path=repository, name=config), []
+        return datasets_texts(repository, node=(RANK, WORLD), path=repository, name=config), []
     files = local_files(name) if name not in HUB_DATASETS else [  # or the offline corpus, a .py file a document
         path for path in sorted(Path(sysconfig.get_paths()["stdlib"]).rglob("*.py")) if "site-packages" not in path.parts]
     sizes = [path.stat().st_size for path in files]
-    lo, hi = record["bytes"] = [sum(sizes) * rank // world_size, sum(sizes) * (rank + 1) // world_size]
+    lo, hi = record["bytes"] = [sum(sizes) * RANK // WORLD, sum(sizes) * (RANK + 1) // WORLD]
     mine = [(path, first, size) for path, first, size in zip(files, accumulate([0] + sizes), sizes)
             if size and first < hi and (lo <= first or first + size > lo and path.suffix in (".jsonl", ".parquet"))]
     return part_documents(mine, lo, hi, budget), files
@@ -518,19 +506,20 @@ def my_documents(name, source, rank, world_size, budget, record):
 def part_documents(files, lo, hi, budget):
     for path, first, size in files:
         if path.suffix == ".jsonl":
-            yield from read_jsonl(path, max(lo - first, 0), hi - first if hi < first + size else None)
+            yield from read_jsonl(path, max(lo - first, 0), hi - first)
         elif path.suffix == ".parquet":
-            yield from parquet_row_groups(path, first, size, lo, hi)
+            yield from parquet_row_groups(path, size, lo - first, hi - first)
         else:
             yield from read_txt(path, budget)
 
 
-def parquet_row_groups(path, first, size, lo, hi):
+def parquet_row_groups(path, size, start, end):
+    """The texts of the row groups placed in the byte range [start, end) of the file."""
     import pyarrow.parquet
     try:
         parquet = pyarrow.parquet.ParquetFile(path)
         for group in range(parquet.num_row_groups):
-            if lo <= first + size * group // parquet.num_row_groups < hi:
+            if start <= size * group // parquet.num_row_groups < end:
                 for text in parquet.read_row_group(group, columns=["text"]).column(0).to_pylist():
                     if not isinstance(text, str):
                         raise UserError(f"{path}, row group {group}: \"text\" is {type(text).__name__}, not a "
@@ -542,67 +531,61 @@ def parquet_row_groups(path, first, size, lo, hi):
         reason = f"{type(error).__name__}: {error}".splitlines()[0]
         raise UserError(f"can't read {path} ({reason}); check it, or use other files: --data path/to/files")
 
-
 # The regex is the slow part, so worker processes count batches of whole documents, at most two per worker in
 # flight (RAM stays bounded). A CPU-time alarm per document (1 s + 10 us a character) turns a pattern that
 # backtracks catastrophically into one line instead of a hang.
-SPLIT = None  # the compiled pattern, in each worker
 
 
 def time_is_up(signum, frame):
     raise TimeoutError
 
 
-def start_worker(pattern_text):
-    global SPLIT
-    SPLIT = regex.compile(pattern_text)
+def count_batch(documents, pattern_text):
+    split_pattern, counts = regex.compile(pattern_text), Counter()  # compiled once per process: regex caches it
     signal.signal(signal.SIGPROF, time_is_up)
-
-
-def count_batch(documents):
-    counts = Counter()
     for document in documents:
         try:
             signal.setitimer(signal.ITIMER_PROF, 1 + len(document) / 1e5)
-            counts.update(SPLIT.findall(document))
+            counts.update(split_pattern.findall(document))
         except TimeoutError:
-            raise UserError(f"--pattern {SPLIT.pattern!r} backtracks catastrophically: it ran past the time limit "
+            raise UserError(f"--pattern {pattern_text!r} backtracks catastrophically: it ran past the time limit "
                             f"on the document that starts {document[:30]!r}; simplify the pattern")
         finally:
             signal.setitimer(signal.ITIMER_PROF, 0)
     if "" in counts:  # a pattern that matches empty only in context, like \b
-        raise UserError(f"--pattern {SPLIT.pattern!r} matches the empty string; every match must take at least "
+        raise UserError(f"--pattern {pattern_text!r} matches the empty string; every match must take at least "
                         "one character (x+, not x*)")
     return counts
 
 
-def count_chunks(documents, budget, record, show_progress, pool, workers):
+def count_chunks(documents, budget, pattern_text, workers, record):
     """The documents up to this rank's share of -n, the last one cut to fit (and never one more asked of the
-    source), counted by the pool in batches of a MiB of characters."""
+    source), counted by `workers` processes in batches of a MiB of characters."""
     chunk_counts, pending, batch = Counter(), deque(), []
     record.update(documents=0, chars=0, cut=False)
-    with tqdm(total=budget, unit="char", unit_scale=True, desc="reading (rank 0's part)", mininterval=0.5,
-              disable=not show_progress) as progress:
+    pool = multiprocessing.get_context("fork").Pool(workers)
+    with pool, tqdm(total=budget, unit="char", unit_scale=True, desc="reading (rank 0's part)", mininterval=0.5,
+                    disable=RANK != 0) as progress:
         for text in documents if budget > 0 else ():
             kept = text[:budget - record["chars"]]
             record.update(documents=record["documents"] + 1, chars=record["chars"] + len(kept), cut=len(kept) < len(text))
             progress.update(len(kept))
             batch.append(kept)
             if record["chars"] // 2**20 > (record["chars"] - len(kept)) // 2**20:
-                pending.append(pool.apply_async(count_batch, (batch,)))
+                pending.append(pool.apply_async(count_batch, (batch, pattern_text)))
                 batch = []
             while len(pending) > 2 * workers:
                 chunk_counts.update(pending.popleft().get())
             if record["chars"] == budget:
                 break
-        for result in [*pending, pool.apply_async(count_batch, (batch,))]:
+        for result in [*pending, pool.apply_async(count_batch, (batch, pattern_text))]:
             chunk_counts.update(result.get())
     return chunk_counts
 
-
 # The cache is what the merge loop needs, as .npy files (no pickle: loading one can't run code): the UTF-8
 # bytes of this rank's distinct chunks of 2+ bytes, and the length and count of each. The .json, written last,
-# holds the statistics, what was read, and a sha256 of it all: a cache that fails it is counted again.
+# holds the statistics, what was read, and a sha256 of it all: a cache that fails it (or is half written) is
+# counted again.
 
 
 def cache_key(args, source, files, world_size):
@@ -631,7 +614,7 @@ def write_cache(prefix, chunk_counts, record):
     prefix.with_suffix(".json").unlink(missing_ok=True)  # until it is written again, the cache is incomplete
     for name, array in zip(("bytes", "lengths", "counts"), arrays):
         np.save(prefix.with_suffix(f".{name}.npy"), array)
-    write_atomically(prefix.with_suffix(".json"), json.dumps({**stats, "sha256": checksum(arrays, stats)}))
+    prefix.with_suffix(".json").write_text(json.dumps({**stats, "sha256": checksum(arrays, stats)}))
 
 
 def read_cache(prefix):
@@ -644,20 +627,14 @@ def read_cache(prefix):
         return None
     return (*arrays, stats) if checksum(arrays, stats) == expected else "tampered"
 
-
-def write_atomically(path, text):
-    """Write to a temporary name and rename: a crash never leaves a half-written file behind."""
-    path.with_name(path.name + ".tmp").write_text(text, encoding="utf-8")
-    os.replace(path.with_name(path.name + ".tmp"), path)
-
-
 # ---------------------------------------------------------------- the run
 
-RANK = int(os.environ.get("RANK", "0"))  # torchrun sets it before we start: rank 0 alone speaks
+RANK, WORLD = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))  # torchrun sets them
+LOCAL_RANK = int(os.environ.get("LOCAL_RANK", "0"))  # this rank's GPU on its node
 OUR_FILES = {"tokenizer.tiktoken", "tokenizer.json", "tokenizer.tiktoken.tmp", "tokenizer.json.tmp"}
 
 
-def say(*args, **kwargs):
+def say(*args, **kwargs):  # rank 0 alone speaks
     if RANK == 0:
         print(*args, **kwargs, flush=True)
 
@@ -669,7 +646,7 @@ def parse_args(argv):
     parser.add_argument("--data", default=None, help=f"fineweb | fineweb-edu | path to .txt/.jsonl/.parquet or a directory (default {data})")
     parser.add_argument("--out", default=out, help="output directory (default tokenizers/<source>_v<vocab_size>)")
     parser.add_argument("--pattern", default=pattern, help="the pre-tokenizer regex (default GPT-4's)")
-    parser.add_argument("--device", default=None, choices=["cuda", "cpu"], help=f"cuda (NCCL) or cpu (gloo; the kernels in "
+    parser.add_argument("--device", default=device, choices=["cuda", "cpu"], help=f"cuda (NCCL) or cpu (gloo; the kernels in "
                         f"Triton's interpreter, for testing) (default {device})")
     parser.add_argument("--cache_dir", default=cache_dir, help=f"where each rank caches its counted chunks (default {cache_dir})")
     parser.add_argument("--no_cache", action="store_true", help="count again even if a cache exists (and refresh it)")
@@ -689,10 +666,9 @@ def validate(args):
     if args.workers < 0 or args.timeout <= 0:
         raise UserError(f"--workers {args.workers} --timeout {args.timeout}: workers must be 0 (automatic) or more, "
                         "and the timeout a positive number of seconds; try --workers 4 --timeout 1800")
-    if (args.device or device) == "cuda" and not torch.cuda.is_available():  # the interpreter: never a silent default
+    if args.device == "cuda" and not torch.cuda.is_available():  # the interpreter: never a silent default
         raise UserError("--device cuda (the default): no CUDA GPU is visible here; --device cpu runs the kernels in "
                         "Triton's interpreter, for testing (slow), and train_bpe_cpu.py is the better choice on a CPU")
-    args.device = args.device or device
     if (args.device == "cpu") != bool(triton.knobs.runtime.interpret):  # the env var counts when triton is imported
         raise UserError(f"--device {args.device} with TRITON_INTERPRET={os.environ['TRITON_INTERPRET']}: the kernels run "
                         "compiled on cuda, in Triton's interpreter on cpu; set TRITON_INTERPRET=1 for cpu, 0 for cuda")
@@ -703,12 +679,12 @@ def validate(args):
     if empty_match:
         raise UserError(f"--pattern {args.pattern!r} matches the empty string; every match must take at least one "
                         "character (x+, not x*)")
-    world, V = int(os.environ.get("WORLD_SIZE", "1")), args.vocab_size  # this rank's count rows: ~V^2 / W int32s
-    need = 4 * V * ((V - 1 - RANK) // world + 1)  # (twice that past 2^31 pairs of text, known only once it is read)
-    memory = torch.cuda.get_device_properties(int(os.environ.get("LOCAL_RANK", "0"))).total_memory \
-        if args.device == "cuda" else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    V = args.vocab_size  # this rank's count rows, int32 (int64 past 2^31 pairs of text, known only once it is read)
+    need = 4 * V * ((V - 1 - RANK) // WORLD + 1)
+    memory = torch.cuda.get_device_properties(LOCAL_RANK).total_memory if args.device == "cuda" else \
+        os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     if need > 0.8 * memory:
-        raise UserError(f"-v {V} on {world} rank(s) needs {need / 2**30:.1f} GiB of pair counts per rank, more than "
+        raise UserError(f"-v {V} on {WORLD} rank(s) needs {need / 2**30:.1f} GiB of pair counts per rank, more than "
                         f"its {args.device} can spare ({memory / 2**30:.1f} GiB); use more ranks or a smaller -v")
     with contextlib.redirect_stderr(io.StringIO()) if RANK else contextlib.nullcontext():  # one warning, rank 0's
         _, source_name, source = open_source(args.data or data, data_was_named=args.data is not None)
@@ -738,94 +714,90 @@ def run(argv):
 
     # --- this rank's part, pre-tokenized and counted, or the counts cached by an earlier run
     t0 = time.time()
-    world_size, record = int(os.environ.get("WORLD_SIZE", "1")), {"rank": RANK}
-    share_chars = args.num_chars * (RANK + 1) // world_size - args.num_chars * RANK // world_size
-    documents, files = my_documents(args.data or data, source, RANK, world_size, share_chars, record)
-    prefix = Path(args.cache_dir) / cache_key(args, source, files, world_size) / f"rank{RANK}"
+    record = {"rank": RANK}  # what this rank read, for tokenizer.json
+    share_chars = args.num_chars * (RANK + 1) // WORLD - args.num_chars * RANK // WORLD
+    documents, files = my_documents(args.data or data, source, share_chars, record)
+    prefix = Path(args.cache_dir) / cache_key(args, source, files, WORLD) / f"rank{RANK}"
     cached = None if args.no_cache else read_cache(prefix)
-    state = "reused" if isinstance(cached, tuple) else cached or "counted"
-    cores = len(os.sched_getaffinity(0)) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    num_workers = args.workers or (max(cores, 1) if share_chars >= 2**24 else 1)
-    # The workers are forked before the process group starts its threads: a fork copies only the calling
-    # thread, and could copy a lock that another thread holds, held forever.
-    pool = None if state == "reused" else multiprocessing.get_context("fork").Pool(num_workers, start_worker, (args.pattern,))
+    state, error = "reused" if isinstance(cached, tuple) else cached or "counted", None
+    if state != "reused":  # counted before the process group starts its threads: forking copies only this one
+        cores = len(os.sched_getaffinity(0)) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        num_workers = args.workers or (max(cores, 1) if share_chars >= 2**24 else 1)
+        try:
+            write_cache(prefix, count_chunks(documents, share_chars, args.pattern, num_workers, record), record)
+            cached = read_cache(prefix)
+        except UserError as user_error:
+            error = str(user_error)
+        except OSError as os_error:
+            error = f"can't write the cache in {prefix.parent} ({os_error.strerror}); give a writable --cache_dir"
+
+    # --- the process group. Its timeout bounds each wait for the others, in joining (each counts its part first)
+    # and in collectives: a hung rank becomes an error on the others (a dead one sooner: its sockets close).
     if args.device == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(LOCAL_RANK)
     elif "OMP_NUM_THREADS" not in os.environ:  # small ops: waking OpenMP threads for each costs more than it saves
         torch.set_num_threads(1)
-    # The timeout bounds every collective: a rank that hangs turns into an error on the others after it (one
-    # that dies is noticed sooner: its sockets close). Run with plain python, this is a world of one.
-    alone = {} if "RANK" in os.environ else dict(store=dist.HashStore(), rank=0, world_size=1)
+    alone = {} if "RANK" in os.environ else dict(store=dist.HashStore(), rank=0, world_size=1)  # plain python
     dist.init_process_group("nccl" if args.device == "cuda" else "gloo", timeout=datetime.timedelta(seconds=args.timeout), **alone)
-    run_device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
-    say(f"{world_size} rank(s), backend {dist.get_backend()}, device {args.device}")
-    error = None
-    try:
-        if pool:
-            write_cache(prefix, count_chunks(documents, share_chars, record, RANK == 0, pool, num_workers), record)
-            cached = read_cache(prefix)
-    except UserError as user_error:
-        error = str(user_error)
-    except OSError as os_error:
-        error = f"can't write the cache in {prefix.parent} ({os_error.strerror}); give a writable --cache_dir"
-    finally:
-        if pool:
-            pool.terminate()
+    say(f"{WORLD} rank(s), backend {dist.get_backend()}, device {args.device}")
     # A reading error happens on one rank (the one whose part holds the bad line): share it, so that every
     # rank stops together and rank 0 reports it, instead of the others waiting for the lost rank.
-    parts = [None] * world_size
-    dist.all_gather_object(parts, error or (cached[3], state))
+    parts = [None] * WORLD
+    dist.all_gather_object(parts, error or {**cached[3], "state": state})
     if any(isinstance(part, str) for part in parts):
         raise UserError(next(part for part in parts if isinstance(part, str)))
-    total = {key: sum(stats[key] for stats, _ in parts) for key in ("chunks", "total_bytes", "total_pairs", "bad_utf8")}
-    total["chars"], states = sum(stats["part"]["chars"] for stats, _ in parts), [state for _, state in parts]
+    total = {key: sum(part[key] for part in parts) for key in ("chunks", "total_bytes", "total_pairs", "bad_utf8")}
+    chars, states = sum(part["part"]["chars"] for part in parts), [part["state"] for part in parts]
     t1 = time.time()
-    if total["chars"] == 0:
+    if chars == 0:
         raise UserError(f"the corpus {source} is empty: no text to train on; point --data at files with text in them")
     if total["total_pairs"] >= 2**43:  # a row key holds a count in 43 bits
         raise UserError(f"{total['total_pairs']:,} pairs of text: more than 2^43, the most the row keys hold; lower -n")
     if "tampered" in states:
         say("warning: a cached part did not match its checksum (edited or half-copied): counted again", file=sys.stderr)
     if "reused" in states:
-        say(f"cache: {states.count('reused')} of {world_size} ranks reused their counted chunks from {prefix.parent} "
+        say(f"cache: {states.count('reused')} of {WORLD} ranks reused their counted chunks from {prefix.parent} "
             "(skipped reading and pre-tokenizing; --no_cache counts again)")
     if total["bad_utf8"]:
         say(f"warning: {total['bad_utf8']} invalid UTF-8 sequences were replaced with U+FFFD", file=sys.stderr)
-    if total["chars"] < args.num_chars:
-        say(f"read {total['chars']:,} characters, fewer than -n {args.num_chars:,}: each rank reads at most n / W from "
+    if chars < args.num_chars:
+        say(f"read {chars:,} characters, fewer than -n {args.num_chars:,}: each rank reads at most n / W from "
             "its own part, and some parts ran out; training on those")
-    say(f"read {total['chars']:,} characters, {total['chunks']:,} chunks; per-rank part (characters, distinct chunks): "
-        + ", ".join(f"{stats['part']['chars']:,}/{stats['distinct']:,}" for stats, _ in parts))
+    say(f"read {chars:,} characters, {total['chunks']:,} chunks; per-rank part (characters, distinct chunks): "
+        + ", ".join(f"{part['part']['chars']:,}/{part['distinct']:,}" for part in parts))
 
     # --- the merges, each rank in its own chunks and its own rows of the count matrix
     count_dtype = np.int32 if total["total_pairs"] < 2**31 else np.int64  # no count exceeds the total
     arrays = chunks_to_arrays(*cached[:3], count_dtype)
     t2 = time.time()
+    run_device = torch.device("cuda", LOCAL_RANK) if args.device == "cuda" else torch.device("cpu")
     merges, tokens_saved, loop = merge_on_device(arrays, args.vocab_size, total["total_pairs"], run_device,
                                                  show_progress=RANK == 0)
     t3 = time.time()
     peak = torch.cuda.max_memory_allocated(run_device) if args.device == "cuda" else \
         resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
-    ends = [None] * world_size
+    ends = [None] * WORLD
     dist.all_gather_object(ends, (tokens_saved, peak / 2**20))
     num_merges, eot_id = len(merges), 256 + len(merges)
     stop_reason = "vocab_size reached" if eot_id == args.vocab_size else "no pairs left to merge"
-    if stop_reason != "vocab_size reached":
+    if eot_id < args.vocab_size:
         say(f"stopped early after {num_merges} merges: no pairs left to merge (vocab {eot_id} < {args.vocab_size})")
     if RANK == 0:
         vocab = [bytes([i]) for i in range(256)]  # the bytes themselves, then each merge's two halves glued
         for (left, right), _ in merges:
             vocab.append(vocab[left] + vocab[right])
-        out_dir.mkdir(parents=True, exist_ok=True)
-        write_atomically(out_dir / "tokenizer.tiktoken", "".join(f"{base64.b64encode(token).decode()} {rank}\n"
-                                                                for rank, token in enumerate(vocab)))
-        write_atomically(out_dir / "tokenizer.json", json.dumps({
+        ranks = "".join(f"{base64.b64encode(token).decode()} {rank}\n" for rank, token in enumerate(vocab))
+        info = json.dumps({
             "pattern": args.pattern, "special_tokens": {EOT: eot_id}, "vocab_size": eot_id + 1, "num_merges": num_merges,
-            "num_chars": total["chars"], "source": source, "trainer": "train_bpe_multigpu.py", "world_size": world_size,
-            "seconds": round(t3 - t0, 3), "stop_reason": stop_reason, "read": [stats["part"] for stats, _ in parts]},
-            indent=2, ensure_ascii=False) + "\n")
+            "num_chars": chars, "source": source, "trainer": "train_bpe_multigpu.py", "world_size": WORLD,
+            "seconds": round(t3 - t0, 3), "stop_reason": stop_reason, "read": [part["part"] for part in parts]},
+            indent=2, ensure_ascii=False)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        for name, text in [("tokenizer.tiktoken", ranks), ("tokenizer.json", info + "\n")]:
+            (out_dir / f"{name}.tmp").write_text(text, encoding="utf-8")  # then renamed: never half a file
+            os.replace(out_dir / f"{name}.tmp", out_dir / name)
     tokens_left = total["total_bytes"] - sum(saved for saved, _ in ends)
-    say(f"{'loading the cache' if states.count('reused') == world_size else 'reading + pre-tokenizing'} "
+    say(f"{'loading the cache' if states.count('reused') == WORLD else 'reading + pre-tokenizing'} "
         f"{t1 - t0:.2f}s | layout {t2 - t1:.2f}s | merging {t3 - t2:.2f}s "
         f"({num_merges / max(t3 - t2, 1e-9):,.0f} merges/s) | total {t3 - t0:.2f}s")
     say(f"per merge: {loop['collectives'] / max(num_merges, 1):.2f} collectives, {loop['host_reads'] / max(num_merges, 1):.2f} "
@@ -836,24 +808,21 @@ def run(argv):
         f" and tokenizer.json ({EOT} = {eot_id}, vocab_size {eot_id + 1})")
     dist.barrier()  # nobody leaves (and tears the group down) while rank 0 still writes
 
-
 if __name__ == "__main__":
-    exit_code = 0
     try:
         run(sys.argv[1:])
     except UserError as error:
         say(f"error: {error}", file=sys.stderr)
-        exit_code = 1
         if RANK != 0:  # only rank 0 speaks; were this rank to exit first, torchrun could stop rank 0 before it does
             time.sleep(5)
+        sys.exit(1)
     except RuntimeError as error:  # gloo says a timeout or a closed socket as a RuntimeError, NCCL as a DistError
         if not isinstance(error, dist.DistError) and not regex.search(r"gloo|nccl|timed? ?out|connection|peer", str(error), regex.I):
             raise  # not the transport: a bug, with its traceback
         text = (str(error).strip() or type(error).__name__).splitlines()[0][:200]
         print(f"\nerror: rank {RANK} lost contact with the other ranks ({text}); one of them died, hangs, or was "
               "never started: see its messages above, and --timeout for how long a rank waits", file=sys.stderr, flush=True)
-        exit_code = 1
+        sys.exit(1)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-    sys.exit(exit_code)
