@@ -270,9 +270,7 @@ def get_batch(split, generator):
     offsets = starts - (window_ends[shard_of] - counts[shard_of])
     rows = np.empty((batch_size, block_size + 1), dtype=np.int64)
     for shard in np.unique(shard_of):
-        # Opened for this batch only: a memmap kept for the whole run holds on to every page it touched, and
-        # the process's memory grows with the dataset (nanoGPT's leak).
-        tokens = np.load(paths[shard], mmap_mode="r")
+        tokens = np.load(paths[shard], mmap_mode="r")  # per batch: an open memmap keeps every page (nanoGPT's leak)
         for row in np.flatnonzero(shard_of == shard):
             rows[row] = tokens[offsets[row]:offsets[row] + block_size + 1]
     x, y = torch.from_numpy(rows[:, :-1].copy()), torch.from_numpy(rows[:, 1:].copy())
@@ -316,8 +314,7 @@ if checkpoint is None:
 raw_model.to(device)
 optimizer = raw_model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), device_type,
                                            "muon" if muon else "adamw", verbose=master)
-# float16 has too little range for small gradients: the scaler multiplies the loss first, and skips a step
-# whose gradients overflowed. bfloat16 and float32 need none of it.
+# float16 only: small gradients would round to 0, so the loss is scaled up first (and a step that overflowed skipped)
 scaler = torch.amp.GradScaler(device_type, enabled=dtype == "float16")
 model = torch.compile(raw_model) if compile else raw_model  # for evaluation: no DDP machinery needed
 train_model = DDP(model, device_ids=[torch.cuda.current_device()] if device_type == "cuda" else None) if ddp else model
@@ -354,8 +351,9 @@ def save(path):
         dist.all_gather_object(everyone, mine)
     if master:
         save_checkpoint(path, {"model": raw_model.state_dict(), "model_config": asdict(raw_model.config),
-            "train_config": config, "iter_num": iter_num, "best_val_loss": best_val_loss, "optimizer": optimizer.state_dict(),
-            "scaler": scaler.state_dict() if scaler.is_enabled() else None, "tokenizer": tokenizer, "dataset": meta,
+            "train_config": config, "iter_num": iter_num, "best_val_loss": best_val_loss, "tokenizer": tokenizer,
+            "dataset": meta, "optimizer": optimizer.state_dict(),
+            "scaler": scaler.state_dict() if scaler.is_enabled() else None,
             "rng": {"ranks": [e["rng"] for e in everyone], "data": [s for e in everyone for s in e["data"]]}})
 
 @torch.no_grad()
@@ -395,8 +393,7 @@ def percent(mfu):
 stop_signal = None  # the name of the first signal that asked to stop
 
 def request_stop(signum, frame):
-    """SIGTERM (SLURM preemption, torchrun shutting down) or Ctrl-C: stop after this step, with a checkpoint.
-    Under torchrun, the ranks save and exit 0, but torchrun itself exits 1 with a SignalException traceback."""
+    """SIGTERM (SLURM preemption, torchrun shutting down) or Ctrl-C: stop after this step, with a checkpoint."""
     global stop_signal
     if stop_signal == "SIGINT" and signum == signal.SIGINT:
         raise KeyboardInterrupt  # Ctrl-C twice: stop now, without saving (one_line_excepthook says so)
