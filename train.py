@@ -390,8 +390,6 @@ def log(line, **record):
 def percent(mfu):
     return "n/a" if mfu is None or mfu != mfu else f"{mfu * 100:.1f}%"  # NaN: the CPU's peak is unknown
 
-stop_signal = None  # the name of the first signal that asked to stop
-
 def request_stop(signum, frame):
     """SIGTERM (SLURM preemption, torchrun shutting down) or Ctrl-C: stop after this step, with a checkpoint."""
     global stop_signal
@@ -401,6 +399,7 @@ def request_stop(signum, frame):
     if master:
         print(f"{stop_signal}: finishing this step or eval batch, then saving a checkpoint and exiting", flush=True)
 
+stop_signal = None  # the name of the first signal that asked to stop
 signal.signal(signal.SIGTERM, request_stop)
 signal.signal(signal.SIGINT, request_stop)
 if master:
