@@ -1,5 +1,4 @@
-"""
-Pretrain the GPT of model.py on the token shards of prepare_data.py: on a laptop CPU, one GPU, many GPUs
+"""Pretrain the GPT of model.py on the token shards of prepare_data.py: on a laptop CPU, one GPU, many GPUs
 (torchrun) or many nodes (torchrun or SLURM's srun).
 
     python train.py config/shakespeare_char.py                        # a preset: a file of assignments
@@ -99,7 +98,6 @@ sys.excepthook = one_line_excepthook
 check(not slurm or "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ,
       "SLURM with several tasks: export MASTER_ADDR (the first node) and MASTER_PORT in the sbatch script (see the README)")
 
-# -----------------------------------------------------------------------------------------------------
 # the command line: presets (files of Python assignments) and --key=value, in order, then checks across settings
 def set_setting(source, key, value):
     hint = "".join(f" (did you mean {close!r}?)" for close in difflib.get_close_matches(key, defaults, n=1))
@@ -141,10 +139,10 @@ check(compile in ("auto", True, False), f"compile must be 'auto', True or False,
 check(re.fullmatch(r"auto|cpu|cuda(:\d+)?|mps", device),
       f"device must be 'auto', 'cpu', 'cuda', 'cuda:N' or 'mps', not {device!r}")
 check(all(type(m) is int for m in milestones), f"milestones must be a list of iteration numbers, not {milestones!r}")
-check(min(batch_size, block_size, eval_interval, eval_iters, log_interval, n_layer) > 0,
-      "batch_size, block_size, eval_interval, eval_iters, log_interval and n_layer must be positive")
-check(min(max_iters, warmup_iters, lr_decay_iters, weight_decay, grad_clip) >= 0,
-      "max_iters, warmup_iters, lr_decay_iters, weight_decay and grad_clip can't be negative")
+for key in ("batch_size", "block_size", "eval_interval", "eval_iters", "log_interval", "n_layer", "timeout"):
+    check(globals()[key] > 0, f"{key}={globals()[key]}: must be positive")
+for key in ("max_iters", "warmup_iters", "lr_decay_iters", "weight_decay", "grad_clip"):
+    check(globals()[key] >= 0, f"{key}={globals()[key]}: can't be negative")
 check(n_head > 0 and n_kv_head > 0 and n_embd % n_head == n_head % n_kv_head == (n_embd // n_head) % 2 == 0,
       f"n_embd={n_embd}, n_head={n_head}, n_kv_head={n_kv_head}: n_head must divide n_embd into an even head size "
       f"(rotary embeddings rotate pairs), and n_kv_head must divide n_head")
@@ -152,9 +150,7 @@ check(0 <= min_lr <= learning_rate and learning_rate > 0,
       f"learning_rate={learning_rate}, min_lr={min_lr}: need learning_rate > 0 and 0 <= min_lr <= learning_rate")
 check(0 <= dropout < 1, f"dropout={dropout}: it is a probability, 0 <= dropout < 1")
 check(0 <= beta1 < 1 and 0 <= beta2 < 1, f"beta1={beta1}, beta2={beta2}: Adam's averaging factors need 0 <= beta < 1")
-check(timeout > 0, f"timeout={timeout}: give a positive number of seconds")
 
-# -----------------------------------------------------------------------------------------------------
 # the dataset: meta.json, the tokenizer (the checkpoint carries it, so sampling needs no dataset) and the shards
 remake = f"run prepare_data.py again, or delete {dataset} and rerun it"
 meta_path = os.path.join(dataset, "meta.json")
@@ -207,7 +203,6 @@ existing = glob.glob(os.path.join(glob.escape(out_dir), "ckpt*.pt"))
 check(init_from != "scratch" or not existing, f"{min(existing, default='')} exists and a run from scratch would overwrite "
       f"it: go on from it with --init_from=resume (or auto), or give another --out_dir, or delete it first")
 
-# -----------------------------------------------------------------------------------------------------
 # torch, the device, and the checkpoint to resume (it decides the model's shape)
 import torch
 import torch.distributed as dist
@@ -217,9 +212,8 @@ from model import GPT, CheckpointError, GPTConfig, load_checkpoint, model_from_c
 
 device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
 device_type = device.split(":")[0]
-check(device_type != "cuda" or torch.cuda.is_available(), f"device={device!r} but this torch sees no CUDA GPU; use --device=cpu")
-check(device_type != "mps" or torch.backends.mps.is_available(),
-      "device='mps' but this torch has no MPS (Apple GPU) here; use --device=cpu")
+available = {"cpu": True, "cuda": torch.cuda.is_available(), "mps": torch.backends.mps.is_available()}[device_type]
+check(available, f"device={device!r} but this torch sees no {device_type.upper()} device; use --device=cpu")
 if device_type == "cuda":  # one GPU per process; srun may have hidden the others (CUDA_VISIBLE_DEVICES): the modulo
     device = f"cuda:{local_rank % torch.cuda.device_count()}" if ddp or device == "cuda" else device
     torch.cuda.set_device(device)
@@ -234,7 +228,7 @@ if init_from == "resume":
         raw_model = model_from_checkpoint(checkpoint)  # the plain module: no "_orig_mod." or "module." prefixes
     except CheckpointError as e:
         fail(f"cannot resume: {e}")
-    check(all(checkpoint.get(k) is not None for k in ("optimizer", "iter_num", "best_val_loss", "tokenizer", "train_config")),
+    check(None not in map(checkpoint.get, ("optimizer", "iter_num", "best_val_loss", "rng", "tokenizer", "train_config")),
           f"cannot resume from {ckpt_path}: it lacks the training state; only a checkpoint written by train.py can be resumed")
     old = checkpoint.get("dataset") or {"tokenizer": checkpoint["tokenizer"].get("kind"), "vocab_size": "?"}
     check(checkpoint["tokenizer"] == tokenizer,  # the ids would mean other text: kind, ranks, name or characters differ
@@ -252,7 +246,6 @@ check(vocab_size >= meta["vocab_size"] and vocab_size > meta["max_token_id"],
       f"vocab_size={vocab_size} but the dataset's vocabulary has {meta['vocab_size']} ids (largest token id "
       f"{meta['max_token_id']}): leave vocab_size unset to take meta.json's, or set it at least that large")
 
-# -----------------------------------------------------------------------------------------------------
 # the batches: more GPUs, or a smaller batch_size to fit memory, only change how many micro-steps make total_batch_size
 tokens_per_micro_step = batch_size * block_size * world_size
 total_batch_size = tokens_per_micro_step if total_batch_size is None else total_batch_size
@@ -277,9 +270,7 @@ def get_batch(split, generator):
     offsets = starts - (window_ends[shard_of] - counts[shard_of])
     rows = np.empty((batch_size, block_size + 1), dtype=np.int64)
     for shard in np.unique(shard_of):
-        # Opened for this batch only: a memmap kept for the whole run holds on to every page it touched, and
-        # the process's memory grows with the dataset (nanoGPT's leak).
-        tokens = np.load(paths[shard], mmap_mode="r")
+        tokens = np.load(paths[shard], mmap_mode="r")  # per batch: an open memmap keeps every page (nanoGPT's leak)
         for row in np.flatnonzero(shard_of == shard):
             rows[row] = tokens[offsets[row]:offsets[row] + block_size + 1]
     x, y = torch.from_numpy(rows[:, :-1].copy()), torch.from_numpy(rows[:, 1:].copy())
@@ -294,7 +285,6 @@ def get_lr(it):
     progress = min(1.0, (it - warmup_iters) / max(1, lr_decay_iters - warmup_iters))
     return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (learning_rate - min_lr)
 
-# -----------------------------------------------------------------------------------------------------
 # out_dir, processes, model, optimizer, random states
 config = {k: globals()[k] for k in defaults}  # the merged settings, with "auto" and None resolved
 if master:
@@ -321,39 +311,36 @@ autocast = torch.autocast(device_type, dtype=getattr(torch, dtype), enabled=dtyp
 
 if checkpoint is None:
     raw_model = GPT(GPTConfig(**{f.name: globals()[f.name] for f in fields(GPTConfig) if f.name in defaults}))
-model_config = raw_model.to(device).config
+raw_model.to(device)
 optimizer = raw_model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), device_type,
                                            "muon" if muon else "adamw", verbose=master)
-# float16 has too little range for small gradients: the scaler multiplies the loss first, and skips a step
-# whose gradients overflowed. bfloat16 and float32 need none of it.
+# float16 only: small gradients would round to 0, so the loss is scaled up first (and a step that overflowed skipped)
 scaler = torch.amp.GradScaler(device_type, enabled=dtype == "float16")
+model = torch.compile(raw_model) if compile else raw_model  # for evaluation: no DDP machinery needed
+train_model = DDP(model, device_ids=[torch.cuda.current_device()] if device_type == "cuda" else None) if ddp else model
+
+# The random states of dropout and of the data, so that a resumed run goes on exactly as if it never stopped (a
+# fresh seed would repeat the first batches: nanoGPT's issue #467). A step's global batch is num_slots micro-batches,
+# each slot with its own generator (rank r draws slots r*grad_accum_steps...), so 1 process with 2 micro-steps sees
+# what 2 processes see. A resume with another batch shape seeds a new data order with iter_num, not the first again.
 iter_num, best_val_loss = (checkpoint["iter_num"], checkpoint["best_val_loss"]) if checkpoint else (0, float("inf"))
+torch.manual_seed(seed + rank)  # dropout differs between ranks, as their data do
+num_slots, my_slots = world_size * grad_accum_steps, range(rank * grad_accum_steps, (rank + 1) * grad_accum_steps)
+train_generators = [torch.Generator().manual_seed(seed + 1_000_003 * iter_num + slot) for slot in my_slots]
 if checkpoint is not None:
     optimizer.load_state_dict(checkpoint["optimizer"])
     if checkpoint.get("scaler"):
         scaler.load_state_dict(checkpoint["scaler"])
-model = torch.compile(raw_model) if compile else raw_model  # for evaluation: no DDP machinery needed
-train_model = DDP(model, device_ids=[torch.cuda.current_device()] if device_type == "cuda" else None) if ddp else model
-
-# The random states of dropout and of the data, so that a resumed run goes on exactly as if it never stopped:
-# a fresh seed would repeat the first batches (nanoGPT's issue #467).
-torch.manual_seed(seed + rank)  # dropout differs between ranks, as their data do
-rng = checkpoint.get("rng") if checkpoint else None
-if rng and len(rng["ranks"]) == world_size:
-    torch.set_rng_state(rng["ranks"][rank]["torch"])
-    if device_type == "cuda" and rng["ranks"][rank]["cuda"] is not None:
-        torch.cuda.set_rng_state(rng["ranks"][rank]["cuda"])
-# Data order: a step's global batch is num_slots micro-batches, each slot with its own generator (rank r draws slots
-# r*grad_accum_steps...), so 1 process with 2 micro-steps sees what 2 processes see. A resume with another global
-# batch shape can't go on with the old order: seeding with iter_num makes a new one, not the first again.
-num_slots = world_size * grad_accum_steps
-train_generators = [torch.Generator().manual_seed(seed + 1_000_003 * iter_num + rank * grad_accum_steps + m)
-                    for m in range(grad_accum_steps)]
-if rng and len(rng["data"]) == num_slots:
-    for m, generator in enumerate(train_generators):
-        generator.set_state(rng["data"][rank * grad_accum_steps + m])
-elif rng and master:
-    print(f"note: the checkpoint has {len(rng['data'])} data streams, this run {num_slots}: new data order")
+    rng = checkpoint["rng"]
+    if len(rng["ranks"]) == world_size:
+        torch.set_rng_state(rng["ranks"][rank]["torch"])
+        if device_type == "cuda" and rng["ranks"][rank]["cuda"] is not None:
+            torch.cuda.set_rng_state(rng["ranks"][rank]["cuda"])
+    if len(rng["data"]) == num_slots:
+        for slot, generator in zip(my_slots, train_generators):
+            generator.set_state(rng["data"][slot])
+    elif master:
+        print(f"note: the checkpoint has {len(rng['data'])} data streams, this run {num_slots}: new data order")
 
 def save(path):
     """Write a checkpoint (all ranks must call: the random states of every rank are gathered)."""
@@ -363,36 +350,32 @@ def save(path):
     if ddp:
         dist.all_gather_object(everyone, mine)
     if master:
-        save_checkpoint(path, {"version": 1, "model": raw_model.state_dict(), "model_config": asdict(model_config),
-            "train_config": config, "iter_num": iter_num, "best_val_loss": best_val_loss, "optimizer": optimizer.state_dict(),
+        save_checkpoint(path, {"model": raw_model.state_dict(), "model_config": asdict(raw_model.config),
+            "train_config": config, "iter_num": iter_num, "best_val_loss": best_val_loss, "tokenizer": tokenizer,
+            "dataset": meta, "optimizer": optimizer.state_dict(),
             "scaler": scaler.state_dict() if scaler.is_enabled() else None,
-            "rng": {"ranks": [e["rng"] for e in everyone], "data": [s for e in everyone for s in e["data"]]},
-            "tokenizer": tokenizer, "dataset": meta})
+            "rng": {"ranks": [e["rng"] for e in everyone], "data": [s for e in everyone for s in e["data"]]}})
 
 @torch.no_grad()
 def estimate_loss():
-    """Mean loss over eval_iters fixed batches per split, shared out among the ranks: batch k always has the
-    same seed, so successive evals compare like with like and the number of processes doesn't matter.
+    """Mean train and val loss over eval_iters fixed batches each, shared out among the ranks: batch k always has
+    the same seed, so successive evals compare like with like and the number of processes doesn't matter.
     None when a signal came meanwhile: a long eval must not outlast a preemption's grace period."""
     model.eval()
-    losses = {}
-    for split_index, split in enumerate(("train", "val")):
-        total = torch.zeros(3, device=device)  # sum of batch losses, number of batches, ranks stopped by a signal
-        for k in range(rank, eval_iters, world_size):
-            if stop_signal:
-                total[2] = 1
-                break
+    total = torch.zeros(3, device=device)  # sum of the train batches' losses, of the val ones', ranks a signal stopped
+    for k in range(rank, eval_iters, world_size):
+        if stop_signal:
+            total[2] = 1
+            break
+        for split_index, split in enumerate(("train", "val")):
             x, y = get_batch(split, torch.Generator().manual_seed(seed + 10**9 + 2 * k + split_index))  # not training's
             with autocast:
                 _, loss = model(x, y)
-            total[:2] += torch.stack([loss.float(), torch.ones((), device=device)])
-        if ddp:
-            dist.all_reduce(total)  # every rank reaches it, stopped early or not
-        if total[2] > 0:
-            break
-        losses[split] = (total[0] / total[1]).item()
+            total[split_index] += loss.float()
+    if ddp:
+        dist.all_reduce(total)  # every rank reaches it, stopped early or not
     model.train()
-    return losses if len(losses) == 2 else None
+    return None if total[2] > 0 else {"train": (total[0] / eval_iters).item(), "val": (total[1] / eval_iters).item()}
 
 def log(line, **record):
     """Print a line, and append the record to log.jsonl (and to wandb for evals), on the first rank only."""
@@ -407,11 +390,8 @@ def log(line, **record):
 def percent(mfu):
     return "n/a" if mfu is None or mfu != mfu else f"{mfu * 100:.1f}%"  # NaN: the CPU's peak is unknown
 
-stop_signal = None
-
 def request_stop(signum, frame):
-    """SIGTERM (SLURM preemption, torchrun shutting down) or Ctrl-C: stop after this step, with a checkpoint.
-    Under torchrun, the ranks save and exit 0, but torchrun itself exits 1 with a SignalException traceback."""
+    """SIGTERM (SLURM preemption, torchrun shutting down) or Ctrl-C: stop after this step, with a checkpoint."""
     global stop_signal
     if stop_signal == "SIGINT" and signum == signal.SIGINT:
         raise KeyboardInterrupt  # Ctrl-C twice: stop now, without saving (one_line_excepthook says so)
@@ -419,6 +399,7 @@ def request_stop(signum, frame):
     if master:
         print(f"{stop_signal}: finishing this step or eval batch, then saving a checkpoint and exiting", flush=True)
 
+stop_signal = None  # the name of the first signal that asked to stop
 signal.signal(signal.SIGTERM, request_stop)
 signal.signal(signal.SIGINT, request_stop)
 if master:
@@ -429,10 +410,9 @@ if master:
         wandb.init(project=wandb_project, name=wandb_run_name, config=config)
 checkpoint = None  # free its memory: everything is loaded
 
-# -----------------------------------------------------------------------------------------------------
 # the training loop. At the top of iteration iter_num, iter_num steps are done: that is the state a checkpoint records.
 losses, stop_votes = {}, 0  # None and > 0 say, after the loop, that a signal stopped it
-log_start, log_steps, eval_seconds, eval_steps = time.time(), 0, 0.0, 0  # training time since the last log, eval
+step_seconds = []  # how long each step since the last eval took: the speed that the log and eval lines report
 while True:
     lr = get_lr(iter_num)
     for group in optimizer.param_groups:
@@ -442,16 +422,16 @@ while True:
         losses = estimate_loss()
         if losses is None:  # a signal came during the eval
             break
-        step_seconds = eval_seconds / eval_steps if eval_steps else None  # None before the first step
-        mfu = raw_model.estimate_mfu(batch_size * grad_accum_steps, step_seconds) if step_seconds else None
-        tokens_per_sec = total_batch_size / step_seconds if step_seconds else None
+        seconds = np.mean(step_seconds) if step_seconds else None  # None before the first step
+        mfu = raw_model.estimate_mfu(batch_size * grad_accum_steps, seconds) if seconds else None
+        tokens_per_sec = total_batch_size / seconds if seconds else None
         log(f"eval iter {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}, lr {lr:.3g}, "
             f"{tokens_per_sec or 0:,.0f} tokens/s, mfu {percent(mfu)}", iter=iter_num, tokens=iter_num * total_batch_size,
             train_loss=losses["train"], val_loss=losses["val"], lr=lr, tokens_per_sec=tokens_per_sec, mfu=mfu)
         improved, best_val_loss = losses["val"] < best_val_loss, min(best_val_loss, losses["val"])
         if iter_num > 0 and (improved or always_save_checkpoint):
             save(ckpt_path)
-        log_start, eval_seconds, eval_steps = time.time(), 0.0, 0  # evaluating is not training time
+        step_seconds = []
     if iter_num in milestones and iter_num > 0:  # again after a resume at this iteration: the same state
         save(os.path.join(out_dir, f"ckpt_{iter_num}.pt"))
     if last_iter:
@@ -478,18 +458,17 @@ while True:
     if ddp:
         dist.all_reduce(status)
     loss_sum, stop_votes = status.tolist()
-    step_loss_value, iter_num, log_steps = loss_sum / world_size, iter_num + 1, log_steps + 1
-    eval_seconds, eval_steps = eval_seconds + time.time() - step_start, eval_steps + 1
+    step_loss_value, iter_num = loss_sum / world_size, iter_num + 1
+    step_seconds.append(time.time() - step_start)
     check(math.isfinite(step_loss_value), f"the loss is {step_loss_value} at iter {iter_num}: training diverged. Lower "
           f"learning_rate, lengthen warmup_iters, keep grad_clip on, or use bfloat16/float32 over float16; "
           f"--init_from=resume restarts from the last checkpoint")
     if iter_num % log_interval == 0:
-        seconds = (time.time() - log_start) / log_steps
+        seconds = np.mean(step_seconds[-log_interval:])
         mfu = raw_model.estimate_mfu(batch_size * grad_accum_steps, seconds)
         log(f"iter {iter_num}: loss {step_loss_value:.4f}, {seconds * 1000:.1f} ms/step, {total_batch_size / seconds:,.0f} "
             f"tokens/s, mfu {percent(mfu)}, eta {(max_iters - iter_num) * seconds / 60:.1f} min", iter=iter_num,
             loss=step_loss_value, lr=lr, ms_per_step=seconds * 1000, tokens_per_sec=total_batch_size / seconds, mfu=mfu)
-        log_start, log_steps = time.time(), 0
     if stop_votes > 0:
         break
 if losses is None or stop_votes > 0:
