@@ -77,6 +77,7 @@ MERGES_PER_READ = 16  # merges launched per host read of the "done" flag
 class UserError(Exception):
     """A mistake in the input: printed as one line, never as a traceback."""
 
+
 # ---------------------------------------------------------------- the merge loop, split across ranks
 # train_bpe_gpu.py's kernels and layout (read that file first: the names are the same), on this rank's distinct
 # chunks: tokens, next_pos, prev_pos and weight hold them as linked lists (END: the spare slot past them), and
@@ -372,6 +373,7 @@ def merge_on_device(arrays, vocab_size, total_pairs, device, show_progress):
     tokens_saved = int(weight[tokens == DEAD.value].sum())  # a merged occurrence saves one token per use of its chunk
     return [((left, right), 256 + i) for i, (left, right) in enumerate(merged_pairs)], tokens_saved, stats
 
+
 # ---------------------------------------------------------------- reading text (the same in every script)
 # .txt and .jsonl are read with the standard library: `datasets`' loaders would turn CRLF into LF (no longer
 # byte-identical to rustbpe), stop at invalid UTF-8, and take seconds to start. The Hub and parquet use `datasets`.
@@ -483,6 +485,7 @@ def first_chars(documents, num_chars):  # the last document is cut to fit
         if num_chars == 0:
             return  # before the source is asked for one more document: it may be slow to fetch, or malformed
 
+
 # ---------------------------------------------------------------- this rank's part of the text, counted
 # Local files are laid end to end, and rank r gets bytes [r S / W, (r + 1) S / W). A document belongs to the
 # range that holds its first byte: a .jsonl line, a whole .txt file, a parquet row group (placed at its share
@@ -530,6 +533,7 @@ def parquet_row_groups(path, size, start, end):
     except Exception as error:  # not parquet, corrupt, no "text" column
         reason = f"{type(error).__name__}: {error}".splitlines()[0]
         raise UserError(f"can't read {path} ({reason}); check it, or use other files: --data path/to/files")
+
 
 # The regex is the slow part, so worker processes count batches of whole documents, at most two per worker in
 # flight (RAM stays bounded). A CPU-time alarm per document (1 s + 10 us a character) turns a pattern that
@@ -582,6 +586,7 @@ def count_chunks(documents, budget, pattern_text, workers, record):
             chunk_counts.update(result.get())
     return chunk_counts
 
+
 # The cache is what the merge loop needs, as .npy files (no pickle: loading one can't run code): the UTF-8
 # bytes of this rank's distinct chunks of 2+ bytes, and the length and count of each. The .json, written last,
 # holds the statistics, what was read, and a sha256 of it all: a cache that fails it (or is half written) is
@@ -626,6 +631,7 @@ def read_cache(prefix):
     except (OSError, ValueError, KeyError, AttributeError):
         return None
     return (*arrays, stats) if checksum(arrays, stats) == expected else "tampered"
+
 
 # ---------------------------------------------------------------- the run
 
@@ -807,6 +813,7 @@ def run(argv):
     say(f"compression: {total['total_bytes'] / max(tokens_left, 1):.3f} bytes/token; wrote {out_dir}/tokenizer.tiktoken"
         f" and tokenizer.json ({EOT} = {eot_id}, vocab_size {eot_id + 1})")
     dist.barrier()  # nobody leaves (and tears the group down) while rank 0 still writes
+
 
 if __name__ == "__main__":
     try:
