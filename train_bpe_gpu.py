@@ -61,6 +61,7 @@ INTERPRETER_SHAPE = (1, 1024, 64, 1024)  # programs, block of positions, of dirt
 MERGES_PER_READ = 16  # merges launched (on CUDA: one graph replay) per host read of the "done" flag
 PARALLEL_CHARS = 1 << 24  # from this many characters on, worker processes pre-tokenize .jsonl files
 RANGE_BYTES = 1 << 23  # the bytes of a .jsonl file that one worker reads at a time
+MAX_POSITIONS = 2**31 - 2  # positions are int32 (half the memory of int64): the distinct chunks' bytes + 2 spare slots
 # -----------------------------------------------------------------------------
 
 
@@ -273,6 +274,9 @@ def chunks_to_arrays(chunk_counts, vocab_size):
     keep = lengths >= 2
     chunks, lengths, counts = [c for c, k in zip(chunks, keep) if k], lengths[keep], counts[keep]
     L = END = int(lengths.sum())
+    if L + 2 > MAX_POSITIONS:
+        raise UserError(f"the distinct chunks hold {L:,} bytes, more than int32 positions can name (2^31 - 4); "
+                        "lower -n, or spread the text over ranks with train_bpe_multigpu.py")
     ends = np.cumsum(lengths)
     tokens = np.full(L + 2, -1, np.int32)
     tokens[:L] = np.frombuffer(b"".join(chunks), np.uint8)

@@ -71,6 +71,7 @@ LOCAL_SUFFIXES = (".txt", ".jsonl", ".parquet")
 CACHE_VERSION = 2
 INTERPRETER_SHAPE = (1, 1024, 64, 1024)  # programs, block of positions, of dirty rows, of best_pair's rows
 MERGES_PER_READ = 16  # merges launched per host read of the "done" flag
+MAX_POSITIONS = 2**31 - 2  # positions are int32: a rank's distinct chunks' bytes + 2 spare slots
 # -----------------------------------------------------------------------------
 
 
@@ -736,6 +737,9 @@ def run(argv):
             error = str(user_error)
         except OSError as os_error:
             error = f"can't write the cache in {prefix.parent} ({os_error.strerror}); give a writable --cache_dir"
+    if error is None and cached[0].size + 2 > MAX_POSITIONS:  # an error shared below, as a reading error is
+        error = (f"rank {RANK}'s distinct chunks hold {cached[0].size:,} bytes, more than int32 positions can name "
+                 "(2^31 - 4); use more ranks, or a smaller -n")
 
     # --- the process group. Its timeout bounds each wait for the others, in joining (each counts its part first)
     # and in collectives: a hung rank becomes an error on the others (a dead one sooner: its sockets close).

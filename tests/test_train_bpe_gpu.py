@@ -119,6 +119,16 @@ def test_counts_past_2_to_the_31_stay_exact():
     assert train(chunk_counts, 270) == train_bpe_cpu.train(chunk_counts, 270)
 
 
+def test_distinct_chunks_past_int32_positions_are_one_error(monkeypatch):
+    # 2^31 bytes of distinct chunks can't be made here: the limit is lowered to the 12 bytes of these chunks.
+    chunk_counts = Counter({"abcd": 3, "efgh": 2, "ijkl": 1})
+    monkeypatch.setattr(bpe, "MAX_POSITIONS", 14)
+    bpe.chunks_to_arrays(chunk_counts, 270)  # 12 bytes + 2 spare slots fit
+    monkeypatch.setattr(bpe, "MAX_POSITIONS", 13)
+    with pytest.raises(bpe.UserError, match="the distinct chunks hold 12 bytes, more than int32 positions can name"):
+        bpe.chunks_to_arrays(chunk_counts, 270)
+
+
 def test_generated_corpus_equals_rustbpe_and_cpu_trainer():
     docs = generated_docs(100, 50)
     ours = our_vocab(docs, 300)

@@ -271,6 +271,17 @@ def test_count_rows_that_do_not_fit_are_one_line(tmp_path, monkeypatch):
         mg.validate(mg.parse_args(["--data", str(tmp_path / "ok.txt"), "--device", "cpu", "-v", "4096"]))  # 64 MiB
 
 
+def test_distinct_chunks_past_int32_positions_are_one_line(tmp_path):
+    # A rank's error joins the reading errors that the ranks share (tested with 2 ranks above). Here a world of one,
+    # the script imported and its limit lowered from 2^31 - 2 to 15: the 14 bytes of distinct chunks + 2 don't fit.
+    (tmp_path / "few.txt").write_text("abcd efgh abcd")  # distinct chunks of 2+ bytes: "abcd", " efgh", " abcd"
+    run = (f"import sys; sys.path.insert(0, {str(REPO)!r}); import train_bpe_multigpu as mg; mg.MAX_POSITIONS = 15; "
+           f"mg.run(['--data', 'few.txt', '--device', 'cpu', '-v', '260', '--cache_dir', 'cache'])")
+    result = subprocess.run([sys.executable, "-c", run], cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=120)
+    assert "UserError: rank 0's distinct chunks hold 14 bytes, more than int32 positions" in result.stderr, result.stderr
+    assert not (tmp_path / "tokenizers").exists()
+
+
 def test_a_pattern_that_backtracks_or_matches_empty_in_context_is_one_error():
     started = time.process_time()
     with pytest.raises(mg.UserError, match="backtracks catastrophically"):
