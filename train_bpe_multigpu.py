@@ -663,6 +663,21 @@ def parse_args(argv):
     return parser.parse_args(argv)
 
 
+def device_memory(device_name):
+    return torch.cuda.get_device_properties(LOCAL_RANK).total_memory if device_name == "cuda" else \
+        os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def check_count_rows(V, itemsize, memory, device_name):
+    """Rank 0 holds the most rows of the count matrix, (V - 1) // W + 1 of V counts: every rank checks that
+    number, so that all reach the same verdict (one refusing alone would leave the others waiting)."""
+    need = itemsize * V * ((V - 1) // WORLD + 1)
+    if need > 0.8 * memory:
+        raise UserError(f"-v {V} on {WORLD} rank(s) needs {need / 2**30:.1f} GiB of pair counts per rank "
+                        f"({itemsize}-byte counts), more than its {device_name} can spare ({memory / 2**30:.1f} GiB); "
+                        "use more ranks or a smaller -v")
+
+
 def validate(args):
     """Every check that needs no text runs on every rank BEFORE the process group exists: each rank reaches
     the same verdict on its own, exits, and nobody is left waiting in a collective."""
@@ -686,13 +701,7 @@ def validate(args):
     if empty_match:
         raise UserError(f"--pattern {args.pattern!r} matches the empty string; every match must take at least one "
                         "character (x+, not x*)")
-    V = args.vocab_size  # this rank's count rows, int32 (int64 past 2^31 pairs of text, known only once it is read)
-    need = 4 * V * ((V - 1 - RANK) // WORLD + 1)
-    memory = torch.cuda.get_device_properties(LOCAL_RANK).total_memory if args.device == "cuda" else \
-        os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    if need > 0.8 * memory:
-        raise UserError(f"-v {V} on {WORLD} rank(s) needs {need / 2**30:.1f} GiB of pair counts per rank, more than "
-                        f"its {args.device} can spare ({memory / 2**30:.1f} GiB); use more ranks or a smaller -v")
+    check_count_rows(args.vocab_size, 4, device_memory(args.device), args.device)  # int64 past 2^31 pairs: see run()
     with contextlib.redirect_stderr(io.StringIO()) if RANK else contextlib.nullcontext():  # one warning, rank 0's
         _, source_name, source = open_source(args.data or data, data_was_named=args.data is not None)
     out_dir = Path(args.out or f"tokenizers/{source_name}_v{args.vocab_size}")
@@ -753,7 +762,7 @@ def run(argv):
     # A reading error happens on one rank (the one whose part holds the bad line): share it, so that every
     # rank stops together and rank 0 reports it, instead of the others waiting for the lost rank.
     parts = [None] * WORLD
-    dist.all_gather_object(parts, error or {**cached[3], "state": state})
+    dist.all_gather_object(parts, error or {**cached[3], "state": state, "memory": device_memory(args.device)})
     if any(isinstance(part, str) for part in parts):
         raise UserError(next(part for part in parts if isinstance(part, str)))
     total = {key: sum(part[key] for part in parts) for key in ("chunks", "total_bytes", "total_pairs", "bad_utf8")}
@@ -763,6 +772,9 @@ def run(argv):
         raise UserError(f"the corpus {source} is empty: no text to train on; point --data at files with text in them")
     if total["total_pairs"] >= 2**43:  # a row key holds a count in 43 bits
         raise UserError(f"{total['total_pairs']:,} pairs of text: more than 2^43, the most the row keys hold; lower -n")
+    # Past 2^31 pairs of text the counts are int64: twice what validate() could check before reading.
+    check_count_rows(args.vocab_size, 4 if total["total_pairs"] < 2**31 else 8, min(part["memory"] for part in parts),
+                     args.device)
     if "tampered" in states:
         say("warning: a cached part did not match its checksum (edited or half-copied): counted again", file=sys.stderr)
     if "reused" in states:

@@ -282,6 +282,21 @@ def test_distinct_chunks_past_int32_positions_are_one_line(tmp_path):
     assert not (tmp_path / "tokenizers").exists()
 
 
+def test_int64_count_rows_that_do_not_fit_are_one_line_once_the_text_is_counted(tmp_path):
+    # Before reading, only int32 rows can be checked: at -v 2048 they take 16 MiB, 32 MiB as int64 (2^31+ pairs).
+    # The machine is made to have 30 MiB (80%: 24 MiB): the int32 check passes, and the one after counting refuses.
+    path = write_jsonl(tmp_path / "tiny.jsonl", ["ab"])
+    prefix = tmp_path / "cache" / mg.cache_key(SimpleNamespace(num_chars=100, pattern=mg.pattern), str(path), [path], 1)
+    mg.write_cache(prefix / "rank0", Counter({"abab": 2**31, "xyz": 5}), {"rank": 0, "bytes": [0, 0], "documents": 1,
+                                                                           "chars": 1, "cut": False})
+    run = (f"import sys; sys.path.insert(0, {str(REPO)!r}); import train_bpe_multigpu as mg; "
+           "mg.os.sysconf = lambda name: {'SC_PAGE_SIZE': 4096, 'SC_PHYS_PAGES': 30 * 256}[name]; "
+           f"mg.run(['--data', {str(path)!r}, '-n', '100', '--device', 'cpu', '-v', '2048', '--cache_dir', 'cache'])")
+    result = subprocess.run([sys.executable, "-c", run], cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=120)
+    assert "-v 2048 on 1 rank(s) needs 0.0 GiB of pair counts per rank (8-byte counts)" in result.stderr, result.stderr
+    assert not (tmp_path / "tokenizers").exists()
+
+
 def test_a_pattern_that_backtracks_or_matches_empty_in_context_is_one_error():
     started = time.process_time()
     with pytest.raises(mg.UserError, match="backtracks catastrophically"):
