@@ -212,7 +212,7 @@ from model import GPT, CheckpointError, GPTConfig, load_checkpoint, model_from_c
 
 device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
 device_type = device.split(":")[0]
-available = {"cpu": True, "cuda": torch.cuda.is_available(), "mps": torch.backends.mps.is_available()}[device_type]
+available = device_type == "cpu" or (torch.cuda if device_type == "cuda" else torch.backends.mps).is_available()
 check(available, f"device={device!r} but this torch sees no {device_type.upper()} device; use --device=cpu")
 if device_type == "cuda":  # one GPU per process; srun may have hidden the others (CUDA_VISIBLE_DEVICES): the modulo
     device = f"cuda:{local_rank % torch.cuda.device_count()}" if ddp or device == "cuda" else device

@@ -486,7 +486,6 @@ def first_chars(documents, num_chars):  # the last document is cut to fit
         if num_chars == 0:
             return  # before the source is asked for one more document: it may be slow to fetch, or malformed
 
-
 # ---------------------------------------------------------------- this rank's part of the text, counted
 # Local files are laid end to end, and rank r gets bytes [r S / W, (r + 1) S / W). A document belongs to the
 # range that holds its first byte: a .jsonl line, a whole .txt file, a parquet row group (placed at its share
@@ -736,7 +735,7 @@ def run(argv):
     prefix = Path(args.cache_dir) / cache_key(args, source, files, WORLD) / f"rank{RANK}"
     cached = None if args.no_cache else read_cache(prefix)
     state, error = "reused" if isinstance(cached, tuple) else cached or "counted", None
-    if state != "reused":  # counted before the process group starts its threads: forking copies only this one
+    if state != "reused":  # counted before gloo's or NCCL's threads start: a fork copies none of their locks
         cores = len(os.sched_getaffinity(0)) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         num_workers = args.workers or (max(cores, 1) if share_chars >= 2**24 else 1)
         try:
@@ -744,8 +743,9 @@ def run(argv):
             cached = read_cache(prefix)
         except UserError as user_error:
             error = str(user_error)
-        except OSError as os_error:
-            error = f"can't write the cache in {prefix.parent} ({os_error.strerror}); give a writable --cache_dir"
+        except OSError as os_error:  # the cache's disk, or a file that went away while it was read
+            error = (f"{os_error.filename or prefix.parent}: {os_error.strerror or os_error}; check it "
+                     "(--cache_dir says where the cache goes)")
     if error is None and cached[0].size + 2 > MAX_POSITIONS:  # an error shared below, as a reading error is
         error = (f"rank {RANK}'s distinct chunks hold {cached[0].size:,} bytes, more than int32 positions can name "
                  "(2^31 - 4); use more ranks, or a smaller -n")

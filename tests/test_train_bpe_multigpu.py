@@ -271,7 +271,7 @@ def test_count_rows_that_do_not_fit_are_one_line(tmp_path, monkeypatch):
         mg.validate(mg.parse_args(["--data", str(tmp_path / "ok.txt"), "--device", "cpu", "-v", "4096"]))  # 64 MiB
 
 
-def test_distinct_chunks_past_int32_positions_are_one_line(tmp_path):
+def test_distinct_chunks_past_int32_positions_are_a_user_error(tmp_path):
     # A rank's error joins the reading errors that the ranks share (tested with 2 ranks above). Here a world of one,
     # the script imported and its limit lowered from 2^31 - 2 to 15: the 14 bytes of distinct chunks + 2 don't fit.
     (tmp_path / "few.txt").write_text("abcd efgh abcd")  # distinct chunks of 2+ bytes: "abcd", " efgh", " abcd"
@@ -297,6 +297,16 @@ def test_int64_count_rows_that_do_not_fit_are_one_line_once_the_text_is_counted(
     assert not (tmp_path / "tokenizers").exists()
 
 
+def test_a_cache_that_cannot_be_written_is_one_line(tmp_path):
+    path = write_jsonl(tmp_path / "tiny.jsonl", ["some text to train on"])
+    (tmp_path / "cache").write_text("a file where the cache directory should be")
+    result = torchrun(1, "--data", path, "-v", 260, "--out", tmp_path / "tok", cwd=tmp_path)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith(f"error: {tmp_path / 'cache'}/"), result.stderr
+    assert errors[0].endswith(": Not a directory; check it (--cache_dir says where the cache goes)"), result.stderr
+
+
 def test_a_pattern_that_backtracks_or_matches_empty_in_context_is_one_error():
     started = time.process_time()
     with pytest.raises(mg.UserError, match="backtracks catastrophically"):
@@ -308,8 +318,9 @@ def test_a_pattern_that_backtracks_or_matches_empty_in_context_is_one_error():
 
 @pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="finds rank 1's process through Linux's /proc")
 def test_a_frozen_rank_stops_the_others_after_the_timeout(tmp_path):
-    """Rank 1 is frozen (SIGSTOP) once it has counted its part, i.e. in the merge loop: rank 0 must give up
-    after --timeout seconds with one clear line, instead of waiting forever."""
+    """Rank 1 is frozen (SIGSTOP) half a second after it has counted its part: by then it has joined the group
+    and is merging (were it still joining, the wait would time out alike). Rank 0 must give up after --timeout
+    seconds with one clear line, instead of waiting forever."""
     path = write_jsonl(tmp_path / "long.jsonl", [words(i, 2000) for i in range(8)])
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(SCRIPT),
                "--device", "cpu", "--timeout", "3", "--cache_dir", str(tmp_path / "cache"), "--data", str(path),
