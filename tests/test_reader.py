@@ -37,7 +37,7 @@ def reader_section(script):
     text = (REPO / script).read_text()
     assert SECTION in text, f"{script} has no reader section"
     section = text[text.index(SECTION):]
-    return section[:section.index("\n# ----", len(SECTION))].rstrip()
+    return section[:section.index("\n# ----", len(SECTION)) + 1]  # blank lines at its end included: byte for byte
 
 
 def test_the_four_scripts_carry_the_same_reader():
