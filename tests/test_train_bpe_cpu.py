@@ -228,6 +228,7 @@ BAD_INPUTS = {  # the reader's own bad input (files, lines, the Hub) is tested o
     "catastrophic pattern": (["--pattern", r"(?:a|a)+b|\s", "--data", "RUNS.txt"],
                              "backtracks catastrophically: it ran past the time limit on document 1 ('aaaa"),
     "empty corpus": (["--data", "EMPTY.txt"], "is empty"),
+    "unreadable data": (["--data", "x" * 300 + ".txt"], "File name too long"),  # an OSError, like a permission denied
     "out is a file": (["--out", "SMALL.md"], "SMALL.md is a file, not a directory"),
     "out under a file": (["--out", "SMALL.md/tok"], "SMALL.md is a file, not a directory"),
     "out in /proc": (["--out", "/proc/tok"], "--out /proc/tok can't be written"),
