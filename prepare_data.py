@@ -306,7 +306,7 @@ def read_jsonl(path, start=0, end=None):  # the "text" of each line that starts 
             if not line.strip():
                 continue
             try:
-                text = json.loads(decode_utf8(line))["text"]
+                text = json.loads(decode_utf8(line).lstrip("\ufeff"))["text"]  # a BOM, as Windows tools write
             except (ValueError, KeyError, TypeError, RecursionError):  # not JSON, no "text", not an object, too deep
                 text = None
             if not isinstance(text, str):

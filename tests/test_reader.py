@@ -69,6 +69,11 @@ def test_txt_jsonl_parquet_and_a_directory(tmp_path):
     assert read(folder, 8) == ["First\r\nd"]
 
 
+def test_a_jsonl_file_may_start_with_a_utf8_bom(tmp_path):  # Notepad's and PowerShell's "UTF-8", as `datasets` reads it
+    (tmp_path / "bom.jsonl").write_bytes(b'\xef\xbb\xbf{"text": "first"}\n{"text": "second"}\n')
+    assert read(tmp_path / "bom.jsonl") == ["first", "second"]
+
+
 def test_invalid_utf8_is_replaced_and_counted(tmp_path):
     (tmp_path / "bad.txt").write_bytes(b"good \xff\xfe and \xe2\x82 more " + "real \ufffd".encode())
     (tmp_path / "bad.jsonl").write_bytes(b'{"text": "x\xff"}\n')
