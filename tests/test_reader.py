@@ -69,7 +69,7 @@ def test_txt_jsonl_parquet_and_a_directory(tmp_path):
     assert read(folder, 8) == ["First\r\nd"]
 
 
-def test_a_jsonl_file_may_start_with_a_utf8_bom(tmp_path):  # Notepad's and PowerShell's "UTF-8", as `datasets` reads it
+def test_a_jsonl_file_may_start_with_a_utf8_bom(tmp_path):  # as Windows tools write it, and `datasets` reads it
     (tmp_path / "bom.jsonl").write_bytes(b'\xef\xbb\xbf{"text": "first"}\n{"text": "second"}\n')
     assert read(tmp_path / "bom.jsonl") == ["first", "second"]
 
