@@ -59,8 +59,11 @@ class UserError(Exception):
 def encode_batch(texts, encoder, dtype):
     """Each document's ids: <|endoftext|> (none at char level), then its text's, where "<|endoftext|>" is plain text."""
     eot = np.array([] if encoder.eot_token is None else [encoder.eot_token], dtype)
-    return [np.concatenate([eot, encoder.encode_to_numpy(text, allowed_special=set(), disallowed_special=())],
-                           dtype=dtype) for text in texts]
+    try:
+        return [np.concatenate([eot, encoder.encode_to_numpy(text, allowed_special=set(), disallowed_special=())],
+                               dtype=dtype) for text in texts]
+    except ValueError as error:  # tiktoken's regex gives up on a run of a million spaces (its backtracking limit)
+        raise UserError(f"tiktoken can't split a document ({error}); shorten its runs of whitespace")
 
 
 def encode_in_threads(texts, encode, workers):

@@ -407,6 +407,12 @@ def test_empty_datasets_leave_nothing_behind(tmp_path, bpe_dir, monkeypatch):
     assert "is empty" in one_line_error(result) and not (tmp_path / "ds").exists()
 
 
+def test_a_document_past_tiktokens_backtracking_limit_is_one_line(tmp_path, bpe_dir, monkeypatch):
+    write_jsonl(tmp_path / "spaces.jsonl", ["x", " " * 1_000_000 + "x"])  # \s+(?!\S) backtracks a million times
+    monkeypatch.chdir(tmp_path)
+    assert "shorten its runs of whitespace" in refused("--tokenizer", bpe_dir, "--data", "spaces.jsonl", "--out", "ds")
+
+
 def test_out_into_a_file_and_foreign_or_mismatched_out(tmp_path, docs, bpe_dir, monkeypatch, capsys):
     write_jsonl(tmp_path / "docs.jsonl", docs[:50])
     (tmp_path / "a_file").write_text("x")
