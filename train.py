@@ -13,7 +13,7 @@ Every global in the settings block below is a setting. Presets and --key=value a
 given; a value must have the setting's type. `python train.py --help` lists the settings.
 SIGTERM or Ctrl-C finishes the current step (or eval batch), saves out_dir/ckpt.pt and exits with status 0.
 """
-import ast, difflib, glob, hashlib, json, math, os, re, signal, sys, tempfile, time
+import ast, difflib, glob, hashlib, importlib.util, json, math, os, re, signal, sys, tempfile, time
 from dataclasses import asdict, fields
 from datetime import timedelta
 
@@ -149,6 +149,8 @@ check(n_head > 0 and n_kv_head > 0 and n_embd % n_head == n_head % n_kv_head == 
 check(0 <= min_lr <= learning_rate and learning_rate > 0,
       f"learning_rate={learning_rate}, min_lr={min_lr}: need learning_rate > 0 and 0 <= min_lr <= learning_rate")
 check(0 <= dropout < 1, f"dropout={dropout}: it is a probability, 0 <= dropout < 1")
+check(ffn_ratio > 0, f"ffn_ratio={ffn_ratio}: the SwiGLU hidden size is ffn_ratio * n_embd, so it must be positive")
+check(not wandb_log or importlib.util.find_spec("wandb"), "wandb_log=True needs the wandb package: pip install wandb")
 check(0 <= beta1 < 1 and 0 <= beta2 < 1, f"beta1={beta1}, beta2={beta2}: Adam's averaging factors need 0 <= beta < 1")
 
 # the dataset: meta.json, the tokenizer (the checkpoint carries it, so sampling needs no dataset) and the shards

@@ -5,6 +5,7 @@ The checks compare independent routes to the same numbers: two processes (torchr
 against one process with the same global batch; a run stopped and resumed against one that never stopped."""
 import base64
 import hashlib
+import importlib.util
 import json
 import os
 import signal
@@ -405,6 +406,7 @@ MISTAKES = {
     "total_batch_size": (["--total_batch_size=0"], "total_batch_size=0: must be a positive number of tokens"),
     "learning_rate": (["--learning_rate=-1"], "learning_rate=-1.0"),
     "dropout": (["--dropout=1.5"], "dropout=1.5"),
+    "ffn_ratio": (["--ffn_ratio=0", "--max_iters=2"], "ffn_ratio=0.0: the SwiGLU hidden size"),  # else an MLP of 0 units, silently
     "beta2": (["--beta2=1.5"], "beta2=1.5"),
     "tpu": (["--device=tpu"], "device must be"),
     "mps": (["--device=mps"], "no MPS"),
@@ -426,6 +428,8 @@ MISTAKES = {
     "muon resumed with adamw": (["--init_from=resume", "--out_dir=TMP/muon"],
                                 "was trained with muon=True: resume with --muon=True"),
 }
+if importlib.util.find_spec("wandb") is None:  # where wandb is installed, the run would go on to log in
+    MISTAKES["wandb missing"] = (["--wandb_log=True"], "wandb_log=True needs the wandb package")
 BREAK = {
     "meta a list": lambda d, meta: [meta],
     "meta empty": lambda d, meta: {},
