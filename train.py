@@ -430,9 +430,10 @@ while True:
         log(f"eval iter {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}, lr {lr:.3g}, "
             f"{tokens_per_sec or 0:,.0f} tokens/s, mfu {percent(mfu)}", iter=iter_num, tokens=iter_num * total_batch_size,
             train_loss=losses["train"], val_loss=losses["val"], lr=lr, tokens_per_sec=tokens_per_sec, mfu=mfu)
-        improved, best_val_loss = losses["val"] < best_val_loss, min(best_val_loss, losses["val"])
-        if iter_num > 0 and (improved or always_save_checkpoint):
-            save(ckpt_path)
+        if iter_num > 0:  # iter 0's weights are never saved, so its eval sets no best: a finished run leaves a ckpt
+            improved, best_val_loss = losses["val"] < best_val_loss, min(best_val_loss, losses["val"])
+            if improved or always_save_checkpoint:
+                save(ckpt_path)
         step_seconds = []
     if iter_num in milestones and iter_num > 0:  # again after a resume at this iteration: the same state
         save(os.path.join(out_dir, f"ckpt_{iter_num}.pt"))

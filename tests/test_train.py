@@ -132,6 +132,18 @@ def test_loss_falls_on_a_tiny_dataset(trained):
     assert steps[40] < steps[1] - 0.6
 
 
+def test_a_finished_run_leaves_a_checkpoint_even_when_val_loss_rose(dataset, tmp_path):
+    # A learning rate of 1 takes the loss far above the initial weights' in 2 steps. Those weights are never saved,
+    # so their eval sets no best to beat: the run still ends with a checkpoint to sample from or to resume.
+    out_dir = tmp_path / "out"
+    train(dataset, out_dir, "--max_iters=2", "--eval_interval=2", "--learning_rate=1.0", "--min_lr=0", "--warmup_iters=0",
+          "--grad_clip=0", "--total_batch_size=None")
+    evals = read_log(out_dir)[1]
+    assert evals[2][1] > evals[0][1] + 1  # the premise: val loss rose
+    checkpoint = load(out_dir / "ckpt.pt")
+    assert checkpoint["iter_num"] == 2 and checkpoint["best_val_loss"] == evals[2][1]
+
+
 def test_checkpoint_holds_what_sample_py_needs(trained, dataset):
     checkpoint = load(trained / "ckpt.pt")
     meta = json.loads((dataset / "meta.json").read_text())
