@@ -203,7 +203,8 @@ ckpt_path = os.path.join(out_dir, "ckpt.pt")
 init_from = ("resume" if os.path.exists(ckpt_path) else "scratch") if init_from == "auto" else init_from
 existing = glob.glob(os.path.join(glob.escape(out_dir), "ckpt*.pt"))
 check(init_from != "scratch" or not existing, f"{min(existing, default='')} exists and a run from scratch would overwrite "
-      f"it: go on from it with --init_from=resume (or auto), or give another --out_dir, or delete it first")
+      f"it: go on from it with --init_from=resume (or auto){' once it is copied to ckpt.pt' * (ckpt_path not in existing)}"
+      f", or give another --out_dir, or delete it first")  # a milestone alone: resume reads only ckpt.pt
 
 # torch, the device, and the checkpoint to resume (it decides the model's shape)
 import torch

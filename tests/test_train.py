@@ -439,6 +439,8 @@ MISTAKES = {
                                 "was trained with muon=False: resume with --muon=False"),
     "muon resumed with adamw": (["--init_from=resume", "--out_dir=TMP/muon"],
                                 "was trained with muon=True: resume with --muon=True"),
+    # Only a milestone copy (ckpt.pt was never saved, or deleted): resume reads ckpt.pt, so the hint says to copy it.
+    "milestone alone": (["--init_from=auto", "--out_dir=TMP/milestone"], "ckpt_10.pt exists", "once it is copied to ckpt.pt"),
 }
 if importlib.util.find_spec("wandb") is None:  # where wandb is installed, the run would go on to log in
     MISTAKES["wandb missing"] = (["--wandb_log=True"], "wandb_log=True needs the wandb package")
@@ -464,6 +466,8 @@ def mistakes(dataset, trained, tmp_path_factory):
                        ("bare", {"optimizer": None})]:  # as if written by another program: weights only
         (tmp / name).mkdir()
         torch.save(dict(checkpoint, **edit), tmp / name / "ckpt.pt")
+    (tmp / "milestone").mkdir()
+    torch.save(checkpoint, tmp / "milestone" / "ckpt_10.pt")
     processes = {}
     for name, (args, *_) in MISTAKES.items():
         data = broken_dataset(dataset, tmp / name.replace(" ", "_"), BREAK[name]) if name in BREAK else dataset
