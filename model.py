@@ -274,7 +274,7 @@ class GPT(nn.Module):
                 if step == max_new_tokens - 1:
                     break
                 if window.size(1) == block_size:  # cache full: keep the recent half, refill in one forward
-                    window = torch.cat((window, next_token), dim=1)[:, -(block_size // 2):]
+                    window = torch.cat((window, next_token), dim=1)[:, -max(1, block_size // 2):]
                     logits, _ = self(window, start_pos=0)
                 else:
                     logits, _ = self(next_token, start_pos=window.size(1))

@@ -13,7 +13,7 @@ Every global in the settings block below is a setting. Presets and --key=value a
 given; a value must have the setting's type. `python train.py --help` lists the settings.
 SIGTERM or Ctrl-C finishes the current step (or eval batch), saves out_dir/ckpt.pt and exits with status 0.
 """
-import ast, difflib, glob, hashlib, json, math, os, re, signal, sys, tempfile, time
+import ast, difflib, glob, hashlib, importlib.util, json, math, os, re, signal, sys, tempfile, time
 from dataclasses import asdict, fields
 from datetime import timedelta
 
@@ -149,6 +149,8 @@ check(n_head > 0 and n_kv_head > 0 and n_embd % n_head == n_head % n_kv_head == 
 check(0 <= min_lr <= learning_rate and learning_rate > 0,
       f"learning_rate={learning_rate}, min_lr={min_lr}: need learning_rate > 0 and 0 <= min_lr <= learning_rate")
 check(0 <= dropout < 1, f"dropout={dropout}: it is a probability, 0 <= dropout < 1")
+check(ffn_ratio > 0, f"ffn_ratio={ffn_ratio}: the SwiGLU hidden size is ffn_ratio * n_embd, so it must be positive")
+check(not wandb_log or importlib.util.find_spec("wandb"), "wandb_log=True needs the wandb package: pip install wandb")
 check(0 <= beta1 < 1 and 0 <= beta2 < 1, f"beta1={beta1}, beta2={beta2}: Adam's averaging factors need 0 <= beta < 1")
 
 # the dataset: meta.json, the tokenizer (the checkpoint carries it, so sampling needs no dataset) and the shards
@@ -201,7 +203,8 @@ ckpt_path = os.path.join(out_dir, "ckpt.pt")
 init_from = ("resume" if os.path.exists(ckpt_path) else "scratch") if init_from == "auto" else init_from
 existing = glob.glob(os.path.join(glob.escape(out_dir), "ckpt*.pt"))
 check(init_from != "scratch" or not existing, f"{min(existing, default='')} exists and a run from scratch would overwrite "
-      f"it: go on from it with --init_from=resume (or auto), or give another --out_dir, or delete it first")
+      f"it: go on from it with --init_from=resume (or auto){' once it is copied to ckpt.pt' * (ckpt_path not in existing)}"
+      f", or give another --out_dir, or delete it first")  # a milestone alone: resume reads only ckpt.pt
 
 # torch, the device, and the checkpoint to resume (it decides the model's shape)
 import torch
@@ -428,9 +431,10 @@ while True:
         log(f"eval iter {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}, lr {lr:.3g}, "
             f"{tokens_per_sec or 0:,.0f} tokens/s, mfu {percent(mfu)}", iter=iter_num, tokens=iter_num * total_batch_size,
             train_loss=losses["train"], val_loss=losses["val"], lr=lr, tokens_per_sec=tokens_per_sec, mfu=mfu)
-        improved, best_val_loss = losses["val"] < best_val_loss, min(best_val_loss, losses["val"])
-        if iter_num > 0 and (improved or always_save_checkpoint):
-            save(ckpt_path)
+        if iter_num > 0:  # iter 0's weights are never saved, so its eval sets no best: a finished run leaves a ckpt
+            improved, best_val_loss = losses["val"] < best_val_loss, min(best_val_loss, losses["val"])
+            if improved or always_save_checkpoint:
+                save(ckpt_path)
         step_seconds = []
     if iter_num in milestones and iter_num > 0:  # again after a resume at this iteration: the same state
         save(os.path.join(out_dir, f"ckpt_{iter_num}.pt"))

@@ -242,6 +242,16 @@ def test_generation_goes_past_block_size_and_crops_long_prompts():
     assert all(block.attn.kv_cache is None for block in model.transformer.h)  # the cache is released
 
 
+def test_a_one_token_context_generates_as_the_recompute_does():
+    # block_size=1, a bigram model (train.py accepts it): a full cache keeps at least the newest token, which is all
+    # that the recompute sees too, so the two routes give the same tokens.
+    model = scrambled_model(block_size=1)
+    prompt = torch.randint(0, 97, (2, 1), generator=torch.Generator().manual_seed(7))
+    cached = model.generate(prompt, max_new_tokens=10, temperature=0)
+    assert cached.shape == (2, 11)
+    assert torch.equal(cached, model.generate(prompt, max_new_tokens=10, temperature=0, use_cache=False))
+
+
 def test_batch_larger_than_max_batch_size_is_refused():
     model = tiny_model(max_batch_size=2)
     with pytest.raises(ValueError, match="max_batch_size=2"):

@@ -5,6 +5,7 @@ The checks compare independent routes to the same numbers: two processes (torchr
 against one process with the same global batch; a run stopped and resumed against one that never stopped."""
 import base64
 import hashlib
+import importlib.util
 import json
 import os
 import signal
@@ -129,6 +130,18 @@ def test_loss_falls_on_a_tiny_dataset(trained):
     assert evals[0][1] > 3.9
     assert evals[40][1] < evals[0][1] - 0.6
     assert steps[40] < steps[1] - 0.6
+
+
+def test_a_finished_run_leaves_a_checkpoint_even_when_val_loss_rose(dataset, tmp_path):
+    # A learning rate of 1 takes the loss far above the initial weights' in 2 steps. Those weights are never saved,
+    # so their eval sets no best to beat: the run still ends with a checkpoint to sample from or to resume.
+    out_dir = tmp_path / "out"
+    train(dataset, out_dir, "--max_iters=2", "--eval_interval=2", "--learning_rate=1.0", "--min_lr=0", "--warmup_iters=0",
+          "--grad_clip=0", "--total_batch_size=None")
+    evals = read_log(out_dir)[1]
+    assert evals[2][1] > evals[0][1] + 1  # the premise: val loss rose
+    checkpoint = load(out_dir / "ckpt.pt")
+    assert checkpoint["iter_num"] == 2 and checkpoint["best_val_loss"] == evals[2][1]
 
 
 def test_checkpoint_holds_what_sample_py_needs(trained, dataset):
@@ -405,6 +418,7 @@ MISTAKES = {
     "total_batch_size": (["--total_batch_size=0"], "total_batch_size=0: must be a positive number of tokens"),
     "learning_rate": (["--learning_rate=-1"], "learning_rate=-1.0"),
     "dropout": (["--dropout=1.5"], "dropout=1.5"),
+    "ffn_ratio": (["--ffn_ratio=0", "--max_iters=2"], "ffn_ratio=0.0: the SwiGLU hidden size"),  # else an MLP of 0 units, silently
     "beta2": (["--beta2=1.5"], "beta2=1.5"),
     "tpu": (["--device=tpu"], "device must be"),
     "mps": (["--device=mps"], "no MPS"),
@@ -425,7 +439,11 @@ MISTAKES = {
                                 "was trained with muon=False: resume with --muon=False"),
     "muon resumed with adamw": (["--init_from=resume", "--out_dir=TMP/muon"],
                                 "was trained with muon=True: resume with --muon=True"),
+    # Only a milestone copy (ckpt.pt was never saved, or deleted): resume reads ckpt.pt, so the hint says to copy it.
+    "milestone alone": (["--init_from=auto", "--out_dir=TMP/milestone"], "ckpt_10.pt exists", "once it is copied to ckpt.pt"),
 }
+if importlib.util.find_spec("wandb") is None:  # where wandb is installed, the run would go on to log in
+    MISTAKES["wandb missing"] = (["--wandb_log=True"], "wandb_log=True needs the wandb package")
 BREAK = {
     "meta a list": lambda d, meta: [meta],
     "meta empty": lambda d, meta: {},
@@ -448,6 +466,8 @@ def mistakes(dataset, trained, tmp_path_factory):
                        ("bare", {"optimizer": None})]:  # as if written by another program: weights only
         (tmp / name).mkdir()
         torch.save(dict(checkpoint, **edit), tmp / name / "ckpt.pt")
+    (tmp / "milestone").mkdir()
+    torch.save(checkpoint, tmp / "milestone" / "ckpt_10.pt")
     processes = {}
     for name, (args, *_) in MISTAKES.items():
         data = broken_dataset(dataset, tmp / name.replace(" ", "_"), BREAK[name]) if name in BREAK else dataset
