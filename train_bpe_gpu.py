@@ -660,6 +660,6 @@ def run(argv):
 if __name__ == "__main__":
     try:
         run(sys.argv[1:])
-    except UserError as error:
+    except (UserError, OSError) as error:  # OSError: an unreadable file, a full disk
         print(f"error: {error}", file=sys.stderr)
         sys.exit(1)

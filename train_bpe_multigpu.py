@@ -834,7 +834,7 @@ def run(argv):
 if __name__ == "__main__":
     try:
         run(sys.argv[1:])
-    except UserError as error:
+    except (UserError, OSError) as error:  # OSError: an unreadable file, a full disk
         say(f"error: {error}", file=sys.stderr)
         if RANK != 0:  # only rank 0 speaks; were this rank to exit first, torchrun could stop rank 0 before it does
             time.sleep(5)

@@ -376,13 +376,17 @@ def test_bad_input_raises_one_clear_error_before_any_work(bad_input_files, case)
     assert (bad_input_files / "dataset" / "tokenizer.json").read_text() == "the dataset's own tokenizer"
 
 
-def test_an_error_while_reading_is_a_line_of_its_own_on_the_command_line(bad_input_files):
+def test_errors_while_reading_are_a_line_of_their_own_on_the_command_line(bad_input_files):
     # The reading bar must be closed before the error is printed, or the error lands at the end of its line.
     result = run_cli(SCRIPT, "--data", "BAD.jsonl", "--device", DEVICE, "--out", "out", cwd=bad_input_files)
     assert result.returncode == 1 and "Traceback" not in result.stderr
     error_lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert len(error_lines) == 1 and "is not a JSON object" in error_lines[0], result.stderr
     assert not (bad_input_files / "out").exists()
+    result = run_cli(SCRIPT, "--data", "x" * 300 + ".txt", "--device", DEVICE, "--out", "out", cwd=bad_input_files)
+    assert result.returncode == 1 and "Traceback" not in result.stderr  # an OSError, like a permission denied
+    assert [line for line in result.stderr.splitlines() if line.startswith("error:")] == [
+        "error: [Errno 36] File name too long: '" + "x" * 300 + ".txt'"], result.stderr
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA GPU is here: the default device works")

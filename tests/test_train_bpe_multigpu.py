@@ -297,7 +297,7 @@ def test_int64_count_rows_that_do_not_fit_are_one_line_once_the_text_is_counted(
     assert not (tmp_path / "tokenizers").exists()
 
 
-def test_a_cache_that_cannot_be_written_is_one_line(tmp_path):
+def test_a_cache_that_cannot_be_written_and_a_file_that_cannot_be_read_are_one_line(tmp_path):
     path = write_jsonl(tmp_path / "tiny.jsonl", ["some text to train on"])
     (tmp_path / "cache").write_text("a file where the cache directory should be")
     result = torchrun(1, "--data", path, "-v", 260, "--out", tmp_path / "tok", cwd=tmp_path)
@@ -305,6 +305,9 @@ def test_a_cache_that_cannot_be_written_is_one_line(tmp_path):
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and errors[0].startswith(f"error: {tmp_path / 'cache'}/"), result.stderr
     assert errors[0].endswith(": Not a directory; check it (--cache_dir says where the cache goes)"), result.stderr
+    result = torchrun(1, "--data", "x" * 300 + ".txt", "-v", 260, cwd=tmp_path)  # an OSError before any work
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    assert "error: [Errno 36] File name too long" in result.stderr, result.stderr
 
 
 def test_a_pattern_that_backtracks_or_matches_empty_in_context_is_one_error():
