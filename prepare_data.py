@@ -100,7 +100,7 @@ class Shards:
         and always the last. A source of a single document trains on its first 90%, as nanoGPT does."""
         if is_last and index == 0:
             if len(tokens) < 2:
-                raise UserError(f"the dataset {self.state['source']} is a single character: too little for train and val")
+                raise UserError(f"the dataset {self.state['source']} is a single token: too little for train and val")
             cut = min(len(tokens) - 1, len(tokens) * 9 // 10)
             self.write("train", tokens, skip, cut, index)
             self.write("val", tokens, max(skip, cut), len(tokens), index)

@@ -400,7 +400,7 @@ def test_empty_datasets_leave_nothing_behind(tmp_path, bpe_dir, monkeypatch):
         for tokenizer in (bpe_dir, "char"):
             assert "is empty" in refused("--tokenizer", tokenizer, "--data", source, "--out", "ds")
             assert not (tmp_path / "ds").exists()
-    assert "is a single character" in refused("--tokenizer", "char", "--data", "one.txt", "--out", "ds")
+    assert "is a single token" in refused("--tokenizer", "char", "--data", "one.txt", "--out", "ds")
     assert not (tmp_path / "ds").exists()
     # through the command line, after the progress bar: still one `error:` line
     result = prepare("--tokenizer", bpe_dir, "--data", "blank_docs.jsonl", "--out", "ds", cwd=tmp_path, check=False)
