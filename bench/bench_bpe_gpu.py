@@ -44,6 +44,8 @@ parser.add_argument("--cpu_trainer", choices=["auto", "yes", "no"], default="aut
 parser.add_argument("--count_reads", action="store_true", help="count host reads per merge (one more merge loop)")
 parser.add_argument("--pack", default=None, help="write the first n characters to this .jsonl.xz / .jsonl.gz and exit")
 args = parser.parse_args()
+if args.pack and not args.pack.endswith((".jsonl.xz", ".jsonl.gz")):
+    sys.exit(f"error: --pack {args.pack}: name it .jsonl.xz or .jsonl.gz (the compression follows the name)")
 
 
 def open_text(path):
