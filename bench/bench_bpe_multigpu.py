@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 import rustbpe
+import torch
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -39,6 +40,8 @@ parser.add_argument("--procs", type=int, nargs="+", default=[1, 2, 4])
 parser.add_argument("--repeats", type=int, default=1)
 parser.add_argument("--device", default="cpu")
 args = parser.parse_args()
+if args.device == "cuda" and not torch.cuda.is_available():
+    sys.exit("error: --device cuda: no CUDA GPU here")
 
 work = Path(tempfile.mkdtemp(prefix="bench_bpe_multigpu_"))
 env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", TRITON_INTERPRET="1" if args.device == "cpu" else "0")

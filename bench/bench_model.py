@@ -29,7 +29,7 @@ PRESETS = {
     "gpt2_124m": GPTConfig(vocab_size=50304, n_embd=768, n_layer=12, n_head=12, n_kv_head=12, block_size=1024),
 }
 
-parser = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
+parser = argparse.ArgumentParser(description=__doc__.strip().split("\n\n")[0])
 parser.add_argument("--part", choices=["generate", "train", "all"], default="all")
 parser.add_argument("--presets", default=None, help="comma-separated (default: generate tiny,lillm; train all three)")
 parser.add_argument("--repeats", type=int, default=3)
@@ -43,6 +43,8 @@ parser.add_argument("--threads", type=int, default=None,
                     help="torch CPU threads (default: torch's choice). On a machine shared with other jobs, 1 thread "
                          "avoids threads spinning while they wait for a core, which made 2 threads 10x slower here")
 args = parser.parse_args()
+if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
+    sys.exit(f"error: --device {args.device}: no CUDA GPU here")
 if args.threads:
     torch.set_num_threads(args.threads)
 device_type = torch.device(args.device).type
