@@ -45,7 +45,8 @@ parser.add_argument("--repeats", type=int, default=1)
 parser.add_argument("--isa", choices=["native", "avx2"], default="native", help="avx2: behave as an AVX2-only CPU")
 parser.add_argument("--max_iters", type=int, default=2000, help="fewer steps for a quick timing (the loss is then not the recipe's)")
 parser.add_argument("--threads", type=int, default=None, help="OMP_NUM_THREADS for both (default: torch's, one per core)")
-parser.add_argument("--extra", nargs="*", default=[], help="more --key=value settings for our train.py (tuning)")
+parser.add_argument("--extra", nargs=argparse.REMAINDER, default=[],
+                    help="more --key=value settings for our train.py (tuning); last: it takes the rest of the line")
 args = parser.parse_args()
 if not os.path.exists(args.corpus):
     sys.exit(f"error: no {args.corpus}; pass --corpus path/to/tinyshakespeare.txt")
