@@ -5,9 +5,11 @@ nanoGPT's generate does), and the forward+backward time of a training step for e
     python bench/bench_model.py                                   # CPU: both parts, tiny and lilLM presets
     python bench/bench_model.py --part generate --presets tiny,lillm,gpt2_124m --repeats 5
     python bench/bench_model.py --part train --device cuda --dtype bfloat16 --compile   # on a GPU
+    python bench/bench_model.py --part generate --device cuda --dtype bfloat16 --batch_size 8 --new_tokens 1024
 
-Medians over --repeats runs, after one warm-up run; the two generation routes alternate, run by run. Generation is greedy, batch 1, a 16-token random prompt
-and 256 new tokens; both routes must give the same tokens while the context fits in block_size (checked).
+Medians over --repeats runs, after one warm-up run; the two generation routes alternate, run by run. Generation is
+greedy, batch 1 (--batch_size rows at once), a 16-token random prompt and 256 new tokens; both routes must give the
+same tokens while the context fits in block_size (checked).
 The training step is one forward+backward (no optimizer step) at block_size tokens per row.
 """
 import argparse
@@ -35,7 +37,8 @@ parser.add_argument("--presets", default=None, help="comma-separated (default: g
 parser.add_argument("--repeats", type=int, default=3)
 parser.add_argument("--new_tokens", type=int, default=256)
 parser.add_argument("--prompt_tokens", type=int, default=16)
-parser.add_argument("--batch_size", type=int, default=None, help="training rows per step (default: 4 tiny, 1 others on CPU)")
+parser.add_argument("--batch_size", type=int, default=None,
+                    help="rows: generated at once (default 1), or per training step (default: 4 tiny, 1 others on CPU)")
 parser.add_argument("--device", default="cpu")
 parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
 parser.add_argument("--compile", action="store_true", help="torch.compile the training step")
@@ -69,14 +72,15 @@ print(f"torch {torch.__version__}, device {args.device} ({peak_flops(args.device
 
 if args.part in ("generate", "all"):
     names = (args.presets or "tiny,lillm").split(",")
-    print(f"\ngeneration: batch 1, {args.prompt_tokens}-token prompt, {args.new_tokens} new tokens, greedy; "
+    generate_batch = args.batch_size or 1
+    print(f"\ngeneration: batch {generate_batch}, {args.prompt_tokens}-token prompt, {args.new_tokens} new tokens, greedy; "
           f"median of {args.repeats}")
     print(f"{'preset':<10} {'params':>8} {'KV cache tok/s':>15} {'recompute tok/s':>16} {'speedup':>8}  same tokens")
     for name in names:
         config = PRESETS[name]
         torch.manual_seed(0)
         model = GPT(config).to(args.device).eval()
-        prompt = torch.randint(0, config.vocab_size, (1, args.prompt_tokens), device=args.device)
+        prompt = torch.randint(0, config.vocab_size, (generate_batch, args.prompt_tokens), device=args.device)
         routes = {"cache": lambda: model.generate(prompt, args.new_tokens, temperature=0, use_cache=True),
                   "recompute": lambda: model.generate(prompt, args.new_tokens, temperature=0, use_cache=False)}
         # The routes alternate within each repeat, so that both see the same load on a shared machine.
@@ -91,7 +95,8 @@ if args.part in ("generate", "all"):
         seconds = {route: statistics.median(route_times) for route, route_times in times.items()}
         fits = args.prompt_tokens + args.new_tokens <= config.block_size
         same = ("yes" if torch.equal(outputs["cache"], outputs["recompute"]) else "NO") if fits else "n/a (past block_size)"
-        cache_rate, recompute_rate = args.new_tokens / seconds["cache"], args.new_tokens / seconds["recompute"]
+        new_tokens = generate_batch * args.new_tokens  # tokens/s over the whole batch
+        cache_rate, recompute_rate = new_tokens / seconds["cache"], new_tokens / seconds["recompute"]
         print(f"{name:<10} {model.get_num_params() / 1e6:>7.1f}M {cache_rate:>15.1f} {recompute_rate:>16.1f} "
               f"{cache_rate / recompute_rate:>7.1f}x  {same}", flush=True)
         del model
