@@ -73,8 +73,8 @@ print(f"torch {torch.__version__}, device {args.device} ({peak_flops(args.device
 if args.part in ("generate", "all"):
     names = (args.presets or "tiny,lillm").split(",")
     generate_batch = args.batch_size or 1
-    print(f"\ngeneration: batch {generate_batch}, {args.prompt_tokens}-token prompt, {args.new_tokens} new tokens, greedy; "
-          f"median of {args.repeats}")
+    print(f"\ngeneration: batch {generate_batch}, {args.prompt_tokens}-token prompt, {args.new_tokens} new tokens, "
+          f"greedy; median of {args.repeats}")
     print(f"{'preset':<10} {'params':>8} {'KV cache tok/s':>15} {'recompute tok/s':>16} {'speedup':>8}  same tokens")
     for name in names:
         config = PRESETS[name]
