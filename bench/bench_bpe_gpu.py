@@ -4,7 +4,7 @@ train_bpe_gpu.py against rustbpe (and train_bpe_cpu.py at small sizes) on the sa
     python bench/bench_bpe_gpu.py                                    # -n 1048576 -v 1000, default device
     python bench/bench_bpe_gpu.py --device cpu --repeats 1           # no GPU: the kernels in Triton's interpreter
     python bench/bench_bpe_gpu.py -n 134217728 -v 65534 --repeats 1  # the big target (on a GPU machine)
-    python bench/bench_bpe_gpu.py --pack enwiki_64M.jsonl.xz -n 67108864   # a small copy to carry to a GPU box
+    python bench/bench_bpe_gpu.py --pack .corpora/enwiki_64M.jsonl.xz -n 67108864   # a small copy to carry to a GPU box
 
 --data takes a .jsonl file, optionally compressed (.jsonl.gz or .jsonl.xz: enwiki's first 2^26 characters
 shrink about 4x under xz, small enough to copy to a GPU machine). The first n characters are cut exactly as
@@ -76,6 +76,7 @@ if num_chars < args.num_chars:
     print(f"note: {args.data} holds only {num_chars:,} characters (asked for {args.num_chars:,}); using them all")
 if args.pack:
     opener = lzma.open if args.pack.endswith(".xz") else gzip.open
+    os.makedirs(os.path.dirname(args.pack) or ".", exist_ok=True)  # .corpora/ is git-ignored: carry it to a GPU
     with opener(args.pack, "wt", encoding="utf-8") as f:
         for doc in docs:
             f.write(json.dumps({"text": doc}, ensure_ascii=False) + "\n")
