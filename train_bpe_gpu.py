@@ -448,8 +448,9 @@ def local_files(data):  # the file itself, or a directory's text files in sorted
 def open_source(data, data_was_named):  # (documents, name, description); documents(budget) yields strings
     if data not in HUB_DATASETS:
         files = local_files(data)
+        # parquet in batches of our own size: `datasets`' default, a row group's rows, is 0 in a file of no rows
         readers = {".txt": read_txt, ".jsonl": lambda path, budget: read_jsonl(path),
-                   ".parquet": lambda path, budget: datasets_texts(path, path="parquet", data_files=str(path))}
+                   ".parquet": lambda p, _: datasets_texts(p, path="parquet", data_files=str(p), batch_size=1024)}
         return (lambda budget: (doc for p in files for doc in readers[p.suffix](p, budget))), Path(data).stem, str(data)
     repository, config, files = HUB_DATASETS[data]
     if (problem := hub_problem()) is None:  # parquet files by path: `datasets` then never runs an old loading script

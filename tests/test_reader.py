@@ -61,10 +61,12 @@ def test_txt_jsonl_parquet_and_a_directory(tmp_path):
     (folder / "a.txt").write_bytes(docs[0].encode())  # CRLF kept: rustbpe sees the bytes as they are
     (folder / "b.jsonl").write_text(json.dumps({"text": docs[1], "id": 1}) + "\n\n  \n")
     pq.write_table(pa.table({"text": [docs[2]], "id": [7]}), folder / "c.parquet")
+    pq.write_table(pa.table({"text": pa.array([], pa.string())}), folder / "d.parquet")  # no rows: no documents
     (folder / "notes.md").write_text("not read: not a text source")
     assert read(folder / "a.txt") == docs[:1]
     assert read(folder / "b.jsonl") == docs[1:2]
     assert read(folder / "c.parquet") == docs[2:]
+    assert read(folder / "d.parquet") == []
     assert read(folder) == docs  # a directory: its text files in sorted order
     assert read(folder, 8) == ["First\r\nd"]
 
