@@ -271,13 +271,20 @@ def test_count_rows_that_do_not_fit_are_one_line(tmp_path, monkeypatch):
         mg.validate(mg.parse_args(["--data", str(tmp_path / "ok.txt"), "--device", "cpu", "-v", "4096"]))  # 64 MiB
 
 
+def run_patched(patch, *args, cwd):
+    """The script's run() in a world of one, in a process of its own (it starts a process group), after the Python
+    statement `patch` changed the imported module: a limit, or what the machine seems to have. Its UserError ends
+    as a traceback, whose last line the tests read."""
+    argv = [*map(str, args), "--device", "cpu", "--cache_dir", "cache"]
+    code = f"import sys; sys.path.insert(0, {str(REPO)!r}); import train_bpe_multigpu as mg; {patch}; mg.run({argv!r})"
+    return subprocess.run([sys.executable, "-c", code], cwd=cwd, env=ENV, capture_output=True, text=True, timeout=120)
+
+
 def test_distinct_chunks_past_int32_positions_are_a_user_error(tmp_path):
     # A rank's error joins the reading errors that the ranks share (tested with 2 ranks above). Here a world of one,
     # the script imported and its limit lowered from 2^31 - 2 to 15: the 14 bytes of distinct chunks + 2 don't fit.
     (tmp_path / "few.txt").write_text("abcd efgh abcd")  # distinct chunks of 2+ bytes: "abcd", " efgh", " abcd"
-    run = (f"import sys; sys.path.insert(0, {str(REPO)!r}); import train_bpe_multigpu as mg; mg.MAX_POSITIONS = 15; "
-           f"mg.run(['--data', 'few.txt', '--device', 'cpu', '-v', '260', '--cache_dir', 'cache'])")
-    result = subprocess.run([sys.executable, "-c", run], cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=120)
+    result = run_patched("mg.MAX_POSITIONS = 15", "--data", "few.txt", "-v", 260, cwd=tmp_path)
     assert "UserError: rank 0's distinct chunks hold 14 bytes, more than int32 positions" in result.stderr, result.stderr
     assert not (tmp_path / "tokenizers").exists()
 
@@ -289,10 +296,8 @@ def test_int64_count_rows_that_do_not_fit_are_one_line_once_the_text_is_counted(
     prefix = tmp_path / "cache" / mg.cache_key(SimpleNamespace(num_chars=100, pattern=mg.pattern), str(path), [path], 1)
     mg.write_cache(prefix / "rank0", Counter({"abab": 2**31, "xyz": 5}), {"rank": 0, "bytes": [0, 0], "documents": 1,
                                                                            "chars": 1, "cut": False})
-    run = (f"import sys; sys.path.insert(0, {str(REPO)!r}); import train_bpe_multigpu as mg; "
-           "mg.os.sysconf = lambda name: {'SC_PAGE_SIZE': 4096, 'SC_PHYS_PAGES': 30 * 256}[name]; "
-           f"mg.run(['--data', {str(path)!r}, '-n', '100', '--device', 'cpu', '-v', '2048', '--cache_dir', 'cache'])")
-    result = subprocess.run([sys.executable, "-c", run], cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=120)
+    machine_of_30_mib = "mg.os.sysconf = lambda name: {'SC_PAGE_SIZE': 4096, 'SC_PHYS_PAGES': 30 * 256}[name]"
+    result = run_patched(machine_of_30_mib, "--data", path, "-n", 100, "-v", 2048, cwd=tmp_path)
     assert "-v 2048 on 1 rank(s) needs 0.0 GiB of pair counts per rank (8-byte counts)" in result.stderr, result.stderr
     assert not (tmp_path / "tokenizers").exists()
 
