@@ -2,22 +2,21 @@
 Export a model trained by train.py as a Hugging Face Llama model, with its tokenizer.
 
     python export_hf.py --out_dir=out-lillm --hf_dir=hf-lillm
-    python export_hf.py --out_dir=out-quickstart --ckpt=ckpt_2000.pt --hf_dir=hf-quickstart --dtype=bfloat16
+    python export_hf.py --out_dir=out-quickstart --ckpt=ckpt_2000.pt --hf_dir=hf-qs --dtype=bfloat16
 
-Every global in the block below can be overridden with --name=value (the style of sample.py and train.py).
-Exporting needs only torch (and tiktoken for a tiktoken-named tokenizer); loading the result needs transformers:
+Each setting below can be overridden with --key=value. Loading the result needs transformers:
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
     model = AutoModelForCausalLM.from_pretrained("hf-lillm")
     tokenizer = AutoTokenizer.from_pretrained("hf-lillm")
 
-Our model already is a Llama (RMSNorm, rotary embeddings, SwiGLU, grouped-query attention, tied embeddings, no
-biases), so exporting is bookkeeping, not conversion: the same numbers under Llama's names, a config.json that
-describes them, and the tokenizer rewritten for HF `tokenizers`. hf_dir gets config.json, model.safetensors,
-tokenizer.json and tokenizer_config.json, all at once: they are written to a temporary directory beside it,
-which is then renamed, so a failed export never leaves half a model. Char-level models are refused (see step 1).
+Our model already is a Llama, so exporting is bookkeeping, not conversion: the same numbers under
+Llama's names, a config.json that describes them, and the tokenizer rewritten for HF `tokenizers`.
+hf_dir gets its four files at once (a temporary directory, renamed): never half a model.
 """
-import base64
+import ast
+import difflib
+import fcntl
 import json
 import os
 import shutil
@@ -26,65 +25,80 @@ import sys
 
 import torch
 
-from model import CheckpointError, load_checkpoint, model_from_checkpoint
+from model import (CharTokenizer, CheckpointError, encoding_from_checkpoint, load_checkpoint,
+                   model_from_checkpoint)
 
+_names_before_settings = set(globals())
 # -----------------------------------------------------------------------------
-out_dir = "out"            # the directory train.py wrote (its --out_dir)
-ckpt = "ckpt.pt"           # file name inside out_dir; milestones are ckpt_<iter>.pt
-hf_dir = "hf"              # where the Hugging Face model goes; must not exist, or be empty
-dtype = "float32"          # float32 (exactly the trained weights), or bfloat16 / float16 (half the size)
+out_dir = "out"        # the directory train.py wrote (its --out_dir)
+ckpt = "ckpt.pt"       # file name inside out_dir; milestones are ckpt_<iter>.pt
+hf_dir = "hf"          # where the Hugging Face model goes; must not exist, or be empty
+dtype = "float32"      # float32 (the weights exactly), or bfloat16 / float16 (half the size)
 # -----------------------------------------------------------------------------
+defaults = {k: v for k, v in globals().items() if k not in _names_before_settings and k[0] != "_"}
+EOT = "<|endoftext|>"
 
 
-def die(message):
-    """A user mistake: one line on stderr, exit status 1, no traceback."""
-    print(f"error: {message}", file=sys.stderr)
-    sys.exit(1)
+def main():
+    globals().update(parse_settings(sys.argv[1:], defaults, {}))
+    hf_path = os.path.normpath(hf_dir)
+    validate(hf_path)
 
-
-# Command-line overrides of the globals above (all are strings, so no parsing beyond name=value).
-option_names = ("out_dir", "ckpt", "hf_dir", "dtype")
-for arg in sys.argv[1:]:
-    if arg in ("-h", "--help"):
-        print(__doc__.strip())
-        sys.exit(0)
-    if not arg.startswith("--") or "=" not in arg:
-        die(f"expected --name=value, got {arg!r} (see --help)")
-    name, value = arg[2:].split("=", 1)
-    if name not in option_names:
-        die(f"unknown option --{name}; the options are: {', '.join('--' + n for n in option_names)}")
-    globals()[name] = value
-if dtype not in ("float32", "bfloat16", "float16"):
-    die(f"--dtype={dtype}: use float32, bfloat16 or float16")
-hf_dir = os.path.normpath(hf_dir)
-if os.path.exists(hf_dir) and not (os.path.isdir(hf_dir) and not os.listdir(hf_dir)):
-    die(f"--hf_dir={hf_dir} already exists and is not an empty directory: remove it or choose another --hf_dir")
-
-# 1. The checkpoint: the same loader as sample.py, which refuses missing, corrupt and foreign files in one line.
-try:
-    checkpoint = load_checkpoint(os.path.join(out_dir, ckpt), map_location="cpu")
+    # 1. The checkpoint: the model, and the tokenizer it was trained with.
+    checkpoint = load_checkpoint(os.path.join(out_dir, ckpt))
     model = model_from_checkpoint(checkpoint)
-except CheckpointError as err:
-    die(str(err))
-cfg = model.config
-tokenizer = checkpoint.get("tokenizer")
-if not isinstance(tokenizer, dict) or tokenizer.get("kind") not in ("bpe", "tiktoken", "char"):
-    die(f"{os.path.join(out_dir, ckpt)} records no tokenizer (its 'tokenizer' entry is {tokenizer!r}): "
-        f"it was not written by train.py")
-if tokenizer["kind"] == "char":
-    die("this is a char-level model: its tokens are one dataset's characters, with no bytes for any other text "
-        "and no <|endoftext|> to start or stop on, so it can't be the byte-level tokenizer the export promises; "
-        "export a model trained on a BPE tokenizer (train_bpe_cpu.py, or a tiktoken name like gpt2)")
+    encoding = encoding_from_checkpoint(checkpoint)
+    if isinstance(encoding, CharTokenizer):
+        raise UserError("a char-level model's tokens are not bytes: export a BPE or tiktoken model")
 
-# 2. The weights under Llama's names. Only the names change: our checkpoints hold float32 [out, in] matrices
-# like any nn.Linear, which is also how LlamaForCausalLM stores them.
-#
-# Rotary embeddings need a look, because HF's own Llama converter permutes the rows of q and k: Meta's
-# checkpoints rotate channel pairs (2i, 2i+1), HF Llama rotates pairs (i, i + head_dim/2) ("rotate half").
-# model.py's apply_rope already pairs (i, i + head_dim/2), with the same frequencies (theta^(-2i/head_dim)), so
-# q and k are copied as they are; tests/test_export_hf.py compares the logits of both models to check it.
-LAYER_NAMES = {"ln_1": "input_layernorm", "attn.c_q": "self_attn.q_proj", "attn.c_k": "self_attn.k_proj",
-               "attn.c_v": "self_attn.v_proj", "attn.c_proj": "self_attn.o_proj", "ln_2": "post_attention_layernorm",
+    # 2. The weights under Llama's names; the output head is the embedding (tied), stored once.
+    weights = {llama_name(name): tensor.to(getattr(torch, dtype)).contiguous()
+               for name, tensor in model.state_dict().items() if name != "lm_head.weight"}
+
+    # 3. The tokenizer, from tiktoken's definition of the encoding (private fields); config.json.
+    ranks, special_tokens = encoding._mergeable_ranks, encoding._special_tokens
+    eot_id = special_tokens.get(EOT)  # bos and eos: every training document starts with it
+    tokenizer_config = {
+        # The class that reads tokenizer.json on its own: loading it runs no Python code of ours.
+        "tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": model.config.block_size,
+        "clean_up_tokenization_spaces": False,  # decode gives back the exact text
+        "add_bos_token": False, "add_eos_token": False,  # as tiktoken's encode and sample.py
+    }
+    if eot_id is not None:
+        tokenizer_config.update(bos_token=EOT, eos_token=EOT)
+    files = {"config.json": llama_config(model.config, eot_id),
+             "tokenizer.json": hf_tokenizer_json(ranks, encoding._pat_str, special_tokens),
+             "tokenizer_config.json": tokenizer_config}
+
+    # 4. The files: hf_dir is made (empty) and locked first (one writer at a time), checked again.
+    os.makedirs(hf_path, exist_ok=True)
+    lock = lock_directory(hf_path)  # noqa: F841 (the lock lasts while the process does)
+    validate(hf_path)
+    temp_dir = f"{hf_path}.tmp.{os.getpid()}"
+    try:
+        os.makedirs(temp_dir)
+        write_safetensors(os.path.join(temp_dir, "model.safetensors"), weights)
+        for name, content in files.items():
+            with open(os.path.join(temp_dir, name), "w", encoding="utf-8") as f:
+                json.dump(content, f, indent=2, ensure_ascii=False)
+                f.write("\n")
+        os.rename(temp_dir, hf_path)  # replaces the empty, locked hf_dir
+    except OSError as err:
+        raise UserError(f"can't write {hf_path}: {err.strerror or err}") from None
+    finally:
+        shutil.rmtree(temp_dir, ignore_errors=True)
+    print(f"wrote {hf_path}: LlamaForCausalLM with {model.get_num_params():,} parameters "
+          f"({dtype}), tokenizer of {len(ranks) + len(special_tokens):,} ids "
+          f"({checkpoint['tokenizer']['kind']}); load it with "
+          f"AutoModelForCausalLM.from_pretrained({hf_path!r})", file=sys.stderr)
+
+
+# The matrices are [out, in] in both models. HF's own Llama converter permutes the rows of q and k:
+# Meta's checkpoints rotate channel pairs (2i, 2i+1), HF's (i, i + head_dim/2). apply_rope pairs
+# the latter too, so q and k are copied as they are (the test compares both models' logits).
+LAYER_NAMES = {"ln_1": "input_layernorm", "ln_2": "post_attention_layernorm",
+               "attn.c_q": "self_attn.q_proj", "attn.c_k": "self_attn.k_proj",
+               "attn.c_v": "self_attn.v_proj", "attn.c_proj": "self_attn.o_proj",
                "mlp.c_gate": "mlp.gate_proj", "mlp.c_up": "mlp.up_proj", "mlp.c_proj": "mlp.down_proj"}
 
 
@@ -95,66 +109,33 @@ def llama_name(name):
         return "model.embed_tokens.weight"
     if name == "transformer.ln_f.weight":
         return "model.norm.weight"
-    _, _, layer, rest = name.split(".", 3)  # transformer . h . <layer> . <module path>.<weight|bias>
+    # transformer . h . <layer> . <module path>.<weight|bias>
+    _, _, layer, rest = name.split(".", 3)
     module, kind = rest.rsplit(".", 1)
     return f"model.layers.{layer}.{LAYER_NAMES[module]}.{kind}"
 
 
-# The output head is the embedding matrix (tied), so it is stored once and config.json says it is tied.
-weights = {llama_name(name): tensor.to(getattr(torch, dtype)).contiguous()
-           for name, tensor in model.state_dict().items() if name != "lm_head.weight"}
-
-# 3. The tokenizer, as the ranks tiktoken encodes with: our BPE directory's rank file (stored in the
-# checkpoint), or a tiktoken encoding by name (char-level models were refused in step 1).
-if tokenizer["kind"] == "bpe":
-    try:
-        ranks = {base64.b64decode(token): int(rank)
-                 for token, rank in (line.split() for line in tokenizer["ranks"].splitlines() if line.strip())}
-        pattern, special_tokens = tokenizer["pattern"], dict(tokenizer.get("special_tokens", {}))
-    except Exception as err:  # a missing key or a bad line: the entry is not what train.py writes
-        die(f"the checkpoint's BPE tokenizer entry is malformed ({type(err).__name__}: {str(err)[:100]})")
-else:
-    import tiktoken
-    try:
-        encoding = tiktoken.get_encoding(tokenizer["name"])
-    except Exception as err:  # an unknown name, or tiktoken's first download with no internet
-        die(f"can't load the tiktoken encoding {tokenizer['name']!r} ({type(err).__name__}), and its ranks are "
-            f"what tokenizer.json is built from: run once where tiktoken can download it (it caches it)")
-    # tiktoken keeps the ranks and pattern in private attributes; they are the whole definition of the encoding.
-    ranks, pattern, special_tokens = encoding._mergeable_ranks, encoding._pat_str, dict(encoding._special_tokens)
-largest_id = max([*ranks.values(), *special_tokens.values()])
-if largest_id >= cfg.vocab_size:
-    die(f"the tokenizer has ids up to {largest_id}, beyond the model's vocab_size={cfg.vocab_size}: the checkpoint's "
-        f"tokenizer and model don't match")
-EOT = "<|endoftext|>"
-eot_id = special_tokens.get(EOT)  # bos and eos, when the tokenizer has it: every training document starts with it
-
-
 def byte_to_char():
-    """GPT-2's table of the 256 bytes as printable characters. HF's byte-level BPE works on strings, not bytes,
-    so every byte gets a visible stand-in (a space becomes 'Ġ'); its ByteLevel pre-tokenizer and decoder use
-    this same table, and the vocabulary and merges are written in it."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    table, extra = {}, 0
-    for byte in range(256):
-        if byte in printable:
-            table[byte] = chr(byte)
-        else:  # control characters, space, and the like: moved past 255, in order
-            table[byte] = chr(256 + extra)
-            extra += 1
+    """GPT-2's printable stand-in for each byte (a space is 'Ġ'): HF's ByteLevel pre-tokenizer and
+    decoder use this table, so the vocabulary and merges are written in it."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), 256)]
+    # The others (control characters, space, ...) move past 255, in order.
+    others = [byte for byte in range(256) if byte not in printable]
+    table = {byte: chr(byte) for byte in printable}
+    table.update({byte: chr(256 + i) for i, byte in enumerate(others)})
     return table
 
 
 def hf_tokenizer_json(ranks, pattern, special_tokens):
     """The tokenizer.json that makes HF `tokenizers` encode exactly like tiktoken with these ranks.
 
-    tiktoken keeps no merge list: in each regex chunk it repeatedly joins the adjacent pair whose bytes form the
-    lowest-ranked token (the leftmost on a tie). HF's BPE joins listed pairs, lowest in the list first. So the
-    list holds every way to cut each token into two tokens, in the token's rank order: any pair tiktoken would
-    join is listed, at its token's place. And tiktoken takes a chunk that is a whole token as it is, without
-    merging; ignore_merges does the same in HF. (One corner can differ: two different cuts of the same token
-    in one chunk at once, where tiktoken joins the leftmost and HF the one listed first. transformers' own
-    tiktoken converter shares it; on the test's real text, 435 languages included, it never happens.)"""
+    tiktoken keeps no merge list: in each regex chunk it repeatedly joins the adjacent pair whose
+    bytes form the lowest-ranked token (the leftmost on a tie). HF's BPE joins listed pairs, lowest
+    in the list first. So the list holds every way to cut each token in two tokens, in the token's
+    rank order: any pair tiktoken would join is listed, at its token's place. And tiktoken takes a
+    chunk that is a token as it is; ignore_merges does the same in HF. (Where two cuts of one token
+    meet in a chunk, tiktoken joins the leftmost and HF the one listed first, as with transformers'
+    own converter: never in the test's 435 languages.)"""
     table = byte_to_char()
 
     def text(token):
@@ -162,57 +143,53 @@ def hf_tokenizer_json(ranks, pattern, special_tokens):
 
     merges = []
     for token, _ in sorted(ranks.items(), key=lambda item: item[1]):
-        cuts = [(token[:i], token[i:]) for i in range(1, len(token)) if token[:i] in ranks and token[i:] in ranks]
+        cuts = [(token[:i], token[i:]) for i in range(1, len(token))
+                if token[:i] in ranks and token[i:] in ranks]
         cuts.sort(key=lambda cut: (ranks[cut[0]], ranks[cut[1]]))
-        # "left right" (one string) is readable by every tokenizers version; no byte maps to a space, so it parses.
+        # "left right" (one string) reads in every tokenizers version; no byte maps to a space.
         merges += [f"{text(left)} {text(right)}" for left, right in cuts]
+    byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True,
+                  "use_regex": False}
+    split = {"type": "Split", "pattern": {"Regex": pattern}, "behavior": "Isolated", "invert": False}
     return {
         "version": "1.0", "truncation": None, "padding": None, "normalizer": None,
         "added_tokens": [{"id": token_id, "content": content, "single_word": False, "lstrip": False,
                           "rstrip": False, "normalized": False, "special": True}
                          for content, token_id in special_tokens.items()],
         # First the split regex (chunks never merge across it), then bytes -> characters.
-        "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
-            {"type": "Split", "pattern": {"Regex": pattern}, "behavior": "Isolated", "invert": False},
-            {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}]},
-        "post_processor": None,  # nothing added around the text: encode() gives what tiktoken's encode gives
-        "decoder": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False},
+        "pre_tokenizer": {"type": "Sequence", "pretokenizers": [split, byte_level]},
+        "post_processor": None,  # nothing added around the text, as in tiktoken's encode
+        "decoder": byte_level,
         "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
-                  "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": True,
-                  "vocab": {text(token): rank for token, rank in ranks.items()}, "merges": merges},
+                  "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False,
+                  "ignore_merges": True, "merges": merges,
+                  "vocab": {text(token): rank for token, rank in ranks.items()}},
     }
 
 
-tokenizer_config = {
-    # The class that reads tokenizer.json on its own; no Python code of ours is needed to load it.
-    "tokenizer_class": "PreTrainedTokenizerFast",
-    "model_max_length": cfg.block_size,
-    "clean_up_tokenization_spaces": False,  # decode must give back the exact text, spaces before '.' included
-    "add_bos_token": False, "add_eos_token": False,  # like tiktoken's encode (and sample.py's prompts)
-    **({"bos_token": EOT, "eos_token": EOT} if eot_id is not None else {}),
-}
+def llama_config(cfg, eot_id):
+    """config.json: the sizes, and two constants easy to miss (rope_theta, norm_eps); rope_theta
+    top-level (transformers 4, vLLM, llama.cpp) and in rope_parameters (5.x)."""
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "vocab_size": cfg.vocab_size,  # the model's: it may be padded past the tokenizer
+        "hidden_size": cfg.n_embd, "num_hidden_layers": cfg.n_layer,
+        "max_position_embeddings": cfg.block_size, "intermediate_size": cfg.ffn_hidden_size,
+        "num_attention_heads": cfg.n_head, "num_key_value_heads": cfg.n_kv_head,
+        "head_dim": cfg.n_embd // cfg.n_head, "hidden_act": "silu", "rms_norm_eps": cfg.norm_eps,
+        "rope_theta": cfg.rope_theta, "rope_scaling": None,
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        # our `bias` switches on the biases of q, k, v, o and the MLP, as Llama's two switches do
+        "attention_bias": cfg.bias, "mlp_bias": cfg.bias, "attention_dropout": 0.0,
+        "tie_word_embeddings": True, "bos_token_id": eot_id, "eos_token_id": eot_id,
+        "torch_dtype": dtype, "dtype": dtype,  # transformers 4's name and 5's
+        "use_cache": True, "initializer_range": 0.02,
+    }
 
-# 4. config.json: the sizes, and the two constants that are easy to miss (rope_theta and the norm epsilon).
-# rope_theta is written both ways: top-level (transformers 4, vLLM, llama.cpp) and in rope_parameters (5.x).
-config = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-    "vocab_size": cfg.vocab_size,  # the model's: it may be padded past the tokenizer to a multiple of 64
-    "hidden_size": cfg.n_embd, "num_hidden_layers": cfg.n_layer, "max_position_embeddings": cfg.block_size,
-    "intermediate_size": cfg.ffn_hidden_size,  # ffn_ratio * n_embd rounded up to ffn_multiple_of, as in model.py
-    "num_attention_heads": cfg.n_head, "num_key_value_heads": cfg.n_kv_head, "head_dim": cfg.n_embd // cfg.n_head,
-    "hidden_act": "silu", "rms_norm_eps": cfg.norm_eps,
-    "rope_theta": cfg.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
-    "rope_scaling": None,
-    # our `bias` switches on the biases of q, k, v, o and the three MLP matrices: Llama has the same two switches
-    "attention_bias": cfg.bias, "mlp_bias": cfg.bias, "attention_dropout": 0.0,
-    "tie_word_embeddings": True, "bos_token_id": eot_id, "eos_token_id": eot_id,
-    "torch_dtype": dtype, "dtype": dtype,  # transformers 4's name and 5's
-    "use_cache": True, "initializer_range": 0.02,
-}
 
-# 5. model.safetensors, written here: the format is an 8-byte header length, a JSON header (each tensor's
-# dtype, shape and byte range) and the raw little-endian bytes. Twenty lines save the pipeline a dependency
-# (the `safetensors` package), and the test reads the file back with that package as an independent check.
+# model.safetensors: an 8-byte header length, a JSON header (each tensor's dtype, shape and byte
+# range), then the raw little-endian bytes. Twenty lines spare a dependency; the test reads the file
+# back with the `safetensors` package.
 SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 
 
@@ -224,35 +201,80 @@ def write_safetensors(path, tensors):
                         "data_offsets": [offset, offset + size]}
         offset += size
     header_bytes = json.dumps(header, separators=(",", ":")).encode()
-    header_bytes += b" " * (-len(header_bytes) % 8)  # pad with spaces so the tensor data starts 8-byte aligned
+    header_bytes += b" " * (-len(header_bytes) % 8)  # spaces: the tensor data starts 8-byte aligned
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(header_bytes)))
         f.write(header_bytes)
-        for tensor in tensors.values():  # torch's CPU tensors are little-endian on every platform it runs on
+        for tensor in tensors.values():  # torch's CPU tensors are little-endian wherever it runs
             f.write(tensor.reshape(-1).view(torch.uint8).numpy().data)
 
 
-def write_json(path, obj):
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=2, ensure_ascii=False)
-        f.write("\n")
+# ---- the checks: each mistake in the input is one line ----
+
+class UserError(Exception):
+    """A mistake in the input: printed as one line, never as a traceback."""
 
 
-# 6. Everything into a temporary directory beside hf_dir, then one rename: hf_dir appears complete or not at all.
-temp_dir = f"{hf_dir}.tmp.{os.getpid()}"
-try:
-    os.makedirs(temp_dir)
-    write_json(os.path.join(temp_dir, "config.json"), config)
-    write_safetensors(os.path.join(temp_dir, "model.safetensors"), weights)
-    write_json(os.path.join(temp_dir, "tokenizer.json"), hf_tokenizer_json(ranks, pattern, special_tokens))
-    write_json(os.path.join(temp_dir, "tokenizer_config.json"), tokenizer_config)
-    if os.path.isdir(hf_dir):
-        os.rmdir(hf_dir)  # empty (checked above); rename can't replace a directory on every OS
-    os.rename(temp_dir, hf_dir)
-except OSError as err:
-    die(f"can't write {hf_dir}: {err.strerror or err}")
-finally:
-    shutil.rmtree(temp_dir, ignore_errors=True)
-size = sum(tensor.numel() for tensor in weights.values())
-print(f"wrote {hf_dir}: LlamaForCausalLM with {size:,} parameters ({dtype}), tokenizer of {len(ranks) + len(special_tokens):,} "
-      f"ids ({tokenizer['kind']}); load it with AutoModelForCausalLM.from_pretrained({hf_dir!r})", file=sys.stderr)
+def parse_settings(arguments, defaults, extra_types):
+    """--key=value overrides, as {key: value}: a Python literal of the default's type (or of
+    extra_types[key]); a str setting takes the text as it is."""
+    settings = {}
+    for arg in arguments:
+        if arg in ("-h", "--help"):
+            listing = "\n".join(f"  --{key}={value!r}" for key, value in defaults.items())
+            print(f"{__doc__.strip()}\n\nsettings and their defaults:\n{listing}")
+            sys.exit(0)
+        if len(arg) > 1000:  # 50,000 characters exhaust ast's parser
+            raise UserError(f"{arg[:30]}... is over 1,000 characters; sample.py reads a long prompt "
+                            "from a file: --start=FILE:path")
+        key, has_value, text = arg[2:].partition("=")
+        if not arg.startswith("--") or not has_value:
+            raise UserError(f"expected --key=value, got {arg!r} (see --help)")
+        if key not in defaults:
+            close = difflib.get_close_matches(key, defaults, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise UserError(f"{arg}: unknown setting {key!r}{hint}; --help lists them")
+        kinds = {type(defaults[key]), extra_types.get(key, type(defaults[key]))}
+        try:
+            value = text if str in kinds else ast.literal_eval(text)
+        except (ValueError, SyntaxError, RecursionError):
+            value = text
+        if type(value) is int and float in kinds:
+            value = float(value)
+        if type(value) not in kinds:
+            names = " or ".join(sorted(kind.__name__.replace("NoneType", "None") for kind in kinds))
+            raise UserError(f"{arg}: {key} must be {names}, got {value!r} ({type(value).__name__})")
+        settings[key] = value
+    return settings
+
+
+def validate(hf_path):
+    taken = os.path.exists(hf_path) and (not os.path.isdir(hf_path) or os.listdir(hf_path))
+    for bad, message in [
+        (dtype not in ("float32", "bfloat16", "float16"),
+         f"--dtype={dtype}: use float32, bfloat16 or float16"),
+        (taken, f"--hf_dir={hf_path} already exists and is not an empty directory: choose another"),
+    ]:
+        if bad:
+            raise UserError(message)
+
+
+def lock_directory(path):
+    """Hold an OS lock on the directory `path` while this process lives: one writer per directory. The
+    kernel drops a flock when its process dies, kill -9 included, so no stale lock is ever left behind."""
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(descriptor)
+        raise UserError(f"{path}: another run is writing there; wait for it to end, "
+                        "or choose another directory")
+    return descriptor  # the lock lasts while this descriptor is open: keep it
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except (UserError, CheckpointError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(1)

@@ -1,15 +1,16 @@
 """
-lilLM's model: a Llama-3-style GPT in one file, shared by train.py and sample.py.
+lilLM's model: a Llama-3-style GPT in one file, shared by train.py, sample.py and export_hf.py.
 
-Compared with GPT-2 (nanoGPT), it swaps in what later models settled on: RMSNorm, rotary position embeddings,
-a SwiGLU MLP and grouped-query attention, with tied embeddings and no biases. After the model: generation with a
-KV cache, the Muon optimizer (train.py's --muon=True) and the checkpoint format (save/load_checkpoint).
+Compared with GPT-2 (nanoGPT), it swaps in what later models settled on: RMSNorm, rotary position
+embeddings, a SwiGLU MLP and grouped-query attention, with tied embeddings and no biases. After the
+model: generation with a KV cache, the Muon optimizer (train.py's --muon=True) and the checkpoints.
 
     from model import GPTConfig, GPT
-    model = GPT(GPTConfig())                              # the lilLM preset, 39,596,544 parameters
-    logits, loss = model(idx, targets)                    # training: logits for every position
+    model = GPT(GPTConfig())             # the lilLM preset, 39,596,544 parameters
+    logits, loss = model(idx, targets)   # training: logits for every position
     out = model.generate(idx, max_new_tokens=100, temperature=0.8, top_k=50)
 """
+import base64
 import math
 import os
 import re
@@ -31,24 +32,42 @@ class GPTConfig:
     block_size: int = 512        # longest context; RoPE tables and the KV cache are sized to it
     n_head: int = 16             # query heads (head_dim = n_embd // n_head = 32)
     n_kv_head: int = 8           # key/value heads, shared by n_head // n_kv_head query heads each
-    max_batch_size: int = 32     # largest batch generate() accepts (the KV cache is sized per call, up to this)
+    max_batch_size: int = 32     # largest batch generate() accepts (its KV cache is sized per call)
     rope_theta: float = 10000.0  # base of the rotary frequencies
     norm_eps: float = 1e-5
     ffn_hidden: int = 0          # SwiGLU hidden size; 0 = the rule below
-    ffn_ratio: float = 8 / 3     # the rule: ffn_ratio * n_embd rounded up to a multiple of ffn_multiple_of
+    ffn_ratio: float = 8 / 3     # the rule: ffn_ratio * n_embd, up to a multiple of ffn_multiple_of
     ffn_multiple_of: int = 128
     dropout: float = 0.0         # pretraining on lots of data does not need it
     bias: bool = False           # biases in the Linear layers; off, like Llama
 
+    def __post_init__(self):
+        # A config that can't be a model fails here in one line, not deep inside a layer.
+        for name in ("vocab_size", "n_embd", "n_layer", "block_size", "n_head", "n_kv_head",
+                     "max_batch_size", "ffn_multiple_of"):
+            value = getattr(self, name)
+            if type(value) is not int or value <= 0:
+                raise ValueError(f"{name}={value!r}: must be a positive integer")
+        heads = f"n_embd={self.n_embd}, n_head={self.n_head}, n_kv_head={self.n_kv_head}"
+        for bad, reason in [
+            (self.n_embd % self.n_head or self.n_embd // self.n_head % 2,
+             f"{heads}: n_head must divide n_embd into an even head size (RoPE rotates pairs)"),
+            (self.n_head % self.n_kv_head, f"{heads}: n_kv_head must divide n_head"),
+            (not 0 < self.ffn_ratio < math.inf, f"ffn_ratio={self.ffn_ratio}: must be positive"),
+            (not 0 <= self.dropout < 1, f"dropout={self.dropout}: a probability, 0 <= dropout < 1")]:
+            if bad:
+                raise ValueError(reason)
+
     @property
     def ffn_hidden_size(self):
-        # SwiGLU has three matrices, not two: 8/3*n_embd (not 4*n_embd) keeps GPT-2's MLP size. lilLM: 1408.
-        return self.ffn_hidden or self.ffn_multiple_of * math.ceil(self.ffn_ratio * self.n_embd / self.ffn_multiple_of)
+        # SwiGLU has three matrices, not two: 8/3*n_embd (not 4*n_embd) keeps GPT-2's MLP size.
+        multiple = self.ffn_multiple_of
+        return self.ffn_hidden or multiple * math.ceil(self.ffn_ratio * self.n_embd / multiple)
 
 
 class RMSNorm(nn.Module):
-    # Why not LayerNorm: re-centering (subtracting the mean) and the bias add nothing measurable to quality,
-    # and dropping them makes the norm cheaper; Llama, Mistral and Gemma all use RMSNorm.
+    # Why not LayerNorm: re-centering (subtracting the mean) and the bias add nothing measurable to
+    # quality, and dropping them makes the norm cheaper; Llama, Mistral and Gemma all use RMSNorm.
     def __init__(self, dim, eps):
         super().__init__()
         self.eps = eps
@@ -62,29 +81,29 @@ class RMSNorm(nn.Module):
 
 
 def rope_tables(head_dim, length, theta):
-    """The rotation of every (position, channel) as apply_rope wants it: cos for both halves, sin with the first negated."""
+    """The rotation of every (position, channel) as apply_rope wants it: cos for both halves, sin
+    with the first half negated."""
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
     angles = torch.outer(torch.arange(length, dtype=torch.float32), inv_freq)  # (length, head_dim/2)
     return torch.cat([angles.cos()] * 2, dim=-1), torch.cat([-angles.sin(), angles.sin()], dim=-1)
 
 
 def apply_rope(x, cos, sin):
-    # Why rotary embeddings over GPT-2's learned absolute ones: rotating query and key channel pairs by an angle
-    # proportional to the position makes q.k depend only on the distance between the tokens, with no parameters.
-    # The pair (i, i + head_dim/2) = (x1, x2) becomes (x1 cos - x2 sin, x2 cos + x1 sin) = x * cos + (x2, x1) * sin
-    # (the sign is in the sin table). x: (B, heads, T, head_dim); cos, sin: (T, head_dim) from rope_tables.
+    # Why rotary embeddings over GPT-2's learned absolute ones: rotating query and key channel pairs
+    # by an angle proportional to the position makes q.k depend only on the tokens' distance, with
+    # no parameters. The pair (x1, x2) = (i, i + head_dim/2) becomes (x1 cos - x2 sin,
+    # x2 cos + x1 sin) = x * cos + (x2, x1) * sin (the sign is in the sin table).
     x_float = x.float()
     x1, x2 = x_float.chunk(2, dim=-1)
     return (x_float * cos + torch.cat([x2, x1], dim=-1) * sin).type_as(x)
 
 
 class CausalSelfAttention(nn.Module):
-    # Why grouped-query attention: the KV cache, not the weights, limits generation speed and batch size; sharing
-    # each key/value head among n_head/n_kv_head query heads shrinks it that much, for a small loss in quality.
+    # Why grouped-query attention: the KV cache, not the weights, limits generation speed and batch
+    # size; sharing each key/value head among n_head/n_kv_head query heads shrinks it that much, for
+    # a small loss in quality.
     def __init__(self, config):
         super().__init__()
-        assert config.n_embd % config.n_head == 0, "n_embd must be a multiple of n_head"
-        assert config.n_head % config.n_kv_head == 0, "n_head must be a multiple of n_kv_head"
         self.n_head, self.n_kv_head = config.n_head, config.n_kv_head
         self.head_dim = config.n_embd // config.n_head
         self.c_q = nn.Linear(config.n_embd, config.n_head * self.head_dim, bias=config.bias)
@@ -93,7 +112,7 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.dropout = config.dropout
         self.resid_dropout = nn.Dropout(config.dropout)
-        self.kv_cache = None  # (keys, values), each (B, n_kv_head, block_size, head_dim), while generating
+        self.kv_cache = None  # while generating: (keys, values), (B, n_kv_head, block_size, head_dim)
 
     def forward(self, x, cos, sin, start_pos=0):
         B, T, C = x.size()
@@ -101,24 +120,26 @@ class CausalSelfAttention(nn.Module):
         k = self.c_k(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
         v = self.c_v(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        mask, is_causal = None, True  # training, or generating without a cache: the whole sequence at once
+        mask, is_causal = None, True  # training, or no cache: the whole sequence at once
         if self.kv_cache is not None:
-            # Store this step's keys/values at their positions, then attend over everything cached so far.
+            # Store this step's keys/values at their positions, then attend over all cached so far.
             (cached_keys, cached_values), end = self.kv_cache, start_pos + T
             cached_keys[:B, :, start_pos:end], cached_values[:B, :, start_pos:end] = k, v
             k, v = cached_keys[:B, :, :end], cached_values[:B, :, :end]
-            is_causal = start_pos == 0 and T > 1  # prefill; one new token sees every cached position
-            if start_pos > 0 and T > 1:  # a chunk after earlier tokens: query i sees keys 0..start_pos + i
-                mask = torch.arange(end, device=x.device) <= (start_pos + torch.arange(T, device=x.device))[:, None]
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0,
-                                           is_causal=is_causal, enable_gqa=self.n_kv_head != self.n_head)
+            is_causal = start_pos == 0 and T > 1  # the prefill; one new token sees all the cache
+            if start_pos > 0 and T > 1:  # a chunk after earlier tokens: query i sees keys 0..start_pos+i
+                query_positions = start_pos + torch.arange(T, device=x.device)
+                mask = torch.arange(end, device=x.device) <= query_positions[:, None]
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal,
+                                           dropout_p=self.dropout if self.training else 0.0,
+                                           enable_gqa=self.n_kv_head != self.n_head)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.resid_dropout(self.c_proj(y))
 
 
 class MLP(nn.Module):
-    # Why SwiGLU over GELU: a gated unit (silu(x W_gate) * x W_up) trains to a lower loss at the same
-    # parameter count and compute (Shazeer 2020, "GLU Variants Improve Transformer"); Llama and PaLM use it.
+    # Why SwiGLU over GELU: a gated unit (silu(x W_gate) * x W_up) trains to a lower loss at the
+    # same parameters and compute (Shazeer 2020, "GLU Variants Improve Transformer"); Llama uses it.
     def __init__(self, config):
         super().__init__()
         hidden = config.ffn_hidden_size
@@ -132,8 +153,8 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    # Pre-norm residual block, as in GPT-2: normalizing the input of each branch (not the sum) keeps the
-    # residual stream an identity path, which is what lets deep stacks train without warmup tricks.
+    # Pre-norm residual block, as in GPT-2: normalizing the input of each branch (not the sum) keeps
+    # the residual stream an identity path, which lets deep stacks train without warmup tricks.
     def __init__(self, config):
         super().__init__()
         self.ln_1 = RMSNorm(config.n_embd, config.norm_eps)
@@ -157,14 +178,14 @@ class GPT(nn.Module):
             ln_f=RMSNorm(config.n_embd, config.norm_eps),
         ))
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
-        # Tied embeddings: one matrix maps tokens to vectors and back to scores (lilLM: 10% fewer parameters).
+        # Tied embeddings: one matrix maps tokens to vectors and back (lilLM: 10% fewer parameters).
         self.transformer.wte.weight = self.lm_head.weight
-        # RoPE tables are computed, not learned: non-persistent buffers, so they stay out of checkpoints.
+        # RoPE tables are computed, not learned: non-persistent buffers, out of the checkpoints.
         cos, sin = rope_tables(config.n_embd // config.n_head, config.block_size, config.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
-        # GPT-2 init: N(0, 0.02); the 2 writes per layer into the residual stream 0.02/sqrt(2*n_layer), so depth
-        # does not grow its variance.
+        # GPT-2 init: N(0, 0.02); the 2 writes per layer into the residual stream 0.02/sqrt(2*n_layer),
+        # so depth does not grow its variance.
         self.apply(self._init_weights)
         for name, param in self.named_parameters():
             if name.endswith("c_proj.weight"):
@@ -182,12 +203,13 @@ class GPT(nn.Module):
         return total - self.transformer.wte.weight.numel() if non_embedding else total
 
     def forward(self, idx, targets=None, start_pos=0):
-        """idx: (B, T) token ids. With targets (B, T) (-1 = ignore): logits (B, T, vocab) and the mean cross-entropy.
-        Without: logits (B, 1, vocab) for the last position only (all that generation needs), and None.
-        start_pos is the position of idx[:, 0]; it is nonzero only while decoding with the KV cache."""
+        """idx: (B, T) token ids. With targets (B, T) (-1 = ignore): logits (B, T, vocab) and the
+        mean cross-entropy. Without: logits (B, 1, vocab) for the last position only (all that
+        generation needs), and None. start_pos, idx[:, 0]'s position, is > 0 only with a KV cache."""
         B, T = idx.size()
         if start_pos + T > self.config.block_size:
-            raise ValueError(f"sequence of {start_pos + T} tokens is longer than block_size={self.config.block_size}")
+            raise ValueError(f"sequence of {start_pos + T} tokens is longer than "
+                             f"block_size={self.config.block_size}")
         cos, sin = self.rope_cos[start_pos:start_pos + T], self.rope_sin[start_pos:start_pos + T]
         x = self.transformer.drop(self.transformer.wte(idx))
         for block in self.transformer.h:
@@ -197,12 +219,14 @@ class GPT(nn.Module):
             return self.lm_head(x[:, [-1], :]), None
         logits = self.lm_head(x)
         # float32 for the softmax: bf16 logits round the loss visibly at vocab sizes like ours.
-        loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
+        loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1),
+                               ignore_index=-1)
         return logits, loss
 
-    def configure_optimizers(self, weight_decay, learning_rate, betas, device_type, optimizer="adamw", verbose=True):
-        """"adamw": AdamW, decaying the matrices but not the 1-D gains and biases (decaying a gain only fights the
-        norm). "muon": Muon for the matrices in the blocks, AdamW for the rest (MuonAdamW). verbose=False: quiet."""
+    def configure_optimizers(self, weight_decay, learning_rate, betas, device_type,
+                             optimizer="adamw", verbose=True):
+        """"adamw": AdamW, decaying the matrices but not the 1-D gains and biases (decaying a gain
+        only fights the norm). "muon": Muon for the matrices in the blocks, AdamW for the rest."""
         log = print if verbose else (lambda *args, **kwargs: None)
         if optimizer not in ("adamw", "muon"):
             raise ValueError(f"optimizer must be 'adamw' or 'muon', got {optimizer!r}")
@@ -211,108 +235,111 @@ class GPT(nn.Module):
         for_muon = {id(p) for p in block_matrices} if optimizer == "muon" else set()
         decay = [p for p in params if p.dim() >= 2 and id(p) not in for_muon]
         no_decay = [p for p in params if p.dim() < 2]
-        groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        groups = [{"params": decay, "weight_decay": weight_decay},
+                  {"params": no_decay, "weight_decay": 0.0}]
         if optimizer == "muon":
+            others = decay + no_decay
             log(f"optimizer: Muon for {len(block_matrices)} matrices in the blocks "
-                f"({sum(p.numel() for p in block_matrices):,} params), AdamW for {len(decay) + len(no_decay)} "
-                f"other tensors ({sum(p.numel() for p in decay + no_decay):,} params)")
-            # On a GPU, Newton-Schulz in bf16 is ~1% of a step; on a CPU, in float32, up to half of one: there, every
-            # step for the first 250 (while the momentum turns fast), then every 2nd (CPU recipe: val loss 1.584).
+                f"({sum(p.numel() for p in block_matrices):,} params), AdamW for {len(others)} "
+                f"other tensors ({sum(p.numel() for p in others):,} params)")
+            # Newton-Schulz is ~1% of a step on a GPU (bf16), up to half of one on a CPU (float32):
+            # there, every step for the first 250 (the momentum turns fast), then every 2nd (CPU
+            # recipe: val loss 1.584).
             schedule = {} if device_type == "cuda" else {"ns_every": 2, "ns_warmup": 250}
-            muon_group = {"params": block_matrices, "weight_decay": weight_decay, "use_muon": True, **schedule}
-            return MuonAdamW([muon_group] + groups, lr=learning_rate, betas=betas)
-        fused = device_type in ("cuda", "cpu")  # the whole update in one kernel, not a dozen per tensor
+            muon = {"params": block_matrices, "weight_decay": weight_decay, "use_muon": True, **schedule}
+            return MuonAdamW([muon] + groups, lr=learning_rate, betas=betas)
+        fused = device_type in ("cuda", "cpu")  # the whole update in one kernel
         log(f"optimizer: {len(decay)} decayed tensors ({sum(p.numel() for p in decay):,} params), "
-            f"{len(no_decay)} not decayed ({sum(p.numel() for p in no_decay):,} params)\noptimizer: using fused AdamW: {fused}")
+            f"{len(no_decay)} not decayed ({sum(p.numel() for p in no_decay):,} params)\n"
+            f"optimizer: using fused AdamW: {fused}")
         return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=fused)
 
     def estimate_mfu(self, fwdbwd_per_iter, dt):
-        """Model FLOPs utilization (0.4 = 40% of the device's bf16 peak; NaN on the CPU). FLOPs per token as in
-        the PaLM paper: 6N for the matmuls, plus 12*L*H*Q*T for attention (not halved for causality)."""
+        """Model FLOPs utilization: 0.4 = 40% of the device's bf16 peak (NaN on the CPU). FLOPs per
+        token as in PaLM: 6N (matmuls) plus 12*L*H*Q*T (attention, not halved for causality)."""
         cfg = self.config
         flops_per_token = 6 * self.get_num_params() + 12 * cfg.n_layer * cfg.n_embd * cfg.block_size
         peak, _ = peak_flops(self.lm_head.weight.device)
-        return flops_per_token * cfg.block_size * fwdbwd_per_iter / dt / peak if peak else float("nan")
+        if not peak:
+            return float("nan")
+        return flops_per_token * cfg.block_size * fwdbwd_per_iter / dt / peak
 
     # ---- generation ----
 
     @torch.no_grad()
-    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None, use_cache=True, generator=None):
-        """idx (B, T) -> (B, T + max_new_tokens): idx with the new tokens appended. temperature <= 0 is greedy."""
-        for next_token in self.generate_tokens(idx, max_new_tokens, temperature, top_k, top_p, use_cache, generator):
-            idx = torch.cat((idx, next_token), dim=1)
-        return idx
+    def generate(self, idx, max_new_tokens, **sampling):
+        """idx (B, T) -> (B, T + max_new_tokens), with generate_tokens's sampling settings."""
+        return torch.cat([idx, *self.generate_tokens(idx, max_new_tokens, **sampling)], dim=1)
 
     @torch.no_grad()
-    def generate_tokens(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None, use_cache=True,
-                        generator=None):
-        """Yields the new tokens one step at a time, each (B, 1), so that a caller can stream them. With the cache
-        the prompt runs once (prefill), then each step runs only the newest token against the cached keys/values;
-        a full cache is refilled from the last block_size//2 tokens. use_cache=False recomputes the whole context
-        every step: slower, but the same tokens while the context fits in block_size."""
+    def generate_tokens(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None,
+                        use_cache=True, generator=None):
+        """Yields the new tokens, each (B, 1), one step at a time. With the cache the prompt runs
+        once (prefill), then each step runs only the newest token against the cached keys/values; a
+        full cache is refilled from the last block_size//2 tokens. use_cache=False recomputes the
+        whole context every step: slower, the same tokens while it fits."""
         block_size = self.config.block_size
         if idx.size(1) > block_size:
-            warnings.warn(f"the prompt has {idx.size(1)} tokens, more than block_size={block_size}: "
-                          f"keeping only its last {block_size}")
+            warnings.warn(f"the prompt has {idx.size(1)} tokens, more than "
+                          f"block_size={block_size}: keeping only its last {block_size}")
             idx = idx[:, -block_size:]
         if max_new_tokens <= 0:
             return
-        if not use_cache:
-            for _ in range(max_new_tokens):
-                logits, _ = self(idx[:, -block_size:])
-                next_token = sample_next_token(logits[:, -1, :], temperature, top_k, top_p, generator)
-                idx = torch.cat((idx, next_token), dim=1)
-                yield next_token
-            return
-        self._allocate_kv_cache(idx.size(0), idx.device)
+        if use_cache:
+            self._allocate_kv_cache(idx.size(0), idx.device)
         try:
-            window = idx  # the tokens whose keys/values are in the cache, at positions 0..len-1
-            logits, _ = self(window, start_pos=0)
+            window = idx  # the context: with the cache, the tokens whose keys/values it holds
+            logits, _ = self(window)
             for step in range(max_new_tokens):
-                next_token = sample_next_token(logits[:, -1, :], temperature, top_k, top_p, generator)
+                next_token = sample_next_token(logits[:, -1], temperature, top_k, top_p, generator)
                 yield next_token
                 if step == max_new_tokens - 1:
                     break
-                if window.size(1) == block_size:  # cache full: keep the recent half, refill in one forward
-                    window = torch.cat((window, next_token), dim=1)[:, -max(1, block_size // 2):]
-                    logits, _ = self(window, start_pos=0)
+                window = torch.cat((window, next_token), dim=1)
+                if use_cache and window.size(1) <= block_size:
+                    logits, _ = self(next_token, start_pos=window.size(1) - 1)
                 else:
-                    logits, _ = self(next_token, start_pos=window.size(1))
-                    window = torch.cat((window, next_token), dim=1)
+                    keep = max(1, block_size // 2) if use_cache else block_size
+                    window = window[:, -keep:]
+                    logits, _ = self(window)
         finally:
             for block in self.transformer.h:
                 block.attn.kv_cache = None
 
     def _allocate_kv_cache(self, batch_size, device):
-        # One preallocated buffer per layer for (batch, block_size): writing into it costs nothing per step,
-        # where growing a tensor with torch.cat would copy the whole cache every token.
-        if batch_size > self.config.max_batch_size:
-            raise ValueError(f"batch of {batch_size} is larger than max_batch_size={self.config.max_batch_size}")
+        # One preallocated buffer per layer for (batch, block_size): writing into it costs nothing
+        # per step, where growing a tensor with torch.cat would copy the whole cache every token.
+        cfg = self.config
+        if batch_size > cfg.max_batch_size:
+            raise ValueError(f"batch of {batch_size} is larger than max_batch_size={cfg.max_batch_size}")
         dtype = self.lm_head.weight.dtype
-        if torch.is_autocast_enabled(device.type):  # keys/values come out of autocast matmuls in its dtype
+        if torch.is_autocast_enabled(device.type):  # keys/values come out of autocast in its dtype
             dtype = torch.get_autocast_dtype(device.type)
-        shape = (batch_size, self.config.n_kv_head, self.config.block_size, self.config.n_embd // self.config.n_head)
+        shape = (batch_size, cfg.n_kv_head, cfg.block_size, cfg.n_embd // cfg.n_head)
         for block in self.transformer.h:
-            block.attn.kv_cache = tuple(torch.zeros(shape, dtype=dtype, device=device) for _ in range(2))
+            block.attn.kv_cache = (torch.zeros(shape, dtype=dtype, device=device),
+                                   torch.zeros(shape, dtype=dtype, device=device))
 
 
-# Dense bf16 peaks (fp16: V100, T4) from data sheets; the first key in the GPU's name wins ("A100" before "A10").
-PEAK_FLOPS = {"GB200": 2.5e15, "B200": 2.25e15, "GH200": 989e12, "H200": 989e12, "H100 PCIe": 756e12, "H100": 989e12,
-              "H800": 989e12, "A100": 312e12, "A800": 312e12, "L40S": 362e12, "L40": 181e12, "L4": 121e12, "A10G": 70e12,
-              "A10": 125e12, "A6000": 155e12, "A5000": 111e12, "A4000": 77e12, "A40": 150e12, "4090": 165e12,
-              "3090": 71e12, "MI300X": 1307e12, "MI250X": 383e12, "V100": 125e12, "T4": 65e12}
+# Dense bf16 peaks (fp16: V100, T4) from data sheets; the first key in the GPU's name wins.
+PEAK_FLOPS = {"GB200": 2.5e15, "B200": 2.25e15, "GH200": 989e12, "H200": 989e12, "H100 PCIe": 756e12,
+              "H100": 989e12, "H800": 989e12, "A100": 312e12, "A800": 312e12, "L40S": 362e12,
+              "L40": 181e12, "L4": 121e12, "A10G": 70e12, "A10": 125e12, "A6000": 155e12,
+              "A5000": 111e12, "A4000": 77e12, "A40": 150e12, "4090": 165e12, "3090": 71e12,
+              "MI300X": 1307e12, "MI250X": 383e12, "V100": 125e12, "T4": 65e12}
 
 
 def peak_flops(device):
-    """(peak FLOP/s or None, label) for a torch device. None on the CPU, whose peak depends on cores and SIMD
-    width more than on its name. An unknown GPU is measured against an A100, and the label says so."""
+    """(peak FLOP/s, label) for a device: None on the CPU (its peak depends on cores and SIMD width,
+    not its name); an unknown GPU counts as an A100, and says so."""
     device = torch.device(device)
     if device.type != "cuda":
         return None, f"n/a on {device.type}"
     name = torch.cuda.get_device_name(device)
     flops = next((flops for key, flops in PEAK_FLOPS.items() if key in name), None)
-    return (flops, f"{name}: {flops / 1e12:.0f} TFLOP/s peak") if flops else \
-        (312e12, f"{name} is not in the table: assuming an A100's 312 TFLOP/s")
+    if flops is None:
+        return 312e12, f"{name} is not in the table: assuming an A100's 312 TFLOP/s"
+    return flops, f"{name}: {flops / 1e12:.0f} TFLOP/s peak"
 
 
 def top_k_filter(logits, k):
@@ -322,19 +349,24 @@ def top_k_filter(logits, k):
 
 
 def top_p_filter(logits, p):
-    """Nucleus filtering: keep the fewest most likely tokens whose probabilities reach p; the others get -inf."""
+    """Nucleus filtering: keep the fewest most likely tokens whose probabilities reach p."""
     sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
     sorted_probs = F.softmax(sorted_logits.float(), dim=-1)
-    mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs  # probability of the tokens ranked above
+    mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs  # of the tokens ranked above
     remove_sorted = mass_before >= p  # the set already reached p without this token
     remove_sorted[..., 0] = False
     remove = torch.zeros_like(remove_sorted).scatter(-1, order, remove_sorted)
     return logits.masked_fill(remove, float("-inf"))
 
 
+# Below this temperature, greedy: a tinier one overflows the logits to inf and the softmax to NaN,
+# while at 1e-4 a lead of 0.01 in logit already takes all the probability.
+GREEDY_BELOW = 1e-4
+
+
 def sample_next_token(logits, temperature=1.0, top_k=None, top_p=None, generator=None):
-    """logits (B, vocab) -> next token ids (B, 1). temperature <= 0 (or None) means greedy: the argmax."""
-    if temperature is None or temperature <= 0:
+    """logits (B, vocab) -> next token ids (B, 1). A temperature near 0, or below, or None: greedy."""
+    if temperature is None or temperature < GREEDY_BELOW:
         return torch.argmax(logits, dim=-1, keepdim=True)
     logits = logits.float() / temperature
     if top_k is not None and top_k > 0:
@@ -347,17 +379,17 @@ def sample_next_token(logits, temperature=1.0, top_k=None, top_p=None, generator
 # ---- the Muon optimizer ----
 
 def orthogonalize(matrices, steps=5):
-    """The nearest orthogonal matrix to each of a stack of matrices (n, rows, cols), approximately: U V^T of each
-    one's SVD U S V^T. Each Newton-Schulz step maps X to a X + b (X X^T) X + c (X X^T)^2 X, which maps every
-    singular value s alone to p(s) = a s + b s^3 + c s^5; Keller Jordan's coefficients make p steep at 0 and keep
-    it near 1 beyond, so five steps take singular values from 0.003 to 1 into about 0.7..1.2. Only matmuls: fast on
-    a GPU in bfloat16. On the CPU, float32: CPUs without AVX-512 BF16 emulate bf16 matmuls, ~27x slower."""
+    """The nearest orthogonal matrix to each of a stack of matrices (n, rows, cols), approximately:
+    U V^T of each one's SVD U S V^T. A Newton-Schulz step maps X to a X + b (X X^T) X + c (X X^T)^2 X,
+    so each singular value s to p(s) = a s + b s^3 + c s^5; Keller Jordan's coefficients make p
+    steep at 0 and keep it near 1 beyond: five steps take singular values from 0.003 to 1 into about
+    0.7..1.2. Only matmuls: bfloat16 on a GPU; float32 on a CPU, which emulates bf16 ~27x slower."""
     a, b, c = 3.4445, -4.7750, 2.0315
     x = matrices.bfloat16() if matrices.is_cuda else matrices.float()
     wide = x.size(-2) <= x.size(-1)
     if not wide:  # work on the wide orientation: X X^T is then the smaller square
         x = x.mT.contiguous()
-    x = x / (x.norm(dim=(-2, -1), keepdim=True) + 1e-7)  # all singular values <= the Frobenius norm = 1
+    x = x / (x.norm(dim=(-2, -1), keepdim=True) + 1e-7)  # singular values <= the Frobenius norm = 1
     for _ in range(steps):
         gram = x @ x.mT
         poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)  # b X X^T + c (X X^T)^2
@@ -368,16 +400,18 @@ def orthogonalize(matrices, steps=5):
 class MuonAdamW(torch.optim.Optimizer):
     """Muon for the groups marked use_muon (2-D weight matrices), AdamW for the other groups.
 
-    Why Muon (Jordan et al. 2024): the gradient of a weight matrix is dominated by a few directions, and AdamW's
-    step follows them. Muon replaces the momentum of each matrix with its nearest orthogonal matrix: the same
-    directions, all moved by the same amount (CPU Shakespeare recipe: val loss 1.59 where AdamW gets 1.68).
-    Its entries are ~1/sqrt(max(rows, cols)): scaled by 0.2 * sqrt(max(rows, cols)), the step has an RMS of 0.2,
-    about an AdamW step's (Liu et al. 2025), so one learning rate drives both. ns_every=k orthogonalizes every
-    k-th step after the first ns_warmup steps and reuses the direction in between (the momentum moves ~5% a step)."""
+    Why Muon (Jordan et al. 2024): the gradient of a weight matrix is dominated by a few directions,
+    and AdamW's step follows them. Muon replaces the momentum of each matrix with its nearest
+    orthogonal matrix: the same directions, all moved by the same amount (CPU Shakespeare recipe:
+    val loss 1.59 where AdamW gets 1.68). Its entries are ~1/sqrt(max(rows, cols)): scaled by
+    0.2 * sqrt(max(rows, cols)), the step has an RMS of 0.2, about an AdamW step's (Liu et al.
+    2025), so one learning rate drives both. ns_every=k orthogonalizes every k-th step after the
+    first ns_warmup steps and reuses the direction in between (the momentum moves ~5% a step)."""
 
-    def __init__(self, param_groups, lr, betas=(0.9, 0.95), eps=1e-8, momentum=0.95, ns_steps=5, ns_every=1, ns_warmup=0):
-        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=0.0, momentum=momentum, ns_steps=ns_steps,
-                        ns_every=ns_every, ns_warmup=ns_warmup, use_muon=False)
+    def __init__(self, param_groups, lr, betas=(0.9, 0.95), eps=1e-8, momentum=0.95, ns_steps=5,
+                 ns_every=1, ns_warmup=0):
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=0.0, momentum=momentum,
+                        ns_steps=ns_steps, ns_every=ns_every, ns_warmup=ns_warmup, use_muon=False)
         super().__init__(param_groups, defaults)
 
     @torch.no_grad()
@@ -389,8 +423,8 @@ class MuonAdamW(torch.optim.Optimizer):
 
     def _muon_step(self, group, params):
         lr, momentum = group["lr"], group["momentum"]
-        # Matrices of one shape are orthogonalized together, as one batched matmul per Newton-Schulz step; a tall
-        # matrix joins the wide ones of its transposed shape (the orthogonal factor of W^T is that of W, transposed).
+        # Matrices of one shape are orthogonalized together, in batched matmuls; a tall matrix joins
+        # the wide ones of its transposed shape.
         by_shape = {}
         for p in params:
             by_shape.setdefault((min(p.shape), max(p.shape)), []).append(p)
@@ -399,14 +433,16 @@ class MuonAdamW(torch.optim.Optimizer):
             grads = [p.grad for p in same_shape]
             buffers = [state.get("momentum_buffer") for state in states]
             if buffers[0] is None:
-                buffers = [state.setdefault("momentum_buffer", torch.zeros_like(p)) for state, p in zip(states, same_shape)]
-            torch._foreach_lerp_(buffers, grads, 1 - momentum)  # buffer = momentum-weighted mean of gradients
+                buffers = [state.setdefault("momentum_buffer", torch.zeros_like(p))
+                           for state, p in zip(states, same_shape)]
+            torch._foreach_lerp_(buffers, grads, 1 - momentum)  # a momentum-weighted mean of grads
             every, step = group.get("ns_every", 1), states[0].get("step", 0)
-            if every == 1 or step % every == 0 or step < group.get("ns_warmup", 0) or "direction" not in states[0]:
-                # Nesterov: step along the gradient plus the buffer, i.e. where the momentum is about to take us.
+            fresh = every == 1 or step % every == 0 or step < group.get("ns_warmup", 0)
+            if fresh or "direction" not in states[0]:
+                # Nesterov: step along the gradient plus the buffer, where the momentum will go.
                 nesterov = torch._foreach_lerp(grads, buffers, momentum)
                 wide = torch.stack([g if g.size(0) == rows else g.mT for g in nesterov])
-                directions = orthogonalize(wide, group["ns_steps"]).to(same_shape[0].dtype).unbind(0)
+                directions = orthogonalize(wide, group["ns_steps"]).to(same_shape[0].dtype)
                 directions = [d if p.size(0) == rows else d.mT for d, p in zip(directions, same_shape)]
             else:
                 directions = [state["direction"] for state in states]
@@ -417,7 +453,7 @@ class MuonAdamW(torch.optim.Optimizer):
             torch._foreach_add_(same_shape, directions, alpha=-lr * 0.2 * cols ** 0.5)
 
     def _adamw_step(self, group, params):
-        # AdamW, on whole lists of tensors at once (torch._foreach_*: one call per line, not one per tensor).
+        # AdamW on whole lists of tensors (torch._foreach_*: one call per line, not one per tensor).
         lr, (beta1, beta2), eps = group["lr"], group["betas"], group["eps"]
         for p in params:
             if not self.state[p]:
@@ -430,7 +466,7 @@ class MuonAdamW(torch.optim.Optimizer):
         torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)  # running means of the gradient and its square
         torch._foreach_mul_(exp_avg_sqs, beta2)
         torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
-        # Both averages start at 0 and are biased toward it for the first ~1/(1 - beta) steps: divide it out.
+        # Both averages start at 0, biased toward it for ~1/(1 - beta) steps: divide the bias out.
         denominators = torch._foreach_div(exp_avg_sqs, 1 - beta2 ** step)
         torch._foreach_sqrt_(denominators)
         torch._foreach_add_(denominators, eps)
@@ -438,15 +474,16 @@ class MuonAdamW(torch.optim.Optimizer):
         torch._foreach_addcdiv_(params, exp_avgs, denominators, value=-lr / (1 - beta1 ** step))
 
 
-# ---- checkpoints ----
+# ---- checkpoints, and the tokenizer they carry ----
 
 class CheckpointError(Exception):
     """A checkpoint that can't be used; str(error) is one line that says why and what to do."""
 
 
 def save_checkpoint(path, checkpoint):
-    """Write the checkpoint atomically (a temporary file, then os.replace: a crash never leaves half a ckpt.pt),
-    without torch.compile's "_orig_mod." and DDP's "module." prefixes in the model's state dict."""
+    """Write the checkpoint, without torch.compile's "_orig_mod." and DDP's "module." prefixes, to
+    a temporary file, then rename it: a crash never leaves half a ckpt.pt, and a failed write
+    (OSError: no space left) keeps the old one."""
     checkpoint = {"version": CHECKPOINT_VERSION, **checkpoint}
     if "model" in checkpoint:
         checkpoint["model"] = {re.sub(r"^(_orig_mod\.|module\.)+", "", key): value
@@ -454,7 +491,14 @@ def save_checkpoint(path, checkpoint):
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     temp_path = f"{path}.tmp.{os.getpid()}"
     try:
-        torch.save(checkpoint, temp_path)
+        with open(temp_path, "wb") as file:
+            try:
+                torch.save(checkpoint, file)
+            except RuntimeError as err:
+                # How torch's zip writer reports a failed write: the OSError is its __context__.
+                if not isinstance(err.__context__, OSError):
+                    raise
+                raise err.__context__ from None
         os.replace(temp_path, path)
     finally:
         if os.path.exists(temp_path):
@@ -462,39 +506,120 @@ def save_checkpoint(path, checkpoint):
 
 
 def load_checkpoint(path, map_location="cpu"):
-    """Read a checkpoint written by save_checkpoint, with weights_only=True (loading never runs code).
-    Raises CheckpointError, with a one-line message, for a missing, truncated, foreign or other-version file."""
+    """Read a checkpoint written by save_checkpoint, with weights_only=True (loading never runs
+    code); CheckpointError, one line, if it can't be used."""
     if not os.path.isfile(path):
-        raise CheckpointError(f"no checkpoint at {path}: train one with train.py (it writes out_dir/ckpt.pt) "
-                              f"or point --out_dir at the directory that holds it")
-    refused = CheckpointError(f"{path} is not a plain-data checkpoint, refused: it holds Python objects, and loading "
-                              f"them could run code (save_checkpoint writes only tensors and plain data)")
+        raise CheckpointError(f"no checkpoint at {path}: train one with train.py, or point "
+                              f"--out_dir at the directory that holds it")
+    refused = CheckpointError(f"{path} is not a plain-data checkpoint, refused: it holds Python "
+                              f"objects, and loading them could run code")
     with open(path, "rb") as f:
-        if f.read(1) == b"\x80":  # a bare pickle (its first opcode); torch.save writes a zip file ("PK")
+        if f.read(1) == b"\x80":  # a bare pickle (its first opcode); torch.save writes a zip ("PK")
             raise refused
     try:
         checkpoint = torch.load(path, map_location=map_location, weights_only=True)
-    except Exception as err:  # a damaged file fails in many places of the unpickler and the zip reader
-        if "unsupported global" in str(err).lower():  # a class or a function, which weights_only refuses
+    except Exception as err:  # a damaged file fails in many places of the unpickler and zip reader
+        if "unsupported global" in str(err).lower():  # a class or function: weights_only refuses it
             raise refused from None
         raise CheckpointError(f"{path} is truncated or corrupt ({type(err).__name__}): "
                               f"use an earlier checkpoint (ckpt_<iter>.pt) or train again") from None
-    if not isinstance(checkpoint, dict) or "version" not in checkpoint:
-        raise CheckpointError(f"{path} is not a lilLM checkpoint (no 'version' entry)")
-    if checkpoint["version"] != CHECKPOINT_VERSION:
-        raise CheckpointError(f"{path} is a version {checkpoint['version']} checkpoint; this model.py reads version "
-                              f"{CHECKPOINT_VERSION}: use the lilLM version that wrote it")
-    missing = [key for key in ("model", "model_config") if key not in checkpoint]
-    if missing:
-        raise CheckpointError(f"{path} lacks {', '.join(missing)}: it was not written by train.py")
+    if not isinstance(checkpoint, dict) or {"version", "model", "model_config"} - checkpoint.keys():
+        raise CheckpointError(f"{path} is not a lilLM checkpoint (version, model, model_config)")
+    version = checkpoint["version"]
+    if version != CHECKPOINT_VERSION:
+        raise CheckpointError(f"{path} is a version {version} checkpoint; this model.py reads "
+                              f"version {CHECKPOINT_VERSION}: use the lilLM version that wrote it")
     return checkpoint
 
 
+def first_line(error):
+    """An exception as one short line, for a CheckpointError's message."""
+    return f"{type(error).__name__}: {str(error)[:100]}".splitlines()[0]
+
+
 def model_from_checkpoint(checkpoint):
-    """Rebuild the GPT a checkpoint describes and load its weights; CheckpointError if they don't fit."""
+    """Rebuild the GPT a checkpoint describes (GPTConfig checks its model_config) and load its
+    weights; CheckpointError, one line, if they don't fit."""
     try:
         model = GPT(GPTConfig(**checkpoint["model_config"]))
         model.load_state_dict(checkpoint["model"])
-    except (TypeError, RuntimeError, AssertionError) as err:
-        raise CheckpointError(f"the checkpoint's model does not fit this model.py: {str(err).splitlines()[0]}") from None
+    except (TypeError, ValueError, RuntimeError) as err:
+        message = f"the checkpoint's model does not fit this model.py: {first_line(err)}"
+        raise CheckpointError(message) from None
     return model
+
+
+class CharTokenizer:
+    """One id per character of `chars`, with the methods of tiktoken.Encoding the scripts use."""
+    special_tokens_set = frozenset()  # no <|endoftext|>: a char-level dataset is one text
+
+    def __init__(self, chars):
+        self.chars, self.n_vocab = chars, len(chars)
+        self.ids = {char: token_id for token_id, char in enumerate(chars)}
+
+    def encode(self, text, allowed_special=()):
+        missing = sorted(set(text) - self.ids.keys())
+        if missing:
+            shown = " ".join(map(repr, missing[:20])) + " ..." * (len(missing) > 20)
+            raise ValueError(f"{len(missing)} character(s) the model's vocabulary lacks: {shown}")
+        return [self.ids[char] for char in text]
+
+    def decode_single_token_bytes(self, token_id):
+        return self.chars[token_id].encode("utf-8")
+
+
+def tokenizer_problem(ranks, special_tokens):
+    """Why BPE ranks (token bytes -> id) and special tokens (name -> id) can't be a tokenizer, or None."""
+    size = len(ranks)
+    if sorted(ranks.values()) != list(range(size)):
+        return f"its ranks are not 0..{size - 1}, each exactly once"
+    if sorted(token for token, rank in ranks.items() if rank < 256) != [bytes([b]) for b in range(256)]:
+        return "its ranks 0-255 are not the 256 single bytes"
+    for name, token_id in special_tokens.items():
+        if type(token_id) is not int or token_id < size:
+            return f"special token {name!r} has id {token_id!r}; special tokens take the ids from {size} up"
+    return None
+
+
+def encoding_from_checkpoint(checkpoint):
+    """The tokenizer a checkpoint carries: a tiktoken.Encoding (our BPE, or a tiktoken name) or a
+    CharTokenizer. CheckpointError, one line, if it can't be one or outgrows the model's vocab."""
+    import tiktoken  # here: the model alone (training, a benchmark) never needs it
+
+    tokenizer = checkpoint.get("tokenizer")
+    kind = tokenizer.get("kind") if isinstance(tokenizer, dict) else None
+    if kind not in ("bpe", "tiktoken", "char"):
+        raise CheckpointError(f"the checkpoint records no tokenizer (its 'tokenizer' entry is "
+                              f"{str(tokenizer)[:80]}): it was not written by train.py")
+    if kind == "char":
+        chars = tokenizer.get("chars")
+        if type(chars) is not list or not all(type(char) is str for char in chars):
+            raise CheckpointError("the checkpoint's char-level tokenizer has no list of characters")
+        encoding = CharTokenizer(chars)
+    elif kind == "tiktoken":
+        name = tokenizer.get("name")
+        try:
+            encoding = tiktoken.get_encoding(name)
+        except Exception as err:  # an unknown name, or no internet for the first download
+            raise CheckpointError(f"can't load the tiktoken encoding {name!r} ({first_line(err)}); "
+                                  "it is downloaded once, then cached") from None
+    else:
+        try:
+            lines = [line.split() for line in tokenizer["ranks"].splitlines() if line.strip()]
+            ranks = {base64.b64decode(token, validate=True): int(rank) for token, rank in lines}
+            special_tokens = tokenizer.get("special_tokens", {})
+            # Checked first: wrong ranks make tiktoken's Rust core panic, in 80 lines.
+            problem = tokenizer_problem(ranks, special_tokens)
+            if problem is None:
+                encoding = tiktoken.Encoding("lillm", pat_str=tokenizer["pattern"],
+                                             mergeable_ranks=ranks, special_tokens=special_tokens)
+        except Exception as err:  # a missing key, a bad line or pattern: not what train.py writes
+            problem = first_line(err)
+        if problem:
+            raise CheckpointError(f"the checkpoint's BPE tokenizer is malformed: {problem}")
+    model_config = checkpoint.get("model_config")
+    vocab_size = model_config.get("vocab_size") if isinstance(model_config, dict) else None
+    if type(vocab_size) is int and encoding.n_vocab > vocab_size:
+        raise CheckpointError(f"the checkpoint's tokenizer has {encoding.n_vocab} ids, more than "
+                              f"its model's vocab_size={vocab_size}")
+    return encoding

@@ -4,6 +4,7 @@ steps and saved with save_checkpoint. Two exports run as programs (a good one an
 export_hf.py's command line in this process, which saves a torch import (~2 s) per case."""
 import base64
 import contextlib
+import fcntl
 import inspect
 import io
 import json
@@ -135,8 +136,10 @@ def exported(tmp_path_factory):
     tokens = [t for doc in OFFLINE_DOCS for t in tiktoken_from(offline_tokenizer).encode_ordinary(doc)]
     for name, config in MODELS.items():
         save(root / name, train_a_little(config, tokens), offline_tokenizer)
-    # Two runs as programs (a good export and a refusal), the other cases in this process.
-    processes = {"gqa": start_export(f"--out_dir={root / 'gqa'}", f"--hf_dir={root / 'hf_gqa'}")}
+    # Runs as programs: two exports into one hf_dir started together (one writes it, as a run alone would, and
+    # the other refuses in one line) and a refusal; the other cases in this process.
+    processes = {race: start_export(f"--out_dir={root / 'gqa'}", f"--hf_dir={root / 'hf_gqa'}")
+                 for race in ("gqa", "gqa again")}
     (root / "foreign").mkdir()
     torch.save({"weights": torch.zeros(2)}, root / "foreign" / "ckpt.pt")
     processes["not ours"] = start_export(f"--out_dir={root / 'foreign'}", f"--hf_dir={root / 'hf_foreign'}")
@@ -148,11 +151,16 @@ def exported(tmp_path_factory):
     save(root / "char", GPT(char_config), {"kind": "char", "chars": [chr(32 + i) for i in range(70)]})
     (root / "hf_taken").mkdir()
     (root / "hf_taken" / "keep.txt").write_text("mine")
+    save(root / "n_head_0", GPT(char_config), {"kind": "tiktoken", "name": "gpt2"})
+    broken = load_checkpoint(str(root / "n_head_0" / "ckpt.pt"))
+    broken["model_config"]["n_head"] = 0  # a model_config that GPTConfig refuses
+    save_checkpoint(str(root / "n_head_0" / "ckpt.pt"), broken)
     bad = {"no checkpoint": (root / "empty", "no checkpoint at"),
            "not ours": (root / "foreign", "is not a lilLM checkpoint"),
            "char level": (root / "char", "char-level"),
+           "n_head=0": (root / "n_head_0", "does not fit this model.py: ValueError: n_head=0: must be a positive"),
            "hf_dir taken": (root / "gqa", "already exists and is not an empty directory")}
-    for case in ("no checkpoint", "char level", "hf_dir taken"):
+    for case in ("no checkpoint", "char level", "n_head=0", "hf_dir taken"):
         out_dir = bad[case][0]
         hf_dir = root / "hf_taken" if case == "hf_dir taken" else root / f"hf_{out_dir.name}"
         results[case] = export_here(f"--out_dir={out_dir}", f"--hf_dir={hf_dir}")
@@ -170,6 +178,8 @@ def exported(tmp_path_factory):
     del tiktoken.registry.ENCODING_CONSTRUCTORS[TIKTOKEN_NAME]
 
     results.update({case: finish(process) for case, process in processes.items()})
+    if results["gqa"].returncode != 0:  # the other one won the race
+        results["gqa"], results["gqa again"] = results["gqa again"], results["gqa"]
     for name in (*MODELS, "named"):
         assert results[name].returncode == 0, results[name].stderr
     return {"root": root, "results": results, "bad": bad, "tokenizer": offline_tokenizer, "tokens": tokens}
@@ -281,7 +291,7 @@ def test_same_tokens_as_tiktoken_on_real_text(corpus, tmp_path):
         assert hf_tokenizer.decode(ids) == text
 
 
-@pytest.mark.parametrize("case", ["no checkpoint", "not ours", "char level", "hf_dir taken"])
+@pytest.mark.parametrize("case", ["no checkpoint", "not ours", "char level", "n_head=0", "hf_dir taken"])
 def test_bad_input_gets_one_line_and_writes_nothing(exported, case):
     result = exported["results"][case]
     out_dir, message = exported["bad"][case]
@@ -302,3 +312,26 @@ def test_tiktoken_name_exports_or_refuses_in_one_line(exported):
     encoding = tiktoken.get_encoding("gpt2")
     for text in OFFLINE_DOCS + EDGE_CASES:
         assert hf_tokenizer.encode(text) == encoding.encode_ordinary(text), repr(text[:80])
+
+
+def test_one_writer_per_hf_dir(exported, tmp_path):
+    # The two exports into hf_gqa started together: one wrote it (the other tests read it), and the other
+    # refused in one line, as another run writing there or as the finished export it found.
+    race = exported["results"]["gqa again"]
+    assert race.returncode == 1 and race.stderr.count("\n") == 1, race.stderr
+    assert race.stderr.startswith(f"error: {exported['root'] / 'hf_gqa'}: another run is writing there") or \
+        race.stderr.startswith(f"error: --hf_dir={exported['root'] / 'hf_gqa'} already exists and is not an empty")
+    assert sorted(os.listdir(exported["root"] / "hf_gqa")) == ["config.json", "model.safetensors", "tokenizer.json",
+                                                                "tokenizer_config.json"]
+    # While another process holds the lock (here: this one, on its own descriptor), an export refuses.
+    hf_dir = tmp_path / "hf_locked"
+    hf_dir.mkdir()
+    descriptor = os.open(hf_dir, os.O_RDONLY)
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        result = export_here(f"--out_dir={exported['root'] / 'gqa'}", f"--hf_dir={hf_dir}")
+    finally:
+        os.close(descriptor)
+    assert result.returncode == 1 and result.stderr == (f"error: {hf_dir}: another run is writing there; wait for it "
+                                                        "to end, or choose another directory\n")
+    assert os.listdir(hf_dir) == [] and not list(tmp_path.glob("*.tmp.*"))

@@ -1,8 +1,12 @@
 """model.py: each property checked against an independent route to the same answer (a hand-written attention,
 a full recompute, a brute-force filter, the parameter formula of the architecture)."""
+import base64
 import math
 import os
 import pickle
+import re
+import resource
+import signal
 import sys
 import warnings
 from dataclasses import asdict
@@ -13,9 +17,9 @@ import torch.nn.functional as F
 from hypothesis import assume, given, settings, strategies as st
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from model import (GPT, CheckpointError, GPTConfig, MuonAdamW, apply_rope, load_checkpoint,  # noqa: E402
-                   model_from_checkpoint, orthogonalize, peak_flops, rope_tables, save_checkpoint, top_k_filter,
-                   top_p_filter)
+from model import (GPT, CharTokenizer, CheckpointError, GPTConfig, MuonAdamW, apply_rope,  # noqa: E402
+                   encoding_from_checkpoint, load_checkpoint, model_from_checkpoint, orthogonalize, peak_flops,
+                   rope_tables, save_checkpoint, top_k_filter, top_p_filter)
 
 
 def tiny_config(**overrides):
@@ -126,10 +130,27 @@ def test_attention_equals_multi_head_attention_by_hand(n_kv_head):
 @pytest.mark.parametrize("ratio, n_embd, hidden", [(8 / 3, 128, 384), (8 / 3, 768, 2048), (2.0, 128, 256),
                                                    (2.0, 384, 768), (4.0, 100, 512)])
 def test_ffn_ratio_rounds_up_to_a_multiple_of_128(ratio, n_embd, hidden):
-    config = GPTConfig(n_embd=n_embd, n_head=4, n_kv_head=2, ffn_ratio=ratio)
+    config = GPTConfig(n_embd=n_embd, n_head=2, n_kv_head=2, ffn_ratio=ratio)  # 100 // 4 is an odd head size
     assert config.ffn_hidden_size == hidden
     small = tiny_config(ffn_ratio=ratio)
     assert GPT(small).transformer.h[0].mlp.c_up.out_features == small.ffn_hidden_size
+
+
+@pytest.mark.parametrize("setting, message", [
+    ({"n_head": 0}, "n_head=0: must be a positive integer"),
+    ({"max_batch_size": 0}, "max_batch_size=0: must be a positive integer"),
+    ({"n_embd": -4}, "n_embd=-4: must be a positive integer"),
+    ({"n_layer": 2.0}, "n_layer=2.0: must be a positive integer"),
+    ({"n_head": 5}, "n_head must divide n_embd into an even head size"),  # 48 / 5
+    ({"n_head": 16}, "n_head must divide n_embd into an even head size"),  # 48 / 16 = 3, odd: RoPE rotates pairs
+    ({"n_kv_head": 3}, "n_kv_head must divide n_head"),
+    ({"dropout": 1.0}, "dropout=1.0: a probability"),
+    ({"ffn_ratio": float("inf")}, "ffn_ratio=inf: must be positive"),
+])
+def test_a_config_that_cant_be_a_model_is_one_line(setting, message):
+    with pytest.raises(ValueError, match=re.escape(message)) as info:
+        tiny_config(**setting)
+    assert "\n" not in str(info.value)
 
 
 @pytest.mark.parametrize("config, documented", [
@@ -311,7 +332,9 @@ def test_temperature_zero_is_greedy():
     model = tiny_model()
     prompt = torch.zeros(1, 3, dtype=torch.long)
     greedy = model.generate(prompt, 10, temperature=0)
-    assert torch.equal(model.generate(prompt, 10, temperature=-1.0), greedy)
+    # At or near 0: logits / 1e-39 overflow float32 to inf (1e-300 does in any dtype), and softmax gives NaN.
+    for temperature in (-1.0, 1e-39, 1e-300):
+        assert torch.equal(model.generate(prompt, 10, temperature=temperature), greedy)
     logits, _ = model(prompt)
     assert greedy[0, 3].item() == logits[0, -1].argmax().item()
 
@@ -544,11 +567,12 @@ def test_bad_checkpoints_give_one_line_errors(tmp_path):
     (tmp_path / "garbage.pt").write_bytes(b"not a checkpoint at all")
     torch.save({"version": 2, "model": {}, "model_config": {}}, tmp_path / "v2.pt")
     torch.save({"weights": torch.zeros(2)}, tmp_path / "foreign.pt")
+    torch.save({"version": 1, "model": {}}, tmp_path / "no_config.pt")
     torch.save({"version": 1, "model": NotPlainData(), "model_config": {}}, tmp_path / "pickled_object.pt")
     refused = "not a plain-data checkpoint, refused"
     cases = {"pickled_object.pt": refused, "missing.pt": "no checkpoint at", "truncated.pt": "truncated or corrupt",
              "garbage.pt": "truncated or corrupt", "v2.pt": "is a version 2 checkpoint; this model.py reads version 1",
-             "foreign.pt": "not a lilLM"}
+             "foreign.pt": "not a lilLM", "no_config.pt": "not a lilLM"}
     for name, message in cases.items():
         with pytest.raises(CheckpointError, match=message) as info:
             load_checkpoint(str(tmp_path / name))
@@ -565,3 +589,78 @@ def test_bad_checkpoints_give_one_line_errors(tmp_path):
     mismatched["model_config"]["n_embd"] = 64
     with pytest.raises(CheckpointError, match="does not fit"):
         model_from_checkpoint(mismatched)
+    # A model_config that GPTConfig refuses is one line too.
+    for name in ("n_head", "max_batch_size"):
+        with pytest.raises(CheckpointError, match=f"does not fit this model.py: ValueError: {name}=0: must be"):
+            model_from_checkpoint({**mismatched, "model_config": {**asdict(model.config), name: 0}})
+
+
+def test_a_save_that_fails_for_space_keeps_the_old_checkpoint(tmp_path):
+    # A full disk, as a file size limit (RLIMIT_FSIZE, with its signal ignored: each write past it fails with
+    # EFBIG, where a full disk fails with ENOSPC). torch.save alone reports it as a RuntimeError about zip
+    # positions; save_checkpoint raises the OSError, removes its temporary file and leaves ckpt.pt as it was.
+    path = tmp_path / "ckpt.pt"
+    small, large = tiny_model(), tiny_model(n_layer=8)
+    save_checkpoint(str(path), {"model": small.state_dict(), "model_config": asdict(small.config)})
+    before = path.read_bytes()
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (len(before) * 2, hard))
+    try:
+        with pytest.raises(OSError) as info:
+            save_checkpoint(str(path), {"model": large.state_dict(), "model_config": asdict(large.config)})
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, handler)
+    assert info.value.strerror == os.strerror(info.value.errno) and info.value.errno is not None
+    assert os.listdir(tmp_path) == ["ckpt.pt"] and path.read_bytes() == before
+
+
+def bpe_entry(tokens, special_tokens, pattern=r"\S+|\s+"):
+    """A checkpoint's tokenizer entry as train.py stores it: the text of a .tiktoken file, rank = position."""
+    ranks = "".join(f"{base64.b64encode(token).decode()} {rank}\n" for rank, token in enumerate(tokens))
+    return {"kind": "bpe", "ranks": ranks, "pattern": pattern, "special_tokens": special_tokens}
+
+
+BYTES = [bytes([b]) for b in range(256)]
+
+
+def test_encoding_from_checkpoint_rebuilds_each_kind():
+    bpe = encoding_from_checkpoint({"tokenizer": bpe_entry(BYTES + [b"ab", b"abc"], {"<|endoftext|>": 258})})
+    assert bpe.encode("abc ab<|endoftext|>", allowed_special="all") == [257, 32, 256, 258]
+    assert bpe.n_vocab == 259 and bpe.decode_single_token_bytes(257) == b"abc"
+    chars = encoding_from_checkpoint({"tokenizer": {"kind": "char", "chars": ["\n", "a", "é"]},
+                                      "model_config": {"vocab_size": 3}})
+    assert isinstance(chars, CharTokenizer) and chars.encode("aé\n") == [1, 2, 0] and chars.n_vocab == 3
+    assert chars.decode_single_token_bytes(2) == "é".encode()
+    with pytest.raises(ValueError, match="1 character\\(s\\) the model's vocabulary lacks: 'b'"):
+        chars.encode("ab")
+
+
+@pytest.mark.parametrize("tokenizer, message", [
+    (None, "records no tokenizer"),
+    ({"kind": "words"}, "records no tokenizer"),
+    ({"kind": "char", "chars": "abc"}, "no list of characters"),
+    ({"kind": "tiktoken", "name": "no_such_encoding"}, "can't load the tiktoken encoding 'no_such_encoding'"),
+    # A special token on a byte's rank; a byte's rank given to another token (tiktoken's Rust core panics).
+    (bpe_entry(BYTES, {"<|endoftext|>": 5}), "special token '<|endoftext|>' has id 5; special tokens take the ids"),
+    (bpe_entry(BYTES[:65] + [b"zz"] + BYTES[66:], {}), "its ranks 0-255 are not the 256 single bytes"),
+    (bpe_entry(BYTES + [b"ab"], {}) | {"ranks": bpe_entry(BYTES, {})["ranks"] + "YWI= 300\n"}, "not 0..256"),
+    (bpe_entry(BYTES, {}, pattern="(unclosed"), "malformed: ValueError"),
+    (bpe_entry(BYTES, {}) | {"ranks": "not base64!\n"}, "malformed"),
+    (bpe_entry(BYTES, {"<|endoftext|>": 256}), "has 257 ids, more than its model's vocab_size=256"),
+])
+def test_encoding_from_checkpoint_refuses_a_bad_tokenizer_in_one_line(tokenizer, message):
+    with pytest.raises(CheckpointError, match=re.escape(message)) as info:
+        encoding_from_checkpoint({"tokenizer": tokenizer, "model_config": {"vocab_size": 256}})
+    assert "\n" not in str(info.value)
+
+
+def test_prepare_data_checks_tokenizers_with_the_same_function():
+    """tokenizer_problem() stands in model.py and prepare_data.py as identical copies (the scripts share
+    only model.py, and prepare_data.py does not load torch): a fix in one must be made in both."""
+    def copy_in(script):
+        text = open(os.path.join(os.path.dirname(__file__), "..", script), encoding="utf-8").read()
+        start = text.index("def tokenizer_problem(")
+        return text[start:text.index("\n\n\n", start)]
+    assert copy_in("model.py") == copy_in("prepare_data.py")
