@@ -5,13 +5,14 @@ Turn text into token shards for train.py: fast, in flat memory, and resumable.
     python prepare_data.py --tokenizer gpt2 --data fineweb-edu --max_tokens 1000000000
     python prepare_data.py --tokenizer char --data ../shared/corpora/tinyshakespeare.txt
 
-It writes DIR/val_000000.npy, ..., DIR/train_000000.npy, ... and, last, DIR/meta.json (DIR: data/<source>_<tokenizer>
-unless --out), as the README describes. Killed and run again with the same arguments, it resumes where it stopped.
+It writes DIR/val_000000.npy, ..., DIR/train_000000.npy, ... and, last, DIR/meta.json (DIR: --out,
+or data/<source>_<tokenizer>), as the README says. Killed and rerun, it resumes where it stopped.
 """
 
 import argparse
 import base64
 import codecs
+import fcntl
 import hashlib
 import itertools
 import json
@@ -23,6 +24,7 @@ import time
 import urllib.parse
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -32,19 +34,20 @@ from tqdm import tqdm
 
 # -----------------------------------------------------------------------------
 # defaults, each overridable from the command line
-data = "fineweb"  # fineweb | fineweb-edu | openwebtext | tinystories | a .txt/.jsonl/.parquet file | a directory
-tokenizer = None  # a directory from train_bpe_*.py | a tiktoken name (gpt2, o200k_base) | char: one id per character
-out = None  # default data/<source>_<tokenizer> (data/fineweb_gpt2), or data/<tokenizer> if named after its source
-num_chars = None  # read only the first N characters of the stream (default: all of it)
+data = "fineweb"  # fineweb(-edu) | openwebtext | tinystories | a .txt/.jsonl/.parquet file or dir
+tokenizer = None  # a directory from train_bpe_*.py | a tiktoken name (gpt2) | char
+out = None  # data/<source>_<tokenizer>, or data/<tokenizer> if that is named after its source
+num_chars = None  # read only the first N characters (default: all)
 max_tokens = None  # stop after N tokens, train + val (default: no limit)
 shard_size = 100_000_000  # tokens per shard: 200 MB of uint16, as in build-nanogpt
-val_tokens = 1_000_000  # the validation split: the first documents, until they hold this many tokens
+val_tokens = 1_000_000  # val: the first documents, until they hold this many tokens
 workers = os.cpu_count()  # tokenizer threads
-batch_chars = 1 << 20  # characters per batch handed to a thread: big enough to amortize, small for memory
-HUB_DATASETS = {"fineweb": ("HuggingFaceFW/fineweb", "sample-10BT", None),  # (repository, config, parquet files)
-                "fineweb-edu": ("HuggingFaceFW/fineweb-edu", "sample-10BT", None),
-                "openwebtext": ("Skylion007/openwebtext", None, "data/train-*.parquet"),
-                "tinystories": ("roneneldan/TinyStories", None, None)}
+batch_chars = 1 << 20  # characters per batch handed to a thread: enough to amortize, few for memory
+HUB_DATASETS = {  # name: (repository, config, parquet files)
+    "fineweb": ("HuggingFaceFW/fineweb", "sample-10BT", None),
+    "fineweb-edu": ("HuggingFaceFW/fineweb-edu", "sample-10BT", None),
+    "openwebtext": ("Skylion007/openwebtext", None, "data/train-*.parquet"),
+    "tinystories": ("roneneldan/TinyStories", None, None)}
 LOCAL_SUFFIXES = (".txt", ".jsonl", ".parquet")
 # -----------------------------------------------------------------------------
 
@@ -53,22 +56,32 @@ class UserError(Exception):
     """A mistake in the input: printed as one line, never as a traceback."""
 
 
-# ---------------------------------------------------------------- step 1: encode documents in parallel threads
-# tiktoken's Rust core releases the GIL while it encodes, so threads use every core without a process pool's cost
-# (pickling documents to workers and tokens back); encode_to_numpy builds no list of ints. See bench/RESULTS.md.
-def encode_batch(texts, encoder, dtype):
-    """Each document's ids: <|endoftext|> (none at char level), then its text's, where "<|endoftext|>" is plain text."""
+# ---------------------------------------------------------------- step 1: encode in threads
+# tiktoken's Rust core releases the GIL while it encodes, so threads use every core without a
+# process pool's cost (pickling documents to workers, tokens back); encode_to_numpy builds no list
+# of ints. See bench/RESULTS.md.
+def encode_batch(texts, encoder, dtype, token_lengths):
+    """Each text's ids (<|endoftext|>, none at char level, then its own), its UTF-8 bytes, and the
+    bytes its ids spell: fewer where the split pattern left some unmatched (tiktoken drops them)."""
     eot = np.array([] if encoder.eot_token is None else [encoder.eot_token], dtype)
-    try:
-        return [np.concatenate([eot, encoder.encode_to_numpy(text, allowed_special=set(), disallowed_special=())],
-                               dtype=dtype) for text in texts]
-    except ValueError as error:  # tiktoken's regex gives up on a run of a million spaces (its backtracking limit)
-        raise UserError(f"tiktoken can't split a document ({error}); shorten its runs of whitespace")
+    encoded = []
+    for text in texts:
+        try:  # "<|endoftext|>" in a text is plain text
+            ids = encoder.encode_to_numpy(text, allowed_special=set(), disallowed_special=())
+        except ValueError as error:  # tiktoken's regex gives up on a million spaces, say
+            raise UserError(f"tiktoken can't split a document ({error}); "
+                            "shorten its runs of whitespace")
+        ids = np.concatenate([eot, ids], dtype=dtype)
+        text_bytes = len(text.encode("utf-8", "surrogatepass"))
+        # at char level (no token_lengths) every character is a token
+        kept = text_bytes if token_lengths is None else int(token_lengths[ids].sum())
+        encoded.append((ids, text_bytes, kept))
+    return encoded
 
 
 def encode_in_threads(texts, encode, workers):
-    """(tokens, number of characters) of each text, in order. Threads encode batches of about batch_chars
-    characters while this one reads ahead, at most 2 per thread: memory stays flat on any stream."""
+    """(encode's result, number of characters) for each text, in order. Threads encode batches of
+    batch_chars characters while this one reads ahead, 2 per thread at most: memory stays flat."""
     pool, in_flight, batch, size = ThreadPoolExecutor(workers), deque(), [], 0
     try:
         for text in itertools.chain(texts, [None]):  # None: the end, collect the rest
@@ -81,32 +94,47 @@ def encode_in_threads(texts, encode, workers):
             while in_flight and (text is None or len(in_flight) > 2 * workers):
                 done, future = in_flight.popleft()
                 yield from zip(future.result(), map(len, done))
-    finally:  # also when stopped early (--max_tokens, an error, Ctrl-C): drop the batches not yet begun
+    finally:  # also when stopped early (--max_tokens, an error, Ctrl-C): drop the batches not begun
         pool.shutdown(cancel_futures=True)
 
 
-# ---------------------------------------------------------------- step 2: shards, val first, then train
-# Shard k of a split holds its tokens [k * shard_size, (k + 1) * shard_size): the boundaries depend on the data alone.
-# A .npy file is a 128-byte header and the raw array: tokens stream into NAME.tmp behind a placeholder header, the
-# true header goes in when the shard is full, and only then is it renamed NAME. Each finished shard saves
-# progress.json: the meta.json to be, and where a resumed run starts (the first token not in a finished shard).
+class CharEncoder:
+    """tiktoken's interface at char level: a character's id is its rank in the data's characters."""
+    def __init__(self, chars):
+        self.n_vocab, self.eot_token = len(chars), None
+        self.ids = np.full(0x110000, len(chars), np.uint32)  # len(chars): not in the vocabulary
+        self.ids[[ord(c) for c in chars]] = np.arange(len(chars))
+
+    def encode_to_numpy(self, text, **_):
+        ids = self.ids[np.frombuffer(text.encode("utf-32-le"), np.uint32)]
+        if (ids == self.n_vocab).any():
+            raise UserError("the data changed between the two passes (a new character); run again")
+        return ids
+
+
+# ---------------------------------------------------------------- step 2: shards, val then train
+# Shard k of a split holds its tokens [k * shard_size, (k + 1) * shard_size): the boundaries depend
+# on the data alone. A .npy file is a 128-byte header and the raw array: tokens stream into NAME.tmp
+# behind a placeholder header, the true header goes in when the shard is full, then it is renamed
+# NAME. Each finished shard saves progress.json: the meta.json to be, and where a rerun resumes.
 class Shards:
     def __init__(self, out_dir, state, args):
         self.out_dir, self.state, self.args = out_dir, state, args
         self.split, self.file, self.filled = None, None, 0
 
     def route(self, index, tokens, chars, skip, is_last):
-        """Val takes the first documents until it holds val_tokens (at least one document); train takes the rest,
-        and always the last. A source of a single document trains on its first 90%, as nanoGPT does."""
+        """Val takes the first documents until it holds val_tokens (one at least); train takes the
+        rest, and always the last. A single document trains on its first 90%, as in nanoGPT."""
         if is_last and index == 0:
             if len(tokens) < 2:
-                raise UserError(f"the dataset {self.state['source']} is a single token: too little for train and val")
+                raise UserError(f"the dataset {self.state['source']} is a single token: too little")
             cut = min(len(tokens) - 1, len(tokens) * 9 // 10)
             self.write("train", tokens, skip, cut, index)
             self.write("val", tokens, max(skip, cut), len(tokens), index)
         else:  # the shards hold the documents before this one, and its first `skip` tokens
             written = self.state["tokens"]
-            val = not is_last and written["train"] == 0 and written["val"] - skip < self.args.val_tokens
+            val_is_full = written["val"] - skip >= self.args.val_tokens
+            val = not is_last and written["train"] == 0 and not val_is_full
             self.write("val" if val else "train", tokens, skip, len(tokens), index)
         self.state["num_chars"] += chars
 
@@ -115,11 +143,11 @@ class Shards:
             self.finish(index, start)
             self.split = split
         while start < end:
-            if self.file is None:  # the directory appears with the first shard: an empty source leaves none
-                if not (self.out_dir / "progress.json").exists():  # before any shard: a run killed now resumes
-                    self.out_dir.mkdir(parents=True, exist_ok=True)
+            if self.file is None:
+                if not (self.out_dir / "progress.json").exists():  # from now on, a rerun resumes
                     write_json(self.out_dir / "progress.json", self.state)
-                self.file = open(self.out_dir / f"{split}_{len(self.state['shards'][split]):06d}.npy.tmp", "wb")
+                name = f"{split}_{len(self.state['shards'][split]):06d}.npy"
+                self.file = open(self.out_dir / f"{name}.tmp", "wb")
                 self.file.write(bytes(128))
             chunk = tokens[start:min(end, start + self.args.shard_size - self.filled)]
             self.file.write(chunk.tobytes())
@@ -130,12 +158,13 @@ class Shards:
                 self.finish(index, start)
 
     def finish(self, document, offset):
-        """Close the open shard, if any, and save that a resumed run starts at token `offset` of `document`."""
+        """Close the open shard, if any; a rerun resumes at token `offset` of `document`."""
         self.state["resume"].update(document=document, offset=offset)
         if self.file is None:
             return
         self.file.seek(0)
-        header = {"descr": np.dtype(self.state["dtype"]).str, "fortran_order": False, "shape": (self.filled,)}
+        header = {"descr": np.dtype(self.state["dtype"]).str, "fortran_order": False,
+                  "shape": (self.filled,)}
         np.lib.format.write_array_header_1_0(self.file, header)
         self.file.flush()
         os.fsync(self.file.fileno())  # the data is on disk before the name says the shard is whole
@@ -154,215 +183,274 @@ def write_json(path, obj):  # under a temporary name, then renamed: readers neve
     os.replace(f"{path}.tmp", path)
 
 
-# ---------------------------------------------------------------- the tokenizer, and the output directory
+# ---------------------------------------------------------------- the run
+def run(argv):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokenizer", default=tokenizer, help="BPE dir, tiktoken name or char")
+    parser.add_argument("--data", help=f"{' | '.join(HUB_DATASETS)} | a file or directory ({data})")
+    parser.add_argument("--out", default=out, help="default data/<source>_<tokenizer>")
+    parser.add_argument("-n", "--num_chars", type=int, default=num_chars, help="read N characters")
+    for name, meaning in [("max_tokens", "stop after N tokens"), ("shard_size", "tokens per shard"),
+                          ("val_tokens", "tokens for val"), ("workers", "tokenizer threads")]:
+        default = globals()[name]
+        parser.add_argument(f"--{name}", type=int, default=default, help=f"{meaning} ({default})")
+    args = parser.parse_args(argv)
+    validate(args)
+
+    t0 = time.time()
+    documents, source_name, source = open_source(args.data or data, args.data is not None)
+    encoder, tokenizer_meta, tokenizer_files = load_tokenizer(args.tokenizer)
+    # at char level a token is a character: both passes then read the same max_tokens characters
+    budget = args.num_chars or sys.maxsize
+    if encoder is None and args.max_tokens:
+        budget = min(budget, args.max_tokens)
+
+    def texts():  # an empty text is no document
+        return (text for text in first_chars(documents, budget) if text)
+
+    name = Path(args.tokenizer).resolve().name
+    name = name if name.startswith(source_name + "_") else f"{source_name}_{name}"
+    out_dir = Path(args.out or Path("data", name))
+    files = None  # a local source is known by its files: a rerun on edited ones must not resume
+    if (args.data or data) not in HUB_DATASETS:
+        files = [[str(p), p.stat().st_size, p.stat().st_mtime_ns] for p in local_files(args.data)]
+    run_args = {"source": source, "tokenizer": tokenizer_meta, "num_chars": args.num_chars,
+                "max_tokens": args.max_tokens, "shard_size": args.shard_size,
+                "val_tokens": args.val_tokens, "files": files}
+    with writing_to(out_dir):
+        state = resume_state(out_dir, run_args, encoder)
+        if state is None:  # put back the tokenizer files; clear what a killed run left
+            complete(out_dir, tokenizer_files)
+            return print(f"{out_dir} is already complete with these arguments; nothing to do")
+
+        if encoder is None:  # char level: pass 1 finds the vocabulary, every distinct character
+            if "chars" not in state:
+                state["chars"] = sorted(set(itertools.chain.from_iterable(
+                    tqdm(texts(), unit=" docs", desc="pass 1: characters", mininterval=0.5))))
+                BadUTF8.count = 0  # pass 2 reads the same text again, and counts it again
+            encoder = CharEncoder(state["chars"])
+        # uint16 holds ids up to 65535: half the disk and memory bandwidth of uint32
+        dtype = np.uint16 if encoder.n_vocab <= 1 << 16 else np.uint32
+        state.update(vocab_size=encoder.n_vocab, eot_token=encoder.eot_token,
+                     dtype=np.dtype(dtype).name)
+        token_lengths = None if args.tokenizer == "char" else token_byte_lengths(encoder)
+
+        # encode in threads, and route to the shards one document late: the last one always trains
+        shards, limit = Shards(out_dir, state, args), args.max_tokens or sys.maxsize
+        start, offset = state["resume"]["document"], state["resume"]["offset"]
+        total = start_total = sum(state["tokens"].values()) - offset  # those before `start` count
+        stream = encode_in_threads(itertools.islice(texts(), start, None) if total < limit else (),
+                                   lambda batch: encode_batch(batch, encoder, dtype, token_lengths),
+                                   args.workers)
+        pending, bytes_read, bytes_kept, t1 = None, 0, 0, time.time()
+        with tqdm(unit="tok", unit_scale=True, desc="tokenizing", mininterval=0.5, initial=total,
+                  total=args.max_tokens) as bar:
+            for index, ((tokens, text_bytes, token_bytes), chars) in enumerate(stream, start):
+                if pending:
+                    shards.route(*pending, is_last=False)
+                pending = (index, tokens[:limit - total], chars, offset if index == start else 0)
+                total += len(pending[1])
+                bytes_read, bytes_kept = bytes_read + text_bytes, bytes_kept + token_bytes
+                bar.update(len(pending[1]))
+                if total == limit:
+                    break
+        if pending is None and start == 0:
+            raise UserError(f"the dataset {source} is empty; point --data at text")
+        if pending:  # (else: a resumed run whose shards were all finished)
+            shards.route(*pending, is_last=True)
+            shards.finish(pending[0] + 1, 0)
+        t2 = time.time()
+        complete(out_dir, tokenizer_files, {key: state[key] for key in state if key != "resume"})
+
+    tokens, shard_names = state["tokens"], state["shards"]
+    unmatched = 1 - bytes_kept / max(bytes_read, 1)
+    for failed, warning in [
+            (BadUTF8.count, f"{BadUTF8.count} invalid UTF-8 sequences were replaced with U+FFFD"),
+            (bytes_kept < bytes_read, f"the split pattern matched {bytes_kept:,} of {bytes_read:,} "
+             f"bytes; the other {unmatched:.1%} are not in the shards (tiktoken drops them)"),
+            (tokens["val"] > tokens["train"], f"val holds {tokens['val']:,} of "
+             f"{sum(tokens.values()):,} tokens; lower --val_tokens")]:
+        if failed:
+            print(f"warning: {warning}", file=sys.stderr)
+    if args.num_chars and state["num_chars"] < args.num_chars and not args.max_tokens:
+        print(f"the source ran out after {state['num_chars']:,} characters "
+              f"(asked for {args.num_chars:,})")
+    print(f"wrote {out_dir}: {tokens['train']:,} train tokens in {len(shard_names['train'])} "
+          f"shards, {tokens['val']:,} val tokens in {len(shard_names['val'])}, {state['dtype']}, "
+          f"from {state['resume']['document']:,} documents")
+    tokens_per_second = (total - start_total) / max(t2 - t1, 1e-9)
+    print(f"tokenizing {t2 - t1:.2f}s ({tokens_per_second:,.0f} tokens/s) | total {t2 - t0:.2f}s")
+
+
+# ---------------------------------------------------------------- checks, the tokenizer, --out
+def validate(args):
+    if args.tokenizer is None:
+        raise UserError("--tokenizer is required: a BPE directory, a tiktoken name (gpt2) or char")
+    for flag, value in vars(args).items():
+        if isinstance(value, int) and value <= 0:
+            raise UserError(f"--{flag} {value}: must be a positive number")
+
+
 def load_tokenizer(name):
-    """--tokenizer -> (a tiktoken encoder, None for char; its entry in meta.json)."""
+    """--tokenizer -> (tiktoken's encoder, None at char level; meta.json's entry; its files)."""
     if name == "char":  # the vocabulary comes later, from the data
-        return None, {"kind": "char"}
+        return None, {"kind": "char"}, {}
     if not Path(name).exists():  # a tiktoken name
         if name not in tiktoken.list_encoding_names():
             raise UserError(f"--tokenizer {name}: no such directory, and not a tiktoken encoding "
                             f"({', '.join(tiktoken.list_encoding_names())}) or char")
         try:  # the first use downloads the ranks (a few MB) and caches them
-            return tiktoken.get_encoding(name), {"kind": "tiktoken", "name": name}
+            return tiktoken.get_encoding(name), {"kind": "tiktoken", "name": name}, {}
         except Exception as error:  # requests' connection errors and friends
-            raise UserError(f"--tokenizer {name}: tiktoken could not download its ranks ({type(error).__name__}); this "
-                            "needs internet once (then it is cached), or use a BPE directory from train_bpe_cpu.py")
-    for file in ("tokenizer.tiktoken", "tokenizer.json"):
-        if not Path(name, file).is_file():
-            raise UserError(f"--tokenizer {name}: {file} is missing; give a directory written by train_bpe_cpu.py")
-    try:  # any broken file: say which directory, and why, in one line
-        info = json.loads(Path(name, "tokenizer.json").read_text())
-        ranks_file = Path(name, "tokenizer.tiktoken").read_bytes()
-        ranks = {base64.b64decode(token, validate=True): int(rank)
-                 for token, rank in (line.split() for line in ranks_file.splitlines() if line.strip())}
-        if sorted(ranks.values()) != list(range(len(ranks))) or "<|endoftext|>" not in info["special_tokens"]:
-            raise ValueError("its ranks are not 0..V-1, each once, or it has no <|endoftext|>")
-        if regex.compile(info["pattern"]).fullmatch(""):  # tiktoken would panic on its empty chunks
-            raise ValueError(f"its pattern {info['pattern']!r} matches the empty string")
-        encoder = tiktoken.Encoding(name, pat_str=info["pattern"], mergeable_ranks=ranks,
-                                    special_tokens=info["special_tokens"])
-        if info.get("vocab_size", encoder.n_vocab) != encoder.n_vocab:
-            raise ValueError(f"vocab_size {info['vocab_size']} but the files hold {encoder.n_vocab} ids")
-    except Exception as error:
-        reason = f"{type(error).__name__}: {error}".splitlines()[0]
-        raise UserError(f"--tokenizer {name} is broken ({reason}); re-run train_bpe_cpu.py to rewrite it")
-    return encoder, {"kind": "bpe", "path": name, "sha256": hashlib.sha256(ranks_file).hexdigest()}
+            raise UserError(f"--tokenizer {name}: tiktoken could not download its ranks "
+                            f"({type(error).__name__}); it needs internet once")
+    try:  # a directory from train_bpe_*.py: its files are checked here, once
+        files = {f: Path(name, f).read_bytes() for f in ("tokenizer.tiktoken", "tokenizer.json")}
+        info = json.loads(files["tokenizer.json"])
+        lines = [line.split() for line in files["tokenizer.tiktoken"].splitlines() if line.strip()]
+        ranks = {base64.b64decode(token, validate=True): int(rank) for token, rank in lines}
+        pattern, special_tokens = info["pattern"], info["special_tokens"]
+        problem = tokenizer_problem(ranks, special_tokens)
+        if problem is None:
+            vocab_size = max([len(ranks) - 1, *special_tokens.values()]) + 1
+            checks = [("<|endoftext|>" not in special_tokens, "it has no <|endoftext|>"),
+                      # tiktoken would panic on the empty chunks
+                      (regex.compile(pattern).fullmatch("") is not None,
+                       f"its pattern {pattern!r} matches the empty string"),
+                      (info.get("vocab_size", vocab_size) != vocab_size,
+                       f"its vocab_size is {info.get('vocab_size')!r}; its ids make {vocab_size}")]
+            problem = next((message for failed, message in checks if failed), None)
+    except FileNotFoundError as error:
+        problem = f"{Path(error.filename).name} is missing"
+    except Exception as error:  # not JSON, not base64, no "pattern", ...: Python's words, one line
+        problem = f"it can't be read ({type(error).__name__}: {error})".splitlines()[0]
+    if problem is not None:
+        raise UserError(f"--tokenizer {name}: {problem}; use one from train_bpe_cpu.py")
+    encoder = tiktoken.Encoding(name, pat_str=pattern, mergeable_ranks=ranks,
+                                special_tokens=special_tokens)
+    sha256 = hashlib.sha256(files["tokenizer.tiktoken"]).hexdigest()
+    return encoder, {"kind": "bpe", "path": name, "sha256": sha256}, files
 
 
-class CharEncoder:
-    """tiktoken's interface at char level: a character's id is its rank among the data's distinct characters."""
-    def __init__(self, chars):
-        self.n_vocab, self.eot_token, self.ids = len(chars), None, np.full(0x110000, len(chars), np.uint32)
-        self.ids[[ord(c) for c in chars]] = np.arange(len(chars))  # (len(chars): not in the vocabulary)
+def tokenizer_problem(ranks, special_tokens):
+    """Why BPE ranks (token bytes -> id) and special tokens (name -> id) can't be a tokenizer, or None."""
+    size = len(ranks)
+    if sorted(ranks.values()) != list(range(size)):
+        return f"its ranks are not 0..{size - 1}, each exactly once"
+    if sorted(token for token, rank in ranks.items() if rank < 256) != [bytes([b]) for b in range(256)]:
+        return "its ranks 0-255 are not the 256 single bytes"
+    for name, token_id in special_tokens.items():
+        if type(token_id) is not int or token_id < size:
+            return f"special token {name!r} has id {token_id!r}; special tokens take the ids from {size} up"
+    return None
 
-    def encode_to_numpy(self, text, **_):
-        ids = self.ids[np.frombuffer(text.encode("utf-32-le"), np.uint32)]
-        if (ids == self.n_vocab).any():
-            raise UserError("the data changed between the two passes (a new character); run again once it no longer changes")
-        return ids
+
+def token_byte_lengths(encoder):  # each id's bytes; 0 for special tokens, never text in the shards
+    lengths = np.zeros(encoder.n_vocab, np.int64)
+    for token in encoder.token_byte_values():
+        lengths[encoder.encode_single_token(token)] = len(token)
+    return lengths
 
 
-def resume_state(out_dir, run_args):
-    """Fresh for a new directory; the saved state for a run of the same arguments (the tokenizer's path aside) on
-    the same source files (paths, sizes, times), after checking its shards; None for a dataset already complete."""
-    for parent in [out_dir, *out_dir.parents]:
-        if parent.exists() and not parent.is_dir():
-            raise UserError(f"--out {out_dir}: {parent} is a file, not a directory; give a directory path")
-    saved_path = next((path for path in (out_dir / "meta.json", out_dir / "progress.json") if path.exists()), None)
+def resume_state(out_dir, run_args, encoder):
+    """A new dataset's state; None for one already complete; or the state that a killed run saved,
+    if the same settings made it and its finished shards are whole."""
+    saved_path = next((path for path in [out_dir / "meta.json", out_dir / "progress.json"]
+                       if path.exists()), None)
     if saved_path is None:
-        if out_dir.exists() and any(not path.name.endswith(".tmp") for path in out_dir.iterdir()):
-            raise UserError(f"--out {out_dir} is not empty and was not made by prepare_data.py; give a new directory")
-        return {"version": 1, "max_token_id": -1, "tokenizer": run_args["tokenizer"], "source": run_args["source"],
-                "num_chars": 0, "tokens": {"val": 0, "train": 0}, "shards": {"val": [], "train": []},
-                "args": run_args, "resume": {"document": 0, "offset": 0}}
-    shard_deciding = lambda args: {**args, "tokenizer": {k: v for k, v in args["tokenizer"].items() if k != "path"}}
+        if any(not path.name.endswith(".tmp") for path in out_dir.iterdir()):
+            raise UserError(f"--out {out_dir} is not empty and was not made by prepare_data.py")
+        return {"version": 1, "max_token_id": -1, "tokenizer": run_args["tokenizer"],
+                "source": run_args["source"], "num_chars": 0, "tokens": {"val": 0, "train": 0},
+                "shards": {"val": [], "train": []}, "args": run_args,
+                "resume": {"document": 0, "offset": 0}}
+    vocabulary = {}  # the tokenizer's ids decide the shards too; at char level, the data's (later)
+    if encoder is not None:
+        vocabulary = {"vocab_size": encoder.n_vocab, "eot_token": encoder.eot_token}
     start_over = f"delete {out_dir} to start over"
     try:
         saved = json.loads(saved_path.read_text())
-        previous = shard_deciding(saved["args"])
+        before = shard_settings(saved["args"], {key: saved[key] for key in vocabulary})
+        damaged = damaged_shard(out_dir, saved, run_args["shard_size"])
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         raise UserError(f"--out {out_dir}: {saved_path.name} is unreadable; {start_over}")
-    for key, value in shard_deciding(run_args).items():
-        if value != previous.get(key):
-            why = ("from other source files or another version of them (their sizes or times differ)" if key == "files"
-                   else f"with other arguments ({key}: {previous.get(key)!r}, now {value!r})")
-            raise UserError(f"--out {out_dir} was made {why}; use another --out, or {start_over}")
-    if saved_path.name == "progress.json" and "resume" not in saved:  # an older prepare_data.py counted otherwise
-        raise UserError(f"--out {out_dir}: progress.json is from an older prepare_data.py; {start_over}")
-    for split, names in saved["shards"].items():  # each shard but a split's last holds shard_size tokens
-        for k, name in enumerate(names):
-            try:
-                length = len(np.load(out_dir / name, mmap_mode="r")) if Path(name).name == name else -1
-            except (OSError, ValueError):
-                length = -1
-            if length != min(run_args["shard_size"], saved["tokens"][split] - k * run_args["shard_size"]):
-                raise UserError(f"--out {out_dir}: the shard {name} is missing or damaged; {start_over}")
+    now = shard_settings(run_args, vocabulary)
+    changed = next((key for key in now if now[key] != before.get(key)), None)
+    why = f"other arguments ({changed}: {before.get(changed)!r}, now {now.get(changed)!r})"
+    if changed == "files":  # their sizes or times differ
+        why = "other source files, or edited ones"
+    checks = [(changed is not None, f"made with {why}; use another --out, or {start_over}"),
+              (saved_path.name == "progress.json" and "resume" not in saved,
+               f"progress.json is from an older prepare_data.py; {start_over}"),
+              (damaged is not None, f"the shard {damaged} is missing or damaged; {start_over}")]
+    for failed, message in checks:
+        if failed:
+            raise UserError(f"--out {out_dir}: {message}")
     if saved_path.name == "meta.json":
         return None
-    print(f"resuming {out_dir}: {len(saved['shards']['val'])} val and {len(saved['shards']['train'])} train shards "
-          f"are finished; skipping {saved['resume']['document']:,} documents")
-    return {**saved, "tokenizer": run_args["tokenizer"], "args": run_args}  # the same, but for the tokenizer's path
+    print(f"resuming {out_dir}: {len(saved['shards']['val'])} val and "
+          f"{len(saved['shards']['train'])} train shards are finished; "
+          f"skipping {saved['resume']['document']:,} documents")
+    return {**saved, "tokenizer": run_args["tokenizer"], "args": run_args}  # today's tokenizer path
 
 
-# ---------------------------------------------------------------- reading text (the same in every script)
-# .txt and .jsonl are read with the standard library: `datasets`' loaders would turn CRLF into LF (no longer
-# byte-identical to rustbpe), stop at invalid UTF-8, and take seconds to start. The Hub and parquet use `datasets`.
+def shard_settings(run_args, vocabulary):  # what decides the shards: all but the tokenizer's path
+    tokenizer_meta = {key: value for key, value in run_args["tokenizer"].items() if key != "path"}
+    return {**run_args, "tokenizer": tokenizer_meta, **vocabulary}
 
-def hub_problem(timeout=3.0):  # None if the Hub can be used, else why not: a 3 s probe, where `datasets` would retry for ~25 s
-    for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
-        if os.environ.get(name, "").upper() in ("1", "ON", "YES", "TRUE"):  # huggingface_hub's own rule
-            return f"the Hugging Face Hub is off ({name}={os.environ[name]})"
-    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")  # a mirror, if set
+
+def damaged_shard(out_dir, saved, shard_size):  # a shard missing or cut, or None
+    for split, names in saved["shards"].items():
+        for k, name in enumerate(names):
+            path = out_dir / name
+            try:  # (a name with a directory in it is no shard of ours)
+                length = len(np.load(path, mmap_mode="r")) if path.parent == out_dir else -1
+            except (OSError, ValueError, EOFError):
+                length = -1
+            if length != min(shard_size, saved["tokens"][split] - k * shard_size):
+                return name
+    return None
+
+
+@contextmanager
+def writing_to(out_dir):
+    """Make out_dir if need be and lock it; a failed run removes the empty directories it made."""
+    paths = [out_dir, *out_dir.parents]
+    for path in paths:
+        if path.exists() and not path.is_dir():
+            raise UserError(f"--out {out_dir}: {path} is a file, not a directory")
+    made = [path for path in paths if not path.exists()]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    lock = lock_directory(out_dir)
     try:
-        url = urllib.parse.urlsplit(endpoint)
-        socket.create_connection((url.hostname or "", url.port or (443 if url.scheme == "https" else 80)), timeout).close()
-    except (OSError, ValueError):
-        return f"can't reach the Hugging Face Hub at {endpoint}"
-
-def datasets_texts(where, node=None, **load):  # each row's "text", streamed; node=(rank, world_size): that rank's share
-    import datasets.distributed  # here, not at the top: it takes seconds, and .txt/.jsonl never need it
-    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its errors reach the user as our one line
-    try:
-        rows = datasets.load_dataset(split="train", streaming=True, **load)
-        for number, row in enumerate(datasets.distributed.split_dataset_by_node(rows, *node) if node else rows, 1):
-            if not isinstance(text := row.get("text"), str):
-                raise UserError(f"{where}, row {number}: \"text\" is {text!r:.20}, not a string (columns: {', '.join(row)})")
-            yield text
-    except UserError:
+        yield
+    except BaseException:
+        for path in made:
+            if not any(path.iterdir()):
+                path.rmdir()
         raise
-    except Exception as error:  # no such dataset, a corrupt file (ArrowInvalid), a dropped connection
-        reason = f"{type(error).__name__}: {error}".splitlines()[0]
-        raise UserError(f"can't read {where} ({reason}); check it, or use other files: --data path/to/files")
+    finally:
+        os.close(lock)
 
-def stdlib_documents():  # the offline corpus: real code and prose, on every machine
-    paths = sorted(Path(sysconfig.get_paths()["stdlib"]).rglob("*.py"))
-    return (path.read_text(encoding="utf-8", errors="replace") for path in paths if "site-packages" not in path.parts)
 
-class BadUTF8:
-    count = 0  # invalid UTF-8 sequences replaced with U+FFFD, for one warning at the end
+def lock_directory(path):
+    """Hold an OS lock on the directory `path` while this process lives: one writer per directory. The
+    kernel drops a flock when its process dies, kill -9 included, so no stale lock is ever left behind."""
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(descriptor)
+        raise UserError(f"{path}: another run is writing there; wait for it to end, "
+                        "or choose another directory")
+    return descriptor  # the lock lasts while this descriptor is open: keep it
 
-def decode_utf8(raw, decoder=None, final=True):
-    text = decoder.decode(raw, final) if decoder else raw.decode("utf-8", errors="replace")
-    BadUTF8.count += text.count("\ufffd") - raw.count("\ufffd".encode())  # a U+FFFD in the input is no error
-    return text
 
-def read_txt(path, budget):  # one document, CRLF kept, read only as far as the budget of characters needs
-    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")  # holds a character cut between blocks
-    pieces, block = [], None
-    with open(path, "rb") as f:
-        while sum(map(len, pieces)) < budget and block != b"":
-            block = f.read(1 << 24)
-            pieces.append(decode_utf8(block, decoder, final=not block))  # the empty read at the end flushes
-    yield "".join(pieces)[:budget]
-
-def read_jsonl(path, start=0, end=None):  # the "text" of each line that starts in bytes [start, end)
-    with open(path, "rb") as f:
-        if start > 0:  # the range before owns the line holding byte start-1: tiling ranges read each line once
-            f.seek(start - 1)
-            f.readline()
-        position = f.tell()
-        for number, line in enumerate(f, 1):
-            if end is not None and position >= end:
-                return
-            position += len(line)
-            if not line.strip():
-                continue
-            try:
-                text = json.loads(decode_utf8(line).lstrip("\ufeff"))["text"]  # a BOM, as Windows tools write
-            except (ValueError, KeyError, TypeError, RecursionError):  # not JSON, no "text", not an object, too deep
-                text = None
-            if not isinstance(text, str):
-                where = f"{path}:{number}" if start == 0 else f"{path} (the line at byte {position - len(line)})"
-                raise UserError(f"{where} is not a JSON object with a string \"text\" field; "
-                                "each line of a .jsonl file must look like {\"text\": \"...\"}")
-            if not text.isascii() and b"\xed" in text.encode("utf-8", "surrogatepass"):  # U+D000-DFFF: a lone "\ud800"?
-                fixed = text.encode("utf-16-le", "surrogatepass").decode("utf-16-le", "replace")  # json joined real pairs
-                BadUTF8.count, text = BadUTF8.count + fixed.count("\ufffd") - text.count("\ufffd"), fixed  # it has no UTF-8
-            yield text
-
-def local_files(data):  # the file itself, or a directory's text files in sorted order
-    path, hub = Path(data), ", ".join(HUB_DATASETS)
-    if not path.exists():
-        raise UserError(f"--data {data}: no such file or directory; give a .txt/.jsonl/.parquet path, "
-                        f"a directory of them, or one of {hub}")
-    if not path.is_dir() and path.suffix not in LOCAL_SUFFIXES:
-        raise UserError(f"--data {path}: unknown file type; use a .txt, .jsonl or .parquet file, a directory, or one of {hub}")
-    files = sorted(p for p in path.rglob("*") if p.suffix in LOCAL_SUFFIXES and p.is_file()) if path.is_dir() else [path]
-    if not files:
-        raise UserError(f"{path} holds no .txt, .jsonl or .parquet files; point --data at text files")
-    return files
-
-def open_source(data, data_was_named):  # (documents, name, description); documents(budget) yields strings
-    if data not in HUB_DATASETS:
-        files = local_files(data)
-        # parquet in batches of our own size: `datasets`' default, a row group's rows, is 0 in a file of no rows
-        readers = {".txt": read_txt, ".jsonl": lambda path, budget: read_jsonl(path),
-                   ".parquet": lambda p, _: datasets_texts(p, path="parquet", data_files=str(p), batch_size=1024)}
-        return (lambda budget: (doc for p in files for doc in readers[p.suffix](p, budget))), Path(data).stem, str(data)
-    repository, config, files = HUB_DATASETS[data]
-    if (problem := hub_problem()) is None:  # parquet files by path: `datasets` then never runs an old loading script
-        load = (dict(path="parquet", data_files=f"hf://datasets/{repository}/{files}") if files
-                else dict(path=repository, name=config))
-        return (lambda budget: datasets_texts(repository, **load)), data, f"{repository} {config or ''}".strip()
-    if data_was_named:  # a source the user named refuses; the default one falls back to the offline corpus
-        raise UserError(f"{problem}, needed for --data {data}; use local files instead: --data path/to/files")
-    print(f"warning: {problem}: using the offline corpus, the Python standard library's source", file=sys.stderr)
-    return (lambda budget: stdlib_documents()), "stdlib", "Python standard library source (offline fallback)"
-
-def first_chars(documents, num_chars):  # the last document is cut to fit
-    for document in documents(num_chars):
-        yield document[:num_chars]
-        num_chars -= min(len(document), num_chars)
-        if num_chars == 0:
-            return  # before the source is asked for one more document: it may be slow to fetch, or malformed
-
-# ---------------------------------------------------------------- the run
-def complete(out_dir, tokenizer_meta, meta=None):
-    """A copy of the BPE tokenizer, so that the dataset stands on its own; meta.json, last, as its presence says the
-    dataset is complete; then no progress.json, nor a *.tmp that a killed run began and this one finished."""
-    for name in ("tokenizer.tiktoken", "tokenizer.json") if tokenizer_meta["kind"] == "bpe" else ():
-        (out_dir / f"{name}.tmp").write_bytes(Path(tokenizer_meta["path"], name).read_bytes())
+def complete(out_dir, tokenizer_files, meta=None):
+    """The BPE tokenizer's files as loaded (the dataset stands on its own); meta.json, last, as it
+    says the dataset is complete; then no progress.json, nor a *.tmp that a killed run began."""
+    for name, content in tokenizer_files.items():
+        (out_dir / f"{name}.tmp").write_bytes(content)
         os.replace(out_dir / f"{name}.tmp", out_dir / name)  # train.py never reads half a tokenizer
     if meta:
         write_json(out_dir / "meta.json", meta)
@@ -370,93 +458,127 @@ def complete(out_dir, tokenizer_meta, meta=None):
         leftover.unlink(missing_ok=True)
 
 
-def run(argv):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tokenizer", default=tokenizer, help="a BPE directory, a tiktoken name, or char")
-    parser.add_argument("--data", default=None, help=f"{' | '.join(HUB_DATASETS)} | a file or directory (default {data})")
-    parser.add_argument("--out", default=out, help="output directory (default data/<source>_<tokenizer>)")
-    parser.add_argument("-n", "--num_chars", type=int, default=num_chars, help="read only the first N characters")
-    parser.add_argument("--max_tokens", type=int, default=max_tokens, help="stop after N tokens (train + val)")
-    parser.add_argument("--shard_size", type=int, default=shard_size, help=f"tokens per shard (default {shard_size:,})")
-    parser.add_argument("--val_tokens", type=int, default=val_tokens, help=f"tokens for val (default {val_tokens:,})")
-    parser.add_argument("--workers", type=int, default=workers, help="tokenizer threads (default: every core)")
-    args = parser.parse_args(argv)
-    if args.tokenizer is None:
-        raise UserError("--tokenizer is required: a directory from train_bpe_cpu.py, a tiktoken name (gpt2) or char")
-    for flag, value in vars(args).items():
-        if isinstance(value, int) and value <= 0:
-            raise UserError(f"--{flag} {value}: must be a positive number")
+# ------------------------------ reading text (the same in every script; a first read can skip it)
+# .txt and .jsonl are read with the standard library: `datasets` would turn CRLF into LF (no longer
+# rustbpe's bytes), stop at invalid UTF-8, and take seconds to start.
 
-    t0 = time.time()
-    documents, source_name, source = open_source(args.data or data, args.data is not None)
-    encoder, tokenizer_meta = load_tokenizer(args.tokenizer)
-    # at char level a token is a character: both passes then read the same first max_tokens characters
-    budget = min(args.num_chars or sys.maxsize, encoder is None and args.max_tokens or sys.maxsize)
-    texts = lambda: (text for text in first_chars(documents, budget) if text)  # noqa: E731 (empty: not a document)
-    tokenizer_name = Path(args.tokenizer).resolve().name
-    name = tokenizer_name if tokenizer_name.startswith(source_name + "_") else f"{source_name}_{tokenizer_name}"
-    out_dir = Path(args.out or Path("data", name))
-    files = None if (args.data or data) in HUB_DATASETS else [  # a local source is known by its files
-        [str(path), path.stat().st_size, path.stat().st_mtime_ns] for path in local_files(args.data)]
-    run_args = {"source": source, "tokenizer": tokenizer_meta, "num_chars": args.num_chars, "max_tokens": args.max_tokens,
-                "shard_size": args.shard_size, "val_tokens": args.val_tokens, "files": files}
-    state = resume_state(out_dir, run_args)
-    if state is None:  # a rerun puts back the tokenizer files, and clears what a run killed after meta.json left
-        complete(out_dir, tokenizer_meta)
-        return print(f"{out_dir} is already complete with these arguments; nothing to do")
+def open_source(data, data_was_named):  # (documents, name, description); documents(budget) -> texts
+    if data not in HUB_DATASETS:
+        files = local_files(data)
+        return (lambda budget: local_texts(files, budget)), Path(data).stem, str(data)
+    repository, config, parquet_files = HUB_DATASETS[data]
+    load = dict(path=repository, name=config)
+    if parquet_files:  # by path: `datasets` then never runs an old loading script
+        load = dict(path="parquet", data_files=f"hf://datasets/{repository}/{parquet_files}")
+    problem = hub_problem()
+    if problem is None:
+        description = f"{repository} {config}" if config else repository
+        return (lambda budget: datasets_texts(repository, **load)), data, description
+    if data_was_named:  # the default source falls back to the offline corpus; a named one refuses
+        raise UserError(f"{problem}, needed for --data {data}; use --data path/to/files instead")
+    print(f"warning: {problem}: using the offline corpus, Python's stdlib", file=sys.stderr)
+    return stdlib_documents, "stdlib", "Python standard library source (offline fallback)"
 
-    if encoder is None:  # char level: pass 1 finds the vocabulary, every distinct character (progress.json keeps it)
-        if "chars" not in state:
-            state["chars"] = sorted(set(itertools.chain.from_iterable(
-                tqdm(texts(), unit=" docs", desc="pass 1: characters", mininterval=0.5))))
-            BadUTF8.count = 0  # pass 2 reads the same text again, and counts it again
-        encoder = CharEncoder(state["chars"])
-    # uint16 holds ids up to 65535, half the disk and memory bandwidth of uint32, which bigger vocabularies need
-    dtype = np.uint16 if encoder.n_vocab <= 1 << 16 else np.uint32
-    state.update(vocab_size=encoder.n_vocab, eot_token=encoder.eot_token, dtype=np.dtype(dtype).name)
+def hub_problem(timeout=3.0):  # None, or why the Hub can't be used: in 3 s (`datasets` takes ~25)
+    for switch in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
+        if os.environ.get(switch, "").upper() in ("1", "ON", "YES", "TRUE"):
+            return f"the Hugging Face Hub is off ({switch}={os.environ[switch]})"
+    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
+    try:
+        url = urllib.parse.urlsplit(endpoint)
+        port = url.port or (443 if url.scheme == "https" else 80)
+        socket.create_connection((url.hostname or "", port), timeout).close()
+    except (OSError, ValueError):
+        return f"can't reach the Hugging Face Hub at {endpoint}"
 
-    # encode in threads, and route to the shards one document late: the last one always trains
-    shards, limit = Shards(out_dir, state, args), args.max_tokens or sys.maxsize
-    start, offset = state["resume"]["document"], state["resume"]["offset"]
-    total = start_total = sum(state["tokens"].values()) - offset  # the tokens before the resume point count
-    stream = encode_in_threads(itertools.islice(texts(), start, None) if total < limit else (),
-                               lambda batch: encode_batch(batch, encoder, dtype), args.workers)
-    pending, t1 = None, time.time()
-    with tqdm(unit="tok", unit_scale=True, desc="tokenizing", mininterval=0.5, initial=total, total=args.max_tokens) as bar:
-        for index, (tokens, chars) in enumerate(stream, start):
-            if pending:
-                shards.route(*pending, is_last=False)
-            pending = (index, tokens[:limit - total], chars, offset if index == start else 0)
-            total += len(pending[1])
-            bar.update(len(pending[1]))
-            if total == limit:
-                break
-    if pending is None and start == 0:
-        raise UserError(f"the dataset {source} is empty: no text to tokenize; point --data at files with text in them")
-    if pending:  # (else: a resumed run whose every shard was finished)
-        shards.route(*pending, is_last=True)
-        shards.finish(pending[0] + 1, 0)
-    t2 = time.time()
-    complete(out_dir, tokenizer_meta, {key: value for key, value in state.items() if key != "resume"})
+def stdlib_documents(budget=None):  # the offline corpus: real code and prose, on every machine
+    files = sorted(Path(sysconfig.get_paths()["stdlib"]).rglob("*.py"))
+    files = [file for file in files if "site-packages" not in file.parts]
+    return (file.read_text("utf-8", "replace") for file in files)
 
-    tokens, shard_names = state["tokens"], state["shards"]
-    if BadUTF8.count:
-        print(f"warning: {BadUTF8.count} invalid UTF-8 sequences were replaced with U+FFFD", file=sys.stderr)
-    if args.num_chars and state["num_chars"] < args.num_chars and not args.max_tokens:
-        print(f"the source ran out after {state['num_chars']:,} characters (asked for {args.num_chars:,})")
-    if tokens["val"] > tokens["train"]:
-        print(f"warning: val holds {tokens['val']:,} of {sum(tokens.values()):,} tokens; lower --val_tokens", file=sys.stderr)
-    print(f"wrote {out_dir}: {tokens['train']:,} train tokens in {len(shard_names['train'])} shards, {tokens['val']:,} "
-          f"val tokens in {len(shard_names['val'])}, {state['dtype']}, from {state['resume']['document']:,} documents")
-    print(f"tokenizing {t2 - t1:.2f}s ({(total - start_total) / max(t2 - t1, 1e-9):,.0f} tokens/s) | total {t2 - t0:.2f}s")
+def datasets_texts(where, node=None, **load):  # rows' "text"; node=(rank, world_size) takes a share
+    import datasets.distributed  # here: it takes seconds, and .txt and .jsonl never need it
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its errors reach the user as ours
+    try:
+        rows = datasets.load_dataset(split="train", streaming=True, **load)
+        rows = datasets.distributed.split_dataset_by_node(rows, *node) if node else rows
+        for number, row in enumerate(rows, 1):
+            if not isinstance(row.get("text"), str):
+                raise ValueError(f'row {number} has no string "text": {row!r:.50}')
+            yield row["text"]
+    except Exception as error:  # a bad row, no such dataset, a corrupt file, a lost connection
+        reason = f"{type(error).__name__}: {error}".splitlines()[0]
+        raise UserError(f"can't read {where} ({reason}); check it, or use other files")
 
+def local_files(data):  # the file, or a directory's files in sorted order; regular files only, as
+    path = Path(data)  # a named pipe would wait for a writer forever
+    files = sorted(path.rglob("*")) if path.is_dir() else [path]
+    files = [file for file in files if file.suffix in LOCAL_SUFFIXES and file.is_file()]
+    if not files:
+        kinds = f"a .txt, .jsonl or .parquet file, a directory of them, {', '.join(HUB_DATASETS)}"
+        raise UserError(f"--data {data} is none of: {kinds}")
+    return files
 
+def local_texts(files, budget):  # a document is a .txt file, a .jsonl line, a .parquet row
+    for path in files:
+        if path.suffix == ".parquet":  # `datasets`' default batch, a row group, is 0 rows if none
+            yield from datasets_texts(path, path="parquet", data_files=str(path), batch_size=1024)
+        else:
+            yield from read_txt(path, budget) if path.suffix == ".txt" else read_jsonl(path)
+
+def read_txt(path, budget):  # one document, CRLF kept, read only as far as the budget needs
+    with open(path, encoding="utf-8", errors=BadUTF8.errors, newline="") as f:
+        yield f.read(budget if budget < os.path.getsize(path) else -1)  # N bytes: <= N characters
+
+def read_jsonl(path, start=0, end=None):  # the "text" of each line starting in bytes [start, end)
+    with open(path, "rb") as f:
+        if start > 0:  # the line holding byte start-1 is the range's before: ranges tile the file
+            f.seek(start - 1)
+            f.readline()
+        line_end = f.tell()
+        for number, line in enumerate(f, 1):
+            line_start, line_end = line_end, line_end + len(line)
+            if end is not None and line_start >= end:
+                return
+            if not line.strip():
+                continue
+            try:  # a BOM, as Windows tools write it, is no part of the JSON
+                text = json.loads(line.decode("utf-8", BadUTF8.errors).lstrip("\ufeff"))["text"]
+            except (ValueError, KeyError, TypeError, RecursionError):
+                text = None
+            if not isinstance(text, str):
+                where = f"{path} (the line at byte {line_start})" if start else f"{path}:{number}"
+                raise UserError(f'{where} is not a JSON object with a string "text" field')
+            if not text.isascii():  # "\ud800" is valid JSON, but a lone surrogate has no UTF-8
+                text = text.encode("utf-16-le", "surrogatepass").decode("utf-16-le", BadUTF8.errors)
+            yield text
+
+class BadUTF8:  # invalid UTF-8 and lone surrogates: each read as U+FFFD, and counted
+    count = 0
+
+    def replace(error):  # a codec error handler: what errors="replace" does, counted
+        BadUTF8.count += 1
+        return "\ufffd", error.end
+
+BadUTF8.errors = f"replace and count {id(BadUTF8)}"  # its own name: a process may load two scripts
+codecs.register_error(BadUTF8.errors, BadUTF8.replace)
+
+def first_chars(documents, num_chars):  # the last document is cut to fit
+    for document in documents(num_chars):
+        yield document[:num_chars]
+        num_chars -= min(len(document), num_chars)
+        if num_chars == 0:
+            return  # before the source is asked for one more document: it may be slow, or malformed
+
+# ---------------------------------------------------------------- the command line
 if __name__ == "__main__":
     try:
         run(sys.argv[1:])
     except KeyboardInterrupt:
-        print("\ninterrupted: run the same command again to resume; finished shards are kept", file=sys.stderr)
+        print("\ninterrupted: run the same command again to resume; finished shards are kept",
+              file=sys.stderr)
         sys.exit(130)
-    except (UserError, OSError) as error:  # OSError: a full disk, a lost mount; the finished shards are safe
-        advice = "; fix it and run the same command again to resume" if isinstance(error, OSError) else ""
-        sys.exit(f"error: {error}{advice}")  # printed to stderr, exit status 1
+    except UserError as error:
+        sys.exit(f"error: {error}")  # printed to stderr, exit status 1
+    except OSError as error:  # a full disk, a lost mount: the finished shards are safe
+        sys.exit(f"error: {error}; fix it and run the same command again to resume")

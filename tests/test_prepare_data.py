@@ -1,5 +1,6 @@
 """prepare_data.py: the shards decode back to the documents, the split and limits follow their rules,
-a run killed with SIGKILL resumes to identical files, and bad input gets one line.
+a run killed with SIGKILL resumes to identical files, bad input gets one line, one run at a time writes
+to an --out, and what the split pattern drops is counted.
 
 The datasets are made as a user makes them, in a subprocess, on small generated corpora; the refusals run
 in this process (run() raises the UserError that the command line prints), with one command line check
@@ -19,8 +20,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import regex
 import rustbpe
 import tiktoken
+from conftest import assert_one_error_line
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -125,8 +128,9 @@ def expected_val_documents(token_counts, val_tokens):
 
 def test_bpe_dir_shards_decode_to_the_documents(tmp_path, docs, bpe_dir):
     write_jsonl(tmp_path / "docs.jsonl", docs)
-    prepare("--tokenizer", bpe_dir, "--data", "docs.jsonl", "--out", "ds", "--shard_size", 700,
-            "--val_tokens", 1500, cwd=tmp_path)
+    result = prepare("--tokenizer", bpe_dir, "--data", "docs.jsonl", "--out", "ds", "--shard_size", 700,
+                     "--val_tokens", 1500, cwd=tmp_path)
+    assert "warning" not in result.stderr  # rustbpe's pattern matches every character
     out_dir = tmp_path / "ds"
     meta, val, train = read_dataset(out_dir)
     enc = load_encoding(bpe_dir)
@@ -361,14 +365,28 @@ def test_bad_tokenizers(tmp_path, docs, bpe_dir, monkeypatch):
     half = tmp_path / "half"
     half.mkdir()
     (half / "tokenizer.json").write_bytes((bpe_dir / "tokenizer.json").read_bytes())
+    ranks = {bytes([i]): i for i in range(256)}
+    eot_on_a_byte = write_bpe_dir(tmp_path / "eot_on_a_byte", ranks, r"\S+")
+    info = json.loads((eot_on_a_byte / "tokenizer.json").read_text())
+    (eot_on_a_byte / "tokenizer.json").write_text(json.dumps({**info, "special_tokens": {EOT: 5}, "vocab_size": 256}))
+    replaced_65 = {(b"zz" if rank == 65 else token): rank for token, rank in ranks.items()}  # no "A" left
+    no_byte_65 = write_bpe_dir(tmp_path / "no_byte_65", replaced_65, r"\S+")
+    no_eot = write_bpe_dir(tmp_path / "no_eot", ranks, r"\S+")
+    (no_eot / "tokenizer.json").write_text(json.dumps({**info, "special_tokens": {}}))
+    wrong_size = write_bpe_dir(tmp_path / "wrong_size", ranks, r"\S+")
+    (wrong_size / "tokenizer.json").write_text(json.dumps({**info, "vocab_size": 300}))
     cases = {
         "tokenizers/missing_v1000": "no such directory",
-        str(broken_json): "is broken",
-        str(broken_ranks): "is broken",
+        str(broken_json): "it can't be read (JSONDecodeError: ",
+        str(broken_ranks): "it can't be read (",
         str(half): "tokenizer.tiktoken is missing",
         str(tmp_path / "empty_dir"): "tokenizer.tiktoken is missing",
         str(empty_pattern): "matches the empty string",
-        str(gap): "ranks are not 0..V-1",
+        str(gap): "its ranks are not 0..255, each exactly once",
+        str(eot_on_a_byte): "special token '<|endoftext|>' has id 5; special tokens take the ids from 256 up",
+        str(no_byte_65): "its ranks 0-255 are not the 256 single bytes",
+        str(no_eot): "it has no <|endoftext|>",
+        str(wrong_size): "its vocab_size is 300; its ids make 257",
         "gpt5": "not a tiktoken encoding",
     }
     monkeypatch.chdir(tmp_path)
@@ -380,6 +398,10 @@ def test_bad_tokenizers(tmp_path, docs, bpe_dir, monkeypatch):
     # through the command line: one `error:` line, exit status 1
     assert "no such directory" in one_line_error(prepare("--tokenizer", "tokenizers/missing_v1000", "--data",
                                                          "docs.jsonl", cwd=tmp_path, check=False))
+    # tiktoken would panic on the "A", in 86 lines from Rust: the check comes first
+    (tmp_path / "a.txt").write_text("A text with an A")
+    assert_one_error_line(prepare("--tokenizer", no_byte_65, "--data", "a.txt", cwd=tmp_path, check=False),
+                          "its ranks 0-255 are not the 256 single bytes")
 
 
 @pytest.mark.skipif(reachable("openaipublic.blob.core.windows.net"), reason="online: tiktoken can download gpt2")
@@ -429,6 +451,14 @@ def test_out_into_a_file_and_foreign_or_mismatched_out(tmp_path, docs, bpe_dir, 
     assert "already complete" in capsys.readouterr().out
     for other in (["--shard_size", 123], ["-n", 100], ["--tokenizer", "char"]):
         assert "made with other arguments" in refused("--tokenizer", bpe_dir, "--data", "docs.jsonl", "--out", "ds", *other)
+    assert files_of(tmp_path / "ds") == before
+    # the same ranks (their sha256 decides), but another <|endoftext|> id: the shards' ids would be wrong
+    other_eot = shutil.copytree(bpe_dir, tmp_path / "other_eot")
+    info = json.loads((other_eot / "tokenizer.json").read_text())
+    info.update(special_tokens={EOT: 301}, vocab_size=302)
+    (other_eot / "tokenizer.json").write_text(json.dumps(info))
+    assert "with other arguments (vocab_size: 301, now 302)" in refused(
+        "--tokenizer", other_eot, "--data", "docs.jsonl", "--out", "ds")
     assert files_of(tmp_path / "ds") == before
     (tmp_path / "ds" / "meta.json").rename(tmp_path / "ds" / "progress.json")  # as an older run's: no "resume"
     assert "progress.json is from an older" in refused("--tokenizer", bpe_dir, "--data", "docs.jsonl", "--out", "ds")
@@ -531,6 +561,8 @@ def test_a_deleted_or_cut_shard_is_found_on_rerun(tmp_path, docs, bpe_dir, monke
     shard = tmp_path / "ds" / meta["shards"]["train"][1]
     shard.write_bytes(shard.read_bytes()[:-2])  # cut
     assert f"the shard {shard.name} is missing or damaged; delete ds" in refused(*args)
+    shard.write_bytes(b"")  # emptied: np.load raises EOFError
+    assert f"the shard {shard.name} is missing or damaged" in refused(*args)
     shard.unlink()
     assert f"the shard {shard.name} is missing or damaged" in refused(*args)
     # the advice works: delete the directory, run again, and the dataset is whole
@@ -541,3 +573,46 @@ def test_a_deleted_or_cut_shard_is_found_on_rerun(tmp_path, docs, bpe_dir, monke
     (tmp_path / "ds" / "tokenizer.tiktoken").unlink()
     assert "already complete" in prepare(*args, cwd=tmp_path).stdout
     assert (tmp_path / "ds" / "tokenizer.tiktoken").read_bytes() == (bpe_dir / "tokenizer.tiktoken").read_bytes()
+
+
+# ---------------------------------------------------------------- one writer per --out; nothing dropped silently
+
+
+def test_two_runs_into_one_out_at_once(tmp_path, corpus, bpe_dir):
+    """Two runs of different sources into one --out, started together: one writes what a lone run writes,
+    byte for byte; the other refuses in one line that names the directory."""
+    sources = {"udhr": corpus("udhr.jsonl"), "enwiki": corpus("enwiki.jsonl")}
+    # about a second of work each, on one thread: the two runs overlap however late the second one starts
+    common = ["--tokenizer", bpe_dir, "-n", 6_000_000, "--workers", 1, "--shard_size", 1_000_000]
+    runs = {name: subprocess.Popen([sys.executable, str(SCRIPT), "--data", path, *map(str, common), "--out", "ds"],
+                                   cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for name, path in sources.items()}
+    outputs = {name: process.communicate(timeout=300) for name, process in runs.items()}
+    results = {name: subprocess.CompletedProcess(runs[name].args, runs[name].returncode, *output)
+               for name, output in outputs.items()}
+    assert sorted(result.returncode for result in results.values()) == [0, 1], results
+    winner = next(name for name, result in results.items() if result.returncode == 0)
+    loser = next(name for name in results if name != winner)
+    assert_one_error_line(results[loser], "ds: another run is writing there")
+    prepare("--data", sources[winner], *common, "--out", "alone", cwd=tmp_path)
+    assert files_of(tmp_path / "ds") == files_of(tmp_path / "alone")
+
+
+def test_characters_the_split_pattern_leaves_unmatched_are_counted(tmp_path, corpus):
+    """tiktoken drops what the split pattern does not match (\\w+ here: spaces, punctuation): one warning says
+    how many bytes, counted here independently with `regex` on real multilingual text."""
+    words = write_bpe_dir(tmp_path / "words", {bytes([b]): b for b in range(256)}, r"\w+")
+    result = prepare("--tokenizer", words, "--data", corpus("udhr.jsonl"), "-n", 100_000, "--val_tokens", 10_000,
+                     "--out", "ds", cwd=tmp_path)
+    meta, val, train = read_dataset(tmp_path / "ds")
+    documents, budget = [], 100_000
+    with open(corpus("udhr.jsonl"), encoding="utf-8") as f:
+        while budget:
+            documents.append(json.loads(next(f))["text"][:budget])
+            budget -= len(documents[-1])
+    kept = sum(len(match.encode()) for doc in documents for match in regex.findall(r"\w+", doc))
+    read = sum(len(doc.encode()) for doc in documents)
+    assert 0 < kept < read and len(np.concatenate([val, train])) == kept + len(documents)  # + the EOTs
+    message = (f"warning: the split pattern matched {kept:,} of {read:,} bytes; "
+               f"the other {1 - kept / read:.1%} are not in the shards (tiktoken drops them)")
+    assert [line for line in result.stderr.splitlines() if line.startswith("warning")] == [message]

@@ -2,9 +2,12 @@
 import base64
 import json
 import os
+import resource
 import subprocess
 import sys
 import sysconfig
+import tempfile
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -18,16 +21,22 @@ from hypothesis import strategies as st
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 import train_bpe_cpu as bpe  # noqa: E402
+from conftest import assert_one_error_line  # noqa: E402
 
 SCRIPT = REPO / "train_bpe_cpu.py"
 
 
 def our_vocab(docs, vocab_size, pattern=bpe.pattern):
+    """Our tokens in rank order, read back from the rank file that save_tokenizer writes."""
     chunk_counts = Counter()
     for doc in docs:
         chunk_counts.update(regex.findall(pattern, doc))
     merges, _ = bpe.train(chunk_counts, vocab_size)
-    return bpe.token_bytes(merges)
+    with tempfile.TemporaryDirectory() as directory:
+        bpe.save_tokenizer(Path(directory), merges, {})
+        lines = (Path(directory) / "tokenizer.tiktoken").read_text().splitlines()
+    assert [int(line.split()[1]) for line in lines] == list(range(len(lines)))
+    return [base64.b64decode(line.split()[0]) for line in lines]
 
 
 def rustbpe_vocab(docs, vocab_size, pattern=bpe.pattern):
@@ -135,6 +144,7 @@ def test_cli_output_equals_rustbpe_and_loads_in_tiktoken(trained):
     assert info["special_tokens"] == {"<|endoftext|>": 700} and info["vocab_size"] == encoding.n_vocab == 701
     assert info["num_chars"] == 200_000 and info["stop_reason"] == "vocab_size reached"
     assert encoding.encode("hi<|endoftext|>", allowed_special="all")[-1] == 700
+    assert "split pattern matched" not in result.stderr  # GPT-4's pattern matches every character
     # The printed compression must agree with what tiktoken makes of the same text.
     tokens = len(encoding.encode_ordinary(text))
     assert f"-> {tokens:,} tokens" in result.stdout
@@ -204,6 +214,55 @@ def test_invalid_utf8_is_replaced_with_a_warning(tmp_path):
     result = run_cli("--data", tmp_path / "bad.txt", "-v", 270, "--out", tmp_path / "tok", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert "warning: 9 invalid UTF-8 sequences were replaced with U+FFFD" in result.stderr
+
+
+def test_what_the_pattern_leaves_out_is_a_warning(tmp_path):
+    """tiktoken drops what the split pattern does not match, and so does the trainer: never silently."""
+    small = write_small_corpus(tmp_path)  # "some text to train on " * 10: 220 characters, 170 of them letters
+    result = run_cli("--data", small, "-v", 260, "--pattern", r"\w+", "--out", tmp_path / "tok", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert ("warning: the split pattern matched 170 of 220 characters; the other 22.7% are dropped "
+            "(tiktoken drops them too)") in result.stderr.splitlines()
+
+
+def holds_flock(directory):
+    """Whether some process holds a flock on `directory`, seen in Linux's /proc/locks (taking one ourselves
+    to find out would race with the run)."""
+    if not directory.exists():
+        return False
+    inode = f":{directory.stat().st_ino}"
+    with open("/proc/locks") as locks:
+        return any(line.split()[1] == "FLOCK" and line.split()[5].endswith(inode) for line in locks)
+
+
+def test_one_writer_per_out(tmp_path, corpus):
+    """Of two runs started together into one --out, one writes what a lone run writes; the other refuses in
+    one line that names the directory. (Each holds the lock about a second.) And a run killed with -9
+    leaves no stale lock: the next run into its directory goes ahead."""
+    args = ["--data", corpus("tinyshakespeare.txt"), "-v", 4000]
+    racers = [start_cli(*args, "--out", tmp_path / "tok", cwd=tmp_path) for _ in range(2)]
+    results = []
+    for process in racers:
+        stdout, stderr = process.communicate(timeout=300)
+        results.append(subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr))
+    winner, loser = sorted(results, key=lambda result: result.returncode)
+    assert winner.returncode == 0, winner.stderr
+    assert_one_error_line(loser, f"error: {tmp_path / 'tok'}: another run is writing there")
+    assert sorted(os.listdir(tmp_path / "tok")) == ["tokenizer.json", "tokenizer.tiktoken"]
+
+    killed = start_cli(*args, "--out", tmp_path / "alone", cwd=tmp_path)
+    deadline = time.time() + 60
+    while not holds_flock(tmp_path / "alone"):
+        assert killed.poll() is None and time.time() < deadline, "the run never held its lock"
+        time.sleep(0.01)
+    killed.kill()
+    killed.communicate()
+    assert os.listdir(tmp_path / "alone") == []  # killed while it held the lock, before it wrote a file
+    result = run_cli(*args, "--out", tmp_path / "alone", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    raced_info, alone_info = (load_encoding(tmp_path / name)[1] for name in ("tok", "alone"))
+    assert {**raced_info, "seconds": 0} == {**alone_info, "seconds": 0}
+    assert (tmp_path / "tok/tokenizer.tiktoken").read_bytes() == (tmp_path / "alone/tokenizer.tiktoken").read_bytes()
 
 
 # ---------------------------------------------------------------- bad input: one line, non-zero exit, nothing written
@@ -279,3 +338,11 @@ def test_out_may_be_a_tokenizer_directory_to_overwrite(tmp_path):
         result = run_cli("--data", small, "-v", vocab_size, "--out", tmp_path / "tok", cwd=tmp_path)
         assert result.returncode == 0, result.stderr
     assert json.loads((tmp_path / "tok" / "tokenizer.json").read_text())["vocab_size"] == 271
+    # A full disk (a 1,000-byte file size limit here) while writing is one line, and the old files stay.
+    before = {path.name: path.read_bytes() for path in (tmp_path / "tok").iterdir()}
+    full_disk = lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (1000, 1000))  # noqa: E731
+    result = subprocess.run([sys.executable, SCRIPT, "--data", small, "-v", "280", "--out", tmp_path / "tok"],
+                            preexec_fn=full_disk, capture_output=True, text=True, cwd=tmp_path)
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]  # after the bars
+    assert result.returncode == 1 and errors == ["error: [Errno 27] File too large"], result.stderr
+    assert {path.name: path.read_bytes() for path in (tmp_path / "tok").iterdir() if path.suffix != ".tmp"} == before

@@ -1,0 +1,53 @@
+"""The functions that stand in several scripts: the scripts share only model.py, so a function two of them need
+is copied, and the copies must stay the same byte for byte (a diff of two trainers then shows only what the GPU
+changes). The shared reader section is checked in test_reader.py; these are the single functions."""
+import ast
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+TRAINERS = ["train_bpe_cpu.py", "train_bpe_gpu.py", "train_bpe_multigpu.py"]
+GPU_TRAINERS = ["train_bpe_gpu.py", "train_bpe_multigpu.py"]  # they count chunks alike, on every core
+WRITERS = [*TRAINERS, "prepare_data.py", "train.py", "export_hf.py"]  # each writes a directory and locks it
+COPIES = [("lock_directory", WRITERS),
+          ("check_out_dir", TRAINERS),
+          ("save_tokenizer", TRAINERS),
+          ("token_bytes", TRAINERS),
+          ("time_is_up", GPU_TRAINERS),
+          ("count_batch", GPU_TRAINERS),
+          ("count_chunks", GPU_TRAINERS),
+          ("tokenizer_problem", ["model.py", "prepare_data.py"])]
+
+
+def function_source(script, name):
+    """The text of the top-level function `name` in `script`, its decorators and docstring included."""
+    text = (REPO / script).read_text(encoding="utf-8")
+    for node in ast.parse(text).body:
+        if isinstance(node, ast.FunctionDef) and node.name == name:
+            first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
+            return "\n".join(text.splitlines()[first - 1:node.end_lineno])
+    return None
+
+
+@pytest.mark.parametrize("name, scripts", COPIES, ids=[name for name, _ in COPIES])
+def test_the_copies_are_identical(name, scripts):
+    sources = {script: function_source(script, name) for script in scripts}
+    missing = [script for script, source in sources.items() if source is None]
+    assert not missing, f"{name} is missing from {missing}"
+    first = sources[scripts[0]]
+    differ = [script for script in scripts if sources[script] != first]
+    assert not differ, f"{name} in {differ} differs from {scripts[0]}'s"
+
+
+def test_the_check_sees_a_drifted_copy(tmp_path, monkeypatch):
+    """The comparison itself can fail: a copy with one changed character is caught."""
+    for script in ("train_bpe_cpu.py", "train_bpe_gpu.py"):
+        (tmp_path / script).write_text((REPO / script).read_text(encoding="utf-8"), encoding="utf-8")
+    drifted = (tmp_path / "train_bpe_gpu.py").read_text(encoding="utf-8").replace(
+        "def save_tokenizer(out_dir", "def save_tokenizer(out_dir ", 1)
+    (tmp_path / "train_bpe_gpu.py").write_text(drifted, encoding="utf-8")
+    monkeypatch.setattr(sys.modules[__name__], "REPO", tmp_path)
+    with pytest.raises(AssertionError, match="differs"):
+        test_the_copies_are_identical("save_tokenizer", ["train_bpe_cpu.py", "train_bpe_gpu.py"])
