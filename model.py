@@ -616,7 +616,7 @@ def encoding_from_checkpoint(checkpoint):
         except Exception as err:  # a missing key, a bad line or pattern: not what train.py writes
             problem = first_line(err)
         if problem:
-            raise CheckpointError(f"the checkpoint's BPE tokenizer is malformed: {problem}")
+            raise CheckpointError(f"the BPE tokenizer is malformed: {problem}")
     model_config = checkpoint.get("model_config")
     vocab_size = model_config.get("vocab_size") if isinstance(model_config, dict) else None
     if type(vocab_size) is int and encoding.n_vocab > vocab_size:

@@ -8,6 +8,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import resource
 import signal
 import socket
 import subprocess
@@ -202,6 +203,20 @@ def test_bpe_dataset_embeds_its_tokenizer_in_the_checkpoint(dataset, tmp_path):
     result = run_train(bpe, tmp_path / "other", "--max_iters=1")
     assert_one_error_line(result, "tokenizer.tiktoken is not the tokenizer the shards were made with")
     assert not (tmp_path / "other").exists()
+    # Tokenizer files that agree with meta.json's sha256 but can't be a tokenizer, or whose size isn't
+    # meta.json's vocab_size: one line each, before anything is written.
+    byte_65 = base64.b64encode(b"A").decode()
+    cases = [(ranks.replace(f"{byte_65} 65\n", f"{base64.b64encode(b'AB').decode()} 65\n"), info, meta,
+              "its ranks 0-255 are not the 256 single bytes"),
+             (ranks, dict(info, special_tokens={"<|endoftext|>": 5}), meta, "special token '<|endoftext|>' has id 5"),
+             (ranks, info, dict(meta, vocab_size=300), "says vocab_size 300, but its tokenizer has 257 ids")]
+    for case_ranks, case_info, case_meta, message in cases:
+        (bpe / "tokenizer.tiktoken").write_text(case_ranks)
+        (bpe / "tokenizer.json").write_text(json.dumps(case_info))
+        sha256 = hashlib.sha256(case_ranks.encode()).hexdigest()
+        (bpe / "meta.json").write_text(json.dumps(dict(case_meta, tokenizer=dict(meta["tokenizer"], sha256=sha256))))
+        assert_one_error_line(run_train(bpe, tmp_path / "other", "--max_iters=1"), message)
+        assert not (tmp_path / "other").exists()
 
 
 # -----------------------------------------------------------------------------------------------------
@@ -375,6 +390,68 @@ def test_non_finite_loss_stops_with_the_iteration(dataset, tmp_path):
 
 
 # -----------------------------------------------------------------------------------------------------
+# one writer per out_dir, and a full disk during a save
+
+def test_two_runs_into_one_out_dir_one_refuses_and_a_killed_run_leaves_no_lock(dataset, tmp_path):
+    # Two real processes started together into one out_dir, and a third into its own as the reference.
+    args = ["--max_iters=60", "--eval_interval=30", "--total_batch_size=None", "--always_save_checkpoint=True"]
+    runs = [start_train(dataset, tmp_path / out, *args) for out in ("shared", "shared", "alone")]
+    results = [subprocess.CompletedProcess(run.args, run.wait(timeout=240), *run.communicate()) for run in runs]
+    shared = tmp_path / "shared"
+    refused = [result for result in results[:2] if result.returncode != 0]
+    assert len(refused) == 1, [result.stderr[-2000:] for result in results]
+    assert_one_error_line(refused[0], f"{shared}: another run is writing there")
+    assert results[2].returncode == 0, results[2].stderr[-2000:]
+    # The one that ran is a clean run: its log and checkpoint are exactly the reference's.
+    assert read_log(shared) == read_log(tmp_path / "alone")
+    assert len((shared / "log.jsonl").read_text().splitlines()) == 60 + 3
+    assert torch.equal(load(shared / "ckpt.pt")["model"]["lm_head.weight"],
+                       load(tmp_path / "alone" / "ckpt.pt")["model"]["lm_head.weight"])
+    # kill -9 in the middle of a run: the kernel drops its lock, so resuming works at once.
+    process = start_train(dataset, shared, "--init_from=resume", "--max_iters=100000", "--eval_interval=100000",
+                          "--total_batch_size=None")
+    for line in process.stdout:
+        if line.startswith("iter 65:"):
+            process.kill()
+            break
+    process.communicate(timeout=60)
+    assert process.returncode == -signal.SIGKILL
+    result = train(dataset, shared, "--init_from=resume", "--max_iters=62", "--eval_interval=2",
+                   "--always_save_checkpoint=True", "--total_batch_size=None")
+    assert "resuming at iter 60" in result.stdout and load(shared / "ckpt.pt")["iter_num"] == 62
+
+
+def limit_file_size(size):
+    """For preexec_fn: files of at most `size` bytes, and a write past it fails with EFBIG (as on a full disk)
+    rather than SIGXFSZ killing the process."""
+    def limit():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (size, size))
+    return limit
+
+
+def test_a_full_disk_during_a_save_is_one_line_and_keeps_the_last_checkpoint(trained, dataset, tmp_path):
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    (out_dir / "ckpt.pt").write_bytes((trained / "ckpt.pt").read_bytes())
+    saved = (out_dir / "ckpt.pt").read_bytes()
+    assert len(saved) > 50_000  # the premise: the limit below stops the checkpoint, not log.jsonl
+    result = subprocess.run([sys.executable, TRAIN, f"--dataset={dataset}", f"--out_dir={out_dir}", *TINY,
+                             "--init_from=resume", "--max_iters=42", "--eval_interval=2", "--total_batch_size=None",
+                             "--always_save_checkpoint=True"], capture_output=True, text=True, env=ENV,
+                            timeout=120, preexec_fn=limit_file_size(50_000))
+    assert_one_error_line(result, f"can't write {out_dir / 'ckpt.pt'}", "no space left", "checkpoint is kept")
+    assert (out_dir / "ckpt.pt").read_bytes() == saved
+    assert sorted(path.name for path in out_dir.iterdir()) == ["ckpt.pt", "log.jsonl"]  # no temporary left
+
+
+def test_help_says_that_a_preset_runs_as_code():
+    result = subprocess.run([sys.executable, TRAIN, "--help"], capture_output=True, text=True, env=ENV, timeout=60)
+    assert result.returncode == 0 and "--learning_rate=0.001" in result.stdout
+    assert "a preset is Python and runs as code: use only presets you trust" in result.stdout
+
+
+# -----------------------------------------------------------------------------------------------------
 # user mistakes: one line on stderr, a non-zero exit, no traceback
 
 def broken_dataset(dataset, directory, edit):
@@ -389,6 +466,12 @@ def broken_dataset(dataset, directory, edit):
 
 def shrink_vocab(directory, meta):  # as if meta.json were edited: the shards hold ids past it
     return dict(meta, vocab_size=10, max_token_id=9, chars=meta["chars"][:10])
+
+
+def resave_shard(directory, meta, change):
+    shard = directory / "val_000000.npy"
+    np.save(shard, change(np.load(shard)))
+    return meta
 
 
 def truncate_shard(directory, meta):
@@ -407,20 +490,21 @@ MISTAKES = {
     "no dataset": (["--dataset=TMP/nowhere"], "python prepare_data.py"),
     "no value": (["--batch_size"], "--batch_size: expected --key=value"),
     "no preset": (["nowhere.py"], "no preset file 'nowhere.py'"),
-    "init_from": (["--init_from=restart"], "init_from must be 'scratch', 'resume' or 'auto', not 'restart'"),
-    "dtype": (["--dtype=fp8"], "dtype must be"),
-    "compile": (["--compile='yes'"], "compile must be 'auto', True or False, not 'yes'"),
-    "milestones": (["--milestones=[2.5]"], "milestones must be a list of iteration numbers"),
-    "positive": (["--eval_iters=0"], "must be positive"),
-    "negative": (["--max_iters=-1"], "can't be negative"),
+    "init_from": (["--init_from=restart"], "init_from='restart': must be 'scratch', 'resume' or 'auto'"),
+    "dtype": (["--dtype=fp8"], "dtype='fp8': must be 'auto', 'float32', 'bfloat16' or 'float16'"),
+    "compile": (["--compile='yes'"], "compile='yes': must be 'auto', True or False"),
+    "milestones": (["--milestones=[2.5]"], "milestones=[2.5]: must be a list of iteration numbers"),
+    "positive": (["--eval_iters=0"], "eval_iters=0: must be positive"),
+    "negative": (["--max_iters=-1"], "max_iters=-1: must be 0 or more"),
     "heads": (["--n_head=3"], "n_head must divide n_embd"),
     "timeout": (["--timeout=0"], "timeout=0"),
-    "total_batch_size": (["--total_batch_size=0"], "total_batch_size=0: must be a positive number of tokens"),
+    "total_batch_size": (["--total_batch_size=0"], "total_batch_size=0: must be positive"),
     "learning_rate": (["--learning_rate=-1"], "learning_rate=-1.0"),
     "dropout": (["--dropout=1.5"], "dropout=1.5"),
-    "ffn_ratio": (["--ffn_ratio=0", "--max_iters=2"], "ffn_ratio=0.0: the SwiGLU hidden size"),  # else an MLP of 0 units, silently
+    # else an MLP of 0 units, silently
+    "ffn_ratio": (["--ffn_ratio=0", "--max_iters=2"], "ffn_ratio=0.0: must be positive"),
     "beta2": (["--beta2=1.5"], "beta2=1.5"),
-    "tpu": (["--device=tpu"], "device must be"),
+    "tpu": (["--device=tpu"], "device='tpu': must be 'auto', 'cpu', 'cuda', 'cuda:N' or 'mps'"),
     "mps": (["--device=mps"], "no MPS"),
     "out_dir a file": (["--out_dir=TMP/file"], "a file is in the way"),
     "out_dir under a file": (["--out_dir=TMP/file/out"], "a file is in the way"),
@@ -430,7 +514,22 @@ MISTAKES = {
     "shard outside": (["--dataset=DATA"], "only plain file names"),
     "shard deleted": (["--dataset=DATA"], "is missing", "or delete"),
     "shard truncated": (["--dataset=DATA"], "unreadable"),
-    "ids past vocab": (["--dataset=DATA"], "holds token id"),
+    # Found in the first batch, not at start-up (which reads only the shards' headers): its own out_dir.
+    "ids past vocab": (["--dataset=DATA", "--out_dir=TMP/found_in_a_batch"], "holds token id",
+                       "past the vocabulary", "(0..9)"),
+    # The ranges of the settings, and the shards' and meta.json's numbers
+    "seed": (["--seed=18446744073709551616"], "seed=18446744073709551616: must be in 0..2**64-1"),
+    "n_embd negative": (["--n_embd=-4"], "n_embd=-4", "positive"),
+    "n_embd zero": (["--n_embd=0"], "n_embd=0", "positive"),  # else a model of no parameters, silently
+    "rate infinite": (["--learning_rate=1e400"], "learning_rate=inf: must be finite"),
+    # 50,000 characters: a MemoryError in ast.literal_eval, were it not refused first
+    "long value": (["--seed=" + "-" * 49_999 + "1"], "--seed: expected --key=value, a value of at most 1,000"),
+    "preset exits": (["EXITING"], "EXITING: the preset called sys.exit(0)"),
+    "shard 2-D": (["--dataset=DATA"], "val_000000.npy holds a 2-D array of uint16"),
+    "shard float32": (["--dataset=DATA"], "val_000000.npy holds a 1-D array of float32"),
+    "shard int64 negative": (["--dataset=DATA"], "val_000000.npy holds a 1-D array of int64"),
+    "vocab 10^12": (["--dataset=DATA"], "is not the meta.json of a finished prepare_data.py run"),
+    "chars cut short": (["--dataset=DATA"], "meta.json says vocab_size", "but its tokenizer has 10 ids"),
     "short split": (["--block_size=100000", "--total_batch_size=None"], "split of", "fewer than block_size+1 = 100001 tokens"),
     "config vs weights": (["--init_from=resume", "--out_dir=TMP/misfit"], "does not fit"),
     "no training state": (["--init_from=resume", "--out_dir=TMP/bare"], "lacks the training state"),
@@ -451,6 +550,11 @@ BREAK = {
     "shard deleted": lambda d, meta: (d / "val_000000.npy").unlink() or meta,
     "shard truncated": truncate_shard,
     "ids past vocab": shrink_vocab,
+    "shard 2-D": lambda d, meta: resave_shard(d, meta, lambda ids: ids[:len(ids) // 2 * 2].reshape(-1, 2)),
+    "shard float32": lambda d, meta: resave_shard(d, meta, lambda ids: ids.astype(np.float32) + 0.5),
+    "shard int64 negative": lambda d, meta: resave_shard(d, meta, lambda ids: ids.astype(np.int64) - 1),
+    "vocab 10^12": lambda d, meta: dict(meta, vocab_size=10**12),
+    "chars cut short": lambda d, meta: dict(meta, chars=meta["chars"][:10]),
 }
 
 
@@ -459,6 +563,7 @@ def mistakes(dataset, trained, tmp_path_factory):
     """Every case of MISTAKES run at once (each is a second or two of start-up, mostly importing torch)."""
     tmp = tmp_path_factory.mktemp("mistakes")
     (tmp / "preset.py").write_text("batch_size = 8\nlearning_rat = 1e-3\n")
+    (tmp / "exiting.py").write_text("import sys\nsys.exit(0)\n")
     (tmp / "file").write_text("not a directory")
     checkpoint = load(trained / "ckpt.pt")  # trained with AdamW
     for name, edit in [("adamw", {}), ("muon", {"train_config": dict(checkpoint["train_config"], muon=True)}),
@@ -471,8 +576,8 @@ def mistakes(dataset, trained, tmp_path_factory):
     processes = {}
     for name, (args, *_) in MISTAKES.items():
         data = broken_dataset(dataset, tmp / name.replace(" ", "_"), BREAK[name]) if name in BREAK else dataset
-        args = [a.replace("PRESET", str(tmp / "preset.py")).replace("TMP", str(tmp)).replace("DATA", str(data))
-                for a in args]
+        args = [a.replace("PRESET", str(tmp / "preset.py")).replace("EXITING", str(tmp / "exiting.py"))
+                .replace("TMP", str(tmp)).replace("DATA", str(data)) for a in args]
         processes[name] = subprocess.Popen([sys.executable, TRAIN, f"--dataset={dataset}", f"--out_dir={tmp / 'out'}",
                                             *TINY, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                            env=ENV, cwd=tmp)
@@ -484,5 +589,9 @@ def mistakes(dataset, trained, tmp_path_factory):
 @pytest.mark.parametrize("case", MISTAKES)
 def test_user_mistakes_get_one_line(mistakes, case):
     tmp, results = mistakes
-    assert_one_error_line(results[case], *(m.replace("PRESET", str(tmp / "preset.py")) for m in MISTAKES[case][1:]))
+    fragments = [m.replace("PRESET", str(tmp / "preset.py")).replace("EXITING", str(tmp / "exiting.py"))
+                 for m in MISTAKES[case][1:]]
+    assert_one_error_line(results[case], *fragments)
     assert not (tmp / "out").exists()  # nothing written before the mistake was found
+    if case == "ids past vocab":  # start-up passed (the model was built): the batch's check found it
+        assert "model:" in results[case].stdout and not list((tmp / "found_in_a_batch").iterdir())
