@@ -1,20 +1,23 @@
 """
-Train a byte-level BPE tokenizer with the merge loop on a GPU: the same merges as train_bpe_cpu.py and rustbpe.
+Train a byte-level BPE tokenizer, merging on a GPU: the same merges as train_bpe_cpu.py and rustbpe.
 
-    python train_bpe_gpu.py -v 1000 -n 1048576                      # on a CUDA GPU
+    python train_bpe_gpu.py -v 1000 -n 1048576              # on a CUDA GPU
     python train_bpe_gpu.py --data ../shared/corpora/enwiki.jsonl -v 65534 -n 134217728
-    python train_bpe_gpu.py -v 300 -n 65536 --device cpu            # no GPU: Triton's interpreter, for testing
+    python train_bpe_gpu.py -v 300 -n 65536 --device cpu    # no GPU: Triton's interpreter (tests)
 
-Flags and outputs are train_bpe_cpu.py's, the readable reference of the algorithm. This file shows how a
-sequential algorithm gets fast on a GPU: merge k needs the counts left by merge k-1, so merges can't run in
-parallel, but the work inside a merge can, and the host must stay out of the way. A merge is four small Triton
-kernels; the host launches them (on CUDA, 16 merges as one CUDA graph) and reads one flag per 16 merges: "done?".
---device cpu runs the same kernels in Triton's interpreter (TRITON_INTERPRET=1): exact, slow, for the tests.
+Flags and outputs are train_bpe_cpu.py's, the readable reference of the algorithm. This file shows
+how a sequential algorithm gets fast on a GPU: merge k needs the counts left by merge k-1, so merges
+can't run in parallel, but the work inside a merge can, and the host must stay out of the way. A
+merge is four small Triton kernels; the host launches them (on CUDA, 16 merges as one CUDA graph)
+and reads one flag per 16 merges: "done?". --device cpu runs the same kernels in Triton's
+interpreter (TRITON_INTERPRET=1): exact, slow, for the tests.
 """
 
 import argparse
+import atexit
 import base64
 import codecs
+import fcntl
 import json
 import multiprocessing
 import os
@@ -23,10 +26,9 @@ import signal
 import socket
 import sys
 import sysconfig
-import tempfile
 import time
 import urllib.parse
-from collections import Counter
+from collections import Counter, deque
 from pathlib import Path
 
 import numpy as np
@@ -34,13 +36,13 @@ import regex
 import torch
 from tqdm import tqdm
 
-os.environ.setdefault("TRITON_INTERPRET", "0" if torch.cuda.is_available() else "1")  # read when triton is imported
+# read when triton is imported
+os.environ.setdefault("TRITON_INTERPRET", "0" if torch.cuda.is_available() else "1")
 try:
     import triton
     import triton.language as tl
 except ImportError:
-    sys.exit("error: train_bpe_gpu.py needs triton (pip install triton; CUDA builds of torch bring it). "
-             "Without a GPU, train_bpe_cpu.py is the better choice.")
+    sys.exit("error: train_bpe_gpu.py needs triton (pip install triton)")
 
 # -----------------------------------------------------------------------------
 # defaults, each overridable from the command line
@@ -48,20 +50,21 @@ vocab_size = 1000  # byte tokens (256) + merges; <|endoftext|> gets the next id
 num_chars = 1048576  # train on the first 2^20 characters of the stream
 data = "fineweb"  # fineweb | fineweb-edu | a .txt/.jsonl/.parquet file | a directory of them
 out = None  # output directory; default tokenizers/<source>_v<vocab_size>
-device = None  # cuda; without a GPU say --device cpu (Triton's interpreter: exact, slow, for testing)
-# GPT-4's split pattern: letters with their leading space, numbers in groups of up to 3, punctuation runs,
-# and whitespace, so that merges never glue a word to the punctuation or the space after it.
+device = None  # cuda; without a GPU, --device cpu (Triton's interpreter: exact, slow, for testing)
+# GPT-4's split pattern: letters with their leading space, numbers in groups of up to 3, punctuation
+# runs, and whitespace, so that merges never glue a word to the punctuation or the space after it.
 pattern = r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]++[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+"""
 EOT = "<|endoftext|>"
-HUB_DATASETS = {"fineweb": ("HuggingFaceFW/fineweb", "sample-10BT", None),  # (repository, config, parquet files)
+# (repository, config, parquet files)
+HUB_DATASETS = {"fineweb": ("HuggingFaceFW/fineweb", "sample-10BT", None),
                 "fineweb-edu": ("HuggingFaceFW/fineweb-edu", "sample-10BT", None)}
 LOCAL_SUFFIXES = (".txt", ".jsonl", ".parquet")
-TOKENIZER_FILES = ("tokenizer.tiktoken", "tokenizer.json", "tokenizer.tiktoken.tmp", "tokenizer.json.tmp")
-INTERPRETER_SHAPE = (1, 1024, 64, 1024)  # programs, block of positions, of dirty rows, of choose_pair's rows
+# programs, block of positions, of dirty rows, of choose_pair's rows
+INTERPRETER_SHAPE = (1, 1024, 64, 1024)
 MERGES_PER_READ = 16  # merges launched (on CUDA: one graph replay) per host read of the "done" flag
-PARALLEL_CHARS = 1 << 24  # from this many characters on, worker processes pre-tokenize .jsonl files
-RANGE_BYTES = 1 << 23  # the bytes of a .jsonl file that one worker reads at a time
-MAX_POSITIONS = 2**31 - 2  # positions are int32 (half the memory of int64): the distinct chunks' bytes + 2 spare slots
+PARALLEL_CHARS = 1 << 24  # from this many characters on, all cores pre-tokenize (below: one)
+BATCH_CHARS = 1 << 20  # characters of documents per batch sent to a pre-tokenizing worker
+MAX_POSITIONS = 2**31 - 2  # positions are int32: the distinct chunks' bytes + 2 spare slots
 # -----------------------------------------------------------------------------
 
 
@@ -69,25 +72,26 @@ class UserError(Exception):
     """A mistake in the input: printed as one line, never as a traceback."""
 
 
-# ---------------------------------------------------------------- the lesson: one BPE merge as four kernels
+# -------------------------------------------------------- the lesson: one BPE merge as four kernels
 # The distinct chunks lie in flat arrays, one slot per byte (a "position"), as in train_bpe_cpu.py:
-#   tokens[p]      the token at p; -1 on the spare slots END and END+1, DEAD once p was a merged right half
-#   next_pos[p]    the next live position of p's chunk, or END; prev_pos[p] likewise. A merge unlinks the right
-#                  half of a pair, as in a linked list: tokens never move, so positions stay valid names.
+#   tokens[p]      the token at p; -1 on the spare slots END and END+1, DEAD once merged away
+#   next_pos[p]    the next live position of p's chunk, or END; prev_pos[p] likewise. A merge
+#                  unlinks a pair's right half: tokens never move, so positions stay valid names.
 #   weight[p]      how often p's chunk occurs in the corpus
-#   counts[l*V+r]  the weighted count of pair (l, r): a dense V x V matrix, so a count is one address
-#   lists          the positions holding each token, one region of list_buffer per id: merging (a, b) visits
-#                  only a's positions, never whole chunks.
-# Choosing must not scan V^2 counts. A pair's key is count << 20 | (2^20 - 1 - r), and row_key[l] is the largest
-# key of row l: its largest count, ties to the smallest r; across rows, the smallest l wins a tie. (One key per
-# pair would make the choice a single max, but cap counts at 2^31: per-row keys keep them exact to 2^43.) Only
-# pairs with the new token grow: atomic_max raises their row's key. A count that shrinks leaves its row's key too
+#   counts[l*V+r]  the weighted count of pair (l, r): a dense V x V matrix
+#   lists          the positions holding each token, a region of list_buffer per id: merging
+#                  (a, b) visits only a's positions.
+# Choosing must not scan V^2 counts. A pair's key is count << 20 | (2^20 - 1 - r), and row_key[l] is
+# row l's largest key: its largest count, ties to the smallest r (across rows, to the smallest l).
+# Per-row keys keep counts exact to 2^43 (one key per pair would cap them at 2^31). Only pairs with
+# the new token grow: atomic_max raises their row's key. A shrinking count leaves its row's key too
 # high only if it was the row's maximum: that row is "dirty" (rare) and recomputed from the matrix.
-# The host never reads the loop's state (a, b, list bounds): it lives in the device tensor `state`. A kernel's
-# programs loop over blocks with a stride, so each grid has a size known before the data: that is what lets
-# CUDA record 16 merges as one graph. No kernel needs a lock; each docstring says why, from who writes what.
+# The loop's state (a, b, list bounds) stays on the device, in `state`. Programs stride over blocks,
+# so every grid's size is known before the data: CUDA can record 16 merges as one graph. No kernel
+# needs a lock; each docstring says why, from who writes what.
 
-NEXT, NEW, A, B, DONE, START, LENGTH, SURVIVORS, DIRTY = (tl.constexpr(i) for i in range(9))  # slots of `state`
+# the slots of `state`
+NEXT, NEW, A, B, DONE, START, LENGTH, SURVIVORS, DIRTY = (tl.constexpr(i) for i in range(9))
 DEAD = tl.constexpr(-2)  # the token of an unlinked position (the right half of a merged pair)
 ID_BITS = tl.constexpr(20)  # a key's low bits hold 2^20 - 1 - right id
 LOW = tl.constexpr((1 << 20) - 1)
@@ -95,18 +99,19 @@ LOW = tl.constexpr((1 << 20) - 1)
 
 @triton.jit
 def append(length, buffer, values, keep):
-    """Appends the lanes' values where keep to a list: one atomic add reserves the block's slots, one per lane."""
-    slot = tl.atomic_add(length, tl.sum(keep.to(tl.int32), axis=0)) + tl.cumsum(keep.to(tl.int32), axis=0) - 1
+    """Appends the values where keep to a list: one atomic add reserves the block's slots."""
+    ones = keep.to(tl.int32)
+    slot = tl.atomic_add(length, tl.sum(ones, axis=0)) + tl.cumsum(ones, axis=0) - 1
     tl.store(buffer + slot, values, mask=keep)
 
 
 @triton.jit
 def choose_pair(state, row_key, fresh_key, dirty_flag, dirty_rows, list_start, list_len, merges, V,
                 BLOCK: tl.constexpr):
-    """Picks the pair with the largest key and writes the merge's state (a, b, new id, list bounds). One program,
-    alone on the device (kernels run in order), so it may read and write anything."""
+    """Picks the pair with the largest key and writes the merge's state (a, b, new id, list bounds).
+    One program, alone on the device (kernels run in order): it may read and write anything."""
     if tl.load(state + DONE) == 0:
-        # The rows refresh_rows recomputed (their maxima are in fresh_key) become exact again.
+        # the rows refresh_rows recomputed into fresh_key become exact again
         dirty = tl.load(state + DIRTY)
         for first in range(0, dirty, BLOCK):
             i = first + tl.arange(0, BLOCK)
@@ -114,11 +119,12 @@ def choose_pair(state, row_key, fresh_key, dirty_flag, dirty_rows, list_start, l
             tl.store(row_key + rows, tl.load(fresh_key + rows, mask=i < dirty), mask=i < dirty)
             tl.store(fresh_key + rows, 0, mask=i < dirty)
             tl.store(dirty_flag + rows, 0, mask=i < dirty)
-        # A row copied by one thread may be read below by another, and Triton orders global memory only within
-        # a thread: a barrier, or a thread could scan a dirty row's stale key (or read DIRTY after it is reset).
+        # A row copied by one thread may be read below by another, and Triton orders global memory
+        # only within a thread: a barrier, or a thread could scan a dirty row's stale key (or read
+        # DIRTY after it is reset).
         tl.debug_barrier()
         tl.store(state + DIRTY, 0)
-        # The largest count over all rows; blocks go in increasing row order, and the first row wins a tie.
+        # The largest count over all rows; blocks go in row order, and the first row wins a tie.
         new = tl.load(state + NEXT)
         best_count, best_row = tl.full((), 0, tl.int64), tl.full((), 0, tl.int64)
         for first in range(0, new, BLOCK):
@@ -141,16 +147,18 @@ def choose_pair(state, row_key, fresh_key, dirty_flag, dirty_rows, list_start, l
             tl.store(state + START, tl.load(list_start + best_row))
             tl.store(state + LENGTH, tl.load(list_len + best_row))
             tl.store(state + SURVIVORS, 0)
-            # The new token's list goes after the last list made, which is new - 1's (the bytes' for 256).
+            # The new token's list goes after the last list made: new - 1's (the bytes' for 256).
             tl.store(list_start + new, tl.load(list_start + new - 1) + tl.load(list_len + new - 1))
             tl.store(list_len + new, 0)
 
 
 @triton.jit
-def find_occurrences(state, list_buffer, tokens, next_pos, prev_pos, mark, END, BLOCK: tl.constexpr):
-    """Marks the occurrences that merge: mark[p] = 2 new, mark[next_pos[p]] = 2 new + 1 (an earlier merge's marks
-    never match: none is cleared). Reads only, except these two marks of its own merging p, which differ for
-    different p: merged occurrences never share a position (no overlap), and next_pos is one-to-one."""
+def find_occurrences(state, list_buffer, tokens, next_pos, prev_pos, mark, END,
+                     BLOCK: tl.constexpr):
+    """Marks the occurrences that merge: mark[p] = 2 new, mark[next_pos[p]] = 2 new + 1 (an earlier
+    merge's marks never match: none is cleared). Reads only, except these two marks of its own
+    merging p, which differ for different p: merged occurrences never share a position (no overlap),
+    and next_pos is one-to-one."""
     if tl.load(state + DONE) == 0:
         a, b, new = tl.load(state + A), tl.load(state + B), tl.load(state + NEW)
         start, length = tl.load(state + START), tl.load(state + LENGTH)
@@ -159,13 +167,13 @@ def find_occurrences(state, list_buffer, tokens, next_pos, prev_pos, mark, END, 
             p = tl.load(list_buffer + start + i, mask=i < length, other=END)
             right = tl.load(next_pos + p)
             merge = (tl.load(tokens + p) == a) & (tl.load(tokens + right) == b)
-            # A run "aaaa" of (a, a) merges left to right without overlap: the 1st, 3rd... of the run. So p
-            # merges when an even number of a's come before it in its run (found by walking prev_pos).
+            # A run "aaaa" merges left to right without overlap: p merges when an even number of
+            # a's come before it in its run (walking prev_pos, as far as the block's longest run).
             if a == b:
                 odd = merge & False
                 q = tl.load(prev_pos + p)
                 walking = merge & (tl.load(tokens + q) == a)
-                while tl.max(walking.to(tl.int32), axis=0) > 0:  # as many steps as the longest run in the block
+                while tl.max(walking.to(tl.int32), axis=0) > 0:
                     odd = odd ^ walking
                     q = tl.load(prev_pos + q, mask=walking, other=END)
                     walking = walking & (tl.load(tokens + q) == a)
@@ -175,12 +183,13 @@ def find_occurrences(state, list_buffer, tokens, next_pos, prev_pos, mark, END, 
 
 
 @triton.jit
-def apply_merges(state, list_buffer, scratch, list_start, list_len, tokens, next_pos, prev_pos, mark, weight,
-                 counts, row_key, dirty_flag, dirty_rows, V, END, BLOCK: tl.constexpr):
-    """Merges the marked occurrences. The lane of (p, right) writes only what it owns: tokens, next_pos and
-    prev_pos of p and right, and prev_pos of the position after right unless that one merges too (its own lane
-    links it then). It reads a neighbour's token only where the marks say no lane writes it. Counts change by
-    atomic adds, which commute, so their order can't matter."""
+def apply_merges(state, list_buffer, scratch, list_start, list_len, tokens, next_pos, prev_pos,
+                 mark, weight, counts, row_key, dirty_flag, dirty_rows, V, END,
+                 BLOCK: tl.constexpr):
+    """Merges the marked occurrences. The lane of (p, right) writes only what it owns: tokens,
+    next_pos and prev_pos of p and right, and prev_pos of the position after right unless that one
+    merges too (its own lane links it then). It reads a neighbour's token only where the marks say
+    no lane writes it. Counts change by atomic adds, which commute, so their order can't matter."""
     if tl.load(state + DONE) == 0:
         a, b, new = tl.load(state + A), tl.load(state + B), tl.load(state + NEW)
         start, length = tl.load(state + START), tl.load(state + LENGTH)
@@ -190,7 +199,7 @@ def apply_merges(state, list_buffer, scratch, list_start, list_len, tokens, next
             p = tl.load(list_buffer + start + i, mask=i < length, other=END)
             mark_p = tl.load(mark + p)
             merged = (i < length) & (mark_p == 2 * new)
-            # a's list keeps the positions that still hold a; the merged ones join the new token's list.
+            # a's list keeps the positions still holding a; the merged ones join the new one's list.
             unmarked = (i < length) & (mark_p != 2 * new) & (mark_p != 2 * new + 1)
             survives = unmarked & (tl.load(tokens + p, mask=unmarked, other=-1) == a)
             append(state + SURVIVORS, scratch, p, survives)
@@ -201,21 +210,23 @@ def apply_merges(state, list_buffer, scratch, list_start, list_len, tokens, next
             w = tl.load(weight + p, mask=merged, other=0)
             before_merged = merged & (tl.load(mark + before, mask=merged, other=0) == 2 * new + 1)
             after_merged = merged & (tl.load(mark + after, mask=merged, other=0) == 2 * new)
-            # The neighbours' tokens before this merge. x = -1 means none: the chunk's start, or the right half
-            # of the previous merged occurrence, whose lane already counts the pair between the two.
+            # The neighbours' tokens before this merge. x = -1: none (the chunk's start), or the
+            # previous merged occurrence, whose lane already counts the pair between the two.
             x = tl.load(tokens + before, mask=merged & ~before_merged, other=-1)
-            y = tl.where(after_merged, a, tl.load(tokens + after, mask=merged & ~after_merged, other=-1))
+            y = tl.where(after_merged, a,
+                         tl.load(tokens + after, mask=merged & ~after_merged, other=-1))
             y_new = tl.where(after_merged, new, y)
             has_x, has_y = merged & (x >= 0), merged & (y >= 0)
             tl.store(tokens + p, new, mask=merged)
             tl.store(tokens + right, DEAD, mask=merged)
             tl.store(next_pos + p, after, mask=merged)
             tl.store(prev_pos + after, p, mask=has_y & ~after_merged)
-            tl.store(prev_pos + p, tl.load(prev_pos + before, mask=before_merged, other=END), mask=before_merged)
-            # (a, b), (x, a) and (b, y) lose w. A row whose maximum that pair was is listed as dirty, once: by the
-            # lane that flips dirty_flag. Reading row_key while other lanes raise it is safe: a raised key is a
-            # pair with the new token, above all the row held, so the test gives the same answer.
-            zero = 0 * x.to(tl.int64)  # a scalar made a block, for the pairs that are the same in every lane
+            tl.store(prev_pos + p, tl.load(prev_pos + before, mask=before_merged, other=END),
+                     mask=before_merged)
+            # (a, b), (x, a) and (b, y) lose w. A row whose maximum that pair was is listed as
+            # dirty, once: by the lane that flips dirty_flag. Reading row_key while other lanes
+            # raise it is safe: a raised key is a pair with the new token, above all the row held.
+            zero = 0 * x.to(tl.int64)  # makes a scalar a block
             for k in tl.static_range(3):
                 if k == 0:
                     row, col, lose = a + zero, b + zero, merged
@@ -227,23 +238,25 @@ def apply_merges(state, list_buffer, scratch, list_start, list_len, tokens, next
                 was_max = lose & ((tl.load(row_key + row, mask=lose, other=0) & LOW) == LOW - col)
                 first = was_max & (tl.atomic_xchg(dirty_flag + row, 1, mask=was_max) == 0)
                 append(state + DIRTY, dirty_rows, row.to(tl.int32), first)
-            # (x, new) and (new, y_new) gain w. The lane whose add comes last sees the final count, so the atomic
-            # max of every lane's key is the final key, whatever the order.
+            # (x, new) and (new, y_new) gain w. The lane whose add comes last sees the final count,
+            # so the atomic max of every lane's key is the final key, whatever the order.
             for k in tl.static_range(2):
                 if k == 0:
                     row, col, gain = x.to(tl.int64), new + zero, has_x
                 else:
                     row, col, gain = new + zero, y_new.to(tl.int64), has_y
                 total = tl.atomic_add(counts + row * V + col, w, mask=gain) + w
-                tl.atomic_max(row_key + row, (total.to(tl.int64) << ID_BITS) | (LOW - col), mask=gain)
+                tl.atomic_max(row_key + row, (total.to(tl.int64) << ID_BITS) | (LOW - col),
+                              mask=gain)
 
 
 @triton.jit
-def refresh_rows(state, list_buffer, scratch, list_len, counts, fresh_key, dirty_rows, V, ROWS: tl.constexpr,
-                 BLOCK: tl.constexpr):
-    """Copies a's surviving positions back from scratch, one slot per lane. Then recomputes the dirty rows' maxima
-    into fresh_key, in work items of ROWS rows by BLOCK columns spread over the programs (one dirty row of 65534
-    columns still fills the GPU). It reads counts, which nothing writes now; atomic_max makes the order free."""
+def refresh_rows(state, list_buffer, scratch, list_len, counts, fresh_key, dirty_rows, V,
+                 ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    """Copies a's surviving positions back from scratch, one slot per lane. Then recomputes the
+    dirty rows' maxima into fresh_key, in items of ROWS rows x BLOCK columns over the programs (one
+    dirty row of 65534 columns still fills the GPU). Nothing writes counts now, and atomic_max makes
+    the order free."""
     if tl.load(state + DONE) == 0:
         if tl.load(state + NEW) >= 256:
             a, survivors = tl.load(state + A), tl.load(state + SURVIVORS)
@@ -259,14 +272,15 @@ def refresh_rows(state, list_buffer, scratch, list_len, counts, fresh_key, dirty
             i = (item // slices) * ROWS + tl.arange(0, ROWS)
             row = tl.load(dirty_rows + i, mask=i < dirty, other=0).to(tl.int64)
             col = (item % slices) * BLOCK + tl.arange(0, BLOCK)
-            count = tl.load(counts + row[:, None] * V + col[None, :], mask=(i < dirty)[:, None] & (col < columns)[None, :],
-                            other=0).to(tl.int64)
+            inside = (i < dirty)[:, None] & (col < columns)[None, :]
+            count = tl.load(counts + row[:, None] * V + col[None, :], mask=inside, other=0)
+            count = count.to(tl.int64)
             key = tl.where(count > 0, (count << ID_BITS) | (LOW - col[None, :]), 0)
             tl.atomic_max(fresh_key + row, tl.max(key, axis=1), mask=i < dirty)
 
 
 def chunks_to_arrays(chunk_counts, vocab_size):
-    """The distinct chunks (2+ bytes: a single byte has no pair) as the flat arrays above, built in numpy."""
+    """The distinct chunks (2+ bytes: a single byte has no pair) as the arrays above, in numpy."""
     chunks = [chunk.encode("utf-8") for chunk in chunk_counts]
     lengths = np.fromiter(map(len, chunks), np.int64, len(chunks))
     counts = np.fromiter(chunk_counts.values(), np.int64, len(chunks))
@@ -275,8 +289,8 @@ def chunks_to_arrays(chunk_counts, vocab_size):
     chunks, lengths, counts = [c for c, k in zip(chunks, keep) if k], lengths[keep], counts[keep]
     L = END = int(lengths.sum())
     if L + 2 > MAX_POSITIONS:
-        raise UserError(f"the distinct chunks hold {L:,} bytes, more than int32 positions can name (2^31 - 4); "
-                        "lower -n, or spread the text over ranks with train_bpe_multigpu.py")
+        raise UserError(f"the distinct chunks hold {L:,} bytes, more than int32 positions can name "
+                        "(2^31 - 4); lower -n, or use train_bpe_multigpu.py")
     ends = np.cumsum(lengths)
     tokens = np.full(L + 2, -1, np.int32)
     tokens[:L] = np.frombuffer(b"".join(chunks), np.uint8)
@@ -287,55 +301,66 @@ def chunks_to_arrays(chunk_counts, vocab_size):
     count_dtype = np.int32 if int(((lengths - 1) * counts).sum()) < 2**31 else np.int64
     weight = np.zeros(L + 2, count_dtype)
     weight[:L] = np.repeat(counts, lengths)
-    left = np.flatnonzero(next_pos[:L] != END)  # every position with a right neighbour starts a pair
+    # every position with a right neighbour starts a pair
+    left = np.flatnonzero(next_pos[:L] != END)
     order = np.argsort(tokens[left], kind="stable")  # the 256 byte lists, one after another
-    list_buffer = np.zeros(2 * len(left) + 1, np.int32)  # each merge appends as many positions as it kills
+    # each merge appends as many positions as it kills
+    list_buffer = np.zeros(2 * len(left) + 1, np.int32)
     list_buffer[:len(left)] = left[order]
     list_len = np.zeros(vocab_size, np.int64)
     list_len[:256] = np.bincount(tokens[left], minlength=256)
     list_start = np.zeros(vocab_size, np.int64)
     list_start[1:256] = np.cumsum(list_len[:255])
     pairs = tokens[left].astype(np.int64) * vocab_size + tokens[left + 1]
-    return dict(tokens=tokens, next_pos=next_pos, prev_pos=prev_pos, weight=weight, list_buffer=list_buffer,
-                list_start=list_start, list_len=list_len, pairs=pairs, pair_weights=weight[left],
-                total_bytes=total_bytes)
+    return dict(tokens=tokens, next_pos=next_pos, prev_pos=prev_pos, weight=weight,
+                list_buffer=list_buffer, list_start=list_start, list_len=list_len, pairs=pairs,
+                pair_weights=weight[left], total_bytes=total_bytes)
 
 
 def merge_on_device(arrays, vocab_size, device):
-    """The merge loop, MERGES_PER_READ merges per host read. Returns the merges and the token count after them."""
+    """The merge loop, MERGES_PER_READ merges per host read: the merges, and the token count."""
     V, device = vocab_size, torch.device(device)
     upload = lambda name: torch.from_numpy(arrays[name]).to(device)  # noqa: E731
+    zeros = lambda size, dtype=torch.int64: torch.zeros(size, dtype=dtype, device=device)  # noqa
     tokens, next_pos, prev_pos, weight, list_buffer, list_start, list_len = map(upload, (
         "tokens", "next_pos", "prev_pos", "weight", "list_buffer", "list_start", "list_len"))
-    counts = torch.zeros(V * V, dtype=weight.dtype, device=device).index_add_(0, upload("pairs"), upload("pair_weights"))
+    counts = zeros(V * V, weight.dtype).index_add_(0, upload("pairs"), upload("pair_weights"))
     END = len(tokens) - 2
-    zeros = lambda size, dtype=torch.int64: torch.zeros(size, dtype=dtype, device=device)  # noqa: E731
-    mark, scratch, row_key, fresh_key = zeros(END + 2, torch.int32), torch.empty_like(list_buffer), zeros(V), zeros(V)
-    dirty_flag, dirty_rows, state, merges = zeros(V, torch.int32), zeros(V, torch.int32), zeros(16), zeros(2 * V)
-    dirty_flag[:256], dirty_rows[:256] = 1, torch.arange(256, device=device)  # the first refresh makes all rows' keys
+    mark, scratch = zeros(END + 2, torch.int32), torch.empty_like(list_buffer)
+    row_key, fresh_key, state, merges = zeros(V), zeros(V), zeros(16), zeros(2 * V)
+    dirty_flag, dirty_rows = zeros(V, torch.int32), zeros(V, torch.int32)
+    # the first refresh makes all rows' keys
+    dirty_flag[:256], dirty_rows[:256] = 1, torch.arange(256, device=device)
     state[NEXT.value], state[DIRTY.value] = 256, 256
-    # A GPU: a few programs per SM. The interpreter runs programs one after another: one with wide blocks is fastest.
-    programs, block, rows, choose_block = INTERPRETER_SHAPE if device.type == "cpu" else \
-        (4 * torch.cuda.get_device_properties(device).multi_processor_count, 256, 4, 4096)
+    # a GPU runs a few programs per SM; the interpreter runs them in turn: one, wide, is fastest
+    programs, block, rows, choose_block = INTERPRETER_SHAPE
+    if device.type == "cuda":
+        programs = 4 * torch.cuda.get_device_properties(device).multi_processor_count
+        block, rows, choose_block = 256, 4, 4096
     grid = (programs,)
 
     def refresh():
-        refresh_rows[grid](state, list_buffer, scratch, list_len, counts, fresh_key, dirty_rows, V, ROWS=rows, BLOCK=block)
+        refresh_rows[grid](state, list_buffer, scratch, list_len, counts, fresh_key, dirty_rows, V,
+                           ROWS=rows, BLOCK=block)
 
-    def merge_group():  # past the last merge, choose_pair sets DONE and every kernel does nothing
+    # past the last merge, choose_pair sets DONE and every kernel does nothing
+    def merge_group():
         for _ in range(MERGES_PER_READ):
-            choose_pair[(1,)](state, row_key, fresh_key, dirty_flag, dirty_rows, list_start, list_len, merges, V,
-                              BLOCK=choose_block)
-            find_occurrences[grid](state, list_buffer, tokens, next_pos, prev_pos, mark, END, BLOCK=block)
-            apply_merges[grid](state, list_buffer, scratch, list_start, list_len, tokens, next_pos, prev_pos, mark,
-                               weight, counts, row_key, dirty_flag, dirty_rows, V, END, BLOCK=block)
+            choose_pair[(1,)](state, row_key, fresh_key, dirty_flag, dirty_rows, list_start,
+                              list_len, merges, V, BLOCK=choose_block)
+            find_occurrences[grid](state, list_buffer, tokens, next_pos, prev_pos, mark, END,
+                                   BLOCK=block)
+            apply_merges[grid](state, list_buffer, scratch, list_start, list_len, tokens, next_pos,
+                               prev_pos, mark, weight, counts, row_key, dirty_flag, dirty_rows, V,
+                               END, BLOCK=block)
             refresh()
 
     refresh()
     graph = None
     with tqdm(total=V - 256, unit="merge", desc="merging", mininterval=0.5) as progress:
         for group in range(0, V - 256, MERGES_PER_READ):
-            if group > 0 and graph is None and device.type == "cuda":  # compiled by now: record a group once
+            # compiled by now: record a group once
+            if group > 0 and graph is None and device.type == "cuda":
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph):
                     merge_group()
@@ -348,205 +373,95 @@ def merge_on_device(arrays, vocab_size, device):
                 break
     num_merges = int(state[NEXT.value]) - 256
     merged_pairs = merges[:2 * num_merges].view(-1, 2).tolist()
-    saved = int(weight[tokens == DEAD.value].sum())  # a merged occurrence saves one token per use of its chunk
-    return [((left, right), 256 + i) for i, (left, right) in enumerate(merged_pairs)], arrays["total_bytes"] - saved
+    # a merged occurrence saves one token per use of its chunk
+    saved = int(weight[tokens == DEAD.value].sum())
+    merges = [((left, right), 256 + i) for i, (left, right) in enumerate(merged_pairs)]
+    return merges, arrays["total_bytes"] - saved
 
 
 def merges_done(state):
-    """The one host read of a group of merges: here, and only here, the host waits for the device."""
+    """The one host read of a group of merges: here, and only here, the host waits."""
     return bool(state[DONE.value].item())
 
 
-# ---------------------------------------------------------------- reading text (the same in every script)
-# .txt and .jsonl are read with the standard library: `datasets`' loaders would turn CRLF into LF (no longer
-# byte-identical to rustbpe), stop at invalid UTF-8, and take seconds to start. The Hub and parquet use `datasets`.
-
-def hub_problem(timeout=3.0):  # None if the Hub can be used, else why not: a 3 s probe, where `datasets` would retry for ~25 s
-    for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
-        if os.environ.get(name, "").upper() in ("1", "ON", "YES", "TRUE"):  # huggingface_hub's own rule
-            return f"the Hugging Face Hub is off ({name}={os.environ[name]})"
-    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")  # a mirror, if set
-    try:
-        url = urllib.parse.urlsplit(endpoint)
-        socket.create_connection((url.hostname or "", url.port or (443 if url.scheme == "https" else 80)), timeout).close()
-    except (OSError, ValueError):
-        return f"can't reach the Hugging Face Hub at {endpoint}"
-
-def datasets_texts(where, node=None, **load):  # each row's "text", streamed; node=(rank, world_size): that rank's share
-    import datasets.distributed  # here, not at the top: it takes seconds, and .txt/.jsonl never need it
-    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its errors reach the user as our one line
-    try:
-        rows = datasets.load_dataset(split="train", streaming=True, **load)
-        for number, row in enumerate(datasets.distributed.split_dataset_by_node(rows, *node) if node else rows, 1):
-            if not isinstance(text := row.get("text"), str):
-                raise UserError(f"{where}, row {number}: \"text\" is {text!r:.20}, not a string (columns: {', '.join(row)})")
-            yield text
-    except UserError:
-        raise
-    except Exception as error:  # no such dataset, a corrupt file (ArrowInvalid), a dropped connection
-        reason = f"{type(error).__name__}: {error}".splitlines()[0]
-        raise UserError(f"can't read {where} ({reason}); check it, or use other files: --data path/to/files")
-
-def stdlib_documents():  # the offline corpus: real code and prose, on every machine
-    paths = sorted(Path(sysconfig.get_paths()["stdlib"]).rglob("*.py"))
-    return (path.read_text(encoding="utf-8", errors="replace") for path in paths if "site-packages" not in path.parts)
-
-class BadUTF8:
-    count = 0  # invalid UTF-8 sequences replaced with U+FFFD, for one warning at the end
-
-def decode_utf8(raw, decoder=None, final=True):
-    text = decoder.decode(raw, final) if decoder else raw.decode("utf-8", errors="replace")
-    BadUTF8.count += text.count("\ufffd") - raw.count("\ufffd".encode())  # a U+FFFD in the input is no error
-    return text
-
-def read_txt(path, budget):  # one document, CRLF kept, read only as far as the budget of characters needs
-    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")  # holds a character cut between blocks
-    pieces, block = [], None
-    with open(path, "rb") as f:
-        while sum(map(len, pieces)) < budget and block != b"":
-            block = f.read(1 << 24)
-            pieces.append(decode_utf8(block, decoder, final=not block))  # the empty read at the end flushes
-    yield "".join(pieces)[:budget]
-
-def read_jsonl(path, start=0, end=None):  # the "text" of each line that starts in bytes [start, end)
-    with open(path, "rb") as f:
-        if start > 0:  # the range before owns the line holding byte start-1: tiling ranges read each line once
-            f.seek(start - 1)
-            f.readline()
-        position = f.tell()
-        for number, line in enumerate(f, 1):
-            if end is not None and position >= end:
-                return
-            position += len(line)
-            if not line.strip():
-                continue
-            try:
-                text = json.loads(decode_utf8(line).lstrip("\ufeff"))["text"]  # a BOM, as Windows tools write
-            except (ValueError, KeyError, TypeError, RecursionError):  # not JSON, no "text", not an object, too deep
-                text = None
-            if not isinstance(text, str):
-                where = f"{path}:{number}" if start == 0 else f"{path} (the line at byte {position - len(line)})"
-                raise UserError(f"{where} is not a JSON object with a string \"text\" field; "
-                                "each line of a .jsonl file must look like {\"text\": \"...\"}")
-            if not text.isascii() and b"\xed" in text.encode("utf-8", "surrogatepass"):  # U+D000-DFFF: a lone "\ud800"?
-                fixed = text.encode("utf-16-le", "surrogatepass").decode("utf-16-le", "replace")  # json joined real pairs
-                BadUTF8.count, text = BadUTF8.count + fixed.count("\ufffd") - text.count("\ufffd"), fixed  # it has no UTF-8
-            yield text
-
-def local_files(data):  # the file itself, or a directory's text files in sorted order
-    path, hub = Path(data), ", ".join(HUB_DATASETS)
-    if not path.exists():
-        raise UserError(f"--data {data}: no such file or directory; give a .txt/.jsonl/.parquet path, "
-                        f"a directory of them, or one of {hub}")
-    if not path.is_dir() and path.suffix not in LOCAL_SUFFIXES:
-        raise UserError(f"--data {path}: unknown file type; use a .txt, .jsonl or .parquet file, a directory, or one of {hub}")
-    files = sorted(p for p in path.rglob("*") if p.suffix in LOCAL_SUFFIXES and p.is_file()) if path.is_dir() else [path]
-    if not files:
-        raise UserError(f"{path} holds no .txt, .jsonl or .parquet files; point --data at text files")
-    return files
-
-def open_source(data, data_was_named):  # (documents, name, description); documents(budget) yields strings
-    if data not in HUB_DATASETS:
-        files = local_files(data)
-        # parquet in batches of our own size: `datasets`' default, a row group's rows, is 0 in a file of no rows
-        readers = {".txt": read_txt, ".jsonl": lambda path, budget: read_jsonl(path),
-                   ".parquet": lambda p, _: datasets_texts(p, path="parquet", data_files=str(p), batch_size=1024)}
-        return (lambda budget: (doc for p in files for doc in readers[p.suffix](p, budget))), Path(data).stem, str(data)
-    repository, config, files = HUB_DATASETS[data]
-    if (problem := hub_problem()) is None:  # parquet files by path: `datasets` then never runs an old loading script
-        load = (dict(path="parquet", data_files=f"hf://datasets/{repository}/{files}") if files
-                else dict(path=repository, name=config))
-        return (lambda budget: datasets_texts(repository, **load)), data, f"{repository} {config or ''}".strip()
-    if data_was_named:  # a source the user named refuses; the default one falls back to the offline corpus
-        raise UserError(f"{problem}, needed for --data {data}; use local files instead: --data path/to/files")
-    print(f"warning: {problem}: using the offline corpus, the Python standard library's source", file=sys.stderr)
-    return (lambda budget: stdlib_documents()), "stdlib", "Python standard library source (offline fallback)"
-
-def first_chars(documents, num_chars):  # the last document is cut to fit
-    for document in documents(num_chars):
-        yield document[:num_chars]
-        num_chars -= min(len(document), num_chars)
-        if num_chars == 0:
-            return  # before the source is asked for one more document: it may be slow to fetch, or malformed
-
 # ---------------------------------------------------------------- pre-tokenizing, on every core
+# (the same in both GPU trainers). The regex is the slow part, and it holds the GIL: the parent
+# reads the documents, and worker processes count batches of them, at most two per worker in flight.
+# BPE depends only on the multiset of chunks, so the order of adding up is free. A CPU-time alarm
+# per document (1 s + 10 s per million characters; GPT-4's pattern needs 0.3 s) turns a pattern
+# that backtracks catastrophically, (a|a)+b on aaaa..., into one line.
 
 
 def time_is_up(signum, frame):
     raise TimeoutError
 
 
-def split_documents(documents, pattern_text, progress=None):
-    """The distinct chunks' counts, and the characters read. A CPU-time alarm (a second plus 10 s per million
-    characters; GPT-4's pattern needs 0.3 s) stops a pattern that backtracks catastrophically, (a|a)+b on aaaa..."""
-    split_pattern, chunk_counts, chars = regex.compile(pattern_text), Counter(), 0
+def count_batch(documents, pattern_text):
+    """The chunk counts of a batch of documents (in a worker)."""
+    split_pattern, chunk_counts = regex.compile(pattern_text), Counter()
     signal.signal(signal.SIGPROF, time_is_up)
-    for number, document in enumerate(documents, 1):
-        signal.setitimer(signal.ITIMER_PROF, 1 + len(document) / 1e5)
+    for document in documents:
         try:
+            signal.setitimer(signal.ITIMER_PROF, 1 + len(document) / 1e5)
             chunk_counts.update(split_pattern.findall(document))
         except TimeoutError:
-            raise UserError(f"--pattern {pattern_text!r} backtracks catastrophically: it ran past the time limit on "
-                            f"document {number} ({document[:30]!r}...); simplify the pattern")
+            raise UserError(f"--pattern {pattern_text!r} backtracks catastrophically (out of time "
+                            f"on the document {document[:30]!r}...); simplify it")
         finally:
             signal.setitimer(signal.ITIMER_PROF, 0)
-        chars += len(document)
-        if progress:
-            progress.update(len(document))
-    return chunk_counts, chars
+    # a pattern that matches the empty string only in places (\b) gives chunks of no bytes to merge
+    if "" in chunk_counts:
+        raise UserError(f"--pattern {pattern_text!r} matches the empty string; each match must "
+                        "take a character (x+, not x*)")
+    return chunk_counts
 
 
-def split_byte_range(job):
-    """The chunks of the .jsonl lines starting in [start, end), read where this runs: the parent sends no text."""
-    pattern_text, path, start, end, budget = job
-    BadUTF8.count = 0
-    try:
-        chunk_counts, chars = split_documents(first_chars(lambda _: read_jsonl(path, start, end), budget), pattern_text)
-    except (UserError if multiprocessing.parent_process() else ()):  # a worker's; the parent's own call catches none
-        return Counter(), float("inf"), 0  # the bad line may lie past the budget: the parent redoes the range if needed
-    return chunk_counts, chars, BadUTF8.count
-
-
-def count_chunks(documents, files, pattern_text, num_chars):
-    """The chunk counts of the first num_chars characters. Large .jsonl inputs go to worker processes (the regex
-    holds the GIL), a byte range each; the parent adds their Counters in file order, and redoes the range where
-    the budget runs out, or a bad line stopped a worker, with the exact remainder."""
-    with tqdm(total=num_chars, unit="char", unit_scale=True, desc="reading", mininterval=0.5) as progress:
-        if num_chars < PARALLEL_CHARS or not files or any(path.suffix != ".jsonl" for path in files):
-            chunk_counts, chars = split_documents(first_chars(documents, num_chars), pattern_text, progress)
-        else:
-            jobs = [(pattern_text, path, start, start + RANGE_BYTES, num_chars) for path in files
-                    for start in range(0, os.path.getsize(path), RANGE_BYTES)]
-            chunk_counts, chars, bad_utf8 = Counter(), 0, 0
-            # fork starts a worker in milliseconds (spawn would import torch again); macOS can't fork safely.
-            with multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn").Pool() as pool:
-                for job, (counts, range_chars, bad) in zip(jobs, pool.imap(split_byte_range, jobs)):
-                    if chars + range_chars > num_chars:
-                        counts, range_chars, bad = split_byte_range(job[:4] + (num_chars - chars,))
-                    chunk_counts.update(counts)
-                    chars, bad_utf8 = chars + range_chars, bad_utf8 + bad
-                    progress.update(range_chars)
-                    if chars == num_chars:
-                        break
-            BadUTF8.count = bad_utf8
-    if "" in chunk_counts:  # a pattern like \b matches nothing in some places only: BPE needs whole chunks
-        raise UserError(f"--pattern {pattern_text!r} matches the empty string; every match must take at least one "
-                        "character (x+, not x*)")
-    return chunk_counts, chars
+def count_chunks(documents, budget, pattern_text, workers, label):
+    """The chunk counts of the documents' first `budget` characters (the last one cut to fit; no
+    more is asked of the source), and what was read. `label` names the progress bar (None: no
+    bar). The pool forks before tqdm starts its thread."""
+    chunk_counts, pending, batch = Counter(), deque(), []
+    read = dict(documents=0, chars=0, cut=False)
+    pool = multiprocessing.get_context("fork").Pool(workers)
+    with pool, tqdm(total=budget, unit="char", unit_scale=True, desc=label, disable=label is None,
+                    mininterval=0.5) as progress:
+        for text in documents if budget > 0 else ():
+            kept = text[:budget - read["chars"]]
+            read["documents"] += 1
+            read["chars"] += len(kept)
+            read["cut"] = len(kept) < len(text)
+            progress.update(len(kept))
+            batch.append(kept)
+            if read["chars"] // BATCH_CHARS > (read["chars"] - len(kept)) // BATCH_CHARS:
+                pending.append(pool.apply_async(count_batch, (batch, pattern_text)))
+                batch = []
+            while len(pending) > 2 * workers:
+                chunk_counts.update(pending.popleft().get())
+            if read["chars"] == budget:
+                break
+        for result in [*pending, pool.apply_async(count_batch, (batch, pattern_text))]:
+            chunk_counts.update(result.get())
+    return chunk_counts, read
 
 
 # ---------------------------------------------------------------- output
 
 
-def save_tokenizer(out_dir, merges, info):
-    """tiktoken's rank file of every token's bytes, and the settings. Each file is written under a temporary name,
-    then renamed: a crash never leaves half of one."""
-    vocab = [bytes([i]) for i in range(256)]  # the bytes are themselves; a merge is its two halves glued
+def token_bytes(merges):
+    """Every token's bytes, in rank order: 0-255 are the bytes, a merge is its two halves glued."""
+    vocab = [bytes([byte]) for byte in range(256)]
     for (left, right), _ in merges:
         vocab.append(vocab[left] + vocab[right])
-    ranks = "".join(f"{base64.b64encode(token).decode()} {rank}\n" for rank, token in enumerate(vocab))
-    out_dir.mkdir(parents=True, exist_ok=True)
-    for name, text in [("tokenizer.tiktoken", ranks), ("tokenizer.json", json.dumps(info, indent=2, ensure_ascii=False) + "\n")]:
+    return vocab
+
+
+def save_tokenizer(out_dir, merges, info):
+    """tiktoken's rank file (each token's bytes in base64, and its rank), and `info` as
+    tokenizer.json, each written under a temporary name, then renamed: never half a file."""
+    ranks = "".join(f"{base64.b64encode(token).decode()} {rank}\n"
+                    for rank, token in enumerate(token_bytes(merges)))
+    settings = json.dumps(info, indent=2, ensure_ascii=False) + "\n"
+    for name, text in [("tokenizer.tiktoken", ranks), ("tokenizer.json", settings)]:
         (out_dir / f"{name}.tmp").write_text(text, encoding="utf-8")
         os.replace(out_dir / f"{name}.tmp", out_dir / name)
 
@@ -555,108 +470,291 @@ def save_tokenizer(out_dir, merges, info):
 
 
 def check_out_dir(out_dir):
-    """A bad --out, found before any work: a file on the way, no permission, or a directory holding other files."""
+    """Refuse a bad --out before any work: a file on the way, a directory of other files, no write
+    permission. Then make out_dir and return its lock, held while this process lives."""
     for path in [out_dir, *out_dir.parents]:
         if path.exists() and not path.is_dir():
-            raise UserError(f"--out {out_dir}: {path} is a file, not a directory; give a directory path")
-    others = sorted(p.name for p in out_dir.iterdir() if p.name not in TOKENIZER_FILES) if out_dir.is_dir() else []
-    if others:
-        what = "a dataset directory" if {"meta.json", "progress.json"} & set(others) else "not a tokenizer directory"
-        raise UserError(f"--out {out_dir} is {what} (it holds {others[0]}); give a new or a tokenizer directory")
-    try:  # a probe directory in the deepest one that exists: the only sure test (root passes os.access on /proc)
-        tempfile.TemporaryDirectory(dir=next(p for p in [out_dir, *out_dir.parents] if p.exists())).cleanup()
+            raise UserError(f"--out {out_dir}: {path} is a file, not a directory; "
+                            "give a directory path")
+    ours = {"tokenizer.tiktoken", "tokenizer.json", "tokenizer.tiktoken.tmp", "tokenizer.json.tmp"}
+    others = sorted(set(os.listdir(out_dir)) - ours) if out_dir.is_dir() else []
+    if others:  # a dataset from prepare_data.py, say: its tokenizer files would be overwritten
+        dataset = {"meta.json", "progress.json"} & set(others)
+        what = "a dataset directory" if dataset else "not a tokenizer directory"
+        raise UserError(f"--out {out_dir} is {what} (it holds {others[0]}); "
+                        "give a new or a tokenizer directory")
+    made = [path for path in [out_dir, *out_dir.parents] if not path.exists()]
+
+    def remove_made():  # deepest first; rmdir refuses a directory with files, as a finished run's
+        for path in made:
+            try:
+                path.rmdir()
+            except OSError:
+                return
+
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        descriptor = lock_directory(out_dir)
+        atexit.register(remove_made)  # a failed run leaves nothing; only the lock's holder removes
+        # a probe, the one sure test (root passes os.access even on /proc), under a name of ours
+        (out_dir / "tokenizer.json.tmp").write_text("")
+        (out_dir / "tokenizer.json.tmp").unlink()
     except OSError as error:
-        raise UserError(f"--out {out_dir} can't be written ({error.strerror or error}); give a directory you can write")
+        remove_made()
+        raise UserError(f"--out {out_dir} can't be written ({error.strerror or error}); "
+                        "give a directory you can write")
+    return descriptor
 
 
-def pick_device(name):
-    """cuda runs the kernels compiled; cpu runs them in Triton's interpreter (numpy), for testing."""
-    chosen, interpreted = name or "cuda", triton.knobs.runtime.interpret
-    if name is None and not torch.cuda.is_available():  # the interpreter is ~1,000x slower: never a silent default
-        problem = "no CUDA GPU here; --device cpu runs the kernels in Triton's interpreter, for testing (slow)"
-    elif chosen != "cpu" and not chosen.startswith("cuda"):
-        problem = "not supported (Triton runs on CUDA GPUs); use cuda, or cpu for testing"
-    elif chosen == "cpu" and not interpreted:
-        problem = "runs the kernels in Triton's interpreter: set TRITON_INTERPRET=1 (slow)"
-    elif chosen != "cpu" and (interpreted or not torch.cuda.is_available()):
-        problem = "no CUDA GPU here (or TRITON_INTERPRET=1 is set); use --device cpu"
-    else:
-        return torch.device(chosen)
-    raise UserError(f"--device {chosen}: {problem}, or train_bpe_cpu.py, the better choice on a CPU")
+def lock_directory(path):
+    """Hold an OS lock on the directory `path` while this process lives: one writer per directory. The
+    kernel drops a flock when its process dies, kill -9 included, so no stale lock is ever left behind."""
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(descriptor)
+        raise UserError(f"{path}: another run is writing there; wait for it to end, "
+                        "or choose another directory")
+    return descriptor  # the lock lasts while this descriptor is open: keep it
+
+
+def validate(args):
+    """The settings, checked before any work. Returns the device to train on."""
+    try:
+        matches_empty = regex.compile(args.pattern).fullmatch("") is not None
+    except regex.error as error:
+        raise UserError(f"--pattern does not compile ({error}); fix it, or leave it out")
+    # cuda runs the kernels compiled, cpu in Triton's interpreter: ~1,000x slower, never a default
+    chosen = args.device or "cuda"
+    problems = [
+        (not 256 <= args.vocab_size <= 2**20,
+         f"-v {args.vocab_size}: vocab_size must be between 256 (the bytes) and 2^20"),
+        (args.num_chars <= 0, f"-n {args.num_chars}: must be positive"),
+        (matches_empty, f"--pattern {args.pattern!r} matches the empty string; each match must "
+                        "take a character (x+, not x*)"),
+        (chosen != "cpu" and not chosen.startswith("cuda"),
+         f"--device {chosen}: not supported (Triton runs on CUDA GPUs); use cuda (or cpu to test)"),
+        (chosen != "cpu" and not torch.cuda.is_available(),
+         f"--device {chosen}: no CUDA GPU here; --device cpu runs the kernels in Triton's "
+         "interpreter (slow, for tests), or use train_bpe_cpu.py"),
+        # the environment variable counts when triton is imported
+        ((chosen == "cpu") != bool(triton.knobs.runtime.interpret),
+         f"--device {chosen} with TRITON_INTERPRET={os.environ['TRITON_INTERPRET']}: the kernels "
+         "run compiled on cuda, in Triton's interpreter on cpu; set it to 1 for cpu, 0 for cuda"),
+    ]
+    for failed, message in problems:
+        if failed:
+            raise UserError(message)
+    check_memory(args.vocab_size, 4, torch.device(chosen))
+    return torch.device(chosen)
+
+
+def check_text(args, source, chunk_counts, chars_read):
+    """No text is an error; bytes not UTF-8, or text the pattern skips, a warning."""
+    if chars_read == 0:
+        raise UserError(f"the corpus {source} is empty; point --data at text")
+    if BadUTF8.count:
+        print(f"warning: {BadUTF8.count} invalid UTF-8 sequences were replaced with U+FFFD",
+              file=sys.stderr)
+    matched = sum(len(chunk) * count for chunk, count in chunk_counts.items())
+    if matched < chars_read:
+        share = 1 - matched / chars_read
+        print(f"warning: the split pattern matched {matched:,} of {chars_read:,} characters; "
+              f"the other {share:.1%} are dropped (tiktoken drops them too)", file=sys.stderr)
+    if chars_read < args.num_chars:
+        print(f"the source ran out after {chars_read:,} characters (asked for {args.num_chars:,}); "
+              "training on those")
 
 
 def check_memory(vocab_size, itemsize, device):
-    """The V x V count matrix is the budget: 16 GiB at V = 65534. The ~40 bytes per position of the distinct chunks
-    are little beside it (2.5 M positions for all of enwiki's 56 M characters)."""
-    total = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else \
-        os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    if itemsize * vocab_size**2 > 0.8 * total:
-        raise UserError(f"-v {vocab_size} needs a {itemsize * vocab_size**2 / 2**30:.1f} GiB pair-count matrix "
-                        f"({itemsize} V^2 bytes), more than {device} can spare ({total / 2**30:.1f} GiB); use a "
-                        "smaller -v, or train_bpe_cpu.py")
+    """The V x V count matrix is the budget: 16 GiB at V = 65534. The ~40 bytes per position of the
+    distinct chunks are little beside it (2.5 M positions for all of enwiki's 56 M characters)."""
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+    else:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    need = itemsize * vocab_size**2
+    if need > 0.8 * total:
+        raise UserError(f"-v {vocab_size} needs a {need / 2**30:.1f} GiB pair-count matrix, more "
+                        f"than {device} can spare ({total / 2**30:.1f} GiB); use a smaller -v, or "
+                        "train_bpe_cpu.py")
 
 
 def run(argv):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("-v", "--vocab_size", type=int, default=vocab_size, help="tokens before <|endoftext|> (256 bytes + merges)")
-    parser.add_argument("-n", "--num_chars", type=int, default=num_chars, help="train on the first N characters")
-    parser.add_argument("--data", default=None, help=f"fineweb | fineweb-edu | path to .txt/.jsonl/.parquet or a directory (default {data})")
-    parser.add_argument("--out", default=out, help="output directory (default tokenizers/<source>_v<vocab_size>)")
-    parser.add_argument("--pattern", default=pattern, help="the pre-tokenizer regex (default GPT-4's)")
-    parser.add_argument("--device", default=device, help="cuda | cpu (Triton's interpreter; default: cuda)")
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("-v", "--vocab_size", type=int, default=vocab_size)
+    parser.add_argument("-n", "--num_chars", type=int, default=num_chars)
+    parser.add_argument("--data", help=f"fineweb, fineweb-edu, or local files (default {data})")
+    parser.add_argument("--out", default=out, help="default tokenizers/<source>_v<vocab_size>")
+    parser.add_argument("--pattern", default=pattern, help="the split regex (default GPT-4's)")
+    parser.add_argument("--device", default=device, help="cuda, or cpu (Triton's interpreter)")
     args = parser.parse_args(argv)
-    if not 256 <= args.vocab_size <= 2**20:
-        raise UserError(f"-v {args.vocab_size}: vocab_size must be between 256 (the bytes alone) and 2^20; try -v 1000")
-    if args.num_chars <= 0:
-        raise UserError(f"-n {args.num_chars}: the number of characters must be positive; try -n 1048576")
-    try:
-        split_pattern = regex.compile(args.pattern)
-    except regex.error as error:
-        raise UserError(f"--pattern does not compile ({error}); check the regex, or leave --pattern out for GPT-4's")
-    if split_pattern.fullmatch(""):  # '' or 'x*' would give empty chunks, which hold no bytes to merge
-        raise UserError(f"--pattern {args.pattern!r} matches the empty string; every match must take at least one "
-                        "character (x+, not x*)")
-    train_device = pick_device(args.device)
-    check_memory(args.vocab_size, 4, train_device)
-    documents, source_name, source = open_source(args.data or data, data_was_named=args.data is not None)
-    files = local_files(args.data) if args.data and Path(args.data).exists() else []
+    train_device = validate(args)
+    documents, source_name, source = open_source(args.data or data, args.data is not None)
     out_dir = Path(args.out or f"tokenizers/{source_name}_v{args.vocab_size}")
-    check_out_dir(out_dir)
+    out_lock = check_out_dir(out_dir)  # held to the end: a second run into out_dir refuses
 
     t0 = time.time()
-    chunk_counts, chars_read = count_chunks(documents, files, args.pattern, args.num_chars)
+    workers = len(os.sched_getaffinity(0)) if args.num_chars >= PARALLEL_CHARS else 1
+    chunk_counts, read = count_chunks(documents(args.num_chars), args.num_chars, args.pattern,
+                                      workers, "reading")
+    chars_read = read["chars"]
     t1 = time.time()
-    if chars_read == 0:
-        raise UserError(f"the corpus {source} is empty: no text to train on; point --data at files with text in them")
-    if BadUTF8.count:
-        print(f"warning: {BadUTF8.count} invalid UTF-8 sequences were replaced with U+FFFD", file=sys.stderr)
-    if chars_read < args.num_chars:
-        print(f"the source ran out after {chars_read:,} characters (asked for {args.num_chars:,}); training on those")
-    print(f"read {chars_read:,} characters: {sum(chunk_counts.values()):,} chunks, {len(chunk_counts):,} distinct")
+    check_text(args, source, chunk_counts, chars_read)
+    print(f"read {chars_read:,} characters: {sum(chunk_counts.values()):,} chunks, "
+          f"{len(chunk_counts):,} distinct")
     arrays = chunks_to_arrays(chunk_counts, args.vocab_size)
-    check_memory(args.vocab_size, arrays["weight"].itemsize, train_device)  # int64 counts past 2^31 pairs
-    print(f"{len(arrays['tokens']) - 2:,} token positions in the distinct chunks, on {train_device}")
-    t_layout = time.time()  # merging includes compiling the kernels on a machine's first run (then cached)
+    # int64 counts past 2^31 pairs: twice the matrix validate() checked
+    check_memory(args.vocab_size, arrays["weight"].itemsize, train_device)
+    print(f"{len(arrays['tokens']) - 2:,} token positions in the distinct chunks, "
+          f"on {train_device}")
+    # merging includes compiling the kernels on a machine's first run (then cached)
+    t_layout = time.time()
     merges, total_tokens = merge_on_device(arrays, args.vocab_size, train_device)
     t2 = time.time()
-    num_merges, eot_id = len(merges), 256 + len(merges)
-    stop_reason = "vocab_size reached" if eot_id == args.vocab_size else "no pairs left to merge"
-    if stop_reason != "vocab_size reached":
-        print(f"stopped early after {num_merges} merges: no pairs left to merge (vocab {eot_id} < {args.vocab_size})")
+
+    num_merges, eot_id = len(merges), 256 + len(merges)  # <|endoftext|>: the first id after them
+    stop_reason = "vocab_size reached"
+    if eot_id < args.vocab_size:
+        stop_reason = "no pairs left to merge"
+        print(f"stopped early after {num_merges} merges: {stop_reason} "
+              f"(vocab {eot_id} < {args.vocab_size})")
     save_tokenizer(out_dir, merges, {
-        "pattern": args.pattern, "special_tokens": {EOT: eot_id}, "vocab_size": eot_id + 1, "num_merges": num_merges,
-        "num_chars": chars_read, "source": source, "trainer": "train_bpe_gpu.py", "device": str(train_device),
-        "seconds": round(t2 - t0, 3), "stop_reason": stop_reason})
-    print(f"reading + pre-tokenizing {t1 - t0:.2f}s | layout {t_layout - t1:.2f}s | merging {t2 - t_layout:.2f}s "
-          f"({num_merges / max(t2 - t_layout, 1e-9):,.0f} merges/s) | total {t2 - t0:.2f}s")
-    peak = torch.cuda.max_memory_allocated(train_device) if train_device.type == "cuda" else \
-        resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    print(f"peak memory: {peak / 2**30:.2f} GiB ({'device' if train_device.type == 'cuda' else 'process resident'})")
+        "pattern": args.pattern, "special_tokens": {EOT: eot_id}, "vocab_size": eot_id + 1,
+        "num_merges": num_merges, "num_chars": chars_read, "source": source,
+        "trainer": "train_bpe_gpu.py", "device": str(train_device), "seconds": round(t2 - t0, 3),
+        "stop_reason": stop_reason})
+    print(f"reading + pre-tokenizing {t1 - t0:.2f}s | layout {t_layout - t1:.2f}s | merging "
+          f"{t2 - t_layout:.2f}s ({num_merges / max(t2 - t_layout, 1e-9):,.0f} merges/s) | "
+          f"total {t2 - t0:.2f}s")
+    if train_device.type == "cuda":
+        peak, kind = torch.cuda.max_memory_allocated(train_device), "device"
+    else:
+        # Linux reports KiB
+        peak, kind = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "process resident"
+    print(f"peak memory: {peak / 2**30:.2f} GiB ({kind})")
     total_bytes = arrays["total_bytes"]
     print(f"compression on the training text: {total_bytes / max(total_tokens, 1):.3f} bytes/token "
           f"({total_bytes:,} bytes -> {total_tokens:,} tokens)")
-    print(f"wrote {out_dir}/tokenizer.tiktoken and tokenizer.json ({EOT} = {eot_id}, vocab_size {eot_id + 1})")
+    print(f"wrote {out_dir}/tokenizer.tiktoken and tokenizer.json ({EOT} = {eot_id}, "
+          f"vocab_size {eot_id + 1})")
+    os.close(out_lock)
 
+
+# ------------------------------ reading text (the same in every script; a first read can skip it)
+# .txt and .jsonl are read with the standard library: `datasets` would turn CRLF into LF (no longer
+# rustbpe's bytes), stop at invalid UTF-8, and take seconds to start.
+
+def open_source(data, data_was_named):  # (documents, name, description); documents(budget) -> texts
+    if data not in HUB_DATASETS:
+        files = local_files(data)
+        return (lambda budget: local_texts(files, budget)), Path(data).stem, str(data)
+    repository, config, parquet_files = HUB_DATASETS[data]
+    load = dict(path=repository, name=config)
+    if parquet_files:  # by path: `datasets` then never runs an old loading script
+        load = dict(path="parquet", data_files=f"hf://datasets/{repository}/{parquet_files}")
+    problem = hub_problem()
+    if problem is None:
+        description = f"{repository} {config}" if config else repository
+        return (lambda budget: datasets_texts(repository, **load)), data, description
+    if data_was_named:  # the default source falls back to the offline corpus; a named one refuses
+        raise UserError(f"{problem}, needed for --data {data}; use --data path/to/files instead")
+    print(f"warning: {problem}: using the offline corpus, Python's stdlib", file=sys.stderr)
+    return stdlib_documents, "stdlib", "Python standard library source (offline fallback)"
+
+def hub_problem(timeout=3.0):  # None, or why the Hub can't be used: in 3 s (`datasets` takes ~25)
+    for switch in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
+        if os.environ.get(switch, "").upper() in ("1", "ON", "YES", "TRUE"):
+            return f"the Hugging Face Hub is off ({switch}={os.environ[switch]})"
+    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
+    try:
+        url = urllib.parse.urlsplit(endpoint)
+        port = url.port or (443 if url.scheme == "https" else 80)
+        socket.create_connection((url.hostname or "", port), timeout).close()
+    except (OSError, ValueError):
+        return f"can't reach the Hugging Face Hub at {endpoint}"
+
+def stdlib_documents(budget=None):  # the offline corpus: real code and prose, on every machine
+    files = sorted(Path(sysconfig.get_paths()["stdlib"]).rglob("*.py"))
+    files = [file for file in files if "site-packages" not in file.parts]
+    return (file.read_text("utf-8", "replace") for file in files)
+
+def datasets_texts(where, node=None, **load):  # rows' "text"; node=(rank, world_size) takes a share
+    import datasets.distributed  # here: it takes seconds, and .txt and .jsonl never need it
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its errors reach the user as ours
+    try:
+        rows = datasets.load_dataset(split="train", streaming=True, **load)
+        rows = datasets.distributed.split_dataset_by_node(rows, *node) if node else rows
+        for number, row in enumerate(rows, 1):
+            if not isinstance(row.get("text"), str):
+                raise ValueError(f'row {number} has no string "text": {row!r:.50}')
+            yield row["text"]
+    except Exception as error:  # a bad row, no such dataset, a corrupt file, a lost connection
+        reason = f"{type(error).__name__}: {error}".splitlines()[0]
+        raise UserError(f"can't read {where} ({reason}); check it, or use other files")
+
+def local_files(data):  # the file, or a directory's files in sorted order; regular files only, as
+    path = Path(data)  # a named pipe would wait for a writer forever
+    files = sorted(path.rglob("*")) if path.is_dir() else [path]
+    files = [file for file in files if file.suffix in LOCAL_SUFFIXES and file.is_file()]
+    if not files:
+        kinds = f"a .txt, .jsonl or .parquet file, a directory of them, {', '.join(HUB_DATASETS)}"
+        raise UserError(f"--data {data} is none of: {kinds}")
+    return files
+
+def local_texts(files, budget):  # a document is a .txt file, a .jsonl line, a .parquet row
+    for path in files:
+        if path.suffix == ".parquet":  # `datasets`' default batch, a row group, is 0 rows if none
+            yield from datasets_texts(path, path="parquet", data_files=str(path), batch_size=1024)
+        else:
+            yield from read_txt(path, budget) if path.suffix == ".txt" else read_jsonl(path)
+
+def read_txt(path, budget):  # one document, CRLF kept, read only as far as the budget needs
+    with open(path, encoding="utf-8", errors=BadUTF8.errors, newline="") as f:
+        yield f.read(budget if budget < os.path.getsize(path) else -1)  # N bytes: <= N characters
+
+def read_jsonl(path, start=0, end=None):  # the "text" of each line starting in bytes [start, end)
+    with open(path, "rb") as f:
+        if start > 0:  # the line holding byte start-1 is the range's before: ranges tile the file
+            f.seek(start - 1)
+            f.readline()
+        line_end = f.tell()
+        for number, line in enumerate(f, 1):
+            line_start, line_end = line_end, line_end + len(line)
+            if end is not None and line_start >= end:
+                return
+            if not line.strip():
+                continue
+            try:  # a BOM, as Windows tools write it, is no part of the JSON
+                text = json.loads(line.decode("utf-8", BadUTF8.errors).lstrip("\ufeff"))["text"]
+            except (ValueError, KeyError, TypeError, RecursionError):
+                text = None
+            if not isinstance(text, str):
+                where = f"{path} (the line at byte {line_start})" if start else f"{path}:{number}"
+                raise UserError(f'{where} is not a JSON object with a string "text" field')
+            if not text.isascii():  # "\ud800" is valid JSON, but a lone surrogate has no UTF-8
+                text = text.encode("utf-16-le", "surrogatepass").decode("utf-16-le", BadUTF8.errors)
+            yield text
+
+class BadUTF8:  # invalid UTF-8 and lone surrogates: each read as U+FFFD, and counted
+    count = 0
+
+    def replace(error):  # a codec error handler: what errors="replace" does, counted
+        BadUTF8.count += 1
+        return "\ufffd", error.end
+
+BadUTF8.errors = f"replace and count {id(BadUTF8)}"  # its own name: a process may load two scripts
+codecs.register_error(BadUTF8.errors, BadUTF8.replace)
+
+def first_chars(documents, num_chars):  # the last document is cut to fit
+    for document in documents(num_chars):
+        yield document[:num_chars]
+        num_chars -= min(len(document), num_chars)
+        if num_chars == 0:
+            return  # before the source is asked for one more document: it may be slow, or malformed
+
+# ---------------------------------------------------------------- the command line
 
 if __name__ == "__main__":
     try:

@@ -1,26 +1,28 @@
 """
-Train a byte-level BPE tokenizer on many GPUs (or CPU processes) at once: exact, one tokenizer for all ranks.
+Train a byte-level BPE tokenizer on many GPUs (or CPU processes) at once: one tokenizer, exact.
 
     torchrun --standalone --nproc_per_node=8 train_bpe_multigpu.py -v 65534 -n 1073741824
     torchrun --standalone --nproc_per_node=2 train_bpe_multigpu.py --device cpu -v 300 -n 65536
     python train_bpe_multigpu.py --device cpu -v 300 -n 65536   # world size 1, no torchrun needed
 
-The tokenizer is rustbpe's (and train_bpe_gpu.py's), byte for byte, trained on the documents that the ranks read
-taken together: BPE depends only on the multiset of chunks. With -n past the end of the data, that is all of it,
-whatever the world size. Output: tokenizers/<source>_v<vocab_size>/tokenizer.tiktoken, and tokenizer.json, which
-records what each rank read.
+The tokenizer is rustbpe's (and train_bpe_gpu.py's), byte for byte, on the documents the ranks read
+together (with -n past the data's end, all of it, at any world size): BPE depends only on the
+multiset of chunks. The output is train_bpe_gpu.py's; tokenizer.json also says what each rank read.
 
-This is not data-parallel training: a merge chosen from one rank's counts would be wrong. The ranks split the
-text (each reads only its own part, about n / W characters, documents whole), the distinct chunks (each merges in
-its own, on its device) and the [V, V] pair-count matrix (each owns 1/W of its rows); collectives make every merge
-the same on every rank. --device cpu (gloo) runs the Triton kernels in Triton's interpreter: exact, slow, for tests.
+This is not data-parallel training: a merge chosen from one rank's counts would be wrong. The ranks
+split the text (each reads its own part, about n / W characters, documents whole), the distinct
+chunks (each merges its own, on its device) and the [V, V] pair-count matrix (each owns 1/W of its
+rows); collectives make every merge the same on every rank. --device cpu (gloo) runs the kernels in
+Triton's interpreter: exact, slow, for tests.
 """
 
 import argparse
+import atexit
 import base64
 import codecs
 import contextlib
 import datetime
+import fcntl
 import hashlib
 import io
 import json
@@ -31,7 +33,6 @@ import signal
 import socket
 import sys
 import sysconfig
-import tempfile
 import time
 import urllib.parse
 from collections import Counter, deque
@@ -44,34 +45,38 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-os.environ.setdefault("TRITON_INTERPRET", "0" if torch.cuda.is_available() else "1")  # read when triton is imported
+# read when triton is imported
+os.environ.setdefault("TRITON_INTERPRET", "0" if torch.cuda.is_available() else "1")
 try:
     import triton
     import triton.language as tl
 except ImportError:
-    sys.exit("error: train_bpe_multigpu.py needs triton (pip install triton; CUDA builds of torch bring it)")
+    sys.exit("error: train_bpe_multigpu.py needs triton (pip install triton)")
 
 # -----------------------------------------------------------------------------
 # defaults, each overridable from the command line
-vocab_size = 65534  # byte tokens (256) + merges; <|endoftext|> gets the next id (65534 keeps ids in uint16)
+vocab_size = 65534  # 256 bytes + merges; <|endoftext|> gets the next id (ids fit a uint16)
 num_chars = 2**27  # characters to train on, all ranks together (about n / W each)
 data = "fineweb"  # fineweb | fineweb-edu | a .txt/.jsonl/.parquet file | a directory of them
 out = None  # output directory; default tokenizers/<source>_v<vocab_size>
-device = "cuda"  # cuda: NCCL; cpu: gloo, and the kernels in Triton's interpreter (slow: for testing)
+device = "cuda"  # cuda: NCCL; cpu: gloo, the kernels in Triton's interpreter (slow: for testing)
 cache_dir = "tokenizers/.cache"  # per-rank counted chunks, keyed by data/n/pattern/world size
-workers = 0  # pre-tokenizing processes per rank; 0 = this rank's share of the cores when its part is big
-timeout = 1800  # seconds a rank waits for the others before giving up (reading a big part takes a while)
-# GPT-4's split pattern: letters with their leading space, numbers in groups of up to 3, punctuation runs,
-# and whitespace, so that merges never glue a word to the punctuation or the space after it.
+# pre-tokenizing processes per rank; 0: its share of the node's cores for a part of 2^24+ chars
+workers = 0
+timeout = 1800  # seconds a rank waits for the others (reading a big part takes a while)
+# GPT-4's split pattern: letters with their leading space, numbers in groups of up to 3, punctuation
+# runs, and whitespace, so that merges never glue a word to the punctuation or the space after it.
 pattern = r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]++[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+"""
 EOT = "<|endoftext|>"
 HUB_DATASETS = {"fineweb": ("HuggingFaceFW/fineweb", "sample-10BT", None),
                 "fineweb-edu": ("HuggingFaceFW/fineweb-edu", "sample-10BT", None)}
 LOCAL_SUFFIXES = (".txt", ".jsonl", ".parquet")
-CACHE_VERSION = 2
-INTERPRETER_SHAPE = (1, 1024, 64, 1024)  # programs, block of positions, of dirty rows, of best_pair's rows
+CACHE_VERSION = 3
+# programs, block of positions, of dirty rows, of best_pair's rows
+INTERPRETER_SHAPE = (1, 1024, 64, 1024)
 MERGES_PER_READ = 16  # merges launched per host read of the "done" flag
 MAX_POSITIONS = 2**31 - 2  # positions are int32: a rank's distinct chunks' bytes + 2 spare slots
+BATCH_CHARS = 1 << 20  # characters of documents per batch sent to a pre-tokenizing worker
 # -----------------------------------------------------------------------------
 
 
@@ -79,23 +84,21 @@ class UserError(Exception):
     """A mistake in the input: printed as one line, never as a traceback."""
 
 
-# ---------------------------------------------------------------- the merge loop, split across ranks
-# train_bpe_gpu.py's kernels and layout (read that file first: the names are the same), on this rank's distinct
-# chunks: tokens, next_pos, prev_pos and weight hold them as linked lists (END: the spare slot past them), and
-# lists of positions per token make a merge of (a, b) visit only a's positions. Rank r keeps its rows `left`
-# (left % W == r) at left // W, and their row keys: count << 20 | (2^20 - 1 - right), the row's largest count,
-# ties to the smallest right. A merge (a, b) -> new changes only pairs in columns a and new, rows b and new:
-#   (x, a) loses w and (x, new) gains w   where x is a merged occurrence's left neighbour: one number per x
+# ------------------------------------------------------------ the merge loop, split across ranks
+# train_bpe_gpu.py's kernels and layout (read that file first: the names are the same), on this
+# rank's distinct chunks. Rank r owns the rows l with l % W == r, kept at l // W, and their row
+# keys. A merge (a, b) -> new changes only pairs in columns a and new, rows b and new:
+#   (x, a) loses w and (x, new) gains w   where x is a merged occurrence's left neighbour
 #   (b, y) loses w, (new, y') gains w     where y is the right neighbour (y' = new if y merged too)
-# and (a, b) itself. Each rank sums its changes into `delta`, 3V + 1 numbers [x | y | y' | (a, b)], one
-# all_reduce(SUM) adds them up over the ranks, and each owner applies the part in its rows; the next pair is one
-# all_reduce(MAX) of the ranks' best keys. Fixed sizes everywhere: the host only launches, and reads "done?" per
-# 16 merges. No deadlock, no divergence: every rank launches the same collectives in the same order (a rank
-# with no text sends zeros), and decides - the pair, "done" - from the REDUCED values, the same on every rank.
-# Exact: counts are integers, each with one owner, who adds all its changes. No kernel needs a lock; each
-# docstring says why, from who writes what.
+# and (a, b) itself. Each rank sums its changes into `delta`, 3V + 1 numbers [x | y | y' | (a, b)];
+# one all_reduce(SUM) adds them over the ranks, and each owner applies the part in its rows. The
+# next pair is one all_reduce(MAX) of the ranks' best keys. No deadlock, no divergence: every rank
+# launches the same collectives in the same order (a rank with no text sends zeros), and decides
+# (the pair, "done") from the REDUCED values, the same everywhere. Exact: counts are integers, each
+# with one owner, who adds all its changes. No kernel needs a lock; each docstring says why.
 
-NEXT, NEW, A, B, DONE, START, LENGTH, SURVIVORS, DIRTY = (tl.constexpr(i) for i in range(9))  # slots of `state`
+# the slots of `state`
+NEXT, NEW, A, B, DONE, START, LENGTH, SURVIVORS, DIRTY = (tl.constexpr(i) for i in range(9))
 DEAD = tl.constexpr(-2)  # the token of an unlinked position (the right half of a merged pair)
 ID_BITS = tl.constexpr(20)  # a row key's low bits hold 2^20 - 1 - right id
 LOW = tl.constexpr((1 << 20) - 1)
@@ -103,17 +106,19 @@ LOW = tl.constexpr((1 << 20) - 1)
 
 @triton.jit
 def append(length, buffer, values, keep):
-    """Appends the lanes' values where keep to a list: one atomic add reserves the block's slots, one per lane."""
-    slot = tl.atomic_add(length, tl.sum(keep.to(tl.int32), axis=0)) + tl.cumsum(keep.to(tl.int32), axis=0) - 1
+    """Appends the values where keep to a list: one atomic add reserves the block's slots."""
+    ones = keep.to(tl.int32)
+    slot = tl.atomic_add(length, tl.sum(ones, axis=0)) + tl.cumsum(ones, axis=0) - 1
     tl.store(buffer + slot, values, mask=keep)
 
 
 @triton.jit
-def best_pair(state, row_key, fresh_key, dirty_flag, dirty_rows, best, BITS: tl.constexpr, ONE_KEY: tl.constexpr,
-              BLOCK: tl.constexpr):
-    """This rank's best pair as a key that orders pairs across ranks: with B bits an id and M = 2^B - 1,
-    count << 2B | (M - left) << B | (M - right) is largest for the pair BPE takes, tie-break included. Counts past
-    63 - 2B bits don't fit: then best = [count, tie, count] for two reductions. One program, alone on the device."""
+def best_pair(state, row_key, fresh_key, dirty_flag, dirty_rows, best, BITS: tl.constexpr,
+              ONE_KEY: tl.constexpr, BLOCK: tl.constexpr):
+    """This rank's best pair as a key that orders pairs across ranks: with B bits an id and
+    M = 2^B - 1, count << 2B | (M - left) << B | (M - right) is largest for the pair BPE takes,
+    tie-break included. Counts past 63 - 2B bits don't fit: then best = [count, tie, count] for two
+    reductions. One program, alone on the device."""
     if tl.load(state + DONE) == 0:
         dirty = tl.load(state + DIRTY)  # the rows refresh_rows recomputed become exact again
         for first in range(0, dirty, BLOCK):
@@ -122,8 +127,9 @@ def best_pair(state, row_key, fresh_key, dirty_flag, dirty_rows, best, BITS: tl.
             tl.store(row_key + rows, tl.load(fresh_key + rows, mask=i < dirty), mask=i < dirty)
             tl.store(fresh_key + rows, 0, mask=i < dirty)
             tl.store(dirty_flag + rows, 0, mask=i < dirty)
-        # A row copied by one thread may be read below by another, and Triton orders global memory only within
-        # a thread: a barrier, or a thread could scan a dirty row's stale key (or read DIRTY after it is reset).
+        # A row copied by one thread may be read below by another, and Triton orders global memory
+        # only within a thread: a barrier, or a thread could scan a dirty row's stale key (or read
+        # DIRTY after it is reset).
         tl.debug_barrier()
         tl.store(state + DIRTY, 0)
         new = tl.load(state + NEXT)
@@ -136,19 +142,22 @@ def best_pair(state, row_key, fresh_key, dirty_flag, dirty_rows, best, BITS: tl.
             best_row = tl.where(block_best > best_count, block_row, best_row)
             best_count = tl.maximum(block_best, best_count)
         right = LOW - (tl.load(row_key + best_row) & LOW)
-        tie = tl.where(best_count > 0, ((1 << BITS) - 1 - best_row) << BITS | ((1 << BITS) - 1 - right), 0)
+        tie = tl.where(best_count > 0,
+                       ((1 << BITS) - 1 - best_row) << BITS | ((1 << BITS) - 1 - right), 0)
         tl.store(best, (best_count << 2 * BITS | tie) if ONE_KEY else best_count)
         tl.store(best + 1, tie)
         tl.store(best + 2, best_count)
 
 
 @triton.jit
-def find_occurrences(state, best, list_start, list_len, merges, list_buffer, tokens, next_pos, prev_pos, mark, V, END,
-                     BITS: tl.constexpr, ONE_KEY: tl.constexpr, BLOCK: tl.constexpr):
-    """Decodes the reduced key, the same on every rank: the pair to merge. Each program decodes it for itself, and
-    program 0 writes the merge's state for the kernels that follow: NEXT moves on in apply_owned, and DONE is set
-    only when every program finds the end itself, so no program depends on what program 0 writes. Then marks this
-    rank's occurrences that merge, as train_bpe_gpu.py does: mark[p] = 2 new, mark[next_pos[p]] = 2 new + 1."""
+def find_occurrences(state, best, list_start, list_len, merges, list_buffer, tokens, next_pos,
+                     prev_pos, mark, V, END, BITS: tl.constexpr, ONE_KEY: tl.constexpr,
+                     BLOCK: tl.constexpr):
+    """Decodes the reduced key, the same on every rank: the pair to merge. Each program decodes it
+    for itself, and program 0 writes the merge's state for the kernels that follow: NEXT moves on in
+    apply_owned, and DONE is set only when every program finds the end itself, so no program depends
+    on what program 0 writes. Then marks this rank's occurrences that merge, as train_bpe_gpu.py
+    does: mark[p] = 2 new, mark[next_pos[p]] = 2 new + 1."""
     count, tie, new = tl.load(best), tl.load(best + 1), tl.load(state + NEXT)
     if ONE_KEY:
         count, tie = count >> 2 * BITS, count & ((1 << 2 * BITS) - 1)
@@ -171,7 +180,8 @@ def find_occurrences(state, best, list_start, list_len, merges, list_buffer, tok
             p = tl.load(list_buffer + start + i, mask=i < length, other=END)
             right = tl.load(next_pos + p)
             merge = (tl.load(tokens + p) == a) & (tl.load(tokens + right) == b)
-            if a == b:  # in a run "aaaa", p merges when an even number of a's come before it in the run
+            # in a run "aaaa", p merges when an even number of a's come before it in the run
+            if a == b:
                 odd = merge & False
                 q = tl.load(prev_pos + p)
                 walking = merge & (tl.load(tokens + q) == a)
@@ -183,14 +193,15 @@ def find_occurrences(state, best, list_start, list_len, merges, list_buffer, tok
             tl.store(mark + p, 2 * new, mask=merge)
             tl.store(mark + right, 2 * new + 1, mask=merge)
     elif tl.program_id(0) == 0:
-        tl.store(state + DONE, 1)  # no pair left on any rank, or V reached: every kernel does nothing from now on
+        # no pair left on any rank, or V reached: every kernel does nothing from now on
+        tl.store(state + DONE, 1)
 
 
 @triton.jit
-def apply_merges(state, list_buffer, scratch, list_start, list_len, tokens, next_pos, prev_pos, mark, weight, delta,
-                 V, END, BLOCK: tl.constexpr):
-    """Merges this rank's marked occurrences, as in train_bpe_gpu.py: the lane of (p, right) writes only the
-    links it owns. The count changes go to `delta` by atomic adds, which commute."""
+def apply_merges(state, list_buffer, scratch, list_start, list_len, tokens, next_pos, prev_pos,
+                 mark, weight, delta, V, END, BLOCK: tl.constexpr):
+    """Merges this rank's marked occurrences, as in train_bpe_gpu.py: the lane of (p, right) writes
+    only the links it owns. The count changes go to `delta` by atomic adds, which commute."""
     if tl.load(state + DONE) == 0:
         a, new = tl.load(state + A), tl.load(state + NEW)
         start, length = tl.load(state + START), tl.load(state + LENGTH)
@@ -211,27 +222,32 @@ def apply_merges(state, list_buffer, scratch, list_start, list_len, tokens, next
             before_merged = merged & (tl.load(mark + before, mask=merged, other=0) == 2 * new + 1)
             after_merged = merged & (tl.load(mark + after, mask=merged, other=0) == 2 * new)
             x = tl.load(tokens + before, mask=merged & ~before_merged, other=-1)
-            y = tl.where(after_merged, a, tl.load(tokens + after, mask=merged & ~after_merged, other=-1))
+            y = tl.where(after_merged, a,
+                         tl.load(tokens + after, mask=merged & ~after_merged, other=-1))
             y_new = tl.where(after_merged, new, y)
             has_x, has_y = merged & (x >= 0), merged & (y >= 0)
             tl.store(tokens + p, new, mask=merged)
             tl.store(tokens + right, DEAD, mask=merged)
             tl.store(next_pos + p, after, mask=merged)
             tl.store(prev_pos + after, p, mask=has_y & ~after_merged)
-            tl.store(prev_pos + p, tl.load(prev_pos + before, mask=before_merged, other=END), mask=before_merged)
+            tl.store(prev_pos + p, tl.load(prev_pos + before, mask=before_merged, other=END),
+                     mask=before_merged)
             tl.atomic_add(delta + x, w, mask=has_x)
             tl.atomic_add(delta + V + y, w, mask=has_y)
             tl.atomic_add(delta + 2 * V + y_new, w, mask=has_y)
-            tl.atomic_add(delta + 3 * V, tl.sum(w, axis=0))  # one atomic a block for the one pair (a, b)
+            # one atomic a block for the one pair (a, b)
+            tl.atomic_add(delta + 3 * V, tl.sum(w, axis=0))
 
 
 @triton.jit
-def apply_owned(state, delta, counts, row_key, dirty_flag, dirty_rows, V, RANK, WORLD, BLOCK: tl.constexpr):
-    """Adds every rank's summed changes (delta, after the all_reduce) to this rank's rows, and zeroes delta for the
-    next merge. Lane i owns delta[i]. Each gained count, (x, new) or (new, y'), has one lane: its atomic add
-    returns the final count. Only row new's key can rise (its lanes' atomic_max make it): (x, new) gains what
-    (x, a) loses, so it stays below the key row x had. A loss of the pair a row key names lists the row as dirty,
-    once (the lane that flips dirty_flag); no key of a row that loses is written here, so the test is stable."""
+def apply_owned(state, delta, counts, row_key, dirty_flag, dirty_rows, V, RANK, WORLD,
+                BLOCK: tl.constexpr):
+    """Adds every rank's summed changes (delta, after the all_reduce) to this rank's rows, and
+    zeroes delta for the next merge. Lane i owns delta[i]. Each gained count, (x, new) or (new, y'),
+    has one lane: its atomic add returns the final count. Only row new's key can rise (its lanes'
+    atomic_max make it): (x, new) gains what (x, a) loses, so it stays below the key row x had. A
+    loss of the pair a row key names lists the row as dirty, once (the lane that flips dirty_flag);
+    no key of a row that loses is written here, so the test is stable."""
     if tl.load(state + DONE) == 0:
         a, b, new = tl.load(state + A), tl.load(state + B), tl.load(state + NEW)
         if tl.program_id(0) == 0:
@@ -240,26 +256,29 @@ def apply_owned(state, delta, counts, row_key, dirty_flag, dirty_rows, V, RANK, 
             i = first + tl.arange(0, BLOCK)
             d = tl.load(delta + i, mask=i <= 3 * V, other=0).to(tl.int64)
             tl.store(delta + i, 0, mask=d != 0)  # most lanes hold 0 already: no write
-            part, j = i // V, (i % V).to(tl.int64)  # 0: (x=j, a) -> (j, new); 1: (b, j); 2: (new, j); 3: (a, b)
+            # part 0: (x=j, a) -> (j, new); 1: (b, j); 2: (new, j); 3: (a, b)
+            part, j = i // V, (i % V).to(tl.int64)
             row = tl.where(part == 0, j, tl.where(part == 1, b, tl.where(part == 2, new, a)))
-            mine = (d != 0) & (row % WORLD == RANK)
+            owned = (d != 0) & (row % WORLD == RANK)
             at = counts + (row // WORLD) * V
-            lose, column = mine & (part != 2), tl.where(part == 0, a, tl.where(part == 1, j, b))
+            lose, column = owned & (part != 2), tl.where(part == 0, a, tl.where(part == 1, j, b))
             tl.atomic_add(at + column, -d.to(counts.dtype.element_ty), mask=lose)
             was_max = lose & ((tl.load(row_key + row, mask=lose, other=0) & LOW) == LOW - column)
             flipped = was_max & (tl.atomic_xchg(dirty_flag + row, 1, mask=was_max) == 0)
             append(state + DIRTY, dirty_rows, row.to(tl.int32), flipped)
-            gain, column = mine & (part % 2 == 0), tl.where(part == 0, new, j)
-            total = tl.atomic_add(at + column, d.to(counts.dtype.element_ty), mask=gain).to(tl.int64) + d
-            tl.atomic_max(row_key + row, (total << ID_BITS) | (LOW - column), mask=gain & (part == 2))
+            gain, column = owned & (part % 2 == 0), tl.where(part == 0, new, j)
+            total = tl.atomic_add(at + column, d.to(counts.dtype.element_ty), mask=gain)
+            total = total.to(tl.int64) + d
+            tl.atomic_max(row_key + row, (total << ID_BITS) | (LOW - column),
+                          mask=gain & (part == 2))
 
 
 @triton.jit
-def refresh_rows(state, list_buffer, scratch, list_len, counts, fresh_key, dirty_rows, V, WORLD, ROWS: tl.constexpr,
-                 BLOCK: tl.constexpr):
-    """Copies a's surviving positions back from scratch, one slot per lane; then recomputes the dirty rows'
-    maxima into fresh_key, in items of ROWS rows x BLOCK columns over the programs. Nothing writes counts now,
-    and atomic_max makes the order free."""
+def refresh_rows(state, list_buffer, scratch, list_len, counts, fresh_key, dirty_rows, V, WORLD,
+                 ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    """Copies a's surviving positions back from scratch, one slot per lane; then recomputes the
+    dirty rows' maxima into fresh_key, in items of ROWS rows x BLOCK columns over the programs.
+    Nothing writes counts now, and atomic_max makes the order free."""
     if tl.load(state + DONE) == 0:
         if tl.load(state + NEW) >= 256:
             a, survivors = tl.load(state + A), tl.load(state + SURVIVORS)
@@ -275,8 +294,10 @@ def refresh_rows(state, list_buffer, scratch, list_len, counts, fresh_key, dirty
             i = (item // slices) * ROWS + tl.arange(0, ROWS)
             row = tl.load(dirty_rows + i, mask=i < dirty, other=0).to(tl.int64)
             col = (item % slices) * BLOCK + tl.arange(0, BLOCK)
-            count = tl.load(counts + (row // WORLD)[:, None] * V + col[None, :],
-                            mask=(i < dirty)[:, None] & (col < columns)[None, :], other=0).to(tl.int64)
+            inside = (i < dirty)[:, None] & (col < columns)[None, :]
+            row_counts = counts + (row // WORLD)[:, None] * V
+            count = tl.load(row_counts + col[None, :], mask=inside, other=0)
+            count = count.to(tl.int64)
             key = tl.where(count > 0, (count << ID_BITS) | (LOW - col[None, :]), 0)
             tl.atomic_max(fresh_key + row, tl.max(key, axis=1), mask=i < dirty)
 
@@ -292,70 +313,84 @@ def chunks_to_arrays(blob, lengths, counts, count_dtype):
     next_pos[L:], prev_pos[L:] = END, END
     weight = np.zeros(L + 2, count_dtype)
     weight[:L] = np.repeat(counts, lengths)
-    left = np.flatnonzero(next_pos[:L] != END)  # every position with a right neighbour starts a pair
+    # every position with a right neighbour starts a pair
+    left = np.flatnonzero(next_pos[:L] != END)
     order = np.argsort(tokens[left], kind="stable")  # the 256 byte lists, one after another
-    list_buffer = np.zeros(2 * len(left) + 1, np.int32)  # each merge appends as many positions as it kills
+    # each merge appends as many positions as it kills
+    list_buffer = np.zeros(2 * len(left) + 1, np.int32)
     list_buffer[:len(left)] = left[order]
     list_len = np.bincount(tokens[left], minlength=256).astype(np.int64)
-    return dict(tokens=tokens, next_pos=next_pos, prev_pos=prev_pos, weight=weight, list_buffer=list_buffer,
-                list_len=list_len, list_start=np.cumsum(list_len) - list_len,
-                byte_pairs=tokens[left].astype(np.int64) * 256 + tokens[left + 1], pair_weights=weight[left])
+    byte_pairs = tokens[left].astype(np.int64) * 256 + tokens[left + 1]
+    return dict(tokens=tokens, next_pos=next_pos, prev_pos=prev_pos, weight=weight,
+                list_buffer=list_buffer, list_len=list_len,
+                list_start=np.cumsum(list_len) - list_len, byte_pairs=byte_pairs,
+                pair_weights=weight[left])
 
 
 def merge_on_device(arrays, vocab_size, total_pairs, device, show_progress):
-    """The merges in order, [((left, right), new_id)], this rank's tokens saved, and per-run counters."""
+    """The merges, this rank's tokens saved, and the loop's counts of collectives and host reads."""
     V, rank, W = vocab_size, dist.get_rank(), dist.get_world_size()
     upload = lambda name: torch.from_numpy(arrays[name]).to(device)  # noqa: E731
-    zeros = lambda size, dtype=torch.int64: torch.zeros(size, dtype=dtype, device=device)  # noqa: E731
-    tokens, next_pos, prev_pos, weight, list_buffer = map(upload, ("tokens", "next_pos", "prev_pos", "weight", "list_buffer"))
+    zeros = lambda size, dtype=torch.int64: torch.zeros(size, dtype=dtype, device=device)  # noqa
+    tokens, next_pos, prev_pos, weight, list_buffer = map(upload, (
+        "tokens", "next_pos", "prev_pos", "weight", "list_buffer"))
     list_len, list_start = zeros(V), zeros(V)
     list_len[:256], list_start[:256] = upload("list_len"), upload("list_start")
-    END, bits, stats = len(tokens) - 2, max(1, (V - 1).bit_length()), Counter()
+    END, bits, loop_counts = len(tokens) - 2, max(1, (V - 1).bit_length()), Counter()
     one_key = total_pairs < 2 ** (63 - 2 * bits)
-    # Only byte pairs exist at first: one all_reduce of a 256 x 256 block, then each owner keeps its rows.
+    # only byte pairs exist at first: one all_reduce of 256 x 256, then each owner keeps its rows
     byte_pairs = zeros(256 * 256).index_add_(0, upload("byte_pairs"), upload("pair_weights").long())
     dist.all_reduce(byte_pairs)
     counts = zeros(((V - 1 - rank) // W + 1) * V, weight.dtype)
-    mine = byte_pairs.view(256, 256)[rank::W]
-    counts.view(-1, V)[:len(mine), :256] = mine.to(weight.dtype)
-    mark, scratch, row_key, fresh_key = zeros(END + 2, torch.int32), torch.empty_like(list_buffer), zeros(V), zeros(V)
-    dirty_flag, dirty_rows, state, merges = zeros(V, torch.int32), zeros(V, torch.int32), zeros(16), zeros(2 * V)
+    owned_byte_rows = byte_pairs.view(256, 256)[rank::W]
+    counts.view(-1, V)[:len(owned_byte_rows), :256] = owned_byte_rows.to(weight.dtype)
+    mark, scratch = zeros(END + 2, torch.int32), torch.empty_like(list_buffer)
+    row_key, fresh_key, state, merges = zeros(V), zeros(V), zeros(16), zeros(2 * V)
+    dirty_flag, dirty_rows = zeros(V, torch.int32), zeros(V, torch.int32)
     delta, best = zeros(3 * V + 1, weight.dtype), zeros(3)
     owned_bytes = torch.arange(rank, 256, W, device=device)  # the first refresh makes their keys
     dirty_flag[owned_bytes], dirty_rows[:len(owned_bytes)] = 1, owned_bytes.int()
     state[NEXT.value], state[DIRTY.value] = 256, len(owned_bytes)
-    programs, block, rows, choose_block = INTERPRETER_SHAPE if device.type == "cpu" else \
-        (4 * torch.cuda.get_device_properties(device).multi_processor_count, 256, 4, 4096)
+    programs, block, rows, choose_block = INTERPRETER_SHAPE
+    if device.type == "cuda":
+        programs = 4 * torch.cuda.get_device_properties(device).multi_processor_count
+        block, rows, choose_block = 256, 4, 4096
     grid = (programs,)
 
     def refresh():
-        refresh_rows[grid](state, list_buffer, scratch, list_len, counts, fresh_key, dirty_rows, V, W, ROWS=rows, BLOCK=block)
+        refresh_rows[grid](state, list_buffer, scratch, list_len, counts, fresh_key, dirty_rows, V,
+                           W, ROWS=rows, BLOCK=block)
 
-    def merge_group():  # past the last merge, find_occurrences sets DONE and every kernel does nothing
+    # past the last merge, find_occurrences sets DONE and every kernel does nothing
+    def merge_group():
         for _ in range(MERGES_PER_READ):
-            best_pair[(1,)](state, row_key, fresh_key, dirty_flag, dirty_rows, best, BITS=bits, ONE_KEY=one_key,
-                            BLOCK=choose_block)
+            best_pair[(1,)](state, row_key, fresh_key, dirty_flag, dirty_rows, best, BITS=bits,
+                            ONE_KEY=one_key, BLOCK=choose_block)
             if W > 1:
                 dist.all_reduce(best[:1], op=dist.ReduceOp.MAX)
-                if not one_key:  # the count first, then the tie-break among the ranks that have that count
+                # the count first, then the tie-break among the ranks that have that count
+                if not one_key:
                     best[1:2] = torch.where(best[2:] == best[:1], best[1:2], -1)
                     dist.all_reduce(best[1:2], op=dist.ReduceOp.MAX)
-                stats.update(collectives=2 + (not one_key))
-            find_occurrences[grid](state, best, list_start, list_len, merges, list_buffer, tokens, next_pos, prev_pos,
-                                   mark, V, END, BITS=bits, ONE_KEY=one_key, BLOCK=block)
-            apply_merges[grid](state, list_buffer, scratch, list_start, list_len, tokens, next_pos, prev_pos, mark,
-                               weight, delta, V, END, BLOCK=block)
+                loop_counts.update(collectives=2 + (not one_key))
+            find_occurrences[grid](state, best, list_start, list_len, merges, list_buffer, tokens,
+                                   next_pos, prev_pos, mark, V, END, BITS=bits, ONE_KEY=one_key,
+                                   BLOCK=block)
+            apply_merges[grid](state, list_buffer, scratch, list_start, list_len, tokens, next_pos,
+                               prev_pos, mark, weight, delta, V, END, BLOCK=block)
             if W > 1:
                 dist.all_reduce(delta)
-            apply_owned[grid](state, delta, counts, row_key, dirty_flag, dirty_rows, V, rank, W, BLOCK=block)
+            apply_owned[grid](state, delta, counts, row_key, dirty_flag, dirty_rows, V, rank, W,
+                              BLOCK=block)
             refresh()
 
     refresh()
     # On CUDA in a world of one (no collectives), 16 merges are recorded once as a CUDA graph, as in
-    # train_bpe_gpu.py. With W > 1 they are launched one by one: NCCL's watchdog, which enforces --timeout on a
-    # hung rank, does not see collectives inside a graph.
+    # train_bpe_gpu.py. With W > 1 they are launched one by one: NCCL's watchdog, which enforces
+    # --timeout on a hung rank, does not see collectives inside a graph.
     graph = None
-    with tqdm(total=V - 256, unit="merge", desc="merging", mininterval=0.5, disable=not show_progress) as progress:
+    with tqdm(total=V - 256, unit="merge", desc="merging", mininterval=0.5,
+              disable=not show_progress) as progress:
         for group in range(0, V - 256, MERGES_PER_READ):
             if group > 0 and graph is None and device.type == "cuda" and W == 1:
                 graph = torch.cuda.CUDAGraph()
@@ -366,149 +401,50 @@ def merge_on_device(arrays, vocab_size, total_pairs, device, show_progress):
             else:
                 graph.replay()
             progress.update(min(MERGES_PER_READ, V - 256 - group))
-            stats.update(host_reads=1)
-            if state[DONE.value].item():  # the one host read of a group: here, and only here, the host waits
+            loop_counts.update(host_reads=1)
+            # the one host read of a group: here, and only here, the host waits
+            if state[DONE.value].item():
                 break
     num_merges = int(state[NEXT.value]) - 256
     merged_pairs = merges[:2 * num_merges].view(-1, 2).tolist()
-    tokens_saved = int(weight[tokens == DEAD.value].sum())  # a merged occurrence saves one token per use of its chunk
-    return [((left, right), 256 + i) for i, (left, right) in enumerate(merged_pairs)], tokens_saved, stats
+    # a merged occurrence saves one token per use of its chunk
+    tokens_saved = int(weight[tokens == DEAD.value].sum())
+    merges = [((left, right), 256 + i) for i, (left, right) in enumerate(merged_pairs)]
+    return merges, tokens_saved, loop_counts
 
 
-# ---------------------------------------------------------------- reading text (the same in every script)
-# .txt and .jsonl are read with the standard library: `datasets`' loaders would turn CRLF into LF (no longer
-# byte-identical to rustbpe), stop at invalid UTF-8, and take seconds to start. The Hub and parquet use `datasets`.
-
-def hub_problem(timeout=3.0):  # None if the Hub can be used, else why not: a 3 s probe, where `datasets` would retry for ~25 s
-    for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
-        if os.environ.get(name, "").upper() in ("1", "ON", "YES", "TRUE"):  # huggingface_hub's own rule
-            return f"the Hugging Face Hub is off ({name}={os.environ[name]})"
-    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")  # a mirror, if set
-    try:
-        url = urllib.parse.urlsplit(endpoint)
-        socket.create_connection((url.hostname or "", url.port or (443 if url.scheme == "https" else 80)), timeout).close()
-    except (OSError, ValueError):
-        return f"can't reach the Hugging Face Hub at {endpoint}"
-
-def datasets_texts(where, node=None, **load):  # each row's "text", streamed; node=(rank, world_size): that rank's share
-    import datasets.distributed  # here, not at the top: it takes seconds, and .txt/.jsonl never need it
-    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its errors reach the user as our one line
-    try:
-        rows = datasets.load_dataset(split="train", streaming=True, **load)
-        for number, row in enumerate(datasets.distributed.split_dataset_by_node(rows, *node) if node else rows, 1):
-            if not isinstance(text := row.get("text"), str):
-                raise UserError(f"{where}, row {number}: \"text\" is {text!r:.20}, not a string (columns: {', '.join(row)})")
-            yield text
-    except UserError:
-        raise
-    except Exception as error:  # no such dataset, a corrupt file (ArrowInvalid), a dropped connection
-        reason = f"{type(error).__name__}: {error}".splitlines()[0]
-        raise UserError(f"can't read {where} ({reason}); check it, or use other files: --data path/to/files")
-
-def stdlib_documents():  # the offline corpus: real code and prose, on every machine
-    paths = sorted(Path(sysconfig.get_paths()["stdlib"]).rglob("*.py"))
-    return (path.read_text(encoding="utf-8", errors="replace") for path in paths if "site-packages" not in path.parts)
-
-class BadUTF8:
-    count = 0  # invalid UTF-8 sequences replaced with U+FFFD, for one warning at the end
-
-def decode_utf8(raw, decoder=None, final=True):
-    text = decoder.decode(raw, final) if decoder else raw.decode("utf-8", errors="replace")
-    BadUTF8.count += text.count("\ufffd") - raw.count("\ufffd".encode())  # a U+FFFD in the input is no error
-    return text
-
-def read_txt(path, budget):  # one document, CRLF kept, read only as far as the budget of characters needs
-    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")  # holds a character cut between blocks
-    pieces, block = [], None
-    with open(path, "rb") as f:
-        while sum(map(len, pieces)) < budget and block != b"":
-            block = f.read(1 << 24)
-            pieces.append(decode_utf8(block, decoder, final=not block))  # the empty read at the end flushes
-    yield "".join(pieces)[:budget]
-
-def read_jsonl(path, start=0, end=None):  # the "text" of each line that starts in bytes [start, end)
-    with open(path, "rb") as f:
-        if start > 0:  # the range before owns the line holding byte start-1: tiling ranges read each line once
-            f.seek(start - 1)
-            f.readline()
-        position = f.tell()
-        for number, line in enumerate(f, 1):
-            if end is not None and position >= end:
-                return
-            position += len(line)
-            if not line.strip():
-                continue
-            try:
-                text = json.loads(decode_utf8(line).lstrip("\ufeff"))["text"]  # a BOM, as Windows tools write
-            except (ValueError, KeyError, TypeError, RecursionError):  # not JSON, no "text", not an object, too deep
-                text = None
-            if not isinstance(text, str):
-                where = f"{path}:{number}" if start == 0 else f"{path} (the line at byte {position - len(line)})"
-                raise UserError(f"{where} is not a JSON object with a string \"text\" field; "
-                                "each line of a .jsonl file must look like {\"text\": \"...\"}")
-            if not text.isascii() and b"\xed" in text.encode("utf-8", "surrogatepass"):  # U+D000-DFFF: a lone "\ud800"?
-                fixed = text.encode("utf-16-le", "surrogatepass").decode("utf-16-le", "replace")  # json joined real pairs
-                BadUTF8.count, text = BadUTF8.count + fixed.count("\ufffd") - text.count("\ufffd"), fixed  # it has no UTF-8
-            yield text
-
-def local_files(data):  # the file itself, or a directory's text files in sorted order
-    path, hub = Path(data), ", ".join(HUB_DATASETS)
-    if not path.exists():
-        raise UserError(f"--data {data}: no such file or directory; give a .txt/.jsonl/.parquet path, "
-                        f"a directory of them, or one of {hub}")
-    if not path.is_dir() and path.suffix not in LOCAL_SUFFIXES:
-        raise UserError(f"--data {path}: unknown file type; use a .txt, .jsonl or .parquet file, a directory, or one of {hub}")
-    files = sorted(p for p in path.rglob("*") if p.suffix in LOCAL_SUFFIXES and p.is_file()) if path.is_dir() else [path]
-    if not files:
-        raise UserError(f"{path} holds no .txt, .jsonl or .parquet files; point --data at text files")
-    return files
-
-def open_source(data, data_was_named):  # (documents, name, description); documents(budget) yields strings
-    if data not in HUB_DATASETS:
-        files = local_files(data)
-        # parquet in batches of our own size: `datasets`' default, a row group's rows, is 0 in a file of no rows
-        readers = {".txt": read_txt, ".jsonl": lambda path, budget: read_jsonl(path),
-                   ".parquet": lambda p, _: datasets_texts(p, path="parquet", data_files=str(p), batch_size=1024)}
-        return (lambda budget: (doc for p in files for doc in readers[p.suffix](p, budget))), Path(data).stem, str(data)
-    repository, config, files = HUB_DATASETS[data]
-    if (problem := hub_problem()) is None:  # parquet files by path: `datasets` then never runs an old loading script
-        load = (dict(path="parquet", data_files=f"hf://datasets/{repository}/{files}") if files
-                else dict(path=repository, name=config))
-        return (lambda budget: datasets_texts(repository, **load)), data, f"{repository} {config or ''}".strip()
-    if data_was_named:  # a source the user named refuses; the default one falls back to the offline corpus
-        raise UserError(f"{problem}, needed for --data {data}; use local files instead: --data path/to/files")
-    print(f"warning: {problem}: using the offline corpus, the Python standard library's source", file=sys.stderr)
-    return (lambda budget: stdlib_documents()), "stdlib", "Python standard library source (offline fallback)"
-
-def first_chars(documents, num_chars):  # the last document is cut to fit
-    for document in documents(num_chars):
-        yield document[:num_chars]
-        num_chars -= min(len(document), num_chars)
-        if num_chars == 0:
-            return  # before the source is asked for one more document: it may be slow to fetch, or malformed
-
-# ---------------------------------------------------------------- this rank's part of the text, counted
-# Local files are laid end to end, and rank r gets bytes [r S / W, (r + 1) S / W). A document belongs to the
-# range that holds its first byte: a .jsonl line, a whole .txt file, a parquet row group (placed at its share
-# of the file's bytes). So each is read whole, by one rank, and a rank seeks straight to its range.
+# ---------------------------------------------------------------- this rank's part of the text
+# Local files are laid end to end, and rank r gets bytes [r S / W, (r + 1) S / W). A document
+# belongs to the range that holds its first byte: a .jsonl line, a whole .txt file, a parquet row
+# group (placed at its share of the file's bytes). So each is read whole, by one rank, and a rank
+# seeks straight to its range.
 
 
-def my_documents(name, source, budget, record):
-    """This rank's documents (a generator: nothing is read yet), and the files they come from."""
-    if name in HUB_DATASETS and not source.startswith("Python standard library"):  # `datasets` splits a stream
+def rank_documents(name, source, budget):
+    """This rank's documents (a generator: nothing is read yet), the files they come from, and the
+    byte range of its part (None from the Hub, whose stream `datasets` splits)."""
+    if name in HUB_DATASETS and not source.startswith("Python standard library"):
         repository, config, _ = HUB_DATASETS[name]
-        return datasets_texts(repository, node=(RANK, WORLD), path=repository, name=config), []
-    files = local_files(name) if name not in HUB_DATASETS else [  # or the offline corpus, a .py file a document
-        path for path in sorted(Path(sysconfig.get_paths()["stdlib"]).rglob("*.py")) if "site-packages" not in path.parts]
+        documents = datasets_texts(repository, node=(RANK, WORLD), path=repository, name=config)
+        return documents, [], None
+    if name in HUB_DATASETS:  # the offline corpus, a .py file a document
+        stdlib = Path(sysconfig.get_paths()["stdlib"])
+        files = [path for path in sorted(stdlib.rglob("*.py")) if "site-packages" not in path.parts]
+    else:
+        files = local_files(name)
     sizes = [path.stat().st_size for path in files]
-    lo, hi = record["bytes"] = [sum(sizes) * RANK // WORLD, sum(sizes) * (RANK + 1) // WORLD]
-    mine = [(path, first, size) for path, first, size in zip(files, accumulate([0] + sizes), sizes)
-            if size and first < hi and (lo <= first or first + size > lo and path.suffix in (".jsonl", ".parquet"))]
-    return part_documents(mine, lo, hi, budget), files
+    lo, hi = sum(sizes) * RANK // WORLD, sum(sizes) * (RANK + 1) // WORLD
+    part_files = []
+    for path, first, size in zip(files, accumulate([0] + sizes), sizes):
+        # a file that starts before lo is ours too where it is split: by lines, or by row groups
+        split_into_ours = first < lo < first + size and path.suffix in (".jsonl", ".parquet")
+        if size and (lo <= first < hi or split_into_ours):
+            part_files.append((path, first, size))
+    return read_part(part_files, lo, hi, budget), files, [lo, hi]
 
 
-def part_documents(files, lo, hi, budget):
-    for path, first, size in files:
+def read_part(part_files, lo, hi, budget):
+    for path, first, size in part_files:
         if path.suffix == ".jsonl":
             yield from read_jsonl(path, max(lo - first, 0), hi - first)
         elif path.suffix == ".parquet":
@@ -526,19 +462,19 @@ def parquet_row_groups(path, size, start, end):
             if start <= size * group // parquet.num_row_groups < end:
                 for text in parquet.read_row_group(group, columns=["text"]).column(0).to_pylist():
                     if not isinstance(text, str):
-                        raise UserError(f"{path}, row group {group}: \"text\" is {type(text).__name__}, not a "
-                                        "string; it must be a column of strings")
+                        raise ValueError(f'row group {group} has no string "text": {text!r:.50}')
                     yield text
-    except UserError:
-        raise
-    except Exception as error:  # not parquet, corrupt, no "text" column
+    except Exception as error:  # not parquet, corrupt, no "text" column, a "text" not a string
         reason = f"{type(error).__name__}: {error}".splitlines()[0]
-        raise UserError(f"can't read {path} ({reason}); check it, or use other files: --data path/to/files")
+        raise UserError(f"can't read {path} ({reason}); check it, or use other files")
 
 
-# The regex is the slow part, so worker processes count batches of whole documents, at most two per worker in
-# flight (RAM stays bounded). A CPU-time alarm per document (1 s + 10 us a character) turns a pattern that
-# backtracks catastrophically into one line instead of a hang.
+# ---------------------------------------------------------------- pre-tokenizing, on every core
+# (the same in both GPU trainers). The regex is the slow part, and it holds the GIL: the parent
+# reads the documents, and worker processes count batches of them, at most two per worker in flight.
+# BPE depends only on the multiset of chunks, so the order of adding up is free. A CPU-time alarm
+# per document (1 s + 10 s per million characters; GPT-4's pattern needs 0.3 s) turns a pattern
+# that backtracks catastrophically, (a|a)+b on aaaa..., into one line.
 
 
 def time_is_up(signum, frame):
@@ -546,56 +482,62 @@ def time_is_up(signum, frame):
 
 
 def count_batch(documents, pattern_text):
-    split_pattern, counts = regex.compile(pattern_text), Counter()  # compiled once per process: regex caches it
+    """The chunk counts of a batch of documents (in a worker)."""
+    split_pattern, chunk_counts = regex.compile(pattern_text), Counter()
     signal.signal(signal.SIGPROF, time_is_up)
     for document in documents:
         try:
             signal.setitimer(signal.ITIMER_PROF, 1 + len(document) / 1e5)
-            counts.update(split_pattern.findall(document))
+            chunk_counts.update(split_pattern.findall(document))
         except TimeoutError:
-            raise UserError(f"--pattern {pattern_text!r} backtracks catastrophically: it ran past the time limit "
-                            f"on the document that starts {document[:30]!r}; simplify the pattern")
+            raise UserError(f"--pattern {pattern_text!r} backtracks catastrophically (out of time "
+                            f"on the document {document[:30]!r}...); simplify it")
         finally:
             signal.setitimer(signal.ITIMER_PROF, 0)
-    if "" in counts:  # a pattern that matches empty only in context, like \b
-        raise UserError(f"--pattern {pattern_text!r} matches the empty string; every match must take at least "
-                        "one character (x+, not x*)")
-    return counts
+    # a pattern that matches the empty string only in places (\b) gives chunks of no bytes to merge
+    if "" in chunk_counts:
+        raise UserError(f"--pattern {pattern_text!r} matches the empty string; each match must "
+                        "take a character (x+, not x*)")
+    return chunk_counts
 
 
-def count_chunks(documents, budget, pattern_text, workers, record):
-    """The documents up to this rank's share of -n, the last one cut to fit (and never one more asked of the
-    source), counted by `workers` processes in batches of a MiB of characters."""
+def count_chunks(documents, budget, pattern_text, workers, label):
+    """The chunk counts of the documents' first `budget` characters (the last one cut to fit; no
+    more is asked of the source), and what was read. `label` names the progress bar (None: no
+    bar). The pool forks before tqdm starts its thread."""
     chunk_counts, pending, batch = Counter(), deque(), []
-    record.update(documents=0, chars=0, cut=False)
+    read = dict(documents=0, chars=0, cut=False)
     pool = multiprocessing.get_context("fork").Pool(workers)
-    with pool, tqdm(total=budget, unit="char", unit_scale=True, desc="reading (rank 0's part)", mininterval=0.5,
-                    disable=RANK != 0) as progress:
+    with pool, tqdm(total=budget, unit="char", unit_scale=True, desc=label, disable=label is None,
+                    mininterval=0.5) as progress:
         for text in documents if budget > 0 else ():
-            kept = text[:budget - record["chars"]]
-            record.update(documents=record["documents"] + 1, chars=record["chars"] + len(kept), cut=len(kept) < len(text))
+            kept = text[:budget - read["chars"]]
+            read["documents"] += 1
+            read["chars"] += len(kept)
+            read["cut"] = len(kept) < len(text)
             progress.update(len(kept))
             batch.append(kept)
-            if record["chars"] // 2**20 > (record["chars"] - len(kept)) // 2**20:
+            if read["chars"] // BATCH_CHARS > (read["chars"] - len(kept)) // BATCH_CHARS:
                 pending.append(pool.apply_async(count_batch, (batch, pattern_text)))
                 batch = []
             while len(pending) > 2 * workers:
                 chunk_counts.update(pending.popleft().get())
-            if record["chars"] == budget:
+            if read["chars"] == budget:
                 break
         for result in [*pending, pool.apply_async(count_batch, (batch, pattern_text))]:
             chunk_counts.update(result.get())
-    return chunk_counts
+    return chunk_counts, read
 
 
-# The cache is what the merge loop needs, as .npy files (no pickle: loading one can't run code): the UTF-8
-# bytes of this rank's distinct chunks of 2+ bytes, and the length and count of each. The .json, written last,
-# holds the statistics, what was read, and a sha256 of it all: a cache that fails it (or is half written) is
-# counted again.
+# ---------------------------------------------------------------- the cache of counted chunks
+# What the merge loop needs, as .npy files (no pickle: loading can't run code): the UTF-8 bytes of
+# this rank's distinct chunks of 2+ bytes, and each one's length and count. The .json, written
+# last, holds the statistics, what was read, and a sha256 of it all: a cache that fails it (or is
+# half written) is counted again.
 
 
 def cache_key(args, source, files, world_size):
-    """Changes whenever the counted chunks could: other data (or the same files changed), n, pattern, W."""
+    """Changes whenever the counted chunks could: other data (or files changed), n, pattern, W."""
     stamp = [(str(path.resolve()), path.stat().st_size, path.stat().st_mtime_ns) for path in files]
     key = json.dumps([CACHE_VERSION, source, stamp, args.num_chars, args.pattern, world_size])
     return hashlib.sha256(key.encode()).hexdigest()[:16]
@@ -608,37 +550,118 @@ def checksum(arrays, stats):
     return digest.hexdigest()
 
 
-def write_cache(prefix, chunk_counts, record):
+def write_cache(prefix, chunk_counts, part):
     chunks = [chunk.encode("utf-8") for chunk in chunk_counts]
     lengths = np.fromiter(map(len, chunks), np.int64, len(chunks))
     counts = np.fromiter(chunk_counts.values(), np.int64, len(chunks))
-    keep = lengths >= 2  # single-byte chunks hold no pair: they only count in the statistics
-    arrays = [np.frombuffer(b"".join(c for c, kept in zip(chunks, keep) if kept), np.uint8), lengths[keep], counts[keep]]
-    stats = {"chunks": int(counts.sum()), "distinct": len(chunks), "total_bytes": int((lengths * counts).sum()),
-             "total_pairs": int(((lengths - 1) * counts).sum()), "bad_utf8": BadUTF8.count, "part": record}
+    # single-byte chunks hold no pair: they only count in the statistics
+    keep = lengths >= 2
+    blob = np.frombuffer(b"".join(chunk for chunk, kept in zip(chunks, keep) if kept), np.uint8)
+    arrays = [blob, lengths[keep], counts[keep]]
+    stats = {"chunks": int(counts.sum()), "distinct": len(chunks),
+             "total_bytes": int((lengths * counts).sum()),
+             "total_pairs": int(((lengths - 1) * counts).sum()), "bad_utf8": BadUTF8.count,
+             "matched": sum(len(chunk) * count for chunk, count in chunk_counts.items()),
+             "part": part}
     prefix.parent.mkdir(parents=True, exist_ok=True)
-    prefix.with_suffix(".json").unlink(missing_ok=True)  # until it is written again, the cache is incomplete
+    # until it is written again, the cache is incomplete
+    prefix.with_suffix(".json").unlink(missing_ok=True)
     for name, array in zip(("bytes", "lengths", "counts"), arrays):
         np.save(prefix.with_suffix(f".{name}.npy"), array)
     prefix.with_suffix(".json").write_text(json.dumps({**stats, "sha256": checksum(arrays, stats)}))
 
 
 def read_cache(prefix):
-    """(bytes, lengths, counts, stats) memory-mapped; None when absent, "tampered" when it fails its checksum."""
+    """("reused", (bytes, lengths, counts, stats)), the arrays memory-mapped; ("missing", None); or
+    ("tampered", None) when it fails its checksum."""
     try:
         stats = json.loads(prefix.with_suffix(".json").read_text())
-        arrays = [np.load(prefix.with_suffix(f".{name}.npy"), mmap_mode="r") for name in ("bytes", "lengths", "counts")]
+        arrays = [np.load(prefix.with_suffix(f".{name}.npy"), mmap_mode="r")
+                  for name in ("bytes", "lengths", "counts")]
         expected = stats.pop("sha256")
     except (OSError, ValueError, KeyError, AttributeError):
-        return None
-    return (*arrays, stats) if checksum(arrays, stats) == expected else "tampered"
+        return "missing", None
+    if checksum(arrays, stats) != expected:
+        return "tampered", None
+    return "reused", (*arrays, stats)
+
+
+# ---------------------------------------------------------------- output
+
+def token_bytes(merges):
+    """Every token's bytes, in rank order: 0-255 are the bytes, a merge is its two halves glued."""
+    vocab = [bytes([byte]) for byte in range(256)]
+    for (left, right), _ in merges:
+        vocab.append(vocab[left] + vocab[right])
+    return vocab
+
+
+def save_tokenizer(out_dir, merges, info):
+    """tiktoken's rank file (each token's bytes in base64, and its rank), and `info` as
+    tokenizer.json, each written under a temporary name, then renamed: never half a file."""
+    ranks = "".join(f"{base64.b64encode(token).decode()} {rank}\n"
+                    for rank, token in enumerate(token_bytes(merges)))
+    settings = json.dumps(info, indent=2, ensure_ascii=False) + "\n"
+    for name, text in [("tokenizer.tiktoken", ranks), ("tokenizer.json", settings)]:
+        (out_dir / f"{name}.tmp").write_text(text, encoding="utf-8")
+        os.replace(out_dir / f"{name}.tmp", out_dir / name)
+
+
+def check_out_dir(out_dir):
+    """Refuse a bad --out before any work: a file on the way, a directory of other files, no write
+    permission. Then make out_dir and return its lock, held while this process lives."""
+    for path in [out_dir, *out_dir.parents]:
+        if path.exists() and not path.is_dir():
+            raise UserError(f"--out {out_dir}: {path} is a file, not a directory; "
+                            "give a directory path")
+    ours = {"tokenizer.tiktoken", "tokenizer.json", "tokenizer.tiktoken.tmp", "tokenizer.json.tmp"}
+    others = sorted(set(os.listdir(out_dir)) - ours) if out_dir.is_dir() else []
+    if others:  # a dataset from prepare_data.py, say: its tokenizer files would be overwritten
+        dataset = {"meta.json", "progress.json"} & set(others)
+        what = "a dataset directory" if dataset else "not a tokenizer directory"
+        raise UserError(f"--out {out_dir} is {what} (it holds {others[0]}); "
+                        "give a new or a tokenizer directory")
+    made = [path for path in [out_dir, *out_dir.parents] if not path.exists()]
+
+    def remove_made():  # deepest first; rmdir refuses a directory with files, as a finished run's
+        for path in made:
+            try:
+                path.rmdir()
+            except OSError:
+                return
+
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        descriptor = lock_directory(out_dir)
+        atexit.register(remove_made)  # a failed run leaves nothing; only the lock's holder removes
+        # a probe, the one sure test (root passes os.access even on /proc), under a name of ours
+        (out_dir / "tokenizer.json.tmp").write_text("")
+        (out_dir / "tokenizer.json.tmp").unlink()
+    except OSError as error:
+        remove_made()
+        raise UserError(f"--out {out_dir} can't be written ({error.strerror or error}); "
+                        "give a directory you can write")
+    return descriptor
+
+
+def lock_directory(path):
+    """Hold an OS lock on the directory `path` while this process lives: one writer per directory. The
+    kernel drops a flock when its process dies, kill -9 included, so no stale lock is ever left behind."""
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(descriptor)
+        raise UserError(f"{path}: another run is writing there; wait for it to end, "
+                        "or choose another directory")
+    return descriptor  # the lock lasts while this descriptor is open: keep it
 
 
 # ---------------------------------------------------------------- the run
 
-RANK, WORLD = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))  # torchrun sets them
-LOCAL_RANK = int(os.environ.get("LOCAL_RANK", "0"))  # this rank's GPU on its node
-OUR_FILES = {"tokenizer.tiktoken", "tokenizer.json", "tokenizer.tiktoken.tmp", "tokenizer.json.tmp"}
+# torchrun sets them; LOCAL_RANK is this rank's GPU on its node
+RANK, WORLD = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+LOCAL_RANK = int(os.environ.get("LOCAL_RANK", "0"))
 
 
 def say(*args, **kwargs):  # rank 0 alone speaks
@@ -647,205 +670,344 @@ def say(*args, **kwargs):  # rank 0 alone speaks
 
 
 def parse_args(argv):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("-v", "--vocab_size", type=int, default=vocab_size, help="tokens before <|endoftext|> (256 bytes + merges)")
-    parser.add_argument("-n", "--num_chars", type=int, default=num_chars, help="characters to train on, all ranks together")
-    parser.add_argument("--data", default=None, help=f"fineweb | fineweb-edu | path to .txt/.jsonl/.parquet or a directory (default {data})")
-    parser.add_argument("--out", default=out, help="output directory (default tokenizers/<source>_v<vocab_size>)")
-    parser.add_argument("--pattern", default=pattern, help="the pre-tokenizer regex (default GPT-4's)")
-    parser.add_argument("--device", default=device, choices=["cuda", "cpu"], help=f"cuda (NCCL) or cpu (gloo; the kernels in "
-                        f"Triton's interpreter, for testing) (default {device})")
-    parser.add_argument("--cache_dir", default=cache_dir, help=f"where each rank caches its counted chunks (default {cache_dir})")
-    parser.add_argument("--no_cache", action="store_true", help="count again even if a cache exists (and refresh it)")
-    parser.add_argument("--workers", type=int, default=workers, help="pre-tokenizing processes per rank (default: "
-                        "the node's cores / ranks on the node, for parts of 2^24+ characters; 1 below)")
-    parser.add_argument("--timeout", type=float, default=timeout, help=f"seconds to wait for the other ranks (default {timeout})")
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("-v", "--vocab_size", type=int, default=vocab_size)
+    parser.add_argument("-n", "--num_chars", type=int, default=num_chars, help="all ranks together")
+    parser.add_argument("--data", help=f"fineweb, fineweb-edu, or local files (default {data})")
+    parser.add_argument("--out", default=out, help="default tokenizers/<source>_v<vocab_size>")
+    parser.add_argument("--pattern", default=pattern, help="the split regex (default GPT-4's)")
+    parser.add_argument("--device", default=device, choices=["cuda", "cpu"],
+                        help="cuda (NCCL), or cpu (gloo; Triton's interpreter)")
+    parser.add_argument("--cache_dir", default=cache_dir, help="each rank's counted chunks")
+    parser.add_argument("--no_cache", action="store_true", help="count again, refresh the cache")
+    parser.add_argument("--workers", type=int, default=workers,
+                        help="pre-tokenizing processes per rank (0: automatic)")
+    parser.add_argument("--timeout", type=float, default=timeout, help="seconds to wait for ranks")
     return parser.parse_args(argv)
 
 
 def device_memory(device_name):
-    return torch.cuda.get_device_properties(LOCAL_RANK).total_memory if device_name == "cuda" else \
-        os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if device_name == "cuda":
+        return torch.cuda.get_device_properties(LOCAL_RANK).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def check_count_rows(V, itemsize, memory, device_name):
-    """Rank 0 holds the most rows of the count matrix, (V - 1) // W + 1 of V counts: every rank checks that
-    number, so that all reach the same verdict (one refusing alone would leave the others waiting)."""
+    """Rank 0 holds the most rows, (V - 1) // W + 1: every rank checks that number, so that all
+    reach the same verdict (one refusing alone would leave the others waiting)."""
     need = itemsize * V * ((V - 1) // WORLD + 1)
     if need > 0.8 * memory:
-        raise UserError(f"-v {V} on {WORLD} rank(s) needs {need / 2**30:.1f} GiB of pair counts per rank "
-                        f"({itemsize}-byte counts), more than its {device_name} can spare ({memory / 2**30:.1f} GiB); "
-                        "use more ranks or a smaller -v")
+        raise UserError(f"-v {V} on {WORLD} rank(s) needs {need / 2**30:.1f} GiB of pair counts "
+                        f"per rank ({itemsize}-byte counts), more than its {device_name} can spare "
+                        f"({memory / 2**30:.1f} GiB); use more ranks or a smaller -v")
 
 
 def validate(args):
-    """Every check that needs no text runs on every rank BEFORE the process group exists: each rank reaches
-    the same verdict on its own, exits, and nobody is left waiting in a collective."""
-    if not 256 <= args.vocab_size <= 65536:
-        raise UserError(f"-v {args.vocab_size}: vocab_size must be between 256 (the bytes alone) and 65536; try -v 1000")
-    if args.num_chars <= 0:
-        raise UserError(f"-n {args.num_chars}: the number of characters must be positive; try -n 1048576")
-    if args.workers < 0 or args.timeout <= 0:
-        raise UserError(f"--workers {args.workers} --timeout {args.timeout}: workers must be 0 (automatic) or more, "
-                        "and the timeout a positive number of seconds; try --workers 4 --timeout 1800")
-    if args.device == "cuda" and not torch.cuda.is_available():  # the interpreter: never a silent default
-        raise UserError("--device cuda (the default): no CUDA GPU is visible here; --device cpu runs the kernels in "
-                        "Triton's interpreter, for testing (slow), and train_bpe_cpu.py is the better choice on a CPU")
-    if (args.device == "cpu") != bool(triton.knobs.runtime.interpret):  # the env var counts when triton is imported
-        raise UserError(f"--device {args.device} with TRITON_INTERPRET={os.environ['TRITON_INTERPRET']}: the kernels run "
-                        "compiled on cuda, in Triton's interpreter on cpu; set TRITON_INTERPRET=1 for cpu, 0 for cuda")
+    """Every check that needs no text runs on every rank BEFORE the process group exists: each rank
+    reaches the same verdict on its own, exits, and nobody is left waiting in a collective. (--out,
+    which rank 0 alone writes, rank 0 alone checks: when it exits, torchrun stops the others.)"""
     try:
-        empty_match = regex.compile(args.pattern).fullmatch("") is not None
+        matches_empty = regex.compile(args.pattern).fullmatch("") is not None
     except regex.error as error:
-        raise UserError(f"--pattern does not compile ({error}); check the regex, or leave --pattern out for GPT-4's")
-    if empty_match:
-        raise UserError(f"--pattern {args.pattern!r} matches the empty string; every match must take at least one "
-                        "character (x+, not x*)")
-    check_count_rows(args.vocab_size, 4, device_memory(args.device), args.device)  # int64 past 2^31 pairs: see run()
-    with contextlib.redirect_stderr(io.StringIO()) if RANK else contextlib.nullcontext():  # one warning, rank 0's
-        _, source_name, source = open_source(args.data or data, data_was_named=args.data is not None)
+        raise UserError(f"--pattern does not compile ({error}); fix it, or leave it out")
+    problems = [
+        (not 256 <= args.vocab_size <= 65536,
+         f"-v {args.vocab_size}: vocab_size must be between 256 (the bytes) and 65536"),
+        (args.num_chars <= 0, f"-n {args.num_chars}: must be positive"),
+        (args.workers < 0 or args.timeout <= 0, f"--workers {args.workers} --timeout "
+         f"{args.timeout}: workers must be 0 (automatic) or more, and the timeout positive"),
+        (matches_empty, f"--pattern {args.pattern!r} matches the empty string; each match must "
+                        "take a character (x+, not x*)"),
+        # the interpreter is ~1,000x slower: never a silent default
+        (args.device == "cuda" and not torch.cuda.is_available(),
+         "--device cuda: no CUDA GPU here; --device cpu runs the kernels in Triton's "
+         "interpreter (slow, for tests), or use train_bpe_cpu.py"),
+        # the environment variable counts when triton is imported
+        ((args.device == "cpu") != bool(triton.knobs.runtime.interpret),
+         f"--device {args.device} with TRITON_INTERPRET={os.environ['TRITON_INTERPRET']}: the "
+         "kernels run compiled on cuda, in Triton's interpreter on cpu; set it to 1 for cpu, 0 "
+         "for cuda"),
+    ]
+    for failed, message in problems:
+        if failed:
+            raise UserError(message)
+    # int32 counts; int64 past 2^31 pairs of text: checked again in run()
+    check_count_rows(args.vocab_size, 4, device_memory(args.device), args.device)
+    # one warning (the Hub is off: the offline corpus instead), rank 0's
+    with contextlib.redirect_stderr(io.StringIO()) if RANK else contextlib.nullcontext():
+        _, source_name, source = open_source(args.data or data, args.data is not None)
     out_dir = Path(args.out or f"tokenizers/{source_name}_v{args.vocab_size}")
-    for path in [out_dir, *out_dir.parents]:
-        if path.exists() and not path.is_dir():
-            raise UserError(f"--out {out_dir}: {path} is a file, not a directory")
-    others = sorted({path.name for path in out_dir.iterdir()} - OUR_FILES) if out_dir.is_dir() else []
-    if others:  # a dataset's tokenizer would be replaced
-        what = "a dataset directory (it holds meta.json)" if {"meta.json", "progress.json"} & set(others) else \
-            f"not a tokenizer directory (it holds {others[0]})"
-        raise UserError(f"--out {out_dir} is {what}; give a new or a tokenizer directory")
-    try:  # rank 0 writes a probe (root passes os.access even on /proc): in out_dir, a name that the other ranks'
-        if RANK == 0 and out_dir.is_dir():  # listing above ignores; else a directory in the deepest one that exists
-            (out_dir / "tokenizer.json.tmp").write_text("")
-            (out_dir / "tokenizer.json.tmp").unlink()
-        elif RANK == 0:
-            tempfile.TemporaryDirectory(dir=next(p for p in out_dir.parents if p.exists())).cleanup()
-    except OSError as error:
-        raise UserError(f"--out {out_dir} can't be written ({error.strerror}); give a directory you can write")
+    if RANK == 0:  # the one writer; its lock is held while this process lives
+        check_out_dir(out_dir)
     return source, out_dir
+
+
+def count_part(args, source):
+    """This rank's part, pre-tokenized and counted, or the counts cached by an earlier run: (the
+    cache's arrays and stats, its status, its prefix, an error or None). Counted before gloo's or
+    NCCL's threads start: a fork copies none of their locks."""
+    share = args.num_chars * (RANK + 1) // WORLD - args.num_chars * RANK // WORLD
+    documents, files, byte_range = rank_documents(args.data or data, source, share)
+    prefix = Path(args.cache_dir) / cache_key(args, source, files, WORLD) / f"rank{RANK}"
+    cache_status, cached = ("missing", None) if args.no_cache else read_cache(prefix)
+    error = None
+    if cache_status != "reused":
+        cores = len(os.sched_getaffinity(0)) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        num_workers = args.workers or (max(cores, 1) if share >= 2**24 else 1)
+        label = "reading (rank 0's part)" if RANK == 0 else None
+        part = {"rank": RANK}  # what this rank read, for tokenizer.json
+        if byte_range:
+            part["bytes"] = byte_range
+        try:
+            chunk_counts, read = count_chunks(documents, share, args.pattern, num_workers, label)
+            write_cache(prefix, chunk_counts, {**part, **read})
+            _, cached = read_cache(prefix)
+        except UserError as user_error:
+            error = str(user_error)
+        # the cache's disk, or a file that went away while it was read
+        except OSError as os_error:
+            error = (f"{os_error.filename or prefix.parent}: {os_error.strerror or os_error}; "
+                     "check it (--cache_dir says where the cache goes)")
+    # an error shared in run(), as a reading error is
+    if error is None and cached[0].size + 2 > MAX_POSITIONS:
+        error = (f"rank {RANK}'s distinct chunks hold {cached[0].size:,} bytes, more than int32 "
+                 "positions can name (2^31 - 4); use more ranks, or a smaller -n")
+    return cached, cache_status, prefix, error
 
 
 def run(argv):
     args = parse_args(argv)
     source, out_dir = validate(args)
-
-    # --- this rank's part, pre-tokenized and counted, or the counts cached by an earlier run
     t0 = time.time()
-    record = {"rank": RANK}  # what this rank read, for tokenizer.json
-    share_chars = args.num_chars * (RANK + 1) // WORLD - args.num_chars * RANK // WORLD
-    documents, files = my_documents(args.data or data, source, share_chars, record)
-    prefix = Path(args.cache_dir) / cache_key(args, source, files, WORLD) / f"rank{RANK}"
-    cached = None if args.no_cache else read_cache(prefix)
-    state, error = "reused" if isinstance(cached, tuple) else cached or "counted", None
-    if state != "reused":  # counted before gloo's or NCCL's threads start: a fork copies none of their locks
-        cores = len(os.sched_getaffinity(0)) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        num_workers = args.workers or (max(cores, 1) if share_chars >= 2**24 else 1)
-        try:
-            write_cache(prefix, count_chunks(documents, share_chars, args.pattern, num_workers, record), record)
-            cached = read_cache(prefix)
-        except UserError as user_error:
-            error = str(user_error)
-        except OSError as os_error:  # the cache's disk, or a file that went away while it was read
-            error = (f"{os_error.filename or prefix.parent}: {os_error.strerror or os_error}; check it "
-                     "(--cache_dir says where the cache goes)")
-    if error is None and cached[0].size + 2 > MAX_POSITIONS:  # an error shared below, as a reading error is
-        error = (f"rank {RANK}'s distinct chunks hold {cached[0].size:,} bytes, more than int32 positions can name "
-                 "(2^31 - 4); use more ranks, or a smaller -n")
+    cached, cache_status, prefix, error = count_part(args, source)
 
-    # --- the process group. Its timeout bounds each wait for the others, in joining (each counts its part first)
-    # and in collectives: a hung rank becomes an error on the others (a dead one sooner: its sockets close).
+    # --- the process group. Its timeout bounds each wait for the others, in joining (each counts
+    # its part first) and in collectives: a hung rank becomes an error on the others (a dead one
+    # sooner: its sockets close).
     if args.device == "cuda":
         torch.cuda.set_device(LOCAL_RANK)
-    elif "OMP_NUM_THREADS" not in os.environ:  # small ops: waking OpenMP threads for each costs more than it saves
+    # small ops: waking OpenMP threads for each costs more than it saves
+    elif "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(1)
-    alone = {} if "RANK" in os.environ else dict(store=dist.HashStore(), rank=0, world_size=1)  # plain python
-    dist.init_process_group("nccl" if args.device == "cuda" else "gloo", timeout=datetime.timedelta(seconds=args.timeout), **alone)
+    if "RANK" in os.environ:  # torchrun's environment says where the others are
+        group_options = {}
+    else:  # plain python: a world of one
+        group_options = dict(store=dist.HashStore(), rank=0, world_size=1)
+    dist.init_process_group("nccl" if args.device == "cuda" else "gloo",
+                            timeout=datetime.timedelta(seconds=args.timeout), **group_options)
     say(f"{WORLD} rank(s), backend {dist.get_backend()}, device {args.device}")
-    # A reading error happens on one rank (the one whose part holds the bad line): share it, so that every
-    # rank stops together and rank 0 reports it, instead of the others waiting for the lost rank.
-    parts = [None] * WORLD
-    dist.all_gather_object(parts, error or {**cached[3], "state": state, "memory": device_memory(args.device)})
-    if any(isinstance(part, str) for part in parts):
-        raise UserError(next(part for part in parts if isinstance(part, str)))
-    total = {key: sum(part[key] for part in parts) for key in ("chunks", "total_bytes", "total_pairs", "bad_utf8")}
-    chars, states = sum(part["part"]["chars"] for part in parts), [part["state"] for part in parts]
+    # A reading error happens on one rank (whose part holds the bad line): shared, every rank stops
+    # together, and rank 0 says it.
+    rank_stats = [None] * WORLD
+    dist.all_gather_object(rank_stats, error or {**cached[3], "cache": cache_status,
+                                                 "memory": device_memory(args.device)})
+    errors = [stats for stats in rank_stats if isinstance(stats, str)]
+    if errors:
+        raise UserError(errors[0])
+    total = {key: sum(stats[key] for stats in rank_stats)
+             for key in ("chunks", "total_bytes", "total_pairs", "bad_utf8", "matched")}
+    chars = sum(stats["part"]["chars"] for stats in rank_stats)
+    cache_statuses = [stats["cache"] for stats in rank_stats]
     t1 = time.time()
     if chars == 0:
-        raise UserError(f"the corpus {source} is empty: no text to train on; point --data at files with text in them")
+        raise UserError(f"the corpus {source} is empty; point --data at text")
     if total["total_pairs"] >= 2**43:  # a row key holds a count in 43 bits
-        raise UserError(f"{total['total_pairs']:,} pairs of text: more than 2^43, the most the row keys hold; lower -n")
-    # Past 2^31 pairs of text the counts are int64: twice what validate() could check before reading.
-    check_count_rows(args.vocab_size, 4 if total["total_pairs"] < 2**31 else 8, min(part["memory"] for part in parts),
-                     args.device)
-    if "tampered" in states:
-        say("warning: a cached part did not match its checksum (edited or half-copied): counted again", file=sys.stderr)
-    if "reused" in states:
-        say(f"cache: {states.count('reused')} of {WORLD} ranks reused their counted chunks from {prefix.parent} "
-            "(skipped reading and pre-tokenizing; --no_cache counts again)")
+        raise UserError(f"{total['total_pairs']:,} pairs of text: more than 2^43, the most the row "
+                        "keys hold; lower -n")
+    # no count exceeds the total: int32 below 2^31 pairs, else int64 (twice what validate() checked)
+    count_dtype = np.dtype(np.int32 if total["total_pairs"] < 2**31 else np.int64)
+    check_count_rows(args.vocab_size, count_dtype.itemsize,
+                     min(stats["memory"] for stats in rank_stats), args.device)
+    if "tampered" in cache_statuses:
+        say("warning: a cached part did not match its checksum (edited or half-copied): counted "
+            "again", file=sys.stderr)
+    if "reused" in cache_statuses:
+        say(f"cache: {cache_statuses.count('reused')} of {WORLD} ranks reused their counted chunks "
+            f"from {prefix.parent} (skipped reading and pre-tokenizing; --no_cache counts again)")
     if total["bad_utf8"]:
-        say(f"warning: {total['bad_utf8']} invalid UTF-8 sequences were replaced with U+FFFD", file=sys.stderr)
+        say(f"warning: {total['bad_utf8']} invalid UTF-8 sequences were replaced with U+FFFD",
+            file=sys.stderr)
+    if total["matched"] < chars:
+        say(f"warning: the split pattern matched {total['matched']:,} of {chars:,} characters; the "
+            f"other {1 - total['matched'] / chars:.1%} are dropped (tiktoken drops them too)",
+            file=sys.stderr)
     if chars < args.num_chars:
-        say(f"read {chars:,} characters, fewer than -n {args.num_chars:,}: each rank reads at most n / W from "
-            "its own part, and some parts ran out; training on those")
-    say(f"read {chars:,} characters, {total['chunks']:,} chunks; per-rank part (characters, distinct chunks): "
-        + ", ".join(f"{part['part']['chars']:,}/{part['distinct']:,}" for part in parts))
+        say(f"read {chars:,} characters, fewer than -n {args.num_chars:,}: each rank reads at most "
+            "n / W from its own part, and some parts ran out; training on those")
+    say(f"read {chars:,} characters, {total['chunks']:,} chunks; per-rank part (characters, "
+        "distinct chunks): "
+        + ", ".join(f"{stats['part']['chars']:,}/{stats['distinct']:,}" for stats in rank_stats))
 
     # --- the merges, each rank in its own chunks and its own rows of the count matrix
-    count_dtype = np.int32 if total["total_pairs"] < 2**31 else np.int64  # no count exceeds the total
     arrays = chunks_to_arrays(*cached[:3], count_dtype)
     t2 = time.time()
     run_device = torch.device("cuda", LOCAL_RANK) if args.device == "cuda" else torch.device("cpu")
-    merges, tokens_saved, loop = merge_on_device(arrays, args.vocab_size, total["total_pairs"], run_device,
-                                                 show_progress=RANK == 0)
+    merges, tokens_saved, loop = merge_on_device(arrays, args.vocab_size, total["total_pairs"],
+                                                 run_device, show_progress=RANK == 0)
     t3 = time.time()
-    peak = torch.cuda.max_memory_allocated(run_device) if args.device == "cuda" else \
-        resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    if args.device == "cuda":
+        peak = torch.cuda.max_memory_allocated(run_device)
+    else:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
     ends = [None] * WORLD
     dist.all_gather_object(ends, (tokens_saved, peak / 2**20))
     num_merges, eot_id = len(merges), 256 + len(merges)
     stop_reason = "vocab_size reached" if eot_id == args.vocab_size else "no pairs left to merge"
     if eot_id < args.vocab_size:
-        say(f"stopped early after {num_merges} merges: no pairs left to merge (vocab {eot_id} < {args.vocab_size})")
+        say(f"stopped early after {num_merges} merges: no pairs left to merge "
+            f"(vocab {eot_id} < {args.vocab_size})")
     if RANK == 0:
-        vocab = [bytes([i]) for i in range(256)]  # the bytes themselves, then each merge's two halves glued
-        for (left, right), _ in merges:
-            vocab.append(vocab[left] + vocab[right])
-        ranks = "".join(f"{base64.b64encode(token).decode()} {rank}\n" for rank, token in enumerate(vocab))
-        info = json.dumps({
-            "pattern": args.pattern, "special_tokens": {EOT: eot_id}, "vocab_size": eot_id + 1, "num_merges": num_merges,
-            "num_chars": chars, "source": source, "trainer": "train_bpe_multigpu.py", "world_size": WORLD,
-            "seconds": round(t3 - t0, 3), "stop_reason": stop_reason, "read": [part["part"] for part in parts]},
-            indent=2, ensure_ascii=False)
-        out_dir.mkdir(parents=True, exist_ok=True)
-        for name, text in [("tokenizer.tiktoken", ranks), ("tokenizer.json", info + "\n")]:
-            (out_dir / f"{name}.tmp").write_text(text, encoding="utf-8")  # then renamed: never half a file
-            os.replace(out_dir / f"{name}.tmp", out_dir / name)
+        save_tokenizer(out_dir, merges, {
+            "pattern": args.pattern, "special_tokens": {EOT: eot_id}, "vocab_size": eot_id + 1,
+            "num_merges": num_merges, "num_chars": chars, "source": source,
+            "trainer": "train_bpe_multigpu.py", "world_size": WORLD, "seconds": round(t3 - t0, 3),
+            "stop_reason": stop_reason, "read": [stats["part"] for stats in rank_stats]})
     tokens_left = total["total_bytes"] - sum(saved for saved, _ in ends)
-    say(f"{'loading the cache' if states.count('reused') == WORLD else 'reading + pre-tokenizing'} "
-        f"{t1 - t0:.2f}s | layout {t2 - t1:.2f}s | merging {t3 - t2:.2f}s "
+    all_reused = cache_statuses.count("reused") == WORLD
+    say(f"{'loading the cache' if all_reused else 'reading + pre-tokenizing'} {t1 - t0:.2f}s | "
+        f"layout {t2 - t1:.2f}s | merging {t3 - t2:.2f}s "
         f"({num_merges / max(t3 - t2, 1e-9):,.0f} merges/s) | total {t3 - t0:.2f}s")
-    say(f"per merge: {loop['collectives'] / max(num_merges, 1):.2f} collectives, {loop['host_reads'] / max(num_merges, 1):.2f} "
-        "host reads")
+    say(f"per merge: {loop['collectives'] / max(num_merges, 1):.2f} collectives, "
+        f"{loop['host_reads'] / max(num_merges, 1):.2f} host reads")
     say(f"{'peak device memory' if args.device == 'cuda' else 'peak RSS'} per rank: "
         + ", ".join(f"{peak:,.0f} MiB" for _, peak in ends))
-    say(f"compression: {total['total_bytes'] / max(tokens_left, 1):.3f} bytes/token; wrote {out_dir}/tokenizer.tiktoken"
-        f" and tokenizer.json ({EOT} = {eot_id}, vocab_size {eot_id + 1})")
+    say(f"compression: {total['total_bytes'] / max(tokens_left, 1):.3f} bytes/token; wrote "
+        f"{out_dir}/tokenizer.tiktoken and tokenizer.json ({EOT} = {eot_id}, "
+        f"vocab_size {eot_id + 1})")
     dist.barrier()  # nobody leaves (and tears the group down) while rank 0 still writes
 
+
+# ------------------------------ reading text (the same in every script; a first read can skip it)
+# .txt and .jsonl are read with the standard library: `datasets` would turn CRLF into LF (no longer
+# rustbpe's bytes), stop at invalid UTF-8, and take seconds to start.
+
+def open_source(data, data_was_named):  # (documents, name, description); documents(budget) -> texts
+    if data not in HUB_DATASETS:
+        files = local_files(data)
+        return (lambda budget: local_texts(files, budget)), Path(data).stem, str(data)
+    repository, config, parquet_files = HUB_DATASETS[data]
+    load = dict(path=repository, name=config)
+    if parquet_files:  # by path: `datasets` then never runs an old loading script
+        load = dict(path="parquet", data_files=f"hf://datasets/{repository}/{parquet_files}")
+    problem = hub_problem()
+    if problem is None:
+        description = f"{repository} {config}" if config else repository
+        return (lambda budget: datasets_texts(repository, **load)), data, description
+    if data_was_named:  # the default source falls back to the offline corpus; a named one refuses
+        raise UserError(f"{problem}, needed for --data {data}; use --data path/to/files instead")
+    print(f"warning: {problem}: using the offline corpus, Python's stdlib", file=sys.stderr)
+    return stdlib_documents, "stdlib", "Python standard library source (offline fallback)"
+
+def hub_problem(timeout=3.0):  # None, or why the Hub can't be used: in 3 s (`datasets` takes ~25)
+    for switch in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
+        if os.environ.get(switch, "").upper() in ("1", "ON", "YES", "TRUE"):
+            return f"the Hugging Face Hub is off ({switch}={os.environ[switch]})"
+    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
+    try:
+        url = urllib.parse.urlsplit(endpoint)
+        port = url.port or (443 if url.scheme == "https" else 80)
+        socket.create_connection((url.hostname or "", port), timeout).close()
+    except (OSError, ValueError):
+        return f"can't reach the Hugging Face Hub at {endpoint}"
+
+def stdlib_documents(budget=None):  # the offline corpus: real code and prose, on every machine
+    files = sorted(Path(sysconfig.get_paths()["stdlib"]).rglob("*.py"))
+    files = [file for file in files if "site-packages" not in file.parts]
+    return (file.read_text("utf-8", "replace") for file in files)
+
+def datasets_texts(where, node=None, **load):  # rows' "text"; node=(rank, world_size) takes a share
+    import datasets.distributed  # here: it takes seconds, and .txt and .jsonl never need it
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its errors reach the user as ours
+    try:
+        rows = datasets.load_dataset(split="train", streaming=True, **load)
+        rows = datasets.distributed.split_dataset_by_node(rows, *node) if node else rows
+        for number, row in enumerate(rows, 1):
+            if not isinstance(row.get("text"), str):
+                raise ValueError(f'row {number} has no string "text": {row!r:.50}')
+            yield row["text"]
+    except Exception as error:  # a bad row, no such dataset, a corrupt file, a lost connection
+        reason = f"{type(error).__name__}: {error}".splitlines()[0]
+        raise UserError(f"can't read {where} ({reason}); check it, or use other files")
+
+def local_files(data):  # the file, or a directory's files in sorted order; regular files only, as
+    path = Path(data)  # a named pipe would wait for a writer forever
+    files = sorted(path.rglob("*")) if path.is_dir() else [path]
+    files = [file for file in files if file.suffix in LOCAL_SUFFIXES and file.is_file()]
+    if not files:
+        kinds = f"a .txt, .jsonl or .parquet file, a directory of them, {', '.join(HUB_DATASETS)}"
+        raise UserError(f"--data {data} is none of: {kinds}")
+    return files
+
+def local_texts(files, budget):  # a document is a .txt file, a .jsonl line, a .parquet row
+    for path in files:
+        if path.suffix == ".parquet":  # `datasets`' default batch, a row group, is 0 rows if none
+            yield from datasets_texts(path, path="parquet", data_files=str(path), batch_size=1024)
+        else:
+            yield from read_txt(path, budget) if path.suffix == ".txt" else read_jsonl(path)
+
+def read_txt(path, budget):  # one document, CRLF kept, read only as far as the budget needs
+    with open(path, encoding="utf-8", errors=BadUTF8.errors, newline="") as f:
+        yield f.read(budget if budget < os.path.getsize(path) else -1)  # N bytes: <= N characters
+
+def read_jsonl(path, start=0, end=None):  # the "text" of each line starting in bytes [start, end)
+    with open(path, "rb") as f:
+        if start > 0:  # the line holding byte start-1 is the range's before: ranges tile the file
+            f.seek(start - 1)
+            f.readline()
+        line_end = f.tell()
+        for number, line in enumerate(f, 1):
+            line_start, line_end = line_end, line_end + len(line)
+            if end is not None and line_start >= end:
+                return
+            if not line.strip():
+                continue
+            try:  # a BOM, as Windows tools write it, is no part of the JSON
+                text = json.loads(line.decode("utf-8", BadUTF8.errors).lstrip("\ufeff"))["text"]
+            except (ValueError, KeyError, TypeError, RecursionError):
+                text = None
+            if not isinstance(text, str):
+                where = f"{path} (the line at byte {line_start})" if start else f"{path}:{number}"
+                raise UserError(f'{where} is not a JSON object with a string "text" field')
+            if not text.isascii():  # "\ud800" is valid JSON, but a lone surrogate has no UTF-8
+                text = text.encode("utf-16-le", "surrogatepass").decode("utf-16-le", BadUTF8.errors)
+            yield text
+
+class BadUTF8:  # invalid UTF-8 and lone surrogates: each read as U+FFFD, and counted
+    count = 0
+
+    def replace(error):  # a codec error handler: what errors="replace" does, counted
+        BadUTF8.count += 1
+        return "\ufffd", error.end
+
+BadUTF8.errors = f"replace and count {id(BadUTF8)}"  # its own name: a process may load two scripts
+codecs.register_error(BadUTF8.errors, BadUTF8.replace)
+
+def first_chars(documents, num_chars):  # the last document is cut to fit
+    for document in documents(num_chars):
+        yield document[:num_chars]
+        num_chars -= min(len(document), num_chars)
+        if num_chars == 0:
+            return  # before the source is asked for one more document: it may be slow, or malformed
+
+# ---------------------------------------------------------------- the command line
 
 if __name__ == "__main__":
     try:
         run(sys.argv[1:])
     except (UserError, OSError) as error:  # OSError: an unreadable file, a full disk
         say(f"error: {error}", file=sys.stderr)
-        if RANK != 0:  # only rank 0 speaks; were this rank to exit first, torchrun could stop rank 0 before it does
+        # only rank 0 speaks; were this rank to exit first, torchrun could stop rank 0 too soon
+        if RANK != 0:
             time.sleep(5)
         sys.exit(1)
-    except RuntimeError as error:  # gloo says a timeout or a closed socket as a RuntimeError, NCCL as a DistError
-        if not isinstance(error, dist.DistError) and not regex.search(r"gloo|nccl|timed? ?out|connection|peer", str(error), regex.I):
+    # gloo says a timeout or a closed socket as a RuntimeError, NCCL as a DistError
+    except RuntimeError as error:
+        transport = regex.search(r"gloo|nccl|timed? ?out|connection|peer", str(error), regex.I)
+        if not isinstance(error, dist.DistError) and not transport:
             raise  # not the transport: a bug, with its traceback
         text = (str(error).strip() or type(error).__name__).splitlines()[0][:200]
-        print(f"\nerror: rank {RANK} lost contact with the other ranks ({text}); one of them died, hangs, or was "
-              "never started: see its messages above, and --timeout for how long a rank waits", file=sys.stderr, flush=True)
+        print(f"\nerror: rank {RANK} lost contact with the other ranks ({text}); one died, hangs "
+              "or never started (see above; --timeout sets the wait)", file=sys.stderr, flush=True)
         sys.exit(1)
     finally:
         if dist.is_initialized():

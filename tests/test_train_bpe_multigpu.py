@@ -109,6 +109,7 @@ def several_files(tmp_path_factory):
 def test_all_of_several_files_equals_rustbpe_at_any_world_size(several_files, world_size):
     result = several_files.runs[world_size]
     assert result.returncode == 0, result.stdout + result.stderr
+    assert "warning:" not in result.stderr  # GPT-4's pattern matches every character
     out = several_files.root / f"tok{world_size}"
     assert (out / "tokenizer.tiktoken").read_bytes() == rustbpe_file(several_files.docs, 280)
     info = json.loads((out / "tokenizer.json").read_text())
@@ -165,9 +166,9 @@ def test_n_inside_one_file_is_n_over_w_from_each_rank_part(one_file_part):
     taken, n = [], one_file_part.num_chars
     for part, rank in zip(read, range(2)):
         share = n * (rank + 1) // 2 - n * rank // 2
-        mine = [text for first, text in by_first if part["bytes"][0] <= first < part["bytes"][1]]
+        in_range = [text for first, text in by_first if part["bytes"][0] <= first < part["bytes"][1]]
         kept, left = [], share
-        for text in mine:  # the first documents of its range, the last one cut to fit its share
+        for text in in_range:  # the first documents of its range, the last one cut to fit its share
             if left == 0:
                 break
             kept.append(text[:left])
@@ -227,6 +228,22 @@ def test_a_bad_line_in_rank_1s_part_is_one_line_from_rank_0(tmp_path):
     assert "train_bpe_multigpu.py\", line" not in output and not (tmp_path / "out").exists()
 
 
+def test_characters_the_pattern_leaves_out_are_one_warning_over_all_ranks(tmp_path):
+    """\\w+ leaves the spaces and punctuation out, on both ranks' parts: tiktoken drops them from the
+    encoding too, so the run goes on, and rank 0 says how many, counted over all the text."""
+    docs = [words(400 + i, 150) for i in range(6)]
+    path = write_jsonl(tmp_path / "w.jsonl", docs)
+    result = torchrun(2, "--data", path, "-v", 257, "--pattern", r"\w+", "--out", tmp_path / "tok", cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    chars = sum(map(len, docs))
+    matched = sum(len(match) for doc in docs for match in mg.regex.findall(r"\w+", doc))
+    warnings = [line for line in result.stderr.splitlines() if line.startswith("warning:")]
+    assert warnings == [f"warning: the split pattern matched {matched:,} of {chars:,} characters; the other "
+                        f"{1 - matched / chars:.1%} are dropped (tiktoken drops them too)"], result.stderr
+    read = json.loads((tmp_path / "tok" / "tokenizer.json").read_text())["read"]
+    assert all(part["chars"] for part in read)  # both ranks read a part: the counts are the two added
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--pattern", "x*"], "matches the empty string"),
     (["--pattern", ""], "matches the empty string"),
@@ -251,14 +268,14 @@ def test_the_device_and_the_interpreter_must_agree(tmp_path, monkeypatch):
     traceback from inside a kernel launch."""
     monkeypatch.setattr(mg.triton.knobs.runtime, "interpret", not mg.triton.knobs.runtime.interpret)
     (tmp_path / "ok.txt").write_text("some text to train on " * 10)
-    with pytest.raises(mg.UserError, match=f"--device {DEVICE} with TRITON_INTERPRET=.*set TRITON_INTERPRET=1 for cpu"):
+    with pytest.raises(mg.UserError, match=f"--device {DEVICE} with TRITON_INTERPRET=.*set it to 1 for cpu, 0 for cuda"):
         mg.validate(mg.parse_args(["--data", str(tmp_path / "ok.txt"), "--device", DEVICE]))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here: cuda is the right default")
 def test_no_gpu_and_no_device_is_refused_rather_than_interpreted_slowly(tmp_path):
     (tmp_path / "ok.txt").write_text("some text to train on " * 10)
-    with pytest.raises(mg.UserError, match="no CUDA GPU is visible here; --device cpu runs the kernels in Triton's"):
+    with pytest.raises(mg.UserError, match="no CUDA GPU here; --device cpu runs the kernels in Triton's"):
         mg.validate(mg.parse_args(["--data", str(tmp_path / "ok.txt")]))
 
 
