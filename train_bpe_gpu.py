@@ -28,7 +28,7 @@ import sys
 import sysconfig
 import time
 import urllib.parse
-from collections import Counter, deque
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -303,7 +303,8 @@ def chunks_to_arrays(chunk_counts, vocab_size):
     weight[:L] = np.repeat(counts, lengths)
     # every position with a right neighbour starts a pair
     left = np.flatnonzero(next_pos[:L] != END)
-    order = np.argsort(tokens[left], kind="stable")  # the 256 byte lists, one after another
+    # the 256 byte lists, one after another: as uint8, numpy's stable sort is a radix sort, linear
+    order = np.argsort(tokens[left].astype(np.uint8), kind="stable")
     # each merge appends as many positions as it kills
     list_buffer = np.zeros(2 * len(left) + 1, np.int32)
     list_buffer[:len(left)] = left[order]
@@ -318,8 +319,14 @@ def chunks_to_arrays(chunk_counts, vocab_size):
 
 
 def merge_on_device(arrays, vocab_size, device):
-    """The merge loop, MERGES_PER_READ merges per host read: the merges, and the token count."""
+    """The merge loop, MERGES_PER_READ merges per host read: the merges, the token count, and the
+    seconds of the setup (uploads, the V x V zeros, compiling, recording) and of the loop alone."""
     V, device = vocab_size, torch.device(device)
+    started = time.time()
+    if device.type == "cuda":
+        # Triton launches, and a CUDA graph records, on the current device: make it this one, or
+        # --device cuda:1 would run the kernels on GPU 0 with pointers into GPU 1.
+        torch.cuda.set_device(device)
     upload = lambda name: torch.from_numpy(arrays[name]).to(device)  # noqa: E731
     zeros = lambda size, dtype=torch.int64: torch.zeros(size, dtype=dtype, device=device)  # noqa
     tokens, next_pos, prev_pos, weight, list_buffer, list_start, list_len = map(upload, (
@@ -356,14 +363,20 @@ def merge_on_device(arrays, vocab_size, device):
             refresh()
 
     refresh()
+    # The setup ends with every kernel compiled (a group run with DONE set does nothing else) and,
+    # on CUDA, a group recorded as a graph: the loop's clock then times merges, and only merges.
+    state[DONE.value] = 1
+    merge_group()
+    state[DONE.value] = 0
     graph = None
+    if device.type == "cuda":
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            merge_group()
+        torch.cuda.synchronize(device)
+    loop_started = time.time()
     with tqdm(total=V - 256, unit="merge", desc="merging", mininterval=0.5) as progress:
         for group in range(0, V - 256, MERGES_PER_READ):
-            # compiled by now: record a group once
-            if group > 0 and graph is None and device.type == "cuda":
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    merge_group()
             if graph is None:
                 merge_group()
             else:
@@ -371,12 +384,13 @@ def merge_on_device(arrays, vocab_size, device):
             progress.update(min(MERGES_PER_READ, V - 256 - group))
             if merges_done(state):
                 break
+    seconds = dict(setup=loop_started - started, loop=time.time() - loop_started)
     num_merges = int(state[NEXT.value]) - 256
     merged_pairs = merges[:2 * num_merges].view(-1, 2).tolist()
     # a merged occurrence saves one token per use of its chunk
     saved = int(weight[tokens == DEAD.value].sum())
     merges = [((left, right), 256 + i) for i, (left, right) in enumerate(merged_pairs)]
-    return merges, arrays["total_bytes"] - saved
+    return merges, arrays["total_bytes"] - saved, seconds
 
 
 def merges_done(state):
@@ -386,19 +400,31 @@ def merges_done(state):
 
 # ---------------------------------------------------------------- pre-tokenizing, on every core
 # (the same in both GPU trainers). The regex is the slow part, and it holds the GIL: the parent
-# reads the documents, and worker processes count batches of them, at most two per worker in flight.
+# reads the documents, and worker processes count batches of them, at most two a worker queued.
 # BPE depends only on the multiset of chunks, so the order of adding up is free. A CPU-time alarm
 # per document (1 s + 10 s per million characters; GPT-4's pattern needs 0.3 s) turns a pattern
 # that backtracks catastrophically, (a|a)+b on aaaa..., into one line.
+#
+# A document longer than a batch (a .txt file is one) is cut into pieces for the workers, but only
+# where the split pattern can't match across the cut: then the pieces' chunks are the document's.
+# For GPT-4's pattern that is just before a line break (\r or \n) that follows a letter or digit X:
+# - No match holds both X and the break. Letter and digit runs stop at it. The alternatives that
+#   take a break need whitespace before it (\s*[\r\n]) or punctuation (` ?[^\s\p{L}\p{N}]++[\r\n]*`:
+#   "end.\n" is one chunk, so a cut after punctuation, or after a combining mark, would be wrong).
+# - At the break, every alternative that began before the cut stops as it would at the end of the
+#   text, so the matches before the cut are the same with the text cut there; and the pattern has
+#   no lookbehind or anchor, so the scan from the break on doesn't see what came before.
+# A --pattern not in SAFE_CUTS is never cut: where it can match across, this file can't know.
+SAFE_CUTS = {pattern: regex.compile(r"[\p{L}\p{N}](?=[\r\n])")}  # the cut: the match's end
 
 
 def time_is_up(signum, frame):
     raise TimeoutError
 
 
-def count_batch(documents, pattern_text):
-    """The chunk counts of a batch of documents (in a worker)."""
-    split_pattern, chunk_counts = regex.compile(pattern_text), Counter()
+def count_batch(documents, pattern_text, chunk_counts):
+    """Adds the chunks of a batch of documents to chunk_counts (in a worker)."""
+    split_pattern = regex.compile(pattern_text)
     signal.signal(signal.SIGPROF, time_is_up)
     for document in documents:
         try:
@@ -413,35 +439,82 @@ def count_batch(documents, pattern_text):
     if "" in chunk_counts:
         raise UserError(f"--pattern {pattern_text!r} matches the empty string; each match must "
                         "take a character (x+, not x*)")
-    return chunk_counts
+
+
+def count_worker(batches, results, pattern_text):
+    """A worker process: counts the batches it takes, until None, into one Counter, and puts that on
+    `results` (adding up a Counter a batch took the parent ~15% of the counting's CPU time). An
+    error goes there at once; the worker then only drains the queue, so the parent never blocks."""
+    chunk_counts, error = Counter(), None
+    for batch in iter(batches.get, None):
+        try:
+            if error is None:
+                count_batch(batch, pattern_text, chunk_counts)
+        except UserError as batch_error:
+            error = batch_error
+            results.put(error)
+    if error is None:
+        results.put(chunk_counts)
 
 
 def count_chunks(documents, budget, pattern_text, workers, label):
     """The chunk counts of the documents' first `budget` characters (the last one cut to fit; no
     more is asked of the source), and what was read. `label` names the progress bar (None: no
-    bar). The pool forks before tqdm starts its thread."""
-    chunk_counts, pending, batch = Counter(), deque(), []
+    bar). The workers fork before tqdm starts its thread."""
+    fork = multiprocessing.get_context("fork")
+    # at most two batches a worker wait in the queue: the parent reads no further ahead
+    batches, results = fork.Queue(2 * workers), fork.Queue()
+    processes = [fork.Process(target=count_worker, args=(batches, results, pattern_text),
+                              daemon=True) for _ in range(workers)]
+    for process in processes:
+        process.start()
+    batch, batch_chars, chunk_counts = [], 0, Counter()
     read = dict(documents=0, chars=0, cut=False)
-    pool = multiprocessing.get_context("fork").Pool(workers)
-    with pool, tqdm(total=budget, unit="char", unit_scale=True, desc=label, disable=label is None,
-                    mininterval=0.5) as progress:
-        for text in documents if budget > 0 else ():
-            kept = text[:budget - read["chars"]]
-            read["documents"] += 1
-            read["chars"] += len(kept)
-            read["cut"] = len(kept) < len(text)
-            progress.update(len(kept))
-            batch.append(kept)
-            if read["chars"] // BATCH_CHARS > (read["chars"] - len(kept)) // BATCH_CHARS:
-                pending.append(pool.apply_async(count_batch, (batch, pattern_text)))
-                batch = []
-            while len(pending) > 2 * workers:
-                chunk_counts.update(pending.popleft().get())
-            if read["chars"] == budget:
-                break
-        for result in [*pending, pool.apply_async(count_batch, (batch, pattern_text))]:
-            chunk_counts.update(result.get())
+    try:
+        with tqdm(total=budget, unit="char", unit_scale=True, desc=label, disable=label is None,
+                  mininterval=0.5) as progress:
+            for text in documents if budget > 0 else ():
+                kept = text[:budget - read["chars"]]
+                read["documents"] += 1
+                read["chars"] += len(kept)
+                read["cut"] = len(kept) < len(text)
+                progress.update(len(kept))
+                for piece in document_pieces(kept, pattern_text):
+                    batch.append(piece)
+                    batch_chars += len(piece)
+                    if batch_chars >= BATCH_CHARS:
+                        batches.put(batch)
+                        batch, batch_chars = [], 0
+                    if not results.empty():  # before the end, only a worker's error is put there
+                        raise results.get()
+                if read["chars"] == budget:
+                    break
+            for last in [batch] + [None] * workers:
+                batches.put(last)
+            for worker_counts in [results.get() for _ in processes]:
+                if isinstance(worker_counts, UserError):
+                    raise worker_counts
+                chunk_counts.update(worker_counts)
+    finally:
+        # done by now, or stopped by an error
+        for process in processes:
+            process.kill()
+            process.join()
     return chunk_counts, read
+
+
+def document_pieces(document, pattern_text):
+    """The document in pieces of about BATCH_CHARS characters or more, cut only where SAFE_CUTS
+    says the pattern can't match across: their chunks are the document's."""
+    safe_cut = SAFE_CUTS.get(pattern_text)
+    start = 0
+    while safe_cut is not None and len(document) - start > BATCH_CHARS:
+        cut = safe_cut.search(document, start + BATCH_CHARS)
+        if cut is None:
+            break
+        yield document[start:cut.end()]
+        start = cut.end()
+    yield document[start:]
 
 
 # ---------------------------------------------------------------- output
@@ -527,27 +600,35 @@ def validate(args):
         raise UserError(f"--pattern does not compile ({error}); fix it, or leave it out")
     # cuda runs the kernels compiled, cpu in Triton's interpreter: ~1,000x slower, never a default
     chosen = args.device or "cuda"
+    try:
+        parsed = torch.device(chosen)
+        kind, index = parsed.type, parsed.index
+    except RuntimeError:  # not a device's name at all
+        kind, index = None, None
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     problems = [
         (not 256 <= args.vocab_size <= 2**20,
          f"-v {args.vocab_size}: vocab_size must be between 256 (the bytes) and 2^20"),
         (args.num_chars <= 0, f"-n {args.num_chars}: must be positive"),
         (matches_empty, f"--pattern {args.pattern!r} matches the empty string; each match must "
                         "take a character (x+, not x*)"),
-        (chosen != "cpu" and not chosen.startswith("cuda"),
+        (kind not in ("cpu", "cuda"),
          f"--device {chosen}: not supported (Triton runs on CUDA GPUs); use cuda (or cpu to test)"),
-        (chosen != "cpu" and not torch.cuda.is_available(),
+        (kind == "cuda" and gpus == 0,
          f"--device {chosen}: no CUDA GPU here; --device cpu runs the kernels in Triton's "
          "interpreter (slow, for tests), or use train_bpe_cpu.py"),
+        (kind == "cuda" and gpus > 0 and index is not None and index >= gpus,
+         f"--device {chosen}: this machine has {gpus} CUDA GPU(s), cuda:0 to cuda:{gpus - 1}"),
         # the environment variable counts when triton is imported
-        ((chosen == "cpu") != bool(triton.knobs.runtime.interpret),
+        ((kind == "cpu") != bool(triton.knobs.runtime.interpret),
          f"--device {chosen} with TRITON_INTERPRET={os.environ['TRITON_INTERPRET']}: the kernels "
          "run compiled on cuda, in Triton's interpreter on cpu; set it to 1 for cpu, 0 for cuda"),
     ]
     for failed, message in problems:
         if failed:
             raise UserError(message)
-    check_memory(args.vocab_size, 4, torch.device(chosen))
-    return torch.device(chosen)
+    check_memory(args.vocab_size, 4, parsed)
+    return parsed
 
 
 def check_text(args, source, chunk_counts, chars_read):
@@ -609,9 +690,8 @@ def run(argv):
     check_memory(args.vocab_size, arrays["weight"].itemsize, train_device)
     print(f"{len(arrays['tokens']) - 2:,} token positions in the distinct chunks, "
           f"on {train_device}")
-    # merging includes compiling the kernels on a machine's first run (then cached)
     t_layout = time.time()
-    merges, total_tokens = merge_on_device(arrays, args.vocab_size, train_device)
+    merges, total_tokens, seconds = merge_on_device(arrays, args.vocab_size, train_device)
     t2 = time.time()
 
     num_merges, eot_id = len(merges), 256 + len(merges)  # <|endoftext|>: the first id after them
@@ -625,9 +705,12 @@ def run(argv):
         "num_merges": num_merges, "num_chars": chars_read, "source": source,
         "trainer": "train_bpe_gpu.py", "device": str(train_device), "seconds": round(t2 - t0, 3),
         "stop_reason": stop_reason})
-    print(f"reading + pre-tokenizing {t1 - t0:.2f}s | layout {t_layout - t1:.2f}s | merging "
-          f"{t2 - t_layout:.2f}s ({num_merges / max(t2 - t_layout, 1e-9):,.0f} merges/s) | "
-          f"total {t2 - t0:.2f}s")
+    # merges/s is over the loop alone: the setup (uploads, the V x V zeros, compiling the kernels
+    # on a machine's first run, recording the graph) says nothing about how fast merging is
+    merges_per_second = num_merges / max(seconds["loop"], 1e-9)
+    print(f"reading + pre-tokenizing {t1 - t0:.2f}s | layout {t_layout - t1:.2f}s | setup "
+          f"{seconds['setup']:.2f}s | merging {seconds['loop']:.2f}s ({merges_per_second:,.0f} "
+          f"merges/s) | total {t2 - t0:.2f}s")
     if train_device.type == "cuda":
         peak, kind = torch.cuda.max_memory_allocated(train_device), "device"
     else:

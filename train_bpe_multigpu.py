@@ -35,7 +35,7 @@ import sys
 import sysconfig
 import time
 import urllib.parse
-from collections import Counter, deque
+from collections import Counter
 from itertools import accumulate
 from pathlib import Path
 
@@ -315,7 +315,8 @@ def chunks_to_arrays(blob, lengths, counts, count_dtype):
     weight[:L] = np.repeat(counts, lengths)
     # every position with a right neighbour starts a pair
     left = np.flatnonzero(next_pos[:L] != END)
-    order = np.argsort(tokens[left], kind="stable")  # the 256 byte lists, one after another
+    # the 256 byte lists, one after another: as uint8, numpy's stable sort is a radix sort, linear
+    order = np.argsort(tokens[left].astype(np.uint8), kind="stable")
     # each merge appends as many positions as it kills
     list_buffer = np.zeros(2 * len(left) + 1, np.int32)
     list_buffer[:len(left)] = left[order]
@@ -328,8 +329,10 @@ def chunks_to_arrays(blob, lengths, counts, count_dtype):
 
 
 def merge_on_device(arrays, vocab_size, total_pairs, device, show_progress):
-    """The merges, this rank's tokens saved, and the loop's counts of collectives and host reads."""
+    """The merges, this rank's tokens saved, the loop's counts of collectives and host reads, and
+    the seconds of the setup (uploads, zeros, compiling, recording) and of the loop alone."""
     V, rank, W = vocab_size, dist.get_rank(), dist.get_world_size()
+    started = time.time()
     upload = lambda name: torch.from_numpy(arrays[name]).to(device)  # noqa: E731
     zeros = lambda size, dtype=torch.int64: torch.zeros(size, dtype=dtype, device=device)  # noqa
     tokens, next_pos, prev_pos, weight, list_buffer = map(upload, (
@@ -385,17 +388,26 @@ def merge_on_device(arrays, vocab_size, total_pairs, device, show_progress):
             refresh()
 
     refresh()
-    # On CUDA in a world of one (no collectives), 16 merges are recorded once as a CUDA graph, as in
-    # train_bpe_gpu.py. With W > 1 they are launched one by one: NCCL's watchdog, which enforces
+    # The setup ends with every kernel compiled, by a group run with DONE set (the kernels do nothing,
+    # the collectives add zeros, in step on every rank), as in train_bpe_gpu.py: the loop's clock
+    # then times merges alone. On CUDA in a world of one (no collectives), 16 merges are recorded
+    # once as a CUDA graph. With W > 1 they are launched one by one: NCCL's watchdog, which enforces
     # --timeout on a hung rank, does not see collectives inside a graph.
+    state[DONE.value] = 1
+    merge_group()
+    state[DONE.value] = 0
+    loop_counts.clear()
     graph = None
+    if device.type == "cuda" and W == 1:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            merge_group()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    loop_started = time.time()
     with tqdm(total=V - 256, unit="merge", desc="merging", mininterval=0.5,
               disable=not show_progress) as progress:
         for group in range(0, V - 256, MERGES_PER_READ):
-            if group > 0 and graph is None and device.type == "cuda" and W == 1:
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    merge_group()
             if graph is None:
                 merge_group()
             else:
@@ -405,12 +417,13 @@ def merge_on_device(arrays, vocab_size, total_pairs, device, show_progress):
             # the one host read of a group: here, and only here, the host waits
             if state[DONE.value].item():
                 break
+    seconds = dict(setup=loop_started - started, loop=time.time() - loop_started)
     num_merges = int(state[NEXT.value]) - 256
     merged_pairs = merges[:2 * num_merges].view(-1, 2).tolist()
     # a merged occurrence saves one token per use of its chunk
     tokens_saved = int(weight[tokens == DEAD.value].sum())
     merges = [((left, right), 256 + i) for i, (left, right) in enumerate(merged_pairs)]
-    return merges, tokens_saved, loop_counts
+    return merges, tokens_saved, loop_counts, seconds
 
 
 # ---------------------------------------------------------------- this rank's part of the text
@@ -471,19 +484,31 @@ def parquet_row_groups(path, size, start, end):
 
 # ---------------------------------------------------------------- pre-tokenizing, on every core
 # (the same in both GPU trainers). The regex is the slow part, and it holds the GIL: the parent
-# reads the documents, and worker processes count batches of them, at most two per worker in flight.
+# reads the documents, and worker processes count batches of them, at most two a worker queued.
 # BPE depends only on the multiset of chunks, so the order of adding up is free. A CPU-time alarm
 # per document (1 s + 10 s per million characters; GPT-4's pattern needs 0.3 s) turns a pattern
 # that backtracks catastrophically, (a|a)+b on aaaa..., into one line.
+#
+# A document longer than a batch (a .txt file is one) is cut into pieces for the workers, but only
+# where the split pattern can't match across the cut: then the pieces' chunks are the document's.
+# For GPT-4's pattern that is just before a line break (\r or \n) that follows a letter or digit X:
+# - No match holds both X and the break. Letter and digit runs stop at it. The alternatives that
+#   take a break need whitespace before it (\s*[\r\n]) or punctuation (` ?[^\s\p{L}\p{N}]++[\r\n]*`:
+#   "end.\n" is one chunk, so a cut after punctuation, or after a combining mark, would be wrong).
+# - At the break, every alternative that began before the cut stops as it would at the end of the
+#   text, so the matches before the cut are the same with the text cut there; and the pattern has
+#   no lookbehind or anchor, so the scan from the break on doesn't see what came before.
+# A --pattern not in SAFE_CUTS is never cut: where it can match across, this file can't know.
+SAFE_CUTS = {pattern: regex.compile(r"[\p{L}\p{N}](?=[\r\n])")}  # the cut: the match's end
 
 
 def time_is_up(signum, frame):
     raise TimeoutError
 
 
-def count_batch(documents, pattern_text):
-    """The chunk counts of a batch of documents (in a worker)."""
-    split_pattern, chunk_counts = regex.compile(pattern_text), Counter()
+def count_batch(documents, pattern_text, chunk_counts):
+    """Adds the chunks of a batch of documents to chunk_counts (in a worker)."""
+    split_pattern = regex.compile(pattern_text)
     signal.signal(signal.SIGPROF, time_is_up)
     for document in documents:
         try:
@@ -498,35 +523,82 @@ def count_batch(documents, pattern_text):
     if "" in chunk_counts:
         raise UserError(f"--pattern {pattern_text!r} matches the empty string; each match must "
                         "take a character (x+, not x*)")
-    return chunk_counts
+
+
+def count_worker(batches, results, pattern_text):
+    """A worker process: counts the batches it takes, until None, into one Counter, and puts that on
+    `results` (adding up a Counter a batch took the parent ~15% of the counting's CPU time). An
+    error goes there at once; the worker then only drains the queue, so the parent never blocks."""
+    chunk_counts, error = Counter(), None
+    for batch in iter(batches.get, None):
+        try:
+            if error is None:
+                count_batch(batch, pattern_text, chunk_counts)
+        except UserError as batch_error:
+            error = batch_error
+            results.put(error)
+    if error is None:
+        results.put(chunk_counts)
 
 
 def count_chunks(documents, budget, pattern_text, workers, label):
     """The chunk counts of the documents' first `budget` characters (the last one cut to fit; no
     more is asked of the source), and what was read. `label` names the progress bar (None: no
-    bar). The pool forks before tqdm starts its thread."""
-    chunk_counts, pending, batch = Counter(), deque(), []
+    bar). The workers fork before tqdm starts its thread."""
+    fork = multiprocessing.get_context("fork")
+    # at most two batches a worker wait in the queue: the parent reads no further ahead
+    batches, results = fork.Queue(2 * workers), fork.Queue()
+    processes = [fork.Process(target=count_worker, args=(batches, results, pattern_text),
+                              daemon=True) for _ in range(workers)]
+    for process in processes:
+        process.start()
+    batch, batch_chars, chunk_counts = [], 0, Counter()
     read = dict(documents=0, chars=0, cut=False)
-    pool = multiprocessing.get_context("fork").Pool(workers)
-    with pool, tqdm(total=budget, unit="char", unit_scale=True, desc=label, disable=label is None,
-                    mininterval=0.5) as progress:
-        for text in documents if budget > 0 else ():
-            kept = text[:budget - read["chars"]]
-            read["documents"] += 1
-            read["chars"] += len(kept)
-            read["cut"] = len(kept) < len(text)
-            progress.update(len(kept))
-            batch.append(kept)
-            if read["chars"] // BATCH_CHARS > (read["chars"] - len(kept)) // BATCH_CHARS:
-                pending.append(pool.apply_async(count_batch, (batch, pattern_text)))
-                batch = []
-            while len(pending) > 2 * workers:
-                chunk_counts.update(pending.popleft().get())
-            if read["chars"] == budget:
-                break
-        for result in [*pending, pool.apply_async(count_batch, (batch, pattern_text))]:
-            chunk_counts.update(result.get())
+    try:
+        with tqdm(total=budget, unit="char", unit_scale=True, desc=label, disable=label is None,
+                  mininterval=0.5) as progress:
+            for text in documents if budget > 0 else ():
+                kept = text[:budget - read["chars"]]
+                read["documents"] += 1
+                read["chars"] += len(kept)
+                read["cut"] = len(kept) < len(text)
+                progress.update(len(kept))
+                for piece in document_pieces(kept, pattern_text):
+                    batch.append(piece)
+                    batch_chars += len(piece)
+                    if batch_chars >= BATCH_CHARS:
+                        batches.put(batch)
+                        batch, batch_chars = [], 0
+                    if not results.empty():  # before the end, only a worker's error is put there
+                        raise results.get()
+                if read["chars"] == budget:
+                    break
+            for last in [batch] + [None] * workers:
+                batches.put(last)
+            for worker_counts in [results.get() for _ in processes]:
+                if isinstance(worker_counts, UserError):
+                    raise worker_counts
+                chunk_counts.update(worker_counts)
+    finally:
+        # done by now, or stopped by an error
+        for process in processes:
+            process.kill()
+            process.join()
     return chunk_counts, read
+
+
+def document_pieces(document, pattern_text):
+    """The document in pieces of about BATCH_CHARS characters or more, cut only where SAFE_CUTS
+    says the pattern can't match across: their chunks are the document's."""
+    safe_cut = SAFE_CUTS.get(pattern_text)
+    start = 0
+    while safe_cut is not None and len(document) - start > BATCH_CHARS:
+        cut = safe_cut.search(document, start + BATCH_CHARS)
+        if cut is None:
+            break
+        yield document[start:cut.end()]
+        start = cut.end()
+    yield document[start:]
 
 
 # ---------------------------------------------------------------- the cache of counted chunks
@@ -842,8 +914,8 @@ def run(argv):
     arrays = chunks_to_arrays(*cached[:3], count_dtype)
     t2 = time.time()
     run_device = torch.device("cuda", LOCAL_RANK) if args.device == "cuda" else torch.device("cpu")
-    merges, tokens_saved, loop = merge_on_device(arrays, args.vocab_size, total["total_pairs"],
-                                                 run_device, show_progress=RANK == 0)
+    merges, tokens_saved, loop, seconds = merge_on_device(
+        arrays, args.vocab_size, total["total_pairs"], run_device, show_progress=RANK == 0)
     t3 = time.time()
     if args.device == "cuda":
         peak = torch.cuda.max_memory_allocated(run_device)
@@ -864,9 +936,11 @@ def run(argv):
             "stop_reason": stop_reason, "read": [stats["part"] for stats in rank_stats]})
     tokens_left = total["total_bytes"] - sum(saved for saved, _ in ends)
     all_reused = cache_statuses.count("reused") == WORLD
+    # merges/s is over the loop alone, as in train_bpe_gpu.py: the setup says nothing about merging
+    merges_per_second = num_merges / max(seconds["loop"], 1e-9)
     say(f"{'loading the cache' if all_reused else 'reading + pre-tokenizing'} {t1 - t0:.2f}s | "
-        f"layout {t2 - t1:.2f}s | merging {t3 - t2:.2f}s "
-        f"({num_merges / max(t3 - t2, 1e-9):,.0f} merges/s) | total {t3 - t0:.2f}s")
+        f"layout {t2 - t1:.2f}s | setup {seconds['setup']:.2f}s | merging {seconds['loop']:.2f}s "
+        f"({merges_per_second:,.0f} merges/s) | total {t3 - t0:.2f}s")
     say(f"per merge: {loop['collectives'] / max(num_merges, 1):.2f} collectives, "
         f"{loop['host_reads'] / max(num_merges, 1):.2f} host reads")
     say(f"{'peak device memory' if args.device == 'cuda' else 'peak RSS'} per rank: "

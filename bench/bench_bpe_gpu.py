@@ -5,6 +5,7 @@ train_bpe_gpu.py against rustbpe (and train_bpe_cpu.py at small sizes) on the sa
     python bench/bench_bpe_gpu.py --device cpu --repeats 1           # no GPU: the kernels in Triton's interpreter
     python bench/bench_bpe_gpu.py -n 134217728 -v 65534 --repeats 1  # the big target (on a GPU machine)
     python bench/bench_bpe_gpu.py --pack .corpora/enwiki_64M.jsonl.xz -n 67108864   # a small copy to carry to a GPU box
+    python bench/bench_bpe_gpu.py --host_side -n 33554432    # the host side per format (.jsonl, .txt, .parquet)
 
 --data takes a .jsonl file, optionally compressed (.jsonl.gz or .jsonl.xz: enwiki's first 2^26 characters
 shrink about 4x under xz, small enough to copy to a GPU machine). The first n characters are cut exactly as
@@ -43,6 +44,8 @@ parser.add_argument("--cpu_trainer", choices=["auto", "yes", "no"], default="aut
                     help="also run train_bpe_cpu.py (auto: when n <= 2^24)")
 parser.add_argument("--count_reads", action="store_true", help="count host reads per merge (one more merge loop)")
 parser.add_argument("--pack", default=None, help="write the first n characters to this .jsonl.xz / .jsonl.gz and exit")
+parser.add_argument("--host_side", action="store_true",
+                    help="time what a GPU run pays before its merge loop, per format, against rustbpe's whole run")
 args = parser.parse_args()
 if args.pack and not args.pack.endswith((".jsonl.xz", ".jsonl.gz")):
     sys.exit(f"error: --pack {args.pack}: name it .jsonl.xz or .jsonl.gz (the compression follows the name)")
@@ -81,6 +84,47 @@ if args.pack:
         for doc in docs:
             f.write(json.dumps({"text": doc}, ensure_ascii=False) + "\n")
     print(f"wrote {num_chars:,} characters in {len(docs):,} documents to {args.pack} ({os.path.getsize(args.pack) / 2**20:.1f} MiB)")
+    sys.exit(0)
+
+
+def host_side():
+    """Our host side (the printed "reading + pre-tokenizing" plus "layout": what a GPU run pays before its merge loop,
+    here at -v 256, no merge) against rustbpe's whole run at -v 257 on the same documents from memory, per format:
+    .jsonl, .parquet (row groups of 1,024 rows) and .txt (the documents joined by newlines: one document)."""
+    import pyarrow
+    import pyarrow.parquet
+    import rustbpe
+
+    with tempfile.TemporaryDirectory() as scratch:
+        paths = {suffix: os.path.join(scratch, "docs" + suffix) for suffix in (".jsonl", ".txt", ".parquet")}
+        with open(paths[".jsonl"], "w", encoding="utf-8") as f:
+            f.writelines(json.dumps({"text": doc}, ensure_ascii=False) + "\n" for doc in docs)
+        with open(paths[".txt"], "w", encoding="utf-8", newline="") as f:
+            f.write("\n".join(docs))
+        pyarrow.parquet.write_table(pyarrow.table({"text": docs}), paths[".parquet"], row_group_size=1024)
+        env = dict(os.environ, HF_HUB_OFFLINE="1", TRITON_INTERPRET="1")
+        print("| format | ours: reading + pre-tokenizing + layout, median s | rustbpe, median s | ratio |")
+        print("|---|---|---|---|")
+        for suffix, path in paths.items():
+            documents = ["\n".join(docs)[:num_chars]] if suffix == ".txt" else docs  # what -n lets us read
+            ours, theirs = [], []
+            for repeat in range(args.repeats):
+                command = [sys.executable, str(REPO / "train_bpe_gpu.py"), "--data", path, "-n", str(num_chars),
+                           "-v", "256", "--device", "cpu", "--out", os.path.join(scratch, f"out{repeat}{suffix}")]
+                result = subprocess.run(command, capture_output=True, text=True, env=env)
+                phases = re.search(r"reading \+ pre-tokenizing ([\d.]+)s \| layout ([\d.]+)s", result.stdout)
+                if phases is None:
+                    sys.exit(f"train_bpe_gpu.py failed on {suffix}:\n{result.stderr[-2000:]}")
+                ours.append(float(phases.group(1)) + float(phases.group(2)))
+                start = time.perf_counter()
+                rustbpe.Tokenizer().train_from_iterator(iter(documents), 257, pattern=GPT4_PATTERN)
+                theirs.append(time.perf_counter() - start)
+            ratio = statistics.median(ours) / statistics.median(theirs)
+            print(f"| {suffix} | {statistics.median(ours):.2f} | {statistics.median(theirs):.2f} | {ratio:.2f}x |")
+
+
+if args.host_side:
+    host_side()
     sys.exit(0)
 print(f"{num_chars:,} characters in {len(docs):,} documents of {args.data}; -v {args.vocab_size}, {args.repeats} repeats, "
       f"{os.cpu_count()} CPU cores")
@@ -169,7 +213,7 @@ if args.count_reads:  # in this process, after the timed runs: the counting mode
     arrays = bpe.chunks_to_arrays(chunk_counts, args.vocab_size)
     device = args.device or ("cuda" if bpe.torch.cuda.is_available() else "cpu")
     with CountHostReads() as reads:
-        merges, _ = bpe.merge_on_device(arrays, args.vocab_size, device)
+        merges, _, _ = bpe.merge_on_device(arrays, args.vocab_size, device)
     kinds = ", ".join(f"{kind} {count}" for kind, count in sorted(reads.counts.items()))
     print(f"host reads in the merge loop: {max(reads.counts.values()) / len(merges):.3f} per merge, the largest kind "
           f"({kinds}) over {len(merges)} merges")

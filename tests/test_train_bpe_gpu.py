@@ -9,6 +9,7 @@ import os
 import random
 import subprocess
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -38,7 +39,8 @@ def chunk_counts_of(docs, pattern=bpe.pattern):
 
 
 def train(chunk_counts, vocab_size):
-    return bpe.merge_on_device(bpe.chunks_to_arrays(chunk_counts, vocab_size), vocab_size, DEVICE)
+    merges, total_tokens, _ = bpe.merge_on_device(bpe.chunks_to_arrays(chunk_counts, vocab_size), vocab_size, DEVICE)
+    return merges, total_tokens
 
 
 def our_vocab(docs, vocab_size, pattern=bpe.pattern):
@@ -231,18 +233,63 @@ class CountHostReads:
 def test_at_most_one_host_read_per_16_merges():
     arrays = bpe.chunks_to_arrays(chunk_counts_of(generated_docs(30, 8)), 288)
     with CountHostReads() as reads:
-        merges, _ = bpe.merge_on_device(arrays, 288, DEVICE)
+        merges, _, _ = bpe.merge_on_device(arrays, 288, DEVICE)
     assert len(merges) == 32
     # One "done?" per 16 merges, then three reads after the loop: the merge count, the merges, the token count.
     allowed = len(merges) // 16 + 3
     assert reads.counts and max(reads.counts.values()) <= allowed, reads.counts
 
 
+class SlowFirstLaunch:
+    """A kernel whose first launch takes `seconds` longer, as compiling it does on a GPU; `launches` holds
+    the time each launch began the kernel's work."""
+
+    def __init__(self, kernel, seconds):
+        self.kernel, self.seconds, self.launches = kernel, seconds, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            if not self.launches:
+                time.sleep(self.seconds)
+            self.launches.append(time.time())
+            return self.kernel[grid](*args, **kwargs)
+        return launch
+
+
+def test_merges_per_second_times_the_loop_alone(monkeypatch):
+    # The setup (uploads, zeros, compiling, recording the graph) is timed apart: a first launch made 0.5 s
+    # slow, as compiling makes it, must end before the loop's clock starts, which is at the latest the loop's
+    # own seconds before the return.
+    monkeypatch.setattr(bpe, "choose_pair", SlowFirstLaunch(bpe.choose_pair, 0.5))
+    arrays = bpe.chunks_to_arrays(chunk_counts_of(["abcabc abd abd"]), 260)
+    merges, _, seconds = bpe.merge_on_device(arrays, 260, DEVICE)
+    returned = time.time()
+    assert len(merges) == 4 and len(bpe.choose_pair.launches) > 1
+    assert seconds["setup"] >= 0.5 and bpe.choose_pair.launches[0] <= returned - seconds["loop"], seconds
+
+
+def test_cuda_n_makes_gpu_n_current_before_anything_runs(monkeypatch):
+    # Triton launches, and a CUDA graph records, on the current device: --device cuda:1 must make GPU 1 current
+    # before the first upload or launch. No second GPU here: a fake set_device stops the run and says with what.
+    # (That the kernels then run on GPU 1 needs a machine with two GPUs to see.)
+    class Stop(Exception):
+        pass
+
+    def set_device(device):
+        raise Stop(device)
+
+    monkeypatch.setattr(bpe.torch.cuda, "set_device", set_device)
+    arrays = bpe.chunks_to_arrays(chunk_counts_of(["abcabc abd abd"]), 260)
+    with pytest.raises(Stop) as stop:
+        bpe.merge_on_device(arrays, 260, "cuda:1")
+    assert torch.device(stop.value.args[0]) == torch.device("cuda", 1)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU here: the interpreter tests cover the kernels")
 def test_cuda_merge_loop_never_syncs_between_the_allowed_reads(corpus, monkeypatch):
-    # Between two "done?" reads, any synchronizing call raises. The first group of merges runs eagerly (it
-    # compiles the kernels) and the second is recorded as a CUDA graph (recording synchronizes once): from the
-    # second read on, nothing but the reads may wait for the device.
+    # Between two "done?" reads, any synchronizing call raises. The kernels are compiled (a group run with DONE
+    # set) and a group is recorded as a CUDA graph before the loop: from the second read on, nothing but the
+    # reads may wait for the device.
     text = corpus("tinyshakespeare.txt").read_text()[:300_000]
     docs = [text] + EDGE_CASES["runs of one byte, odd and even"] + EDGE_CASES["long unspaced cjk chunk"]
     merges_done, reads = bpe.merges_done, []
@@ -293,6 +340,60 @@ def test_workers_count_as_one_stream_and_stop_at_the_budget(tmp_path, monkeypatc
         assert bpe.BadUTF8.count == sum(text.count("\ufffd") for text in texts[:len(kept)]) > 0
 
 
+@settings(max_examples=150, deadline=None)
+@given(text=st.text(alphabet=st.sampled_from("ab1 .,'s\n\r\t\u0301中😀"), max_size=120))
+def test_a_document_is_cut_only_where_gpt4s_pattern_cannot_match_across(text):
+    # Pieces of 8 characters or more: many cuts, after letters, digits and punctuation alike if the rule were
+    # wrong ("a.\n" is one chunk, and so is "e\u0301\n"). The chunks must be the whole document's, in order, and
+    # the merges rustbpe's on the whole document.
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(bpe, "BATCH_CHARS", 8)
+        pieces = list(bpe.document_pieces(text, bpe.pattern))
+        assert list(bpe.document_pieces(text, r"\w+|\s+")) == [text]  # a pattern not known here: never cut
+    assert "".join(pieces) == text
+    assert [chunk for piece in pieces for chunk in regex.findall(bpe.pattern, piece)] == \
+        regex.findall(bpe.pattern, text)
+    merges, _ = train_bpe_cpu.train(chunk_counts_of(pieces), 270)
+    assert train_bpe_cpu.token_bytes(merges) == rustbpe_vocab([text], 270)
+
+
+def test_one_large_document_goes_to_the_workers_in_pieces_and_equals_rustbpe(corpus, monkeypatch):
+    # tinyshakespeare.txt as one document, cut for 2 workers in pieces of 2^16 characters: its lines end in
+    # letters and in punctuation ("First Citizen:\n"), so a cut in the wrong place changes the counts.
+    text = corpus("tinyshakespeare.txt").read_text(encoding="utf-8")
+    monkeypatch.setattr(bpe, "BATCH_CHARS", 2**16)
+    assert len(list(bpe.document_pieces(text, bpe.pattern))) > 10
+    counts, read = bpe.count_chunks(iter([text]), len(text), bpe.pattern, 2, None)
+    assert counts == chunk_counts_of([text]) and read == dict(documents=1, chars=len(text), cut=False)
+    merges, _ = train(counts, 264)
+    assert train_bpe_cpu.token_bytes(merges) == rustbpe_vocab([text], 264)
+
+
+def test_a_workers_error_stops_the_reading_and_no_worker_is_left(monkeypatch):
+    # A pattern that matches the empty string in places, found by a worker in the first of many batches: the
+    # parent raises it (it must not wait for the end of the text, nor block on a full queue), and the workers end.
+    monkeypatch.setattr(bpe, "BATCH_CHARS", 100)
+    read_documents = []
+
+    def documents():
+        for number in range(10**6):
+            read_documents.append(number)
+            yield "two words " * 10
+
+    with pytest.raises(bpe.UserError, match="matches the empty string"):
+        bpe.count_chunks(documents(), 10**8, r"\b|\w+", 2, None)
+    assert len(read_documents) < 10**4 and not bpe.multiprocessing.active_children()
+
+
+def test_the_worker_and_the_document_cutter_are_the_same_in_both_gpu_trainers():
+    # count_chunks is checked in test_copies.py; the worker and the cutter it calls, and the table it reads, here
+    sources = [(REPO / name).read_text(encoding="utf-8") for name in ("train_bpe_gpu.py", "train_bpe_multigpu.py")]
+    copies = [source[source.index("# A document longer than a batch"):source.index("\n\n\ndef time_is_up")]
+              + source[source.index("def count_worker"):].split("\n\n\n")[0]
+              + source[source.index("def document_pieces"):].split("\n\n\n")[0] for source in sources]
+    assert copies[0] == copies[1] and "yield document[start:]" in copies[0] and "results.put(error)" in copies[0]
+
+
 def test_a_bad_line_is_one_error_only_where_the_budget_reaches_it(tmp_path):
     docs = generated_docs(100, 30)
     lines = [json.dumps({"text": doc}) + "\n" for doc in docs]
@@ -325,7 +426,7 @@ def test_cli_output_is_byte_identical_to_cpu_trainer(tmp_path, corpus):
     assert gpu_info == cpu_info
     compression = [line for line in cpu.stdout.splitlines() if line.startswith("compression")]
     assert compression and compression[0] in gpu.stdout
-    assert "merges/s" in gpu.stdout and "peak memory:" in gpu.stdout
+    assert "| setup " in gpu.stdout and "merges/s" in gpu.stdout and "peak memory:" in gpu.stdout
     assert "warning:" not in gpu.stderr  # GPT-4's pattern matches every character
     assert not list((tmp_path / "gpu").glob("*.tmp"))
 
@@ -342,6 +443,7 @@ BAD_INPUTS = {
     "catastrophic pattern": (["--pattern", r"(?:a|a)+b|\s", "--data", "RUNS.txt"], "backtracks catastrophically"),
     "empty corpus": (["--data", "EMPTY.txt"], "is empty"),
     "unknown device": (["--device", "tpu"], "not supported"),
+    "a device Triton can't use": (["--device", "meta"], "not supported"),
     "out is a file": (["--out", "ok.txt"], "is a file, not a directory"),
     "out under a file": (["--out", "ok.txt/tok"], "is a file, not a directory"),
     "out is a dataset directory": (["--out", "dataset"], "is a dataset directory"),
@@ -403,6 +505,15 @@ def test_errors_while_reading_are_a_line_of_their_own_on_the_command_line(bad_in
     assert result.returncode == 1 and "Traceback" not in result.stderr  # an OSError, like a permission denied
     assert [line for line in result.stderr.splitlines() if line.startswith("error:")] == [
         "error: [Errno 36] File name too long: '" + "x" * 300 + ".txt'"], result.stderr
+
+
+def test_a_gpu_this_machine_lacks_is_one_error(bad_input_files, monkeypatch):
+    # A machine with one GPU (faked: the test must refuse the same way with or without a GPU here).
+    monkeypatch.setattr(bpe.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(bpe.torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(bpe.UserError, match=regex.escape("--device cuda:1: this machine has 1 CUDA GPU(s), "
+                                                         "cuda:0 to cuda:0")):
+        bpe.run(["--data", "ok.txt", "--out", "out", "--device", "cuda:1"])
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA GPU is here: the default device works")

@@ -203,7 +203,7 @@ def test_counts_past_2_to_the_31_and_past_one_int64_key(tmp_path):
         mg.write_cache(prefix, chunk_counts, {"rank": rank, "bytes": [0, 0], "documents": 1, "chars": 1, "cut": False})
     result = torchrun(2, "--data", path, "-n", 100, "-v", 2048, "--out", tmp_path / "tok", cwd=tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "cache: 2 of 2 ranks reused" in result.stdout
+    assert "cache: 2 of 2 ranks reused" in result.stdout and "| setup " in result.stdout
     assert float(result.stdout.split("per merge: ")[1].split()[0]) >= 3, result.stdout
     merges, _ = cpu_bpe.train(parts[0] + parts[1], 2048)  # Python integers: exact at any size
     expected = "".join(f"{base64.b64encode(token).decode()} {rank}\n" for rank, token in enumerate(cpu_bpe.token_bytes(merges)))
@@ -335,10 +335,10 @@ def test_a_cache_that_cannot_be_written_and_a_file_that_cannot_be_read_are_one_l
 def test_a_pattern_that_backtracks_or_matches_empty_in_context_is_one_error():
     started = time.process_time()
     with pytest.raises(mg.UserError, match="backtracks catastrophically"):
-        mg.count_batch(["ok", "a" * 60], r"(?:a|a)+b|\s")
+        mg.count_batch(["ok", "a" * 60], r"(?:a|a)+b|\s", Counter())
     assert time.process_time() - started < 5
     with pytest.raises(mg.UserError, match="matches the empty string"):
-        mg.count_batch(["two words"], r"\b|\w+")
+        mg.count_batch(["two words"], r"\b|\w+", Counter())
 
 
 @pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="finds rank 1's process through Linux's /proc")
@@ -404,7 +404,7 @@ def test_the_merge_loop_reads_the_device_once_per_16_merges_counting_every_kind(
     torch.distributed.init_process_group(BACKEND, store=torch.distributed.HashStore(), rank=0, world_size=1)
     try:
         with CountReads():
-            merges, _, loop = mg.merge_on_device(arrays, 288, int(((lengths - 1) * counts).sum()), torch.device(DEVICE),
+            merges, _, loop, _ = mg.merge_on_device(arrays, 288, int(((lengths - 1) * counts).sum()), torch.device(DEVICE),
                                                  False)
     finally:
         torch.distributed.destroy_process_group()
@@ -416,8 +416,21 @@ def test_the_merge_loop_reads_the_device_once_per_16_merges_counting_every_kind(
 
 def test_many_programs_and_small_blocks_give_the_same_merges(monkeypatch):
     """On a GPU the kernels run many programs over small blocks; here the same stride loops, several programs
-    and blocks of a few lanes, in a world of one."""
+    and blocks of a few lanes, in a world of one. And merges/s times the loop alone: a first launch made 0.5 s
+    slow, as compiling makes it, must end before the loop's clock starts."""
     monkeypatch.setattr(mg, "INTERPRETER_SHAPE", (3, 64, 2, 64))
+    best_pair, launches = mg.best_pair, []
+
+    class SlowFirstLaunch:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                if not launches:
+                    time.sleep(0.5)
+                launches.append(time.time())
+                return best_pair[grid](*args, **kwargs)
+            return launch
+
+    monkeypatch.setattr(mg, "best_pair", SlowFirstLaunch())
     chunk_counts = Counter(regex_chunk for doc in [EDGE_CASES[1], EDGE_CASES[3], words(7, 60)]
                            for regex_chunk in mg.regex.findall(mg.pattern, doc))
     chunks = [chunk.encode() for chunk in chunk_counts]
@@ -425,10 +438,13 @@ def test_many_programs_and_small_blocks_give_the_same_merges(monkeypatch):
                                  np.array(list(chunk_counts.values())), np.int32)
     torch.distributed.init_process_group(BACKEND, store=torch.distributed.HashStore(), rank=0, world_size=1)
     try:
-        merges, _, _ = mg.merge_on_device(arrays, 272, 10**6, torch.device(DEVICE), False)
+        merges, _, _, seconds = mg.merge_on_device(arrays, 272, 10**6, torch.device(DEVICE), False)
+        returned = time.time()
     finally:
         torch.distributed.destroy_process_group()
     assert len(merges) == 16 and merges == cpu_bpe.train(chunk_counts, 272)[0]
+    # the loop started at the latest its own seconds before the return
+    assert seconds["setup"] >= 0.5 and launches[0] <= returned - seconds["loop"], (seconds, launches, returned)
 
 
 COMPILE_FOR_A_GPU = """
