@@ -84,6 +84,8 @@ def main():
                 f.write("\n")
         os.rename(temp_dir, hf_path)  # replaces the empty, locked hf_dir
     except OSError as err:
+        if os.path.isdir(hf_path) and not os.listdir(hf_path):
+            os.rmdir(hf_path)  # a failed export leaves nothing
         raise UserError(f"can't write {hf_path}: {err.strerror or err}") from None
     finally:
         shutil.rmtree(temp_dir, ignore_errors=True)
@@ -162,8 +164,8 @@ def hf_tokenizer_json(ranks, pattern, special_tokens):
         "decoder": byte_level,
         "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
                   "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False,
-                  "ignore_merges": True, "merges": merges,
-                  "vocab": {text(token): rank for token, rank in ranks.items()}},
+                  "ignore_merges": True,
+                  "vocab": {text(token): rank for token, rank in ranks.items()}, "merges": merges},
     }
 
 
@@ -177,8 +179,8 @@ def llama_config(cfg, eot_id):
         "max_position_embeddings": cfg.block_size, "intermediate_size": cfg.ffn_hidden_size,
         "num_attention_heads": cfg.n_head, "num_key_value_heads": cfg.n_kv_head,
         "head_dim": cfg.n_embd // cfg.n_head, "hidden_act": "silu", "rms_norm_eps": cfg.norm_eps,
-        "rope_theta": cfg.rope_theta, "rope_scaling": None,
-        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "rope_theta": cfg.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta}, "rope_scaling": None,
         # our `bias` switches on the biases of q, k, v, o and the MLP, as Llama's two switches do
         "attention_bias": cfg.bias, "mlp_bias": cfg.bias, "attention_dropout": 0.0,
         "tie_word_embeddings": True, "bos_token_id": eot_id, "eos_token_id": eot_id,
@@ -224,9 +226,6 @@ def parse_settings(arguments, defaults, extra_types):
             listing = "\n".join(f"  --{key}={value!r}" for key, value in defaults.items())
             print(f"{__doc__.strip()}\n\nsettings and their defaults:\n{listing}")
             sys.exit(0)
-        if len(arg) > 1000:  # 50,000 characters exhaust ast's parser
-            raise UserError(f"{arg[:30]}... is over 1,000 characters; sample.py reads a long prompt "
-                            "from a file: --start=FILE:path")
         key, has_value, text = arg[2:].partition("=")
         if not arg.startswith("--") or not has_value:
             raise UserError(f"expected --key=value, got {arg!r} (see --help)")
@@ -235,6 +234,8 @@ def parse_settings(arguments, defaults, extra_types):
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             raise UserError(f"{arg}: unknown setting {key!r}{hint}; --help lists them")
         kinds = {type(defaults[key]), extra_types.get(key, type(defaults[key]))}
+        if str not in kinds and len(text) > 1000:  # 50,000 characters exhaust ast's parser
+            raise UserError(f"{arg[:30]}...: a value of over 1,000 characters")
         try:
             value = text if str in kinds else ast.literal_eval(text)
         except (ValueError, SyntaxError, RecursionError):
@@ -269,6 +270,9 @@ def lock_directory(path):
         os.close(descriptor)
         raise UserError(f"{path}: another run is writing there; wait for it to end, "
                         "or choose another directory")
+    except OSError as error:  # a filesystem without flock (Lustre mounted noflock, NFS without lockd)
+        print(f"warning: {path}: can't lock it ({error.strerror}); make sure that one run at a time "
+              "writes there", file=sys.stderr)
     return descriptor  # the lock lasts while this descriptor is open: keep it
 
 

@@ -267,9 +267,12 @@ class GPT(nn.Module):
     # ---- generation ----
 
     @torch.no_grad()
-    def generate(self, idx, max_new_tokens, **sampling):
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None, use_cache=True,
+                 generator=None):
         """idx (B, T) -> (B, T + max_new_tokens), with generate_tokens's sampling settings."""
-        return torch.cat([idx, *self.generate_tokens(idx, max_new_tokens, **sampling)], dim=1)
+        new_tokens = self.generate_tokens(idx, max_new_tokens, temperature, top_k, top_p, use_cache,
+                                          generator)
+        return torch.cat([idx, *new_tokens], dim=1)
 
     @torch.no_grad()
     def generate_tokens(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None,

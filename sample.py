@@ -134,9 +134,6 @@ def parse_settings(arguments, defaults, extra_types):
             listing = "\n".join(f"  --{key}={value!r}" for key, value in defaults.items())
             print(f"{__doc__.strip()}\n\nsettings and their defaults:\n{listing}")
             sys.exit(0)
-        if len(arg) > 1000:  # 50,000 characters exhaust ast's parser
-            raise UserError(f"{arg[:30]}... is over 1,000 characters; sample.py reads a long prompt "
-                            "from a file: --start=FILE:path")
         key, has_value, text = arg[2:].partition("=")
         if not arg.startswith("--") or not has_value:
             raise UserError(f"expected --key=value, got {arg!r} (see --help)")
@@ -145,6 +142,8 @@ def parse_settings(arguments, defaults, extra_types):
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             raise UserError(f"{arg}: unknown setting {key!r}{hint}; --help lists them")
         kinds = {type(defaults[key]), extra_types.get(key, type(defaults[key]))}
+        if str not in kinds and len(text) > 1000:  # 50,000 characters exhaust ast's parser
+            raise UserError(f"{arg[:30]}...: a value of over 1,000 characters")
         try:
             value = text if str in kinds else ast.literal_eval(text)
         except (ValueError, SyntaxError, RecursionError):

@@ -73,6 +73,9 @@ ddp, master = world_size > 1, rank == 0  # the master is the only rank that prin
 class UserError(Exception):
     """A mistake in the input: printed as one line, never as a traceback."""
 
+class BatchError(UserError):
+    """A bad id in the batch a rank just read: no other rank sees it, so every rank prints it."""
+
 def report(kind, error, traceback):
     """sys.excepthook: a mistake (printed by the master), a second Ctrl-C or a lost rank is one line
     and exit status 1. A bug keeps its traceback."""
@@ -86,7 +89,7 @@ def report(kind, error, traceback):
         error = f"rank {rank} lost contact with the other ranks ({reason}): {other} {state}"
     elif not issubclass(kind, UserError):
         return sys.__excepthook__(kind, error, traceback)
-    if master or not issubclass(kind, UserError):
+    if master or not issubclass(kind, UserError) or issubclass(kind, BatchError):
         print(f"error: {error}", file=sys.stderr, flush=True)
     else:
         time.sleep(3)  # so that torchrun doesn't stop the master before it has printed
@@ -115,9 +118,11 @@ for arg in sys.argv[1:]:
         sys.exit(0)
     elif arg.startswith("--"):
         key, has_value, value = arg[2:].partition("=")
-        if not has_value or len(value) > 1000:  # a huge literal would exhaust the parser's memory
-            raise UserError(f"--{key}: expected --key=value, a value of at most 1,000 characters")
+        if not has_value:
+            raise UserError(f"{arg}: expected --key=value")
         if type(defaults.get(key)) is not str or key in extra_types:  # str settings take the text
+            if len(value) > 1000:  # a huge literal would exhaust the parser's memory
+                raise UserError(f"--{key}: a value of at most 1,000 characters")
             try:
                 value = ast.literal_eval(value)
             except (ValueError, SyntaxError, MemoryError, RecursionError):
@@ -138,14 +143,12 @@ for arg in sys.argv[1:]:
             if not key.startswith("_") and not callable(value) and type(value).__name__ != "module":
                 set_setting(arg, key, value)
 
-# More GPUs, or a smaller batch_size to fit memory, only change how many micro-steps make a step
-tokens_per_micro_step = batch_size * block_size * world_size
-total_batch_size = tokens_per_micro_step if total_batch_size is None else total_batch_size
 # each setting's range, then the rules across settings (GPTConfig checks the model's settings)
 for names, test, what in [  # (settings, test, what the test asks)
     ([k for k, v in defaults.items() if type(v) is float], math.isfinite, "finite"),
-    (["batch_size", "block_size", "total_batch_size", "learning_rate", "eval_interval",
-      "eval_iters", "log_interval", "timeout"], lambda value: value > 0, "positive"),
+    (["batch_size", "block_size", "learning_rate", "eval_interval", "eval_iters", "log_interval",
+      "timeout"], lambda value: value > 0, "positive"),
+    (["total_batch_size"], lambda value: value is None or value > 0, "positive, or None"),
     (["max_iters", "warmup_iters", "lr_decay_iters", "min_lr", "weight_decay", "grad_clip"],
      lambda value: value >= 0, "0 or more"),
     (["beta1", "beta2"], lambda value: 0 <= value < 1, "in [0, 1)"),
@@ -164,16 +167,12 @@ for names, test, what in [  # (settings, test, what the test asks)
             raise UserError(f"{name}={globals()[name]!r}: must be {what}")
 for ok, message in [  # the rules across settings
     (min_lr <= learning_rate, f"min_lr={min_lr} is above learning_rate={learning_rate}"),
-    (total_batch_size % tokens_per_micro_step == 0, f"total_batch_size={total_batch_size} is not a "
-     f"multiple of batch_size*block_size*world_size = {batch_size}*{block_size}*{world_size} = "
-     f"{tokens_per_micro_step}: change one so that it divides"),
     (not wandb_log or importlib.util.find_spec("wandb"), "wandb_log=True needs the wandb package"),
     (not slurm or {"MASTER_ADDR", "MASTER_PORT"} <= os.environ.keys(), "SLURM with several tasks: "
      "export MASTER_ADDR (the first node) and MASTER_PORT (see the README)"),
 ]:
     if not ok:
         raise UserError(message)
-grad_accum_steps = total_batch_size // tokens_per_micro_step  # micro-steps per rank per step
 n_kv_head = n_head if n_kv_head is None else n_kv_head  # None: plain multi-head attention
 
 # the dataset: meta.json, the tokenizer (the checkpoint carries it), the shards
@@ -239,10 +238,10 @@ def get_batch(split, generator):
         for row in np.flatnonzero(shard_of == shard):
             rows[row] = tokens[offsets[row]:offsets[row] + block_size + 1]
         # An id past the vocabulary would fail deep in the embedding (on a GPU, as a device
-        # assert). Checked here, on the ids just read, it is free; at start-up it read every shard.
+        # assert). Checked here, on the ids just read, it costs nothing; start-up reads no tokens.
         largest = rows[shard_of == shard].max()  # (unsigned: no id is below 0)
         if largest >= meta["vocab_size"]:
-            raise UserError(f"{paths[shard]} holds token id {largest}, past the vocabulary of "
+            raise BatchError(f"{paths[shard]} holds token id {largest}, past the vocabulary of "
                             f"meta.json (0..{meta['vocab_size'] - 1}): {fix_dataset}")
     x, y = torch.from_numpy(rows[:, :-1].copy()), torch.from_numpy(rows[:, 1:].copy())
     if device_type == "cuda":  # pinned memory: the copy runs while the GPU works on the last batch
@@ -326,6 +325,15 @@ vocab_size = meta["vocab_size"] if vocab_size is None else vocab_size
 if vocab_size < meta["vocab_size"]:
     raise UserError(f"vocab_size={vocab_size} but the dataset's vocabulary has "
                     f"{meta['vocab_size']} ids: leave vocab_size unset, or set it that large")
+# More GPUs, or a smaller batch_size to fit memory, only change how many micro-steps make a step
+# (here, after a resume has set the checkpoint's block_size)
+tokens_per_micro_step = batch_size * block_size * world_size
+total_batch_size = tokens_per_micro_step if total_batch_size is None else total_batch_size
+if total_batch_size % tokens_per_micro_step:
+    raise UserError(f"total_batch_size={total_batch_size} is not a multiple of batch_size*block_size*"
+                    f"world_size = {batch_size}*{block_size}*{world_size} = {tokens_per_micro_step}: "
+                    "change one so that it divides")
+grad_accum_steps = total_batch_size // tokens_per_micro_step  # micro-steps per rank per step
 try:
     model_config = GPTConfig(**{f.name: globals()[f.name] for f in fields(GPTConfig)
                                 if f.name in defaults})
@@ -350,6 +358,9 @@ def lock_directory(path):
         os.close(descriptor)
         raise UserError(f"{path}: another run is writing there; wait for it to end, "
                         "or choose another directory")
+    except OSError as error:  # a filesystem without flock (Lustre mounted noflock, NFS without lockd)
+        print(f"warning: {path}: can't lock it ({error.strerror}); make sure that one run at a time "
+              "writes there", file=sys.stderr)
     return descriptor  # the lock lasts while this descriptor is open: keep it
 
 # out_dir: the master locks it for the whole run, and only then looks at what is in it
@@ -476,8 +487,8 @@ while True:
         tokens_per_sec = total_batch_size / seconds if seconds else None
         if not stopping:
             log(f"eval iter {iter_num}: train loss {train_loss:.4f}, val loss {val_loss:.4f}, "
-                f"lr {lr:.3g}, {tokens_per_sec or 0:,.0f} tokens/s, mfu {percent(mfu)}", iter=iter_num, lr=lr,
-                tokens=iter_num * total_batch_size, train_loss=train_loss, val_loss=val_loss,
+                f"lr {lr:.3g}, {tokens_per_sec or 0:,.0f} tokens/s, mfu {percent(mfu)}", iter=iter_num,
+                tokens=iter_num * total_batch_size, train_loss=train_loss, val_loss=val_loss, lr=lr,
                 tokens_per_sec=tokens_per_sec, mfu=mfu)
         if iter_num > 0 and not stopping:  # iter 0's weights are never saved, so they set no best
             if val_loss < best_val_loss or always_save_checkpoint:
@@ -549,9 +560,9 @@ while True:
         mfu = raw_model.estimate_mfu(batch_size * grad_accum_steps, seconds)
         log(f"iter {iter_num}: loss {step_loss_value:.4f}, {seconds * 1000:.1f} ms/step, "
             f"{total_batch_size / seconds:,.0f} tokens/s, mfu {percent(mfu)}, "
-            f"eta {(max_iters - iter_num) * seconds / 60:.1f} min", iter=iter_num, lr=lr,
-            loss=step_loss_value, ms_per_step=seconds * 1000, tokens_per_sec=total_batch_size / seconds,
-            mfu=mfu)
+            f"eta {(max_iters - iter_num) * seconds / 60:.1f} min", iter=iter_num,
+            loss=step_loss_value, lr=lr, ms_per_step=seconds * 1000,
+            tokens_per_sec=total_batch_size / seconds, mfu=mfu)
 if ddp:  # leave together: the others get here while the master still writes the last checkpoint
     dist.barrier()
     dist.destroy_process_group()

@@ -150,8 +150,9 @@ BAD_INPUTS = {
     "unknown setting": (["--out_dir={ckpts}/char", "--top_kk=3"], "unknown setting 'top_kk' (did you mean 'top_k'?)"),
     "a seed past 2^64-1": (["--out_dir={ckpts}/char", "--seed=18446744073709551616"], "from 0 to 2^64-1"),
     "a device torch can't sample on": (["--out_dir={ckpts}/char", "--device=meta"], "--device=meta: not a device"),
-    # 50,000 characters exhaust ast.literal_eval (a MemoryError); a long prompt goes in a file.
-    "a 50,000-character setting": (["--out_dir={ckpts}/char", "--seed=" + "-" * 50_000 + "1"], "--start=FILE:path"),
+    # 50,000 characters exhaust ast.literal_eval (a MemoryError); a long text setting (the prompt) is fine.
+    "a 50,000-character setting": (["--out_dir={ckpts}/char", "--seed=" + "-" * 50_000 + "1"],
+                                   "a value of over 1,000 characters"),
     "n_head=0 in the checkpoint": (["--out_dir={ckpts}/n_head_0"], "does not fit this model.py: ValueError: n_head=0"),
 }
 

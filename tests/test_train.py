@@ -523,7 +523,7 @@ MISTAKES = {
     "n_embd zero": (["--n_embd=0"], "n_embd=0", "positive"),  # else a model of no parameters, silently
     "rate infinite": (["--learning_rate=1e400"], "learning_rate=inf: must be finite"),
     # 50,000 characters: a MemoryError in ast.literal_eval, were it not refused first
-    "long value": (["--seed=" + "-" * 49_999 + "1"], "--seed: expected --key=value, a value of at most 1,000"),
+    "long value": (["--seed=" + "-" * 49_999 + "1"], "--seed: a value of at most 1,000"),
     "preset exits": (["EXITING"], "EXITING: the preset called sys.exit(0)"),
     "shard 2-D": (["--dataset=DATA"], "val_000000.npy holds a 2-D array of uint16"),
     "shard float32": (["--dataset=DATA"], "val_000000.npy holds a 1-D array of float32"),
