@@ -200,3 +200,15 @@ def test_sample_and_export_share_one_settings_parser_byte_for_byte():
         return text[start:text.index("\ndef ", text.index("def parse_settings(")) + 1]
     assert copy_in("sample.py") == copy_in("export_hf.py")
     assert "def parse_settings(arguments, defaults, extra_types):" in copy_in("sample.py")
+
+
+def test_a_long_prompt_is_a_setting_like_any_other():
+    """The 1,000-character bound guards ast.literal_eval only: a text setting (the prompt) may be long."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("sample_for_settings", os.path.join(REPO, "sample.py"))
+    sample = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sample)  # the __main__ block does not run
+    prompt = "To be, or not to be, that is the question: " * 50
+    assert sample.parse_settings([f"--start={prompt}"], sample.defaults, {}) == {"start": prompt}
+    with pytest.raises(sample.UserError, match="a value of over 1,000 characters"):
+        sample.parse_settings(["--seed=" + "1" * 1001], sample.defaults, {})

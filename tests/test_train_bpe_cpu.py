@@ -346,3 +346,13 @@ def test_out_may_be_a_tokenizer_directory_to_overwrite(tmp_path):
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]  # after the bars
     assert result.returncode == 1 and errors == ["error: [Errno 27] File too large"], result.stderr
     assert {path.name: path.read_bytes() for path in (tmp_path / "tok").iterdir() if path.suffix != ".tmp"} == before
+
+
+def test_a_filesystem_without_flock_is_a_warning(tmp_path, monkeypatch, capsys):
+    """Lustre mounted noflock, or NFS without lockd, refuse flock with an OSError: the run goes on, warned."""
+    def no_flock(descriptor, operation):
+        raise OSError(38, "Function not implemented")
+    monkeypatch.setattr(bpe.fcntl, "flock", no_flock)
+    descriptor = bpe.check_out_dir(tmp_path / "out")
+    os.close(descriptor)
+    assert "can't lock it (Function not implemented)" in capsys.readouterr().err
