@@ -584,3 +584,15 @@ def test_user_mistakes_get_one_line(mistakes, case):
     assert not (tmp / "out").exists()  # nothing written before the mistake was found
     if case == "ids past vocab":  # start-up passed (the model was built): the batch's check found it
         assert "model:" in results[case].stdout and not list((tmp / "found_in_a_batch").iterdir())
+
+
+def test_a_resume_sizes_its_steps_with_the_checkpoints_block_size(trained, dataset, tmp_path):
+    """The accumulation comes from the block_size that the resume keeps (32), not the command line's (16):
+    128 tokens a step is one micro-step of 4 x 32, and the one saved data stream goes on."""
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    (out_dir / "ckpt.pt").write_bytes((trained / "ckpt.pt").read_bytes())
+    result = train(dataset, out_dir, "--init_from=resume", "--block_size=16", "--total_batch_size=128",
+                   "--max_iters=41", "--eval_interval=100")
+    assert "block_size 32 x world_size 1 x accumulation 1" in result.stdout, result.stdout
+    assert "data streams" not in result.stdout
