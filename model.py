@@ -50,7 +50,7 @@ class GPTConfig:
                 raise ValueError(f"{name}={value!r}: must be a positive integer")
         heads = f"n_embd={self.n_embd}, n_head={self.n_head}, n_kv_head={self.n_kv_head}"
         for bad, reason in [
-            (self.n_embd % self.n_head or self.n_embd // self.n_head % 2,
+            (self.n_embd % self.n_head or (self.n_embd // self.n_head) % 2,
              f"{heads}: n_head must divide n_embd into an even head size (RoPE rotates pairs)"),
             (self.n_head % self.n_kv_head, f"{heads}: n_kv_head must divide n_head"),
             (not 0 < self.ffn_ratio < math.inf, f"ffn_ratio={self.ffn_ratio}: must be positive"),

@@ -76,20 +76,20 @@ class UserError(Exception):
 class BatchError(UserError):
     """A bad id in the batch a rank just read: no other rank sees it, so every rank prints it."""
 
-def report(kind, error, traceback):
+def report(error_type, error, traceback):
     """sys.excepthook: a mistake (printed by the master), a second Ctrl-C or a lost rank is one line
     and exit status 1. A bug keeps its traceback."""
-    if issubclass(kind, KeyboardInterrupt):
+    if issubclass(error_type, KeyboardInterrupt):
         error = "interrupted: stopped at once, without saving (one Ctrl-C saves first)"
-    elif ddp and issubclass(kind, RuntimeError) and re.search("gloo|nccl|time.?out|connect|peer",
-                                                              str(error), re.I):
+    elif ddp and issubclass(error_type, RuntimeError) and re.search(
+            "gloo|nccl|time.?out|connect|peer", str(error), re.I):
         reason = re.sub(r"^\[[^\]]*\] ", "", str(error).strip().split("\n")[0])[:150]
         other = f"rank {1 - rank}" if world_size == 2 else "another rank"
-        state = "hangs" if "out" in reason else "stopped"
-        error = f"rank {rank} lost contact with the other ranks ({reason}): {other} {state}"
-    elif not issubclass(kind, UserError):
-        return sys.__excepthook__(kind, error, traceback)
-    if master or not issubclass(kind, UserError) or issubclass(kind, BatchError):
+        what_happened = "hangs" if "out" in reason else "stopped"
+        error = f"rank {rank} lost contact with the other ranks ({reason}): {other} {what_happened}"
+    elif not issubclass(error_type, UserError):
+        return sys.__excepthook__(error_type, error, traceback)
+    if master or not issubclass(error_type, UserError) or issubclass(error_type, BatchError):
         print(f"error: {error}", file=sys.stderr, flush=True)
     else:
         time.sleep(3)  # so that torchrun doesn't stop the master before it has printed
