@@ -249,6 +249,23 @@ def test_kv_cache_logits_match_full_forward_logits():
         torch.testing.assert_close(logits[:, 0], full[:, pos], rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU here: the CPU tests above cover the code")
+def test_cuda_kv_cache_equals_full_recompute_and_the_cpu():
+    # On a GPU: the same logits as the CPU (float32; TF32 off by default), the cache's greedy tokens equal the
+    # recompute's, and under bf16 autocast the cache takes autocast's dtype and decodes.
+    model = scrambled_model(n_kv_head=2)
+    idx = torch.randint(0, 97, (3, 20), generator=torch.Generator().manual_seed(8))
+    on_cpu = all_logits(model, idx)
+    model.cuda()
+    torch.testing.assert_close(all_logits(model, idx.cuda()).cpu(), on_cpu, rtol=1e-3, atol=1e-4)
+    prompt = idx[:, :5].cuda()
+    cached = model.generate(prompt, max_new_tokens=27, temperature=0)
+    assert torch.equal(cached, model.generate(prompt, max_new_tokens=27, temperature=0, use_cache=False))
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        in_bf16 = model.generate(prompt, max_new_tokens=27, temperature=0)
+    assert in_bf16.shape == (3, 32) and torch.equal(in_bf16[:, :5], prompt)
+
+
 def test_generation_goes_past_block_size_and_crops_long_prompts():
     model = tiny_model()
     long_prompt = torch.randint(0, 97, (1, 40))

@@ -1,0 +1,123 @@
+#!/usr/bin/env bash
+# Issue 28 on a lent GPU machine: every CUDA path run for real, in phases that each fit one device call
+# (10 minutes). The machine is bare and offline, so the call carries what it needs (git-ignored):
+#   .corpora/*.xz      the shared corpora, xz-compressed (xz -T2 -6 -c ../shared/corpora/enwiki.jsonl)
+#   .corpora/gpt2/     GPT-2's ranks as a BPE directory (tiktoken can't download them offline)
+#   .whl/              wheels the image lacks: datasets, dill, multiprocess, rustbpe (cp312)
+#
+#   bash bench/gpu_session.sh suite bpe_small        # then: bpe_big data step, then: train ddp sample
+#
+# Every step has its own time limit and goes on after a failure; its output goes to $OUT/log.txt and one
+# line per step (rc, seconds) to $OUT/summary.txt, printed again at the end. No step starts or runs past
+# DEADLINE seconds from the start.
+set -uo pipefail
+OUT=${OUT:-/tmp/gpu_out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 CORPORA_DIR=/tmp/corpora
+CORPORA=/tmp/corpora
+LOG=$OUT/log.txt
+DEADLINE=${DEADLINE:-570}  # seconds: a device call ends at 600
+
+step() {  # step NAME SECONDS COMMAND...: run it under a time limit, log it, never stop the script
+    local name=$1 limit=$2 started=$SECONDS
+    shift 2
+    if (( started + limit > DEADLINE )); then  # the call's own limit: keep the logs of what ran
+        limit=$((DEADLINE - started))
+        (( limit > 10 )) || { echo "=== $name: skipped, past the deadline" | tee -a "$OUT/summary.txt"; return; }
+    fi
+    echo "=== $name: $*" | tee -a "$LOG"
+    timeout --kill-after=10 "$limit" "$@" 2>&1 | tee -a "$LOG"
+    local rc=${PIPESTATUS[0]}
+    echo "=== $name: rc $rc in $((SECONDS - started)) s" | tee -a "$LOG" "$OUT/summary.txt"
+}
+
+setup() {
+    if [ ! -d /tmp/site ]; then
+        python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+    fi
+    mkdir -p $CORPORA
+    for packed in .corpora/*.xz; do
+        local name=$CORPORA/$(basename "$packed" .xz)
+        [ -f "$name" ] || xz -dc "$packed" > "$name"
+    done
+    nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv | tee -a "$LOG"
+    python3 -c "import torch, triton, datasets, pyarrow, rustbpe, tiktoken, transformers as t
+print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, 'datasets',
+      datasets.__version__, 'pyarrow', pyarrow.__version__, 'tiktoken', tiktoken.__version__,
+      'transformers', t.__version__)" 2>&1 | tee -a "$LOG"
+    lscpu | grep "Model name" | tee -a "$LOG"
+    git log -1 --format="commit %h %s" 2>/dev/null | tee -a "$LOG"
+}
+export PYTHONPATH=/tmp/site
+
+make_data() {  # the tokenizers and shards the training phases read (kept while the machine stays warm)
+    [ -f data/enwiki_gpt2/meta.json ] || step prepare_gpt2 240 python3 prepare_data.py \
+        --tokenizer .corpora/gpt2 --data $CORPORA/enwiki.jsonl --out data/enwiki_gpt2 --workers 16
+    [ -f tokenizers/enwiki_v8191/tokenizer.json ] || step bpe_lillm 240 python3 train_bpe_gpu.py \
+        -v 8191 --data $CORPORA/enwiki.jsonl --out tokenizers/enwiki_v8191
+    [ -f data/enwiki_lillm/meta.json ] || step prepare_lillm 240 python3 prepare_data.py \
+        --tokenizer tokenizers/enwiki_v8191 --data $CORPORA/enwiki.jsonl --out data/enwiki_lillm --workers 16
+}
+
+setup
+for phase in "$@"; do
+    case $phase in
+    suite)  # the CUDA tests that CI skips run here; the interpreter tests run compiled kernels
+        step suite 330 python3 -m pytest -q -n 8 --dist loadfile -p no:cacheprovider --timeout=240 \
+            --durations=15 ;;
+    bpe_small)
+        step bench_bpe_small 150 python3 bench/bench_bpe_gpu.py --data $CORPORA/enwiki.jsonl \
+            -n 1048576 -v 1000 --count_reads
+        step multigpu_nccl_1 120 torchrun --standalone --nproc_per_node=1 train_bpe_multigpu.py \
+            --data $CORPORA/enwiki.jsonl -n 1048576 -v 1000 --out /tmp/tok_multigpu ;;
+    bpe_big)  # 2^27 characters: enwiki three times over (its 56.9M characters are fewer)
+        [ -f $CORPORA/enwiki3.jsonl ] || cat $CORPORA/enwiki.jsonl{,,} > $CORPORA/enwiki3.jsonl
+        step bench_bpe_big 300 python3 bench/bench_bpe_gpu.py --data $CORPORA/enwiki3.jsonl \
+            -n 134217728 -v 65534 --repeats 1
+        step host_side 150 python3 bench/bench_bpe_gpu.py --data $CORPORA/enwiki.jsonl --host_side \
+            -n 33554432 --repeats 1 ;;
+    data) make_data ;;
+    step)  # one step of each preset's model on random tokens: tokens/s, MFU, the profile's top kernels
+        step step_gpt2 200 python3 bench/bench_step.py config/gpt2_124m.py --trace $OUT/trace_gpt2.json
+        step step_lillm 150 python3 bench/bench_step.py config/lillm.py ;;
+    train)
+        make_data
+        step train_gpt2 240 python3 train.py config/gpt2_124m.py --dataset=data/enwiki_gpt2 \
+            --out_dir=out-gpt2 --max_iters=120 --lr_decay_iters=120 --warmup_iters=20 --eval_interval=60 \
+            --eval_iters=8
+        step train_lillm 200 python3 train.py config/lillm.py --dataset=data/enwiki_lillm \
+            --out_dir=out-lillm --max_iters=200 --lr_decay_iters=200 --warmup_iters=20 --eval_interval=100 \
+            --eval_iters=20 ;;
+    ddp)  # torchrun with NCCL: a run, its resume, and SIGTERM during a step (it saves and exits 0)
+        make_data
+        small="config/lillm.py --dataset=data/enwiki_lillm --total_batch_size=131072 --eval_iters=4"
+        step ddp_first 150 torchrun --standalone --nproc_per_node=1 train.py $small --out_dir=out-ddp \
+            --max_iters=20 --eval_interval=10
+        step ddp_resume 120 torchrun --standalone --nproc_per_node=1 train.py $small --out_dir=out-ddp \
+            --max_iters=30 --eval_interval=10 --init_from=resume
+        python3 train.py $small --out_dir=out-term --max_iters=100000 --eval_interval=1000 \
+            > /tmp/term.log 2>&1 &
+        pid=$!
+        for _ in $(seq 240); do  # until step 30 is logged: the SIGTERM then lands inside a step
+            grep -q "^iter 30" /tmp/term.log || ! kill -0 $pid 2>/dev/null && break
+            sleep 1
+        done
+        kill -TERM $pid
+        wait $pid
+        echo "=== sigterm: rc $? (0 expected)" | tee -a "$LOG" "$OUT/summary.txt"
+        tail -5 /tmp/term.log | tee -a "$LOG"
+        ls -la out-term | tee -a "$LOG" ;;
+    sample)
+        step sample_gpt2 120 python3 sample.py --out_dir=out-gpt2 --max_new_tokens=256 \
+            --start="The history of"
+        for run in "1 256" "1 1024" "8 256"; do
+            read -r rows new_tokens <<< "$run"
+            step generate_b${rows}_$new_tokens 150 python3 bench/bench_model.py --part generate \
+                --device cuda --dtype bfloat16 --presets lillm,gpt2_124m --new_tokens $new_tokens \
+                --batch_size $rows
+        done ;;
+    *) echo "unknown phase $phase" ;;
+    esac
+done
+echo "--- summary"
+cat "$OUT/summary.txt"
