@@ -325,7 +325,10 @@ def merge_on_device(arrays, vocab_size, device):
     started = time.time()
     if device.type == "cuda":
         # Triton launches, and a CUDA graph records, on the current device: make it this one, or
-        # --device cuda:1 would run the kernels on GPU 0 with pointers into GPU 1.
+        # --device cuda:1 would run the kernels on GPU 0 with pointers into GPU 1. Plain "cuda"
+        # is the current GPU (set_device wants an index).
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(device)
     upload = lambda name: torch.from_numpy(arrays[name]).to(device)  # noqa: E731
     zeros = lambda size, dtype=torch.int64: torch.zeros(size, dtype=dtype, device=device)  # noqa

@@ -54,7 +54,7 @@ make_data() {  # the tokenizers and shards the training phases read (kept while 
     [ -f data/enwiki_gpt2/meta.json ] || step prepare_gpt2 240 python3 prepare_data.py \
         --tokenizer .corpora/gpt2 --data $CORPORA/enwiki.jsonl --out data/enwiki_gpt2 --workers 16
     [ -f tokenizers/enwiki_v8191/tokenizer.json ] || step bpe_lillm 240 python3 train_bpe_gpu.py \
-        -v 8191 --data $CORPORA/enwiki.jsonl --out tokenizers/enwiki_v8191
+        -v 8191 -n 100000000 --data $CORPORA/enwiki.jsonl --out tokenizers/enwiki_v8191
     [ -f data/enwiki_lillm/meta.json ] || step prepare_lillm 240 python3 prepare_data.py \
         --tokenizer tokenizers/enwiki_v8191 --data $CORPORA/enwiki.jsonl --out data/enwiki_lillm --workers 16
 }
@@ -63,8 +63,8 @@ setup
 for phase in "$@"; do
     case $phase in
     suite)  # the CUDA tests that CI skips run here; the interpreter tests run compiled kernels
-        step suite 330 python3 -m pytest -q -n 8 --dist loadfile -p no:cacheprovider --timeout=240 \
-            --durations=15 ;;
+        step suite 260 python3 -m pytest -v -n 14 --dist loadfile -p no:cacheprovider --timeout=90 \
+            --tb=short -rf --durations=10 ;;
     bpe_small)
         step bench_bpe_small 150 python3 bench/bench_bpe_gpu.py --data $CORPORA/enwiki.jsonl \
             -n 1048576 -v 1000 --count_reads

@@ -310,6 +310,23 @@ def test_cuda_merge_loop_never_syncs_between_the_allowed_reads(corpus, monkeypat
     assert len(reads) >= (2000 - 256) // bpe.MERGES_PER_READ
 
 
+def test_plain_cuda_means_the_current_gpu(monkeypatch):
+    # --device cuda (the default on a GPU machine) names no index, which torch.cuda.set_device refuses: the
+    # current GPU's index is what it gets. Seen on a real H100 before the fix: ValueError, no merge ran.
+    class Stop(Exception):
+        pass
+
+    def set_device(device):
+        raise Stop(torch.cuda._utils._get_device_index(device))  # torch's own check: needs an index
+
+    monkeypatch.setattr(bpe.torch.cuda, "set_device", set_device)
+    monkeypatch.setattr(bpe.torch.cuda, "current_device", lambda: 0)
+    arrays = bpe.chunks_to_arrays(chunk_counts_of(["abcabc abd abd"]), 260)
+    with pytest.raises(Stop) as stop:
+        bpe.merge_on_device(arrays, 260, "cuda")
+    assert stop.value.args[0] == 0
+
+
 # ---------------------------------------------------------------- pre-tokenizing: worker processes
 
 
