@@ -43,6 +43,15 @@ try:
     import triton.language as tl
 except ImportError:
     sys.exit("error: train_bpe_gpu.py needs triton (pip install triton)")
+if os.environ["TRITON_INTERPRET"] == "1":
+    # Triton 3.6's interpreter (CUDA torch 2.11 pins it) takes a loop bound as int() of a 1-element
+    # array, which NumPy 2.4 refuses (triton-lang/triton#9171); later Tritons take the element.
+    from triton.runtime import interpreter
+
+    def patch_tensor(tensor, *scope, patch=interpreter._patch_lang_tensor):
+        patch(tensor, *scope)
+        tensor.__index__ = lambda self: int(self.handle.data.squeeze())
+    interpreter._patch_lang_tensor = patch_tensor
 
 # -----------------------------------------------------------------------------
 # defaults, each overridable from the command line

@@ -51,3 +51,13 @@ def test_the_check_sees_a_drifted_copy(tmp_path, monkeypatch):
     monkeypatch.setattr(sys.modules[__name__], "REPO", tmp_path)
     with pytest.raises(AssertionError, match="differs"):
         test_the_copies_are_identical("save_tokenizer", ["train_bpe_cpu.py", "train_bpe_gpu.py"])
+
+
+def test_the_interpreter_fix_is_the_same_in_both_gpu_trainers():
+    """Not a top-level function (it runs at import, before any kernel): the block from its `if` to its last line."""
+    start, end = 'if os.environ["TRITON_INTERPRET"] == "1":', "interpreter._patch_lang_tensor = patch_tensor\n"
+    blocks = []
+    for script in GPU_TRAINERS:
+        text = (REPO / script).read_text(encoding="utf-8")
+        blocks.append(text[text.index(start):text.index(end) + len(end)])
+    assert blocks[0] == blocks[1] and "squeeze" in blocks[0]

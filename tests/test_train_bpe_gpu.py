@@ -150,13 +150,14 @@ def test_random_corpora_equal_rustbpe_and_cpu_trainer(docs, vocab_size):
 # The interpreter runs code that the GPU compiler refuses (`x = y = ...`, say): compile each kernel for an H100
 # (sm_90), which needs no GPU, only the ptxas that triton bundles; with int32 counts, and int64 where it matters.
 COMPILE_FOR_A_GPU = """
-import os, sys
+import os, re, sys
 os.environ["TRITON_INTERPRET"] = "0"
 sys.path.insert(0, sys.argv[1])
 import triton
 import train_bpe_gpu as bpe
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+barrier = lambda ttir: re.search(r'(gpu|ttg)[.]barrier', ttir).start()  # Triton 3.6: gpu.barrier
 
 INT64 = {"state", "row_key", "fresh_key", "list_start", "list_len", "merges"}
 for counts in ("*i32", "*i64"):
@@ -170,7 +171,7 @@ for counts in ("*i32", "*i64"):
         ttir = triton.compile(ASTSource(kernel, signature, constexprs), target=GPUTarget("cuda", 90, 32)).asm["ttir"]
         print(kernel.fn.__name__, counts, "compiled")
         if kernel is bpe.choose_pair:  # the dirty rows' keys are copied (stores), then a barrier, then scanned (reduce)
-            print("barrier between copy and scan:", ttir.index("tt.store") < ttir.find("ttg.barrier") < ttir.index("tt.reduce"))
+            print("barrier between copy and scan:", ttir.index("tt.store") < barrier(ttir) < ttir.index("tt.reduce"))
 """
 
 
@@ -295,9 +296,13 @@ def test_cuda_merge_loop_never_syncs_between_the_allowed_reads(corpus, monkeypat
     merges_done, reads = bpe.merges_done, []
 
     def read_then_forbid(state):
+        # Forbidden only while another group is to come: after the last group (1744 merges are exactly 109
+        # groups, and DONE is set by the next choose_pair, which never runs) the loop ends and reads its
+        # results. Seen on an H100: forbidding there too failed at the first read after the loop.
         torch.cuda.set_sync_debug_mode("default")
         reads.append(merges_done(state))
-        if len(reads) >= 2 and not reads[-1]:
+        another_group = len(reads) * bpe.MERGES_PER_READ < 2000 - 256
+        if len(reads) >= 2 and not reads[-1] and another_group:
             torch.cuda.set_sync_debug_mode("error")
         return reads[-1]
 
