@@ -30,7 +30,7 @@ always_save_checkpoint = False  # save at every eval, not only when val loss imp
 milestones = []                 # steps at which to keep a copy of the checkpoint, ckpt_<iter>.pt
 wandb_log, wandb_project, wandb_run_name = False, "lillm", "run"  # log evals to Weights & Biases
 # batch: total_batch_size is what matters to the optimization; the others fit the hardware
-batch_size = 32                 # sequences per device in one forward/backward (micro-step)
+batch_size = 64                 # sequences per device in one forward/backward (micro-step)
 block_size = 512                # tokens per sequence: the model's context length
 total_batch_size = 524288       # tokens per step, over ranks and micro-steps (None: one micro-step)
 # model; vocab_size comes from the dataset's meta.json unless set (to pad it: 50257 -> 50304)
