@@ -63,7 +63,9 @@ setup
 for phase in "$@"; do
     case $phase in
     suite)  # the CUDA tests that CI skips run here; the interpreter tests run compiled kernels
-        step suite 260 python3 -m pytest -v -n 14 --dist loadfile -p no:cacheprovider --timeout=90 \
+        # -v names each failure as it happens, even if the step runs out of time. Compiling on CUDA takes
+        # ~40 s a run, so a test that trains 3 runs needs minutes: 90 s per test failed good tests here.
+        step suite 420 python3 -m pytest -v -n 14 --dist loadfile -p no:cacheprovider --timeout=300 \
             --tb=short -rf --durations=10 ;;
     bpe_small)
         step bench_bpe_small 150 python3 bench/bench_bpe_gpu.py --data $CORPORA/enwiki.jsonl \
