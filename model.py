@@ -324,6 +324,32 @@ class GPT(nn.Module):
                                    torch.zeros(shape, dtype=dtype, device=device))
 
 
+    # ---- scoring: which continuation the model finds likeliest (HellaSwag) ----
+
+    @torch.no_grad()
+    def continuation_losses(self, contexts, continuations):
+        """For each pair of token-id lists (context, continuation): the continuation's summed and
+        mean cross-entropy given the context, two (B,) float32 tensors. A pair keeps its last
+        block_size + 1 tokens: the context is cut from the left to fit."""
+        pairs = []
+        for context, continuation in zip(contexts, continuations):
+            if not context or not continuation:
+                raise ValueError("a context and a continuation of at least one token each")
+            ids = (context + continuation)[-(self.config.block_size + 1):]
+            pairs.append((ids, min(len(continuation), len(ids) - 1)))
+        # right-padded rows: a causal model's positions never see the padding after them
+        width, device = max(len(ids) for ids, _ in pairs) - 1, self.lm_head.weight.device
+        inputs = torch.zeros(len(pairs), width, dtype=torch.long, device=device)
+        targets = torch.full((len(pairs), width), -1, dtype=torch.long, device=device)
+        for row, (ids, scored) in enumerate(pairs):
+            inputs[row, :len(ids) - 1] = torch.tensor(ids[:-1])
+            targets[row, len(ids) - 1 - scored:len(ids) - 1] = torch.tensor(ids[-scored:])
+        logits, _ = self(inputs, targets)
+        losses = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-1,
+                                 reduction="none").view(len(pairs), width)
+        summed = losses.sum(dim=1)
+        return summed, summed / (targets >= 0).sum(dim=1)
+
 # Dense bf16 peaks (fp16: V100, T4) from data sheets; the first key in the GPU's name wins.
 PEAK_FLOPS = {"GB200": 2.5e15, "B200": 2.25e15, "GH200": 989e12, "H200": 989e12, "H100 PCIe": 756e12,
               "H100": 989e12, "H800": 989e12, "A100": 312e12, "A800": 312e12, "L40S": 362e12,

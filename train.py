@@ -11,8 +11,8 @@ Each global of the settings block is a setting; presets and --key=value set them
 a preset is Python and runs as code: use only presets you trust. One run at a time writes in an
 out_dir. SIGTERM or Ctrl-C finishes the step in flight, saves out_dir/ckpt.pt and exits with 0.
 """
-import ast, difflib, fcntl, glob, hashlib, importlib.util, json, math, os, re, signal, sys, time
-import tempfile
+import ast, difflib, fcntl, glob, hashlib, importlib.util, json, math, os, re, signal, socket, sys
+import tempfile, time, urllib.parse
 from dataclasses import asdict, fields
 from datetime import timedelta
 
@@ -29,6 +29,10 @@ log_interval = 10               # print the step's loss and speed every this man
 always_save_checkpoint = False  # save at every eval, not only when val loss improved
 milestones = []                 # steps at which to keep a copy of the checkpoint, ckpt_<iter>.pt
 wandb_log, wandb_project, wandb_run_name = False, "lillm", "run"  # log evals to Weights & Biases
+hellaswag_interval = 0          # HellaSwag at the evals of steps that are multiples of this; 0: off
+hellaswag = "hub"               # "hub" (Rowan/hellaswag: 10,042 examples) or a local .jsonl of them
+sample_prompt = ""              # at each eval, print and log 32 tokens sampled after it; "": off
+eval_only = False               # with init_from="resume": every eval once on the checkpoint, then exit
 # batch: total_batch_size is what matters to the optimization; the others fit the hardware
 batch_size = 64                 # sequences per device in one forward/backward (micro-step)
 block_size = 512                # tokens per sequence: the model's context length
@@ -149,8 +153,8 @@ for names, test, what in [  # (settings, test, what the test asks)
     (["batch_size", "block_size", "learning_rate", "eval_interval", "eval_iters", "log_interval",
       "timeout"], lambda value: value > 0, "positive"),
     (["total_batch_size"], lambda value: value is None or value > 0, "positive, or None"),
-    (["max_iters", "warmup_iters", "lr_decay_iters", "min_lr", "weight_decay", "grad_clip"],
-     lambda value: value >= 0, "0 or more"),
+    (["max_iters", "warmup_iters", "lr_decay_iters", "min_lr", "weight_decay", "grad_clip",
+      "hellaswag_interval"], lambda value: value >= 0, "0 or more"),
     (["beta1", "beta2"], lambda value: 0 <= value < 1, "in [0, 1)"),
     (["seed"], lambda value: 0 <= value < 2**64, "in 0..2**64-1"),
     (["init_from"], lambda value: value in ("scratch", "resume", "auto"),
@@ -167,6 +171,10 @@ for names, test, what in [  # (settings, test, what the test asks)
             raise UserError(f"{name}={globals()[name]!r}: must be {what}")
 for ok, message in [  # the rules across settings
     (min_lr <= learning_rate, f"min_lr={min_lr} is above learning_rate={learning_rate}"),
+    (hellaswag_interval % eval_interval == 0, f"hellaswag_interval={hellaswag_interval} is not a "
+     f"multiple of eval_interval={eval_interval} (HellaSwag is scored at evals)"),
+    (not eval_only or init_from != "scratch", "eval_only=True evaluates a checkpoint: add "
+     "--init_from=resume"),
     (not wandb_log or importlib.util.find_spec("wandb"), "wandb_log=True needs the wandb package"),
     (not slurm or {"MASTER_ADDR", "MASTER_PORT"} <= os.environ.keys(), "SLURM with several tasks: "
      "export MASTER_ADDR (the first node) and MASTER_PORT (see the README)"),
@@ -268,6 +276,56 @@ def log(line, **fields):
 def percent(mfu):
     return "n/a" if mfu is None or mfu != mfu else f"{mfu * 100:.1f}%"  # NaN: no known peak
 
+def hub_problem(timeout=3.0):  # None, or why the Hub can't be used: in 3 s (`datasets` takes ~25)
+    for switch in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
+        if os.environ.get(switch, "").upper() in ("1", "ON", "YES", "TRUE"):
+            return f"the Hugging Face Hub is off ({switch}={os.environ[switch]})"
+    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
+    try:
+        url = urllib.parse.urlsplit(endpoint)
+        port = url.port or (443 if url.scheme == "https" else 80)
+        socket.create_connection((url.hostname or "", port), timeout).close()
+    except (OSError, ValueError):
+        return f"can't reach the Hugging Face Hub at {endpoint}"
+
+def hellaswag_examples(source):
+    """HellaSwag's validation set as (context, endings, label) triples: the Hub's Rowan/hellaswag, or
+    a local .jsonl in its own format (ctx, endings, label a line). None, after a note, if the Hub
+    can't be reached: the run goes on without the figures."""
+    if source == "hub":
+        problem = hub_problem()
+        if problem is None:
+            try:
+                import datasets
+                rows = datasets.load_dataset("Rowan/hellaswag", split="validation")
+                return [(row["ctx"], list(row["endings"]), int(row["label"])) for row in rows]
+            except Exception as error:  # the network failed midway, no datasets package, ...
+                problem = f"{type(error).__name__}: {str(error)[:100]}"
+        if master:
+            print(f"note: no HellaSwag figures ({problem}); --hellaswag=<file.jsonl> scores a local copy")
+        return None
+    try:
+        lines = open(source, encoding="utf-8").read().splitlines()
+    except (OSError, UnicodeDecodeError) as error:
+        raise UserError(f"--hellaswag={source}: can't read it ({error}): give 'hub' or a .jsonl file")
+    examples = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            context, endings, label = row["ctx"], row["endings"], int(row["label"])
+            texts_ok = all(type(text) is str and text for text in [context, *endings])
+        except (ValueError, KeyError, TypeError):
+            texts_ok = False
+        if not (texts_ok and type(endings) is list and len(endings) == 4 and 0 <= label < 4):
+            raise UserError(f"{source}, line {number}: not a HellaSwag example (ctx: text, endings: "
+                            "4 texts, label: 0-3)")
+        examples.append((context, endings, label))
+    return examples
+
+hellaswag_set = hellaswag_examples(hellaswag) if hellaswag_interval else None
+
 # torch, the device, the tokenizer's check, the checkpoint to resume (it decides the model)
 import torch
 import torch.distributed as dist
@@ -296,6 +354,33 @@ if kind != "tiktoken":  # (a tiktoken name may need the internet to load)
     if tokenizer_size != meta["vocab_size"]:
         raise UserError(f"{meta_path} says vocab_size {meta['vocab_size']:,}, but its tokenizer "
                         f"has {tokenizer_size:,} ids: {fix_dataset}")
+# HellaSwag's examples and the sample's prompt as token ids (an example with a character that a
+# char-level vocabulary lacks is left out); the tokenizer of a tiktoken name may need the internet
+encoding = None
+if hellaswag_set or sample_prompt:
+    try:
+        encoding = encoding_from_checkpoint({"tokenizer": tokenizer})
+    except CheckpointError as e:
+        hellaswag_set, sample_prompt = None, ""
+        if master:
+            print(f"note: no HellaSwag figures or samples: the tokenizer can't be loaded ({e})")
+
+def token_ids(text, allowed_special=frozenset()):
+    try:
+        return encoding.encode(text, allowed_special=allowed_special)
+    except ValueError:  # a character the vocabulary lacks, or <|endoftext|> in HellaSwag's text
+        return None
+
+if hellaswag_set:
+    examples = [([token_ids(context)] + [token_ids(" " + ending) for ending in endings], label)
+                for context, endings, label in hellaswag_set]
+    hellaswag_set = [(ids[0], ids[1:], label) for ids, label in examples if None not in ids]
+    if len(hellaswag_set) < len(examples) and master:
+        print(f"note: HellaSwag: {len(examples) - len(hellaswag_set)} of {len(examples)} examples "
+              "have text the tokenizer can't encode; they are left out")
+sample_ids = token_ids(sample_prompt, "all") if sample_prompt else None
+if sample_prompt and not sample_ids:
+    raise UserError(f"sample_prompt={sample_prompt!r} has characters the vocabulary lacks")
 
 ckpt_path = os.path.join(out_dir, "ckpt.pt")
 if init_from == "auto":
@@ -465,9 +550,10 @@ while True:
 
     # Estimate the loss on eval_iters batches of each split, shared out among the ranks. Batch k has
     # the same seed at every eval: evals compare like with like, whatever the number of processes.
-    if (iter_num % eval_interval == 0 or last_iter) and not stopping:
+    if (iter_num % eval_interval == 0 or last_iter or eval_only) and not stopping:
         model.eval()
-        totals = torch.zeros(3, device=device)  # train losses' sum, val ones', ranks stopped
+        # train losses' sum, val ones', ranks stopped; HellaSwag's examples, right by mean, by sum
+        totals = torch.zeros(6, device=device)
         for k in range(rank, eval_iters, world_size):
             if stop_signal:  # a long eval must not outlast a preemption's grace period
                 totals[2] = 1
@@ -477,24 +563,54 @@ while True:
                 x, y = get_batch(split, torch.Generator().manual_seed(eval_seed))
                 with torch.no_grad(), autocast:
                     totals[split_index] += model(x, y)[1].float()
+        # HellaSwag as build-nanogpt and llm.c score it: each ending after the context, the model's
+        # answer the ending of lowest mean loss over its tokens (acc_norm), or of lowest sum (acc).
+        # One example a forward, the examples shared out: 2 processes count what 1 does.
+        if hellaswag_set and (iter_num % hellaswag_interval == 0 or last_iter or eval_only):
+            for context, endings, label in hellaswag_set[rank::world_size]:
+                if stop_signal:
+                    totals[2] = 1
+                    break
+                with torch.no_grad(), autocast:
+                    summed, mean = raw_model.continuation_losses([context] * 4, endings)
+                totals[3:] += torch.stack([torch.ones((), device=device), mean.argmin() == label,
+                                           summed.argmin() == label])
+        sample = None
+        if sample_ids and master:  # what the model writes now: 32 tokens, the same seed each time
+            prompt = torch.tensor([sample_ids[-block_size:]], device=device)
+            sampler = torch.Generator(device).manual_seed(seed)
+            with torch.no_grad(), autocast:
+                new_ids = raw_model.generate(prompt, 32, top_k=50, generator=sampler)[0, prompt.size(1):]
+            new_bytes = b"".join(encoding.decode_single_token_bytes(i) for i in new_ids.tolist())
+            sample = sample_prompt + new_bytes.decode("utf-8", "replace")
         if ddp:
             dist.all_reduce(totals)  # every rank reaches it, stopped early or not
         model.train()
-        train_loss, val_loss = (totals[:2] / eval_iters).tolist()
-        stopping = totals[2].item() > 0
+        train_loss, val_loss, stopped, examples, right_by_mean, right_by_sum = totals.tolist()
+        train_loss, val_loss, stopping = train_loss / eval_iters, val_loss / eval_iters, stopped > 0
+        hellaswag_fields, hellaswag_text = {}, ""
+        if examples:
+            hellaswag_fields = {"hellaswag_acc": right_by_sum / examples, "hellaswag_examples":
+                                int(examples), "hellaswag_acc_norm": right_by_mean / examples}
+            hellaswag_text = f", hellaswag acc_norm {right_by_mean / examples:.4f}"
         seconds = np.mean(step_seconds) if step_seconds else None  # None before the first step
         mfu = raw_model.estimate_mfu(batch_size * grad_accum_steps, seconds) if seconds else None
         tokens_per_sec = total_batch_size / seconds if seconds else None
         if not stopping:
-            log(f"eval iter {iter_num}: train loss {train_loss:.4f}, val loss {val_loss:.4f}, "
-                f"lr {lr:.3g}, {tokens_per_sec or 0:,.0f} tokens/s, mfu {percent(mfu)}", iter=iter_num,
-                tokens=iter_num * total_batch_size, train_loss=train_loss, val_loss=val_loss, lr=lr,
+            log(f"eval iter {iter_num}: train loss {train_loss:.4f}, val loss {val_loss:.4f}"
+                f"{hellaswag_text}, lr {lr:.3g}, {tokens_per_sec or 0:,.0f} tokens/s, "
+                f"mfu {percent(mfu)}", iter=iter_num, tokens=iter_num * total_batch_size,
+                train_loss=train_loss, val_loss=val_loss, **hellaswag_fields, lr=lr,
                 tokens_per_sec=tokens_per_sec, mfu=mfu)
+            if sample is not None:
+                log(f"sample iter {iter_num}: {sample!r}", iter=iter_num, sample=sample)
         if iter_num > 0 and not stopping:  # iter 0's weights are never saved, so they set no best
             if val_loss < best_val_loss or always_save_checkpoint:
                 save_paths.append(ckpt_path)
             best_val_loss = min(best_val_loss, val_loss)
         step_seconds = []
+    if eval_only:  # the checkpoint's evals are logged: nothing to train, nothing to save
+        break
     if stopping:
         save_paths = [ckpt_path]
     elif iter_num in milestones and iter_num > 0:  # again after a resume here: the same state

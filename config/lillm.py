@@ -11,6 +11,8 @@ dataset = "data/fineweb_lillm"
 eval_interval = 1000
 eval_iters = 100  # x 32 x 512 tokens: 1.6M val tokens per estimate
 log_interval = 10
+hellaswag_interval = 1000  # HellaSwag at every eval (the Hub's; offline: a note)
+sample_prompt = 'The meaning of life is'  # a sample at every eval
 always_save_checkpoint = True  # lots of data, no overfitting: the latest is what a resume wants
 milestones = [10_000, 20_000]  # copies to keep, beside ckpt.pt (the SLURM seed kept 10k, 20k, then every 50k)
 

@@ -18,7 +18,8 @@ COPIES = [("lock_directory", WRITERS),
           ("time_is_up", GPU_TRAINERS),
           ("count_batch", GPU_TRAINERS),
           ("count_chunks", GPU_TRAINERS),
-          ("tokenizer_problem", ["model.py", "prepare_data.py"])]
+          ("tokenizer_problem", ["model.py", "prepare_data.py"]),
+          ("hub_problem", [*TRAINERS, "prepare_data.py", "train.py"])]  # train.py: for HellaSwag
 
 
 def function_source(script, name):

@@ -1,0 +1,141 @@
+"""GPT.continuation_losses (HellaSwag-style scoring): checked against a per-pair brute force through forward, and,
+on an exported checkpoint, against transformers' Llama scoring the same endings on its own."""
+import base64
+import os
+import runpy
+import sys
+from dataclasses import asdict
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+REPO = os.path.join(os.path.dirname(__file__), "..")
+sys.path.insert(0, REPO)
+EXPORT = os.path.join(REPO, "export_hf.py")
+from model import GPT, GPTConfig, load_checkpoint, model_from_checkpoint, save_checkpoint  # noqa: E402
+
+
+def scrambled_gpt(seed=0, **overrides):
+    """A tiny model with large random weights (N(0, 0.3)), so that different continuations get clearly
+    different losses."""
+    settings = dict(vocab_size=97, n_embd=32, n_layer=2, n_head=4, n_kv_head=2, block_size=16)
+    settings.update(overrides)
+    torch.manual_seed(seed)
+    model = GPT(GPTConfig(**settings)).eval()
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() >= 2:
+                param.normal_(0.0, 0.3)
+    return model
+
+
+def brute_force(model, context, continuation):
+    """One pair alone, through forward: (summed, mean) cross-entropy of the continuation's scored tokens."""
+    ids = (context + continuation)[-(model.config.block_size + 1):]
+    scored = min(len(continuation), len(ids) - 1)
+    x, y = torch.tensor([ids[:-1]]), torch.tensor([ids[1:]])
+    with torch.no_grad():
+        logits, _ = model(x, y)  # with targets: logits at every position
+    losses = F.cross_entropy(logits[0].float(), y[0], reduction="none")[-scored:]
+    return losses.sum(), losses.mean()
+
+
+def test_continuation_losses_equal_a_per_pair_brute_force():
+    model = scrambled_gpt()
+    block_size = model.config.block_size
+    generator = torch.Generator().manual_seed(1)
+
+    def tokens(n):
+        return torch.randint(0, model.config.vocab_size, (n,), generator=generator).tolist()
+
+    # (context, continuation) lengths: rows of different lengths (padding), one exactly block_size + 1 long,
+    # a context cut from the left (12 + 9 > 17), and a continuation longer than the window by itself.
+    lengths = [(3, 4), (10, 2), (1, 7), (12, 9), (1, 1), (9, 8), (2, 20)]
+    assert any(c + n > block_size + 1 for c, n in lengths) and len({c + n for c, n in lengths}) > 1
+    contexts, continuations = zip(*[(tokens(c), tokens(n)) for c, n in lengths])
+    summed, mean = model.continuation_losses(list(contexts), list(continuations))
+    assert summed.shape == mean.shape == (len(lengths),)
+    assert summed.dtype == mean.dtype == torch.float32
+    expected = [brute_force(model, context, continuation) for context, continuation in zip(contexts, continuations)]
+    torch.testing.assert_close(summed, torch.stack([s for s, _ in expected]), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(mean, torch.stack([m for _, m in expected]), rtol=1e-5, atol=1e-5)
+    # The scoring sees only what it should: the same pair alone gives the same figures as in the batch.
+    alone_summed, alone_mean = model.continuation_losses([contexts[3]], [continuations[3]])
+    torch.testing.assert_close(alone_summed[0], summed[3], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(alone_mean[0], mean[3], rtol=1e-5, atol=1e-5)
+
+
+# HellaSwag-style examples: a context and four endings; tokens are bytes (a byte-level BPE with no merges).
+EXAMPLES = [
+    ("A man is sitting on a roof. He", ["starts pulling up roofing.", "is using wrap to wrap a pair of skis.",
+                                        "is ripping level tiles off.", "is holding a rubik's cube."]),
+    ("A woman pours water into a pot", ["and sets it on the stove.", "then dances.", "while a dog barks at her.",
+                                        "and the pot floats away."]),
+    ("Two kids play in the snow. They", ["build a snowman.", "eat soup.", "throw snowballs at a tree.",
+                                         "ride a bike."]),
+    ("The chef slices the onions", ["very thinly.", "and cries.", "into rings for the salad.", "with a saw."]),
+    ("A cat climbs the tall tree and", ["gets stuck.", "meows loudly.", "jumps down again.", "sleeps there."]),
+    ("He tightens the bolts on the tire,", ["then lowers the car.", "then sings.", "and checks the pressure.",
+                                            "and leaves."]),
+]
+BLOCK_SIZE = 96
+
+
+def byte_tokenizer():
+    """A checkpoint's BPE entry for a byte-level tokenizer: the 256 bytes, no merges, <|endoftext|> = 256."""
+    ranks = "".join(f"{base64.b64encode(bytes([byte])).decode()} {byte}\n" for byte in range(256))
+    return {"kind": "bpe", "ranks": ranks, "pattern": r"\S+|\s+", "special_tokens": {"<|endoftext|>": 256}}
+
+
+def test_hellaswag_scores_match_transformers_on_the_export(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("safetensors")
+    model = scrambled_gpt(seed=3, vocab_size=320, block_size=BLOCK_SIZE)
+    (tmp_path / "out").mkdir()
+    save_checkpoint(str(tmp_path / "out" / "ckpt.pt"), {
+        "model": model.state_dict(), "model_config": asdict(model.config), "train_config": {}, "iter_num": 1,
+        "best_val_loss": 0.0, "optimizer": None, "scaler": None, "rng": None, "tokenizer": byte_tokenizer(),
+        "dataset": None})
+    # export_hf.py's command line, run in this process (as `python export_hf.py ARGS` would): no second torch import.
+    argv, sys.argv = sys.argv, [EXPORT, f"--out_dir={tmp_path / 'out'}", f"--hf_dir={tmp_path / 'hf'}"]
+    try:
+        runpy.run_path(EXPORT, run_name="__main__")
+    finally:
+        sys.argv = argv
+    ours = model_from_checkpoint(load_checkpoint(str(tmp_path / "out" / "ckpt.pt"))).eval()
+    theirs = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path / "hf"), torch_dtype=torch.float32).eval()
+
+    choices = {"ours": [], "theirs": []}
+    for context_text, ending_texts in EXAMPLES:
+        context = list(context_text.encode())
+        endings = [list((" " + ending).encode()) for ending in ending_texts]
+        assert all(len(context) + len(ending) <= BLOCK_SIZE + 1 for ending in endings)  # no cut to compare
+        our_summed, our_mean = ours.continuation_losses([context] * len(endings), endings)
+        their_summed, their_mean = [], []
+        for ending in endings:
+            ids = torch.tensor([context + ending])
+            with torch.no_grad():
+                logits = theirs(ids[:, :-1]).logits[0]
+            losses = F.cross_entropy(logits[-len(ending):].float(), ids[0, -len(ending):], reduction="none")
+            their_summed.append(losses.sum().item())
+            their_mean.append(losses.mean().item())
+        their_summed, their_mean = torch.tensor(their_summed), torch.tensor(their_mean)
+        assert (our_mean - their_mean).abs().max().item() < 1e-4, (context_text, our_mean, their_mean)
+        assert (our_summed - their_summed).abs().max().item() < 1e-4 * max(map(len, endings))
+        choices["ours"].append((our_mean.argmin().item(), our_summed.argmin().item()))
+        choices["theirs"].append((their_mean.argmin().item(), their_summed.argmin().item()))
+        assert len(set(their_mean.tolist())) == len(endings)  # the endings' losses differ: the choice means something
+    assert choices["ours"] == choices["theirs"]  # acc_norm's (mean) and acc's (sum) choice, per example
+
+
+@pytest.mark.parametrize("contexts, continuations", [
+    ([[]], [[1, 2]]),
+    ([[1, 2]], [[]]),
+    ([[1], []], [[2], [3]]),
+    ([[1], [4]], [[2], []]),
+])
+def test_an_empty_context_or_continuation_is_refused(contexts, continuations):
+    model = scrambled_gpt()
+    with pytest.raises(ValueError, match="at least one token"):
+        model.continuation_losses(contexts, continuations)
