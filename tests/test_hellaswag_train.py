@@ -1,18 +1,29 @@
 """HellaSwag and samples in train.py's evals (issue 26), on a HellaSwag-format file made here from the char-level
-dataset's own text: the start of a passage as the context, its true continuation among four endings, and three
-distractors made from that continuation (its words spelled backwards, its letters shifted, its characters shuffled),
-which a model of a few hundred steps tells apart where an untrained one guesses."""
+dataset's own text (the model learns its bytes, a byte-level BPE, so that export_hf.py can export it): the start
+of a passage as the context, its true continuation among four endings, and three distractors made from that
+continuation (its words spelled backwards, its letters shifted, its characters shuffled), which a model of a few
+hundred steps tells apart where an untrained one guesses."""
+import base64
+import hashlib
 import json
-import os
 import random
+import runpy
 import shutil
 import signal
+import sys
 import time
+from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
+import torch.nn.functional as F
 
 from conftest import assert_one_error_line
-from test_train import ENV, dataset, finish, free_port, load, run_train, start_train  # noqa: F401 (dataset: a fixture)
+from test_train import ENV, REPO, dataset, finish, free_port, load, run_train, start_train  # noqa: F401 (a fixture)
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from model import load_checkpoint, model_from_checkpoint  # noqa: E402
 
 SETTINGS = ["--max_iters=300", "--lr_decay_iters=300", "--eval_interval=150", "--hellaswag_interval=300",
             "--learning_rate=1e-2", "--total_batch_size=None", "--log_interval=50", "--sample_prompt=ROMEO:"]
@@ -40,9 +51,27 @@ def write_hellaswag(text, path, count=100, seed=0):
 
 def chars_text(dataset):
     meta = json.loads((dataset / "meta.json").read_text())
-    import numpy as np
     ids = np.concatenate([np.load(dataset / name) for name in meta["shards"]["train"]])
     return "".join(meta["chars"][i] for i in ids)
+
+
+def write_byte_dataset(directory, text):
+    """The text's UTF-8 bytes as the shards of a byte-level BPE (256 bytes, no merges, <|endoftext|> = 256)."""
+    directory.mkdir(parents=True)
+    ids = np.array([256] + list(text.encode()), dtype=np.uint16)
+    split = int(len(ids) * 0.9)
+    np.save(directory / "train_000000.npy", ids[:split])
+    np.save(directory / "val_000000.npy", ids[split:])
+    ranks = "".join(f"{base64.b64encode(bytes([i])).decode()} {i}\n" for i in range(256))
+    (directory / "tokenizer.tiktoken").write_text(ranks)
+    info = {"pattern": r"\S+|\s+", "special_tokens": {"<|endoftext|>": 256}, "vocab_size": 257}
+    (directory / "tokenizer.json").write_text(json.dumps(info))
+    meta = {"version": 1, "vocab_size": 257, "eot_token": 256, "dtype": "uint16", "max_token_id": 256,
+            "tokenizer": {"kind": "bpe", "sha256": hashlib.sha256(ranks.encode()).hexdigest()}, "source": "test",
+            "num_chars": len(text), "tokens": {"train": split, "val": len(ids) - split},
+            "shards": {"train": ["train_000000.npy"], "val": ["val_000000.npy"]}}
+    (directory / "meta.json").write_text(json.dumps(meta))
+    return directory
 
 
 def evals_of(out_dir):
@@ -53,8 +82,10 @@ def evals_of(out_dir):
 @pytest.fixture(scope="module")
 def scored(dataset, tmp_path_factory):
     root = tmp_path_factory.mktemp("hellaswag")
-    examples = write_hellaswag(chars_text(dataset), root / "hellaswag.jsonl")
-    result = finish(start_train(dataset, root / "out", *SETTINGS, f"--hellaswag={examples}"))
+    text = chars_text(dataset)
+    examples = write_hellaswag(text, root / "hellaswag.jsonl")
+    result = finish(start_train(write_byte_dataset(root / "bytes", text), root / "out", *SETTINGS,
+                                f"--hellaswag={examples}"))
     return root, examples, result
 
 
@@ -65,8 +96,9 @@ def test_an_untrained_model_guesses_and_a_trained_one_knows(scored):
     assert "hellaswag_acc" not in evals[150]  # only at steps that are multiples of hellaswag_interval
     for it in (0, 300):
         assert evals[it]["hellaswag_examples"] == 100
-    # 100 examples: chance is 25% +- 4.3% (one standard deviation)
-    assert 0.1 <= evals[0]["hellaswag_acc_norm"] <= 0.45 and 0.1 <= evals[0]["hellaswag_acc"] <= 0.45
+    # 100 examples: chance is 25% +- 4.3% (one standard deviation). At GPT-2's init the model is not quite
+    # indifferent (0.12 here: it likes an ending whose bytes repeat its input's), but it knows nothing.
+    assert evals[0]["hellaswag_acc_norm"] <= 0.4 and evals[0]["hellaswag_acc"] <= 0.4
     assert evals[300]["hellaswag_acc_norm"] >= 0.7 and evals[300]["hellaswag_acc"] >= 0.7
     assert f"hellaswag acc_norm {evals[300]['hellaswag_acc_norm']:.4f}" in result.stdout
     # a sample at each eval, from the prompt, printed and logged
@@ -74,7 +106,7 @@ def test_an_untrained_model_guesses_and_a_trained_one_knows(scored):
     assert f"sample iter 300: {samples[300]!r}" in result.stdout
 
 
-def test_eval_only_two_processes_equal_one_and_the_checkpoint_is_untouched(scored, dataset):
+def test_eval_only_two_processes_equal_one_and_the_checkpoint_is_untouched(scored):
     root, examples, _ = scored
     trained_evals, _ = evals_of(root / "out")
     runs = {}
@@ -85,10 +117,10 @@ def test_eval_only_two_processes_equal_one_and_the_checkpoint_is_untouched(score
         env = ENV
         if world == 2:
             env = {**ENV, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
-        processes = [start_train(dataset, out_dir, *args, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}
-                                 if world == 2 else env) for r in range(world)]
-        runs[world] = out_dir, [finish(process) for process in processes]
-    for world, (out_dir, results) in runs.items():
+        runs[world] = out_dir, [start_train(root / "bytes", out_dir, *args, env={**env, "RANK": str(r),
+                                            "LOCAL_RANK": str(r)} if world == 2 else env) for r in range(world)]
+    for world, (out_dir, processes) in runs.items():  # the three processes ran at once
+        results = [finish(process) for process in processes]
         # no step trained, no checkpoint written: the same bytes, and the log has one eval more
         assert (out_dir / "ckpt.pt").read_bytes() == (root / "out" / "ckpt.pt").read_bytes()
         assert not [line for line in results[0].stdout.splitlines() if line.startswith("iter ")]
@@ -118,16 +150,6 @@ def test_offline_without_a_file_is_a_note_and_a_broken_file_is_one_line(dataset,
     assert not (tmp_path / "broken").exists()
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--eval_only=True"], "eval_only=True evaluates a checkpoint: add --init_from=resume"),
-    (["--hellaswag_interval=3", "--eval_interval=2"], "hellaswag_interval=3 is not a multiple of eval_interval=2"),
-    (["--sample_prompt=\u263a"], "sample_prompt='\u263a' has characters the vocabulary lacks"),
-])
-def test_settings_that_cant_work_are_one_line(dataset, tmp_path, args, message):
-    assert_one_error_line(run_train(dataset, tmp_path / "out", *args), message)
-    assert not (tmp_path / "out").exists()
-
-
 def test_sigterm_during_hellaswag_stops_it_and_saves(dataset, tmp_path):
     # 6,000 examples keep iter 0's HellaSwag busy for many seconds, its one loss batch (eval_iters=1) for
     # milliseconds: SIGTERM 2 s into the eval lands in HellaSwag, which stops within an example; the run saves
@@ -146,3 +168,35 @@ def test_sigterm_during_hellaswag_stops_it_and_saves(dataset, tmp_path):
     assert "stopped by SIGTERM after iter 0" in stdout and "eval iter" not in stdout
     assert not (tmp_path / "out" / "log.jsonl").exists()  # no eval was logged
     assert load(tmp_path / "out" / "ckpt.pt")["iter_num"] == 0
+
+
+def test_transformers_on_the_export_scores_the_file_as_train_py_did(scored):
+    # Two routes to one figure: export_hf.py's Llama model, scored here by transformers and the test's own loss,
+    # against train.py's logged acc and acc_norm, and model.py's mean loss of every ending.
+    transformers = pytest.importorskip("transformers")
+    root, examples, _ = scored
+    export = str(REPO / "export_hf.py")
+    argv, sys.argv = sys.argv, [export, f"--out_dir={root / 'out'}", f"--hf_dir={root / 'hf'}"]
+    try:  # `python export_hf.py ...`, in this process: no second import of torch
+        runpy.run_path(export, run_name="__main__")
+    finally:
+        sys.argv = argv
+    theirs = transformers.LlamaForCausalLM.from_pretrained(str(root / "hf"), torch_dtype=torch.float32).eval()
+    ours = model_from_checkpoint(load_checkpoint(root / "out" / "ckpt.pt")).eval()
+    block_size, right_by_mean, right_by_sum = ours.config.block_size, 0, 0
+    for line in examples.read_text().splitlines():
+        example = json.loads(line)
+        context, endings = list(example["ctx"].encode()), [list((" " + e).encode()) for e in example["endings"]]
+        means, sums = [], []
+        for ending in endings:
+            ids = torch.tensor([(context + ending)[-(block_size + 1):]])  # cut from the left, as train.py does
+            with torch.no_grad():
+                logits = theirs(ids[:, :-1]).logits[0, -len(ending):]
+            losses = F.cross_entropy(logits, ids[0, -len(ending):], reduction="none")
+            means.append(losses.mean().item())
+            sums.append(losses.sum().item())
+        assert ours.continuation_losses([context] * 4, endings)[1].tolist() == pytest.approx(means, abs=1e-4)
+        right_by_mean += int(np.argmin(means) == example["label"])
+        right_by_sum += int(np.argmin(sums) == example["label"])
+    evals, _ = evals_of(root / "out")
+    assert (right_by_mean / 100, right_by_sum / 100) == (evals[300]["hellaswag_acc_norm"], evals[300]["hellaswag_acc"])

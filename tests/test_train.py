@@ -495,6 +495,10 @@ def truncate_shard(directory, meta):
 # (command-line arguments, what the one line must say); DATA is a broken copy of the dataset, made by the fixture
 MISTAKES = {
     "type": (["--batch_size=abc"], "batch_size must be int, got 'abc'"),
+    "eval_only": (["--eval_only=True"], "eval_only=True evaluates a checkpoint: add --init_from=resume"),
+    "hellaswag_interval": (["--hellaswag_interval=3", "--eval_interval=2"],
+                           "hellaswag_interval=3 is not a multiple of eval_interval=2"),
+    "sample_prompt": (["--sample_prompt=\u263a"], "sample_prompt='\u263a' has characters the vocabulary lacks"),
     "unknown": (["--batchsize=3"], "unknown setting 'batchsize' (did you mean 'batch_size'?)"),
     "preset": (["PRESET"], "PRESET: unknown setting 'learning_rat'"),
     "vocab_size": (["--vocab_size=10"], "vocab_size=10 but the dataset's vocabulary has"),
