@@ -98,6 +98,9 @@ class UserError(Exception):
 # The loop's state (a, b, list bounds) stays on the device, in `state`. Programs stride over blocks,
 # so every grid's size is known before the data: CUDA can record 16 merges as one graph. No kernel
 # needs a lock; each docstring says why, from who writes what.
+# Every atomic is relaxed: each needs only atomicity, and what a kernel writes is seen by the next
+# (the stream orders kernels). The default, acq_rel, fences the whole device around each atomic
+# (MEMBAR.ALL.GPU on an H100), on apply's critical path.
 
 # the slots of `state`
 NEXT, NEW, A, B, DONE, START, LENGTH, SURVIVORS, DIRTY = (tl.constexpr(i) for i in range(9))
@@ -110,7 +113,7 @@ LOW = tl.constexpr((1 << 20) - 1)
 def append(length, buffer, values, keep):
     """Appends the values where keep to a list: one atomic add reserves the block's slots."""
     ones = keep.to(tl.int32)
-    slot = tl.atomic_add(length, tl.sum(ones, axis=0)) + tl.cumsum(ones, axis=0) - 1
+    slot = tl.atomic_add(length, tl.sum(ones, axis=0), sem="relaxed") + tl.cumsum(ones, axis=0) - 1
     tl.store(buffer + slot, values, mask=keep)
 
 
@@ -243,9 +246,10 @@ def apply_merges(state, list_buffer, scratch, list_start, list_len, tokens, next
                     row, col, lose = x.to(tl.int64), a + zero, has_x
                 else:
                     row, col, lose = b + zero, y.to(tl.int64), has_y
-                tl.atomic_add(counts + row * V + col, -w, mask=lose)
+                tl.atomic_add(counts + row * V + col, -w, mask=lose, sem="relaxed")
                 was_max = lose & ((tl.load(row_key + row, mask=lose, other=0) & LOW) == LOW - col)
-                first = was_max & (tl.atomic_xchg(dirty_flag + row, 1, mask=was_max) == 0)
+                flag = tl.atomic_xchg(dirty_flag + row, 1, mask=was_max, sem="relaxed")
+                first = was_max & (flag == 0)
                 append(state + DIRTY, dirty_rows, row.to(tl.int32), first)
             # (x, new) and (new, y_new) gain w. The lane whose add comes last sees the final count,
             # so the atomic max of every lane's key is the final key, whatever the order.
@@ -254,9 +258,9 @@ def apply_merges(state, list_buffer, scratch, list_start, list_len, tokens, next
                     row, col, gain = x.to(tl.int64), new + zero, has_x
                 else:
                     row, col, gain = new + zero, y_new.to(tl.int64), has_y
-                total = tl.atomic_add(counts + row * V + col, w, mask=gain) + w
+                total = tl.atomic_add(counts + row * V + col, w, mask=gain, sem="relaxed") + w
                 tl.atomic_max(row_key + row, (total.to(tl.int64) << ID_BITS) | (LOW - col),
-                              mask=gain)
+                              mask=gain, sem="relaxed")
 
 
 @triton.jit
@@ -285,7 +289,7 @@ def refresh_rows(state, list_buffer, scratch, list_len, counts, fresh_key, dirty
             count = tl.load(counts + row[:, None] * V + col[None, :], mask=inside, other=0)
             count = count.to(tl.int64)
             key = tl.where(count > 0, (count << ID_BITS) | (LOW - col[None, :]), 0)
-            tl.atomic_max(fresh_key + row, tl.max(key, axis=1), mask=i < dirty)
+            tl.atomic_max(fresh_key + row, tl.max(key, axis=1), mask=i < dirty, sem="relaxed")
 
 
 def chunks_to_arrays(chunk_counts, vocab_size):

@@ -105,6 +105,9 @@ class UserError(Exception):
 # launches the same collectives in the same order (a rank with no text sends zeros), and decides
 # (the pair, "done") from the REDUCED values, the same everywhere. Exact: counts are integers, each
 # with one owner, who adds all its changes. No kernel needs a lock; each docstring says why.
+# Every atomic is relaxed: each needs only atomicity, and what a kernel writes is seen by the next
+# (the stream orders kernels). The default, acq_rel, fences the whole device around each atomic
+# (MEMBAR.ALL.GPU on an H100), on apply's critical path.
 
 # the slots of `state`
 NEXT, NEW, A, B, DONE, START, LENGTH, SURVIVORS, DIRTY = (tl.constexpr(i) for i in range(9))
@@ -117,7 +120,7 @@ LOW = tl.constexpr((1 << 20) - 1)
 def append(length, buffer, values, keep):
     """Appends the values where keep to a list: one atomic add reserves the block's slots."""
     ones = keep.to(tl.int32)
-    slot = tl.atomic_add(length, tl.sum(ones, axis=0)) + tl.cumsum(ones, axis=0) - 1
+    slot = tl.atomic_add(length, tl.sum(ones, axis=0), sem="relaxed") + tl.cumsum(ones, axis=0) - 1
     tl.store(buffer + slot, values, mask=keep)
 
 
@@ -241,11 +244,11 @@ def apply_merges(state, list_buffer, scratch, list_start, list_len, tokens, next
             tl.store(prev_pos + after, p, mask=has_y & ~after_merged)
             tl.store(prev_pos + p, tl.load(prev_pos + before, mask=before_merged, other=END),
                      mask=before_merged)
-            tl.atomic_add(delta + x, w, mask=has_x)
-            tl.atomic_add(delta + V + y, w, mask=has_y)
-            tl.atomic_add(delta + 2 * V + y_new, w, mask=has_y)
+            tl.atomic_add(delta + x, w, mask=has_x, sem="relaxed")
+            tl.atomic_add(delta + V + y, w, mask=has_y, sem="relaxed")
+            tl.atomic_add(delta + 2 * V + y_new, w, mask=has_y, sem="relaxed")
             # one atomic a block for the one pair (a, b)
-            tl.atomic_add(delta + 3 * V, tl.sum(w, axis=0))
+            tl.atomic_add(delta + 3 * V, tl.sum(w, axis=0), sem="relaxed")
 
 
 @triton.jit
@@ -271,15 +274,16 @@ def apply_owned(state, delta, counts, row_key, dirty_flag, dirty_rows, V, RANK, 
             owned = (d != 0) & (row % WORLD == RANK)
             at = counts + (row // WORLD) * V
             lose, column = owned & (part != 2), tl.where(part == 0, a, tl.where(part == 1, j, b))
-            tl.atomic_add(at + column, -d.to(counts.dtype.element_ty), mask=lose)
+            tl.atomic_add(at + column, -d.to(counts.dtype.element_ty), mask=lose, sem="relaxed")
             was_max = lose & ((tl.load(row_key + row, mask=lose, other=0) & LOW) == LOW - column)
-            flipped = was_max & (tl.atomic_xchg(dirty_flag + row, 1, mask=was_max) == 0)
+            flag = tl.atomic_xchg(dirty_flag + row, 1, mask=was_max, sem="relaxed")
+            flipped = was_max & (flag == 0)
             append(state + DIRTY, dirty_rows, row.to(tl.int32), flipped)
             gain, column = owned & (part % 2 == 0), tl.where(part == 0, new, j)
-            total = tl.atomic_add(at + column, d.to(counts.dtype.element_ty), mask=gain)
-            total = total.to(tl.int64) + d
+            total = tl.atomic_add(at + column, d.to(counts.dtype.element_ty), mask=gain,
+                                  sem="relaxed").to(tl.int64) + d
             tl.atomic_max(row_key + row, (total << ID_BITS) | (LOW - column),
-                          mask=gain & (part == 2))
+                          mask=gain & (part == 2), sem="relaxed")
 
 
 @triton.jit
@@ -308,7 +312,7 @@ def refresh_rows(state, list_buffer, scratch, list_len, counts, fresh_key, dirty
             count = tl.load(row_counts + col[None, :], mask=inside, other=0)
             count = count.to(tl.int64)
             key = tl.where(count > 0, (count << ID_BITS) | (LOW - col[None, :]), 0)
-            tl.atomic_max(fresh_key + row, tl.max(key, axis=1), mask=i < dirty)
+            tl.atomic_max(fresh_key + row, tl.max(key, axis=1), mask=i < dirty, sem="relaxed")
 
 
 def chunks_to_arrays(blob, lengths, counts, count_dtype):

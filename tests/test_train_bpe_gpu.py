@@ -6,6 +6,7 @@ tens of milliseconds per merge: the corpora here are small on purpose. The CUDA 
 """
 import json
 import os
+import re
 import random
 import subprocess
 import sys
@@ -168,8 +169,10 @@ for counts in ("*i32", "*i64"):
         signature = {name: "constexpr" if name in ("BLOCK", "ROWS") else "i32" if name in ("V", "END") else
                      counts if name in ("counts", "weight") else "*i64" if name in INT64 else "*i32" for name in names}
         constexprs = {(names.index(name),): 4 if name == "ROWS" else 256 for name in ("BLOCK", "ROWS") if name in names}
-        ttir = triton.compile(ASTSource(kernel, signature, constexprs), target=GPUTarget("cuda", 90, 32)).asm["ttir"]
-        print(kernel.fn.__name__, counts, "compiled")
+        asm = triton.compile(ASTSource(kernel, signature, constexprs), target=GPUTarget("cuda", 90, 32)).asm
+        ttir, atomics = asm["ttir"], re.findall(r"\\batom[.][\\w.]+", asm["ptx"])
+        print(kernel.fn.__name__, counts, "compiled;", len(atomics), "atomics;", "fenced:", sorted(
+            {atomic for atomic in atomics if ".relaxed" not in atomic}))
         if kernel is bpe.choose_pair:  # the dirty rows' keys are copied (stores), then a barrier, then scanned (reduce)
             print("barrier between copy and scan:", ttir.index("tt.store") < barrier(ttir) < ttir.index("tt.reduce"))
 """
@@ -180,6 +183,10 @@ def test_the_kernels_compile_for_a_gpu():
                             timeout=300)
     assert result.returncode == 0 and result.stdout.count("compiled") == 6, result.stdout + result.stderr[-3000:]
     assert result.stdout.count("barrier between copy and scan: True") == 1, result.stdout  # a GPU race, else
+    # Every atomic relaxed (acq_rel puts a device-wide fence around each, on the merge's critical path), and
+    # the atomics are there to be checked: the PTX is what the H100's compiler gets.
+    assert result.stdout.count("fenced: []") == 6, result.stdout
+    assert sum(int(count) for count in re.findall(r"compiled; (\d+) atomics", result.stdout)) > 0, result.stdout
 
 
 # ---------------------------------------------------------------- the host stays out of the merge loop

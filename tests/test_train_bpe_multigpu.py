@@ -9,6 +9,7 @@ Runs are slow on a small machine, so each is shared by several tests (module-sco
 import base64
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -469,8 +470,10 @@ for counts in ("*i32", "*i64"):
         constexprs = {(names.index(name),): value for name, value in CONSTANTS.items() if name in names}
         if "ONE_KEY" in names:
             constexprs[(names.index("ONE_KEY"),)] = counts == "*i32"
-        ttir = triton.compile(ASTSource(kernel, signature, constexprs), target=GPUTarget("cuda", 90, 32)).asm["ttir"]
-        print(kernel.fn.__name__, counts, "compiled")
+        asm = triton.compile(ASTSource(kernel, signature, constexprs), target=GPUTarget("cuda", 90, 32)).asm
+        ttir, atomics = asm["ttir"], re.findall(r"\\batom[.][\\w.]+", asm["ptx"])
+        print(kernel.fn.__name__, counts, "compiled;", len(atomics), "atomics;", "fenced:", sorted(
+            {atomic for atomic in atomics if ".relaxed" not in atomic}))
         if kernel is mg.best_pair:  # the dirty rows' keys are copied (stores), then a barrier, then scanned (reduce)
             print("barrier between copy and scan:", ttir.index("tt.store") < barrier(ttir) < ttir.index("tt.reduce"))
 """
@@ -483,3 +486,7 @@ def test_the_kernels_compile_for_a_gpu():
                             timeout=300)
     assert result.returncode == 0 and result.stdout.count("compiled") == 10, result.stdout + result.stderr[-3000:]
     assert result.stdout.count("barrier between copy and scan: True") == 2, result.stdout  # a GPU race, else
+    # Every atomic relaxed (acq_rel puts a device-wide fence around each, on the merge's critical path), and
+    # the atomics are there to be checked: the PTX is what the H100's compiler gets.
+    assert result.stdout.count("fenced: []") == 10, result.stdout
+    assert sum(int(count) for count in re.findall(r"compiled; (\d+) atomics", result.stdout)) > 0, result.stdout
