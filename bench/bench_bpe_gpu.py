@@ -13,7 +13,7 @@ the trainers' -n does and written to one temporary .jsonl, which both of our scr
 command line, so their times are end to end (interpreter start, reading, pre-tokenizing, merging, writing).
 rustbpe gets the same documents from memory, so its time leaves out reading the file: a small edge for it.
 Every run's merges are compared with rustbpe's, byte for byte. We print medians over --repeats.
---count_reads also runs the merge loop once in this process with every host read counted (the tests' counter).
+--count_reads also runs the merge loop once in this process with every host read and kernel counted (the tests' counters).
 """
 
 import argparse
@@ -205,17 +205,22 @@ if args.count_reads:  # in this process, after the timed runs: the counting mode
 
     sys.path.insert(0, str(REPO / "tests"))
     import train_bpe_gpu as bpe
-    from test_train_bpe_gpu import CountHostReads
+    import pytest
+    from test_train_bpe_gpu import CountHostReads, CountLaunches
 
     chunk_counts = Counter()
     for doc in docs:
         chunk_counts.update(regex.findall(GPT4_PATTERN, doc))
     arrays = bpe.chunks_to_arrays(chunk_counts, args.vocab_size)
     device = args.device or ("cuda" if bpe.torch.cuda.is_available() else "cpu")
-    with CountHostReads() as reads:
-        merges, _, _ = bpe.merge_on_device(arrays, args.vocab_size, device)
+    with pytest.MonkeyPatch.context() as patch:
+        launches = CountLaunches(patch)
+        with CountHostReads() as reads:
+            merges, _, _ = bpe.merge_on_device(arrays, args.vocab_size, device)
     kinds = ", ".join(f"{kind} {count}" for kind, count in sorted(reads.counts.items()))
     print(f"host reads in the merge loop: {max(reads.counts.values()) / len(merges):.3f} per merge, the largest kind "
           f"({kinds}) over {len(merges)} merges")
+    print(f"kernels in the merge loop: {launches.loop_kernels() / len(merges):.2f} per merge (whole groups of "
+          f"{bpe.MERGES_PER_READ}, {launches.replays} graph replays), 1 block barrier (choose_pair's)")
 if any("DIFFERENT" in run[2] for runs in rows.values() for run in runs):
     sys.exit("some trainer's merges differ from rustbpe's")

@@ -248,6 +248,46 @@ def test_at_most_one_host_read_per_16_merges():
     assert reads.counts and max(reads.counts.values()) <= allowed, reads.counts
 
 
+class CountLaunches:
+    """Counts the Triton kernels the merge loop runs: each launch from Python, and on CUDA each graph replay as
+    the 4 x MERGES_PER_READ kernels it holds. The setup runs 4 x MERGES_PER_READ + 1 (a first refresh, then a
+    group with DONE set, which compiles them) and on CUDA records a group: those are not the loop's."""
+    KERNELS = ("choose_pair", "find_occurrences", "apply_merges", "refresh_rows")
+
+    def __init__(self, monkeypatch):
+        self.launches, self.replays = 0, 0
+        for name in self.KERNELS:
+            monkeypatch.setattr(bpe, name, self.counted(getattr(bpe, name)))
+        replay = torch.cuda.CUDAGraph.replay
+        monkeypatch.setattr(torch.cuda.CUDAGraph, "replay", lambda graph: (self.count_replay(), replay(graph))[1])
+
+    def counted(self, kernel):
+        counter = self
+
+        class Counted:
+            def __getitem__(self, grid):
+                def launch(*args, **kwargs):
+                    counter.launches += 1
+                    return kernel[grid](*args, **kwargs)
+                return launch
+        return Counted()
+
+    def count_replay(self):
+        self.replays += 1
+
+    def loop_kernels(self):
+        setup = 4 * bpe.MERGES_PER_READ + 1 + (4 * bpe.MERGES_PER_READ if self.replays else 0)
+        return self.launches - setup + self.replays * 4 * bpe.MERGES_PER_READ
+
+
+def test_four_kernels_a_merge(monkeypatch):
+    # 32 merges fill two groups of 16: choose, find, apply and refresh, 4 kernels a merge, nothing else.
+    counter = CountLaunches(monkeypatch)
+    arrays = bpe.chunks_to_arrays(chunk_counts_of(generated_docs(30, 8)), 288)
+    merges, _, _ = bpe.merge_on_device(arrays, 288, DEVICE)
+    assert len(merges) == 32 and counter.loop_kernels() == 4 * 32
+
+
 class SlowFirstLaunch:
     """A kernel whose first launch takes `seconds` longer, as compiling it does on a GPU; `launches` holds
     the time each launch began the kernel's work."""
