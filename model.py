@@ -338,12 +338,14 @@ class GPT(nn.Module):
             ids = (context + continuation)[-(self.config.block_size + 1):]
             pairs.append((ids, min(len(continuation), len(ids) - 1)))
         # right-padded rows: a causal model's positions never see the padding after them
-        width, device = max(len(ids) for ids, _ in pairs) - 1, self.lm_head.weight.device
-        inputs = torch.zeros(len(pairs), width, dtype=torch.long, device=device)
-        targets = torch.full((len(pairs), width), -1, dtype=torch.long, device=device)
+        width = max(len(ids) for ids, _ in pairs) - 1
+        inputs = torch.zeros(len(pairs), width, dtype=torch.long)
+        targets = torch.full((len(pairs), width), -1, dtype=torch.long)
         for row, (ids, scored) in enumerate(pairs):
             inputs[row, :len(ids) - 1] = torch.tensor(ids[:-1])
             targets[row, len(ids) - 1 - scored:len(ids) - 1] = torch.tensor(ids[-scored:])
+        device = self.lm_head.weight.device  # built on the host, then one copy each: no per-row syncs
+        inputs, targets = inputs.to(device), targets.to(device)
         logits, _ = self(inputs, targets)
         losses = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-1,
                                  reduction="none").view(len(pairs), width)

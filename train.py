@@ -294,18 +294,19 @@ def hellaswag_examples(source):
     can't be reached: the run goes on without the figures."""
     if source == "hub":
         problem = hub_problem()
-        if problem is None:
-            try:
-                import datasets
-                rows = datasets.load_dataset("Rowan/hellaswag", split="validation")
-                return [(row["ctx"], list(row["endings"]), int(row["label"])) for row in rows]
-            except Exception as error:  # the network failed midway, no datasets package, ...
-                problem = f"{type(error).__name__}: {str(error)[:100]}"
+        if problem:  # offline, a copy in datasets' cache still serves
+            os.environ["HF_HUB_OFFLINE"] = os.environ["HF_DATASETS_OFFLINE"] = "1"
+        try:
+            import datasets
+            rows = datasets.load_dataset("Rowan/hellaswag", split="validation")
+            return [(row["ctx"], list(row["endings"]), int(row["label"])) for row in rows]
+        except Exception as error:  # not cached, the network failed midway, no datasets package, ...
+            problem = problem or f"{type(error).__name__}: {str(error)[:100]}"
         if master:
             print(f"note: no HellaSwag figures ({problem}); --hellaswag=<file.jsonl> scores a local copy")
         return None
     try:
-        lines = open(source, encoding="utf-8").read().splitlines()
+        lines = open(source, encoding="utf-8-sig").read().split("\n")  # JSON text may hold U+2028
     except (OSError, UnicodeDecodeError) as error:
         raise UserError(f"--hellaswag={source}: can't read it ({error}): give 'hub' or a .jsonl file")
     examples = []
@@ -314,14 +315,17 @@ def hellaswag_examples(source):
             continue
         try:
             row = json.loads(line)
-            context, endings, label = row["ctx"], row["endings"], int(row["label"])
-            texts_ok = all(type(text) is str and text for text in [context, *endings])
+            context, endings, label = row["ctx"], row["endings"], row["label"]
+            label = int(label) if type(label) is str and label.isdigit() else label
+            texts_ok = type(label) is int and all(type(text) is str and text for text in [context, *endings])
         except (ValueError, KeyError, TypeError):
             texts_ok = False
         if not (texts_ok and type(endings) is list and len(endings) == 4 and 0 <= label < 4):
             raise UserError(f"{source}, line {number}: not a HellaSwag example (ctx: text, endings: "
                             "4 texts, label: 0-3)")
         examples.append((context, endings, label))
+    if not examples:
+        raise UserError(f"--hellaswag={source}: the file holds no examples")
     return examples
 
 hellaswag_set = hellaswag_examples(hellaswag) if hellaswag_interval else None
@@ -385,6 +389,8 @@ if sample_prompt and not sample_ids:
 ckpt_path = os.path.join(out_dir, "ckpt.pt")
 if init_from == "auto":
     init_from = "resume" if os.path.exists(ckpt_path) else "scratch"
+if eval_only and init_from != "resume":
+    raise UserError(f"eval_only=True: there is no {ckpt_path} to evaluate")
 checkpoint = None
 if init_from == "resume":
     try:
@@ -479,6 +485,14 @@ if master:
 if ddp:  # NCCL between GPUs, gloo on CPUs; the timeout turns a rank that hangs into an error
     dist.init_process_group("nccl" if device_type == "cuda" else "gloo", rank=rank,
                             world_size=world_size, timeout=timedelta(seconds=timeout))
+if ddp and hellaswag_interval:  # a rank that couldn't load the examples would shrink every count
+    sizes = torch.tensor([len(hellaswag_set or []), -len(hellaswag_set or [])], device=device)
+    dist.all_reduce(sizes, op=dist.ReduceOp.MIN)
+    fewest, most = sizes[0].item(), -sizes[1].item()
+    if fewest != most:
+        hellaswag_set = None
+        if master:
+            print(f"note: no HellaSwag figures: the ranks loaded {fewest:,} to {most:,} examples")
 torch.manual_seed(seed)  # the same initial weights on every rank and in every run
 torch.set_float32_matmul_precision("high")  # TF32 matmuls on Ampere and later: ~free speed
 autocast = torch.autocast(device_type, dtype=getattr(torch, dtype), enabled=dtype != "float32")
@@ -526,7 +540,8 @@ def request_stop(signum, frame):
         raise KeyboardInterrupt  # Ctrl-C twice: stop now, without saving (report() says so)
     stop_signal = signal.Signals(signum).name
     if master:
-        print(f"{stop_signal}: finishing this step or eval batch, then saving", flush=True)
+        then = "stopping" if eval_only else "saving"
+        print(f"{stop_signal}: finishing this step or eval batch, then {then}", flush=True)
 
 stop_signal = None  # the name of the first signal that asked to stop
 signal.signal(signal.SIGTERM, request_stop)
@@ -581,7 +596,9 @@ while True:
             sampler = torch.Generator(device).manual_seed(seed)
             with torch.no_grad(), autocast:
                 new_ids = raw_model.generate(prompt, 32, top_k=50, generator=sampler)[0, prompt.size(1):]
-            new_bytes = b"".join(encoding.decode_single_token_bytes(i) for i in new_ids.tolist())
+            # (an id past the tokenizer, in a vocabulary padded for speed, is never trained on)
+            new_bytes = b"".join(encoding.decode_single_token_bytes(i) if i < encoding.n_vocab else b""
+                                 for i in new_ids.tolist())
             sample = sample_prompt + new_bytes.decode("utf-8", "replace")
         if ddp:
             dist.all_reduce(totals)  # every rank reaches it, stopped early or not
@@ -610,6 +627,8 @@ while True:
             best_val_loss = min(best_val_loss, val_loss)
         step_seconds = []
     if eval_only:  # the checkpoint's evals are logged: nothing to train, nothing to save
+        if stopping and master:
+            print(f"stopped by {stop_signal or 'another rank'} during the evals: nothing logged")
         break
     if stopping:
         save_paths = [ckpt_path]

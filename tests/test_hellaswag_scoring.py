@@ -61,22 +61,6 @@ def test_continuation_losses_equal_a_per_pair_brute_force():
     torch.testing.assert_close(alone_mean[0], mean[3], rtol=1e-5, atol=1e-5)
 
 
-# HellaSwag-style examples: a context and four endings; tokens are bytes (a byte-level BPE with no merges).
-EXAMPLES = [
-    ("A man is sitting on a roof. He", ["starts pulling up roofing.", "is using wrap to wrap a pair of skis.",
-                                        "is ripping level tiles off.", "is holding a rubik's cube."]),
-    ("A woman pours water into a pot", ["and sets it on the stove.", "then dances.", "while a dog barks at her.",
-                                        "and the pot floats away."]),
-    ("Two kids play in the snow. They", ["build a snowman.", "eat soup.", "throw snowballs at a tree.",
-                                         "ride a bike."]),
-    ("The chef slices the onions", ["very thinly.", "and cries.", "into rings for the salad.", "with a saw."]),
-    ("A cat climbs the tall tree and", ["gets stuck.", "meows loudly.", "jumps down again.", "sleeps there."]),
-    ("He tightens the bolts on the tire,", ["then lowers the car.", "then sings.", "and checks the pressure.",
-                                            "and leaves."]),
-]
-BLOCK_SIZE = 96
-
-
 @pytest.mark.parametrize("contexts, continuations", [
     ([[]], [[1, 2]]),
     ([[1, 2]], [[]]),

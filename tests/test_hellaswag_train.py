@@ -25,8 +25,10 @@ from test_train import ENV, REPO, dataset, finish, free_port, load, run_train, s
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from model import load_checkpoint, model_from_checkpoint  # noqa: E402
 
+# vocab_size 320 pads the byte-level BPE's 257 ids: a sample may draw an id past the tokenizer
 SETTINGS = ["--max_iters=300", "--lr_decay_iters=300", "--eval_interval=150", "--hellaswag_interval=300",
-            "--learning_rate=1e-2", "--total_batch_size=None", "--log_interval=50", "--sample_prompt=ROMEO:"]
+            "--learning_rate=1e-2", "--total_batch_size=None", "--log_interval=50", "--sample_prompt=ROMEO:",
+            "--vocab_size=320"]
 
 
 def shifted(text):
@@ -102,7 +104,7 @@ def test_an_untrained_model_guesses_and_a_trained_one_knows(scored):
     assert evals[300]["hellaswag_acc_norm"] >= 0.7 and evals[300]["hellaswag_acc"] >= 0.7
     assert f"hellaswag acc_norm {evals[300]['hellaswag_acc_norm']:.4f}" in result.stdout
     # a sample at each eval, from the prompt, printed and logged
-    assert sorted(samples) == [0, 150, 300] and all(s.startswith("ROMEO:") and len(s) > 20 for s in samples.values())
+    assert sorted(samples) == [0, 150, 300] and all(s.startswith("ROMEO:") and len(s) > 6 for s in samples.values())
     assert f"sample iter 300: {samples[300]!r}" in result.stdout
 
 

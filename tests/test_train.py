@@ -499,6 +499,13 @@ MISTAKES = {
     "hellaswag_interval": (["--hellaswag_interval=3", "--eval_interval=2"],
                            "hellaswag_interval=3 is not a multiple of eval_interval=2"),
     "sample_prompt": (["--sample_prompt=\u263a"], "sample_prompt='\u263a' has characters the vocabulary lacks"),
+    "eval_only, nothing to resume": (["--eval_only=True", "--init_from=auto"], "eval_only=True: there is no"),
+    # (a BOM, U+2028 inside a text, a label as a string: the file loads, and the next check speaks)
+    "hellaswag, unicode": (["--hellaswag_interval=1000", "--hellaswag=TMP/unicode.jsonl", "--eval_only=True",
+                            "--init_from=auto"], "eval_only=True: there is no"),
+    "hellaswag, empty": (["--hellaswag_interval=1000", "--hellaswag=TMP/empty.jsonl"], "the file holds no examples"),
+    "hellaswag, label": (["--hellaswag_interval=1000", "--hellaswag=TMP/label.jsonl"],
+                         "label.jsonl, line 1: not a HellaSwag example"),
     "unknown": (["--batchsize=3"], "unknown setting 'batchsize' (did you mean 'batch_size'?)"),
     "preset": (["PRESET"], "PRESET: unknown setting 'learning_rat'"),
     "vocab_size": (["--vocab_size=10"], "vocab_size=10 but the dataset's vocabulary has"),
@@ -581,6 +588,10 @@ def mistakes(dataset, trained, tmp_path_factory):
     (tmp / "preset.py").write_text("batch_size = 8\nlearning_rat = 1e-3\n")
     (tmp / "exiting.py").write_text("import sys\nsys.exit(0)\n")
     (tmp / "file").write_text("not a directory")
+    example = {"ctx": "a\u2028b", "endings": ["c", "d", "e", "f"], "label": "2"}
+    (tmp / "unicode.jsonl").write_text(json.dumps(example, ensure_ascii=False) + "\n", encoding="utf-8-sig")
+    (tmp / "empty.jsonl").write_text("\n\n")
+    (tmp / "label.jsonl").write_text(json.dumps(dict(example, label=2.9)) + "\n")
     checkpoint = load(trained / "ckpt.pt")  # trained with AdamW
     for name, edit in [("adamw", {}), ("muon", {"train_config": dict(checkpoint["train_config"], muon=True)}),
                        ("misfit", {"model_config": dict(checkpoint["model_config"], n_layer=3)}),  # the weights have 2
