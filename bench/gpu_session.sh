@@ -6,6 +6,7 @@
 #   .whl/              wheels the image lacks: datasets, dill, multiprocess, rustbpe (cp312)
 #
 #   bash bench/gpu_session.sh suite bpe_small        # then: bpe_big data step, then: train ddp sample
+#   (hellaswag, after train: one HellaSwag eval of the 124M checkpoint, timed)
 #
 # Every step has its own time limit and goes on after a failure; its output goes to $OUT/log.txt and one
 # line per step (rc, seconds) to $OUT/summary.txt, printed again at the end. No step starts or runs past
@@ -109,6 +110,25 @@ for phase in "$@"; do
         echo "=== sigterm: rc $? (0 expected)" | tee -a "$LOG" "$OUT/summary.txt"
         tail -5 /tmp/term.log | tee -a "$LOG"
         ls -la out-term | tee -a "$LOG" ;;
+    hellaswag)  # one HellaSwag eval of the 124M checkpoint (after train): 10,042 examples in HellaSwag's format,
+        # made from enwiki as the tests make theirs (the Hub is out of reach), scored with --eval_only
+        python3 - > /tmp/hellaswag.jsonl <<'MAKE'
+import json, random
+rng = random.Random(0)
+for line in open("/tmp/corpora/enwiki.jsonl"):
+    text = json.loads(line)["text"]
+    if len(text) < 400:
+        continue
+    context, ending = text[100:300], text[300:380]
+    distractors = [" ".join(w[::-1] for w in ending.split(" ")), ending[::-1], "".join(rng.sample(ending, 80))]
+    label = rng.randrange(4)
+    print(json.dumps({"ctx": context, "endings": distractors[:label] + [ending] + distractors[label:],
+                      "label": label}))
+MAKE
+        head -n 10042 /tmp/hellaswag.jsonl > /tmp/hellaswag_10042.jsonl
+        step hellaswag_eval 300 python3 train.py config/gpt2_124m.py --dataset=data/enwiki_gpt2 \
+            --out_dir=out-gpt2 --init_from=resume --eval_only=True --eval_iters=8 \
+            --hellaswag=/tmp/hellaswag_10042.jsonl ;;
     sample)
         step sample_gpt2 120 python3 sample.py --out_dir=out-gpt2 --max_new_tokens=256 \
             --start="The history of"
