@@ -374,9 +374,11 @@ def test_sigterm_saves_whether_in_an_eval_or_a_step_and_nothing_is_overwritten(d
 
 
 def test_ctrl_c_twice_stops_at_once_in_one_line(dataset, tmp_path):
-    # Eval batches of 2048 x 128 tokens take a while: the second Ctrl-C comes before the first one's stop.
+    # Eval batches of 2048 x 128 tokens through 4 layers 64 wide take seconds: the second Ctrl-C comes before the
+    # first one's stop, which waits for the batch to end. (With 2 layers 32 wide, the first stop once finished
+    # before a loaded machine's test sent the second, which then hit the interpreter's shutdown.)
     process = start_train(dataset, tmp_path / "out", "--max_iters=1000000", "--eval_iters=100000", "--batch_size=2048",
-                          "--block_size=128")
+                          "--block_size=128", "--n_layer=4", "--n_embd=64")
     stdout, stderr = signal_when(process, ("model:", signal.SIGINT), ("SIGINT: finishing", signal.SIGINT))
     assert_one_error_line(subprocess.CompletedProcess([], 1, stdout, stderr), "interrupted")
     assert not (tmp_path / "out" / "ckpt.pt").exists()
