@@ -654,3 +654,9 @@ def encoding_from_checkpoint(checkpoint):
         raise CheckpointError(f"the checkpoint's tokenizer has {encoding.n_vocab} ids, more than "
                               f"its model's vocab_size={vocab_size}")
     return encoding
+
+
+def token_bytes(encoding, token_id):
+    """A token's bytes. An id past the tokenizer, in a vocabulary padded to a multiple of 64 for
+    speed, is never trained on, but sampling can draw it: it stands for no bytes."""
+    return encoding.decode_single_token_bytes(token_id) if token_id < encoding.n_vocab else b""

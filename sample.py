@@ -23,7 +23,7 @@ import time
 import torch
 
 from model import (GREEDY_BELOW, CharTokenizer, CheckpointError, encoding_from_checkpoint,
-                   load_checkpoint, model_from_checkpoint)
+                   load_checkpoint, model_from_checkpoint, token_bytes)
 
 _names_before_settings = set(globals())
 # -----------------------------------------------------------------------------
@@ -112,11 +112,6 @@ def encode_prompt(encoding, prompt, block_size):
         print(f"warning: the prompt has {len(prompt_ids)} tokens: the model sees only the last "
               f"{block_size} (its block_size)", file=sys.stderr)
     return prompt_ids[-block_size:]
-
-
-def token_bytes(encoding, token_id):
-    # Ids past the tokenizer (a vocabulary padded to a multiple of 64) are never trained on.
-    return encoding.decode_single_token_bytes(token_id) if token_id < encoding.n_vocab else b""
 
 
 # ---- the checks: each mistake in the input is one line ----

@@ -336,7 +336,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from model import GPT, CheckpointError, GPTConfig, encoding_from_checkpoint, load_checkpoint
-from model import model_from_checkpoint, save_checkpoint
+from model import model_from_checkpoint, save_checkpoint, token_bytes
 
 device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
 device_type = device.split(":")[0]
@@ -596,9 +596,7 @@ while True:
             sampler = torch.Generator(device).manual_seed(seed)
             with torch.no_grad(), autocast:
                 new_ids = raw_model.generate(prompt, 32, top_k=50, generator=sampler)[0, prompt.size(1):]
-            # (an id past the tokenizer, in a vocabulary padded for speed, is never trained on)
-            new_bytes = b"".join(encoding.decode_single_token_bytes(i) if i < encoding.n_vocab else b""
-                                 for i in new_ids.tolist())
+            new_bytes = b"".join(token_bytes(encoding, i) for i in new_ids.tolist())
             sample = sample_prompt + new_bytes.decode("utf-8", "replace")
         if ddp:
             dist.all_reduce(totals)  # every rank reaches it, stopped early or not

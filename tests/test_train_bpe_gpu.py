@@ -259,7 +259,11 @@ class CountLaunches:
         for name in self.KERNELS:
             monkeypatch.setattr(bpe, name, self.counted(getattr(bpe, name)))
         replay = torch.cuda.CUDAGraph.replay
-        monkeypatch.setattr(torch.cuda.CUDAGraph, "replay", lambda graph: (self.count_replay(), replay(graph))[1])
+
+        def counted_replay(graph):
+            self.replays += 1
+            return replay(graph)
+        monkeypatch.setattr(torch.cuda.CUDAGraph, "replay", counted_replay)
 
     def counted(self, kernel):
         counter = self
@@ -271,9 +275,6 @@ class CountLaunches:
                     return kernel[grid](*args, **kwargs)
                 return launch
         return Counted()
-
-    def count_replay(self):
-        self.replays += 1
 
     def loop_kernels(self):
         setup = 4 * bpe.MERGES_PER_READ + 1 + (4 * bpe.MERGES_PER_READ if self.replays else 0)
