@@ -807,10 +807,28 @@ def local_files(data):  # the file, or a directory's files in sorted order; regu
 
 def local_texts(files, budget):  # a document is a .txt file, a .jsonl line, a .parquet row
     for path in files:
-        if path.suffix == ".parquet":  # `datasets`' default batch, a row group, is 0 rows if none
-            yield from datasets_texts(path, path="parquet", data_files=str(path), batch_size=1024)
+        if path.suffix == ".parquet":
+            yield from read_parquet(path)
         else:
             yield from read_txt(path, budget) if path.suffix == ".txt" else read_jsonl(path)
+
+def read_parquet(path, start=0, end=None):  # the "text" of each row group placed in bytes [start, end)
+    import pyarrow.parquet  # here, as .txt and .jsonl never need it; 10x less CPU than `datasets`
+    try:
+        parquet = pyarrow.parquet.ParquetFile(path)
+        if "text" not in parquet.schema_arrow.names:
+            raise ValueError('no "text" column')
+        size, groups = os.path.getsize(path), parquet.num_row_groups
+        end = size if end is None else end  # a group sits at its share of the bytes: ranges tile them
+        ours = [group for group in range(groups) if start <= size * group // groups < end]
+        for batch in parquet.iter_batches(1024, ours, columns=["text"]):
+            for text in batch.column(0).to_pylist():
+                if not isinstance(text, str):
+                    raise ValueError(f'a row\'s "text" is {text!r:.50}, not a string')
+                yield text
+    except Exception as error:  # not parquet, corrupt, no "text" column, a "text" not a string
+        reason = f"{type(error).__name__}: {error}".splitlines()[0]
+        raise UserError(f"can't read {path} ({reason}); check it, or use other files")
 
 def read_txt(path, budget):  # one document, CRLF kept, read only as far as the budget needs
     with open(path, encoding="utf-8", errors=BadUTF8.errors, newline="") as f:
