@@ -68,8 +68,8 @@ EOT = "<|endoftext|>"
 HUB_DATASETS = {"fineweb": ("HuggingFaceFW/fineweb", "sample-10BT", None),
                 "fineweb-edu": ("HuggingFaceFW/fineweb-edu", "sample-10BT", None)}
 LOCAL_SUFFIXES = (".txt", ".jsonl", ".parquet")
-# programs, block of positions, of dirty rows, of choose_pair's rows
-INTERPRETER_SHAPE = (1, 1024, 64, 1024)
+# programs, block of positions, of dirty rows, of choose_pair's keys, rows per block key
+INTERPRETER_SHAPE = (1, 1024, 64, 1024, 16)
 MERGES_PER_READ = 16  # merges launched (on CUDA: one graph replay) per host read of the "done" flag
 PARALLEL_CHARS = 1 << 24  # from this many characters on, all cores pre-tokenize (below: one)
 BATCH_CHARS = 1 << 20  # characters of documents per batch sent to a pre-tokenizing worker
@@ -95,6 +95,8 @@ class UserError(Exception):
 # Per-row keys keep counts exact to 2^43 (one key per pair would cap them at 2^31). Only pairs with
 # the new token grow: atomic_max raises their row's key. A shrinking count leaves its row's key too
 # high only if it was the row's maximum: that row is "dirty" (rare) and recomputed from the matrix.
+# One level up, block_key[k] is the largest key of rows k*KEY_BLOCK.. (k+1)*KEY_BLOCK-1, raised with
+# the rows' and recomputed for a dirty row's block: choosing reads V/KEY_BLOCK + KEY_BLOCK keys, not V.
 # The loop's state (a, b, list bounds) stays on the device, in `state`. Programs stride over blocks,
 # so every grid's size is known before the data: CUDA can record 16 merges as one graph. No kernel
 # needs a lock; each docstring says why, from who writes what.
@@ -118,8 +120,8 @@ def append(length, buffer, values, keep):
 
 
 @triton.jit
-def choose_pair(state, row_key, fresh_key, dirty_flag, dirty_rows, list_start, list_len, merges, V,
-                BLOCK: tl.constexpr):
+def choose_pair(state, row_key, block_key, fresh_key, dirty_flag, dirty_rows, list_start, list_len,
+                merges, V, BLOCK: tl.constexpr, KEY_BLOCK: tl.constexpr):
     """Picks the pair with the largest key and writes the merge's state (a, b, new id, list bounds).
     One program, alone on the device (kernels run in order): it may read and write anything."""
     if tl.load(state + DONE) == 0:
@@ -136,16 +138,29 @@ def choose_pair(state, row_key, fresh_key, dirty_flag, dirty_rows, list_start, l
         # DIRTY after it is reset).
         tl.debug_barrier()
         tl.store(state + DIRTY, 0)
-        # The largest count over all rows; blocks go in row order, and the first row wins a tie.
+        # A dirty row's key may have dropped: its block's key is recomputed (a block holding two
+        # dirty rows is written twice, with the same value). A barrier again before the scan.
+        for first in range(0, dirty, BLOCK // KEY_BLOCK):
+            i = first + tl.arange(0, BLOCK // KEY_BLOCK)
+            blocks = tl.load(dirty_rows + i, mask=i < dirty, other=0) // KEY_BLOCK
+            rows = blocks[:, None] * KEY_BLOCK + tl.arange(0, KEY_BLOCK)[None, :]
+            keys = tl.load(row_key + rows, mask=rows < V, other=0)
+            tl.store(block_key + blocks, tl.max(keys, axis=1), mask=i < dirty)
+        tl.debug_barrier()
+        # The largest count over all blocks, the first block on a tie; then the first row of that
+        # block with that count: the first row with the largest count of all.
         new = tl.load(state + NEXT)
-        best_count, best_row = tl.full((), 0, tl.int64), tl.full((), 0, tl.int64)
-        for first in range(0, new, BLOCK):
-            rows = first + tl.arange(0, BLOCK)
-            count = tl.load(row_key + rows, mask=rows < new, other=0) >> ID_BITS
-            block_best = tl.max(count, axis=0)
-            block_row = tl.min(tl.where(count == block_best, rows, new), axis=0).to(tl.int64)
-            best_row = tl.where(block_best > best_count, block_row, best_row)
-            best_count = tl.maximum(block_best, best_count)
+        best_count, best_block = tl.full((), 0, tl.int64), tl.full((), 0, tl.int64)
+        for first in range(0, tl.cdiv(new, KEY_BLOCK), BLOCK):
+            blocks = first + tl.arange(0, BLOCK)
+            count = tl.load(block_key + blocks, mask=blocks * KEY_BLOCK < new, other=0) >> ID_BITS
+            most = tl.max(count, axis=0)
+            first_most = tl.min(tl.where(count == most, blocks, new), axis=0).to(tl.int64)
+            best_block = tl.where(most > best_count, first_most, best_block)
+            best_count = tl.maximum(most, best_count)
+        rows = best_block * KEY_BLOCK + tl.arange(0, KEY_BLOCK)
+        count = tl.load(row_key + rows, mask=rows < new, other=0) >> ID_BITS
+        best_row = tl.min(tl.where(count == best_count, rows, new), axis=0).to(tl.int64)
         if (best_count == 0) | (new >= V):
             tl.store(state + DONE, 1)
         else:
@@ -196,8 +211,8 @@ def find_occurrences(state, list_buffer, tokens, next_pos, prev_pos, mark, END,
 
 @triton.jit
 def apply_merges(state, list_buffer, scratch, list_start, list_len, tokens, next_pos, prev_pos,
-                 mark, weight, counts, row_key, dirty_flag, dirty_rows, V, END,
-                 BLOCK: tl.constexpr):
+                 mark, weight, counts, row_key, block_key, dirty_flag, dirty_rows, V, END,
+                 BLOCK: tl.constexpr, KEY_BLOCK: tl.constexpr):
     """Merges the marked occurrences. The lane of (p, right) writes only what it owns: tokens,
     next_pos and prev_pos of p and right, and prev_pos of the position after right unless that one
     merges too (its own lane links it then). It reads a neighbour's token only where the marks say
@@ -252,15 +267,17 @@ def apply_merges(state, list_buffer, scratch, list_start, list_len, tokens, next
                 first = was_max & (flag == 0)
                 append(state + DIRTY, dirty_rows, row.to(tl.int32), first)
             # (x, new) and (new, y_new) gain w. The lane whose add comes last sees the final count,
-            # so the atomic max of every lane's key is the final key, whatever the order.
+            # so the atomic max of every lane's key is the final key, whatever the order; and
+            # likewise for the row's block.
             for k in tl.static_range(2):
                 if k == 0:
                     row, col, gain = x.to(tl.int64), new + zero, has_x
                 else:
                     row, col, gain = new + zero, y_new.to(tl.int64), has_y
                 total = tl.atomic_add(counts + row * V + col, w, mask=gain, sem="relaxed") + w
-                tl.atomic_max(row_key + row, (total.to(tl.int64) << ID_BITS) | (LOW - col),
-                              mask=gain, sem="relaxed")
+                key = (total.to(tl.int64) << ID_BITS) | (LOW - col)
+                tl.atomic_max(row_key + row, key, mask=gain, sem="relaxed")
+                tl.atomic_max(block_key + row // KEY_BLOCK, key, mask=gain, sem="relaxed")
 
 
 @triton.jit
@@ -350,16 +367,17 @@ def merge_on_device(arrays, vocab_size, device):
     counts = zeros(V * V, weight.dtype).index_add_(0, upload("pairs"), upload("pair_weights"))
     END = len(tokens) - 2
     mark, scratch = zeros(END + 2, torch.int32), torch.empty_like(list_buffer)
+    # a GPU runs a few programs per SM; the interpreter runs them in turn: one, wide, is fastest
+    programs, block, rows, choose_block, key_block = INTERPRETER_SHAPE
+    if device.type == "cuda":
+        programs = 4 * torch.cuda.get_device_properties(device).multi_processor_count
+        block, rows, choose_block, key_block = 256, 4, 4096, 256
     row_key, fresh_key, state, merges = zeros(V), zeros(V), zeros(16), zeros(2 * V)
+    block_key = zeros(-(-V // key_block))
     dirty_flag, dirty_rows = zeros(V, torch.int32), zeros(V, torch.int32)
     # the first refresh makes all rows' keys
     dirty_flag[:256], dirty_rows[:256] = 1, torch.arange(256, device=device)
     state[NEXT.value], state[DIRTY.value] = 256, 256
-    # a GPU runs a few programs per SM; the interpreter runs them in turn: one, wide, is fastest
-    programs, block, rows, choose_block = INTERPRETER_SHAPE
-    if device.type == "cuda":
-        programs = 4 * torch.cuda.get_device_properties(device).multi_processor_count
-        block, rows, choose_block = 256, 4, 4096
     grid = (programs,)
 
     def refresh():
@@ -369,13 +387,14 @@ def merge_on_device(arrays, vocab_size, device):
     # past the last merge, choose_pair sets DONE and every kernel does nothing
     def merge_group():
         for _ in range(MERGES_PER_READ):
-            choose_pair[(1,)](state, row_key, fresh_key, dirty_flag, dirty_rows, list_start,
-                              list_len, merges, V, BLOCK=choose_block)
+            choose_pair[(1,)](state, row_key, block_key, fresh_key, dirty_flag, dirty_rows,
+                              list_start, list_len, merges, V, BLOCK=choose_block,
+                              KEY_BLOCK=key_block)
             find_occurrences[grid](state, list_buffer, tokens, next_pos, prev_pos, mark, END,
                                    BLOCK=block)
             apply_merges[grid](state, list_buffer, scratch, list_start, list_len, tokens, next_pos,
-                               prev_pos, mark, weight, counts, row_key, dirty_flag, dirty_rows, V,
-                               END, BLOCK=block)
+                               prev_pos, mark, weight, counts, row_key, block_key, dirty_flag,
+                               dirty_rows, V, END, BLOCK=block, KEY_BLOCK=key_block)
             refresh()
 
     refresh()

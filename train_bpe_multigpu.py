@@ -81,8 +81,8 @@ HUB_DATASETS = {"fineweb": ("HuggingFaceFW/fineweb", "sample-10BT", None),
                 "fineweb-edu": ("HuggingFaceFW/fineweb-edu", "sample-10BT", None)}
 LOCAL_SUFFIXES = (".txt", ".jsonl", ".parquet")
 CACHE_VERSION = 3
-# programs, block of positions, of dirty rows, of best_pair's rows
-INTERPRETER_SHAPE = (1, 1024, 64, 1024)
+# programs, block of positions, of dirty rows, of best_pair's keys, rows per block key
+INTERPRETER_SHAPE = (1, 1024, 64, 1024, 16)
 MERGES_PER_READ = 16  # merges launched per host read of the "done" flag
 MAX_POSITIONS = 2**31 - 2  # positions are int32: a rank's distinct chunks' bytes + 2 spare slots
 BATCH_CHARS = 1 << 20  # characters of documents per batch sent to a pre-tokenizing worker
@@ -125,8 +125,9 @@ def append(length, buffer, values, keep):
 
 
 @triton.jit
-def best_pair(state, row_key, fresh_key, dirty_flag, dirty_rows, best, BITS: tl.constexpr,
-              ONE_KEY: tl.constexpr, BLOCK: tl.constexpr):
+def best_pair(state, row_key, block_key, fresh_key, dirty_flag, dirty_rows, V, best,
+              BITS: tl.constexpr, ONE_KEY: tl.constexpr, BLOCK: tl.constexpr,
+              KEY_BLOCK: tl.constexpr):
     """This rank's best pair as a key that orders pairs across ranks: with B bits an id and
     M = 2^B - 1, count << 2B | (M - left) << B | (M - right) is largest for the pair BPE takes,
     tie-break included. Counts past 63 - 2B bits don't fit: then best = [count, tie, count] for two
@@ -144,15 +145,29 @@ def best_pair(state, row_key, fresh_key, dirty_flag, dirty_rows, best, BITS: tl.
         # DIRTY after it is reset).
         tl.debug_barrier()
         tl.store(state + DIRTY, 0)
+        # A dirty row's key may have dropped: its block's key is recomputed (a block holding two
+        # dirty rows is written twice, with the same value). A barrier again before the scan.
+        for first in range(0, dirty, BLOCK // KEY_BLOCK):
+            i = first + tl.arange(0, BLOCK // KEY_BLOCK)
+            blocks = tl.load(dirty_rows + i, mask=i < dirty, other=0) // KEY_BLOCK
+            rows = blocks[:, None] * KEY_BLOCK + tl.arange(0, KEY_BLOCK)[None, :]
+            keys = tl.load(row_key + rows, mask=rows < V, other=0)
+            tl.store(block_key + blocks, tl.max(keys, axis=1), mask=i < dirty)
+        tl.debug_barrier()
+        # The largest count over all blocks, the first block on a tie; then the first row of that
+        # block with that count (rows this rank doesn't own have key 0).
         new = tl.load(state + NEXT)
-        best_count, best_row = tl.full((), 0, tl.int64), tl.full((), 0, tl.int64)
-        for first in range(0, new, BLOCK):  # rows this rank doesn't own have key 0
-            rows = first + tl.arange(0, BLOCK)
-            count = tl.load(row_key + rows, mask=rows < new, other=0) >> ID_BITS
-            block_best = tl.max(count, axis=0)
-            block_row = tl.min(tl.where(count == block_best, rows, new), axis=0).to(tl.int64)
-            best_row = tl.where(block_best > best_count, block_row, best_row)
-            best_count = tl.maximum(block_best, best_count)
+        best_count, best_block = tl.full((), 0, tl.int64), tl.full((), 0, tl.int64)
+        for first in range(0, tl.cdiv(new, KEY_BLOCK), BLOCK):
+            blocks = first + tl.arange(0, BLOCK)
+            count = tl.load(block_key + blocks, mask=blocks * KEY_BLOCK < new, other=0) >> ID_BITS
+            most = tl.max(count, axis=0)
+            first_most = tl.min(tl.where(count == most, blocks, new), axis=0).to(tl.int64)
+            best_block = tl.where(most > best_count, first_most, best_block)
+            best_count = tl.maximum(most, best_count)
+        rows = best_block * KEY_BLOCK + tl.arange(0, KEY_BLOCK)
+        count = tl.load(row_key + rows, mask=rows < new, other=0) >> ID_BITS
+        best_row = tl.min(tl.where(count == best_count, rows, new), axis=0).to(tl.int64)
         right = LOW - (tl.load(row_key + best_row) & LOW)
         tie = tl.where(best_count > 0,
                        ((1 << BITS) - 1 - best_row) << BITS | ((1 << BITS) - 1 - right), 0)
@@ -252,8 +267,8 @@ def apply_merges(state, list_buffer, scratch, list_start, list_len, tokens, next
 
 
 @triton.jit
-def apply_owned(state, delta, counts, row_key, dirty_flag, dirty_rows, V, RANK, WORLD,
-                BLOCK: tl.constexpr):
+def apply_owned(state, delta, counts, row_key, block_key, dirty_flag, dirty_rows, V, RANK, WORLD,
+                BLOCK: tl.constexpr, KEY_BLOCK: tl.constexpr):
     """Adds every rank's summed changes (delta, after the all_reduce) to this rank's rows, and
     zeroes delta for the next merge. Lane i owns delta[i]. Each gained count, (x, new) or (new, y'),
     has one lane: its atomic add returns the final count. Only row new's key can rise (its lanes'
@@ -282,8 +297,9 @@ def apply_owned(state, delta, counts, row_key, dirty_flag, dirty_rows, V, RANK, 
             gain, column = owned & (part % 2 == 0), tl.where(part == 0, new, j)
             total = tl.atomic_add(at + column, d.to(counts.dtype.element_ty), mask=gain,
                                   sem="relaxed").to(tl.int64) + d
-            tl.atomic_max(row_key + row, (total << ID_BITS) | (LOW - column),
-                          mask=gain & (part == 2), sem="relaxed")
+            key, rises = (total << ID_BITS) | (LOW - column), gain & (part == 2)
+            tl.atomic_max(row_key + row, key, mask=rises, sem="relaxed")
+            tl.atomic_max(block_key + row // KEY_BLOCK, key, mask=rises, sem="relaxed")
 
 
 @triton.jit
@@ -367,11 +383,11 @@ def merge_on_device(arrays, vocab_size, total_pairs, device, show_progress):
     owned_bytes = torch.arange(rank, 256, W, device=device)  # the first refresh makes their keys
     dirty_flag[owned_bytes], dirty_rows[:len(owned_bytes)] = 1, owned_bytes.int()
     state[NEXT.value], state[DIRTY.value] = 256, len(owned_bytes)
-    programs, block, rows, choose_block = INTERPRETER_SHAPE
+    programs, block, rows, choose_block, key_block = INTERPRETER_SHAPE
     if device.type == "cuda":
         programs = 4 * torch.cuda.get_device_properties(device).multi_processor_count
-        block, rows, choose_block = 256, 4, 4096
-    grid = (programs,)
+        block, rows, choose_block, key_block = 256, 4, 4096, 256
+    block_key, grid = zeros(-(-V // key_block)), (programs,)
 
     def refresh():
         refresh_rows[grid](state, list_buffer, scratch, list_len, counts, fresh_key, dirty_rows, V,
@@ -380,8 +396,8 @@ def merge_on_device(arrays, vocab_size, total_pairs, device, show_progress):
     # past the last merge, find_occurrences sets DONE and every kernel does nothing
     def merge_group():
         for _ in range(MERGES_PER_READ):
-            best_pair[(1,)](state, row_key, fresh_key, dirty_flag, dirty_rows, best, BITS=bits,
-                            ONE_KEY=one_key, BLOCK=choose_block)
+            best_pair[(1,)](state, row_key, block_key, fresh_key, dirty_flag, dirty_rows, V, best,
+                            BITS=bits, ONE_KEY=one_key, BLOCK=choose_block, KEY_BLOCK=key_block)
             if W > 1:
                 dist.all_reduce(best[:1], op=dist.ReduceOp.MAX)
                 # the count first, then the tie-break among the ranks that have that count
@@ -396,8 +412,8 @@ def merge_on_device(arrays, vocab_size, total_pairs, device, show_progress):
                                prev_pos, mark, weight, delta, V, END, BLOCK=block)
             if W > 1:
                 dist.all_reduce(delta)
-            apply_owned[grid](state, delta, counts, row_key, dirty_flag, dirty_rows, V, rank, W,
-                              BLOCK=block)
+            apply_owned[grid](state, delta, counts, row_key, block_key, dirty_flag, dirty_rows, V,
+                              rank, W, BLOCK=block, KEY_BLOCK=key_block)
             refresh()
 
     refresh()

@@ -221,6 +221,6 @@ if args.count_reads:  # in this process, after the timed runs: the counting mode
     print(f"host reads in the merge loop: {max(reads.counts.values()) / len(merges):.3f} per merge, the largest kind "
           f"({kinds}) over {len(merges)} merges")
     print(f"kernels in the merge loop: {launches.loop_kernels() / len(merges):.2f} per merge (whole groups of "
-          f"{bpe.MERGES_PER_READ}, {launches.replays} graph replays), 1 block barrier (choose_pair's)")
+          f"{bpe.MERGES_PER_READ}, {launches.replays} graph replays), 2 block barriers (choose_pair's)")
 if any("DIFFERENT" in run[2] for runs in rows.values() for run in runs):
     sys.exit("some trainer's merges differ from rustbpe's")

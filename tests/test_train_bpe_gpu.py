@@ -99,8 +99,8 @@ def test_edge_cases_equal_rustbpe_and_cpu_trainer(name):
 def test_many_programs_and_small_blocks_give_the_same_merges(monkeypatch):
     # The interpreter's default is one program with one wide block: here 2 programs stride over blocks of 16
     # positions, appends to the lists cross blocks, dirty rows are refreshed 8 rows by 16 columns at a time, and
-    # choose_pair compares rows across blocks of 16.
-    monkeypatch.setattr(bpe, "INTERPRETER_SHAPE", (2, 16, 8, 16))
+    # choose_pair compares 16 block keys at a time, of 4 rows each.
+    monkeypatch.setattr(bpe, "INTERPRETER_SHAPE", (2, 16, 8, 16, 4))
     docs = EDGE_CASES["alternating pairs"] + ["aaa aaaaa aaaaaaa aaaaaaaa " * 2, "qr qr qr st st st xy xy"]
     assert our_vocab(docs, 272) == cpu_trainer_vocab(docs, 272)
 
@@ -158,23 +158,29 @@ import triton
 import train_bpe_gpu as bpe
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-barrier = lambda ttir: re.search(r'(gpu|ttg)[.]barrier', ttir).start()  # Triton 3.6: gpu.barrier
+barriers = lambda ttir: [found.start() for found in re.finditer(r'(gpu|ttg)[.]barrier', ttir)]  # 3.6: gpu.barrier
 
-INT64 = {"state", "row_key", "fresh_key", "list_start", "list_len", "merges"}
+INT64 = {"state", "row_key", "block_key", "fresh_key", "list_start", "list_len", "merges"}
+SHAPE = dict(BLOCK=256, ROWS=4, KEY_BLOCK=256)
 for counts in ("*i32", "*i64"):
     for kernel in (bpe.choose_pair, bpe.find_occurrences, bpe.apply_merges, bpe.refresh_rows):
         names = kernel.arg_names
         if counts == "*i64" and "counts" not in names:
             continue
-        signature = {name: "constexpr" if name in ("BLOCK", "ROWS") else "i32" if name in ("V", "END") else
+        signature = {name: "constexpr" if name in SHAPE else "i32" if name in ("V", "END") else
                      counts if name in ("counts", "weight") else "*i64" if name in INT64 else "*i32" for name in names}
-        constexprs = {(names.index(name),): 4 if name == "ROWS" else 256 for name in ("BLOCK", "ROWS") if name in names}
+        shape = dict(SHAPE, BLOCK=4096) if kernel is bpe.choose_pair else SHAPE  # a CUDA run's
+        constexprs = {(names.index(name),): value for name, value in shape.items() if name in names}
         asm = triton.compile(ASTSource(kernel, signature, constexprs), target=GPUTarget("cuda", 90, 32)).asm
         ttir, atomics = asm["ttir"], re.findall(r"\\batom[.][\\w.]+", asm["ptx"])
         print(kernel.fn.__name__, counts, "compiled;", len(atomics), "atomics;", "fenced:", sorted(
             {atomic for atomic in atomics if ".relaxed" not in atomic}))
-        if kernel is bpe.choose_pair:  # the dirty rows' keys are copied (stores), then a barrier, then scanned (reduce)
-            print("barrier between copy and scan:", ttir.index("tt.store") < barrier(ttir) < ttir.index("tt.reduce"))
+        if kernel is bpe.choose_pair:  # the dirty rows' keys are copied (stores), a barrier, their blocks' keys
+            # recomputed (reduce, store), a barrier, then the blocks scanned (reduce)
+            first, second = barriers(ttir)
+            block_keys = ttir.index("tt.reduce", first) < ttir.rindex("tt.store", first, second)
+            print("barriers between copy, blocks and scan:",
+                  ttir.index("tt.store") < first and block_keys and "tt.reduce" in ttir[second:])
 """
 
 
@@ -182,7 +188,7 @@ def test_the_kernels_compile_for_a_gpu():
     result = subprocess.run([sys.executable, "-c", COMPILE_FOR_A_GPU, str(REPO)], capture_output=True, text=True,
                             timeout=300)
     assert result.returncode == 0 and result.stdout.count("compiled") == 6, result.stdout + result.stderr[-3000:]
-    assert result.stdout.count("barrier between copy and scan: True") == 1, result.stdout  # a GPU race, else
+    assert result.stdout.count("barriers between copy, blocks and scan: True") == 1, result.stdout  # a GPU race
     # Every atomic relaxed (acq_rel puts a device-wide fence around each, on the merge's critical path), and
     # the atomics are there to be checked: the PTX is what the H100's compiler gets.
     assert result.stdout.count("fenced: []") == 6, result.stdout
