@@ -96,7 +96,8 @@ class UserError(Exception):
 # the new token grow: atomic_max raises their row's key. A shrinking count leaves its row's key too
 # high only if it was the row's maximum: that row is "dirty" (rare) and recomputed from the matrix.
 # One level up, block_key[k] is the largest key of rows k*KEY_BLOCK.. (k+1)*KEY_BLOCK-1, raised with
-# the rows' and recomputed for a dirty row's block: choosing reads V/KEY_BLOCK + KEY_BLOCK keys, not V.
+# the rows' and recomputed for a dirty row's block: choosing reads the V/KEY_BLOCK block keys, one
+# block's row keys and the dirty rows' blocks (one or two a merge), not all V row keys.
 # The loop's state (a, b, list bounds) stays on the device, in `state`. Programs stride over blocks,
 # so every grid's size is known before the data: CUDA can record 16 merges as one graph. No kernel
 # needs a lock; each docstring says why, from who writes what.
@@ -122,7 +123,8 @@ def append(length, buffer, values, keep):
 @triton.jit
 def choose_pair(state, row_key, block_key, fresh_key, dirty_flag, dirty_rows, list_start, list_len,
                 merges, V, BLOCK: tl.constexpr, KEY_BLOCK: tl.constexpr):
-    """Picks the pair with the largest key and writes the merge's state (a, b, new id, list bounds).
+    """Picks the pair with the largest count (ties: the smallest left id, then right id) and writes
+    the merge's state (a, b, new id, list bounds).
     One program, alone on the device (kernels run in order): it may read and write anything."""
     if tl.load(state + DONE) == 0:
         # the rows refresh_rows recomputed into fresh_key become exact again
@@ -140,11 +142,12 @@ def choose_pair(state, row_key, block_key, fresh_key, dirty_flag, dirty_rows, li
         tl.store(state + DIRTY, 0)
         # A dirty row's key may have dropped: its block's key is recomputed (a block holding two
         # dirty rows is written twice, with the same value). A barrier again before the scan.
+        tl.static_assert(BLOCK >= KEY_BLOCK)
         for first in range(0, dirty, BLOCK // KEY_BLOCK):
             i = first + tl.arange(0, BLOCK // KEY_BLOCK)
             blocks = tl.load(dirty_rows + i, mask=i < dirty, other=0) // KEY_BLOCK
             rows = blocks[:, None] * KEY_BLOCK + tl.arange(0, KEY_BLOCK)[None, :]
-            keys = tl.load(row_key + rows, mask=rows < V, other=0)
+            keys = tl.load(row_key + rows, mask=(i < dirty)[:, None] & (rows < V), other=0)
             tl.store(block_key + blocks, tl.max(keys, axis=1), mask=i < dirty)
         tl.debug_barrier()
         # The largest count over all blocks, the first block on a tie; then the first row of that

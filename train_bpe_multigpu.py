@@ -147,11 +147,12 @@ def best_pair(state, row_key, block_key, fresh_key, dirty_flag, dirty_rows, V, b
         tl.store(state + DIRTY, 0)
         # A dirty row's key may have dropped: its block's key is recomputed (a block holding two
         # dirty rows is written twice, with the same value). A barrier again before the scan.
+        tl.static_assert(BLOCK >= KEY_BLOCK)
         for first in range(0, dirty, BLOCK // KEY_BLOCK):
             i = first + tl.arange(0, BLOCK // KEY_BLOCK)
             blocks = tl.load(dirty_rows + i, mask=i < dirty, other=0) // KEY_BLOCK
             rows = blocks[:, None] * KEY_BLOCK + tl.arange(0, KEY_BLOCK)[None, :]
-            keys = tl.load(row_key + rows, mask=rows < V, other=0)
+            keys = tl.load(row_key + rows, mask=(i < dirty)[:, None] & (rows < V), other=0)
             tl.store(block_key + blocks, tl.max(keys, axis=1), mask=i < dirty)
         tl.debug_barrier()
         # The largest count over all blocks, the first block on a tie; then the first row of that
