@@ -13,7 +13,8 @@ the trainers' -n does and written to one temporary .jsonl, which both of our scr
 command line, so their times are end to end (interpreter start, reading, pre-tokenizing, merging, writing).
 rustbpe gets the same documents from memory, so its time leaves out reading the file: a small edge for it.
 Every run's merges are compared with rustbpe's, byte for byte. We print medians over --repeats.
---count_reads also runs the merge loop once in this process with every host read and kernel counted (the tests' counters).
+--count_reads also runs the merge loop once in this process with every host read and kernel counted (the tests' counters),
+and --profile once under torch.profiler: each kernel's device time a merge, and the rest (gaps, host reads).
 """
 
 import argparse
@@ -43,6 +44,8 @@ parser.add_argument("--repeats", type=int, default=3)
 parser.add_argument("--cpu_trainer", choices=["auto", "yes", "no"], default="auto",
                     help="also run train_bpe_cpu.py (auto: when n <= 2^24)")
 parser.add_argument("--count_reads", action="store_true", help="count host reads per merge (one more merge loop)")
+parser.add_argument("--profile", action="store_true",
+                    help="each kernel's device time a merge, from torch.profiler (one more merge loop)")
 parser.add_argument("--pack", default=None, help="write the first n characters to this .jsonl.xz / .jsonl.gz and exit")
 parser.add_argument("--host_side", action="store_true",
                     help="time what a GPU run pays before its merge loop, per format, against rustbpe's whole run")
@@ -199,20 +202,44 @@ for name, runs in rows.items():
     notes = sorted({run[2] for run in runs})
     print(f"| {name} | {seconds:.2f} | {own:.2f} | {rate} | {seconds / rust_seconds:.2f}x | {own / rust_seconds:.2f}x | {', '.join(notes)} |")
 print(f"\ntrain_bpe_gpu.py peak memory: {peak_memory}")
-if args.count_reads:  # in this process, after the timed runs: the counting modes slow every tensor operation
+if args.count_reads or args.profile:  # in this process, after the timed runs
     import regex
     from collections import Counter
 
-    sys.path.insert(0, str(REPO / "tests"))
     import train_bpe_gpu as bpe
-    import pytest
-    from test_train_bpe_gpu import CountHostReads, CountLaunches
 
     chunk_counts = Counter()
     for doc in docs:
         chunk_counts.update(regex.findall(GPT4_PATTERN, doc))
     arrays = bpe.chunks_to_arrays(chunk_counts, args.vocab_size)
     device = args.device or ("cuda" if bpe.torch.cuda.is_available() else "cpu")
+if args.profile:
+    # The kernels' own device time (CUPTI traces kernels inside graph replays too), a merge: what the cost
+    # model in RESULTS estimates per kernel. The loop's wall time a merge less their sum is the gaps between
+    # kernels and the host's reads. The setup's launches (DONE set: they return at once) and the last group's
+    # surplus ones count too: a small overestimate.
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * device.startswith("cuda")
+    with profile(activities=activities) as profiler:
+        merges, _, seconds = bpe.merge_on_device(arrays, args.vocab_size, device)
+    kernels = {event.key: event for event in profiler.key_averages()
+               if event.key in ("choose_pair", "find_occurrences", "apply_merges", "refresh_rows")}
+    loop_us = seconds["loop"] / len(merges) * 1e6
+    print(f"\nprofiled merge loop: {len(merges)} merges, {loop_us:.1f} us a merge (wall, under the profiler)")
+    for name, event in kernels.items():
+        print(f"  {name}: {event.device_time_total / len(merges):.1f} us a merge on the device, "
+              f"{event.count} launches")
+    if kernels:
+        device_us = sum(event.device_time_total for event in kernels.values()) / len(merges)
+        print(f"  the kernels: {device_us:.1f} us a merge; gaps and host reads: {loop_us - device_us:.1f} us")
+    else:
+        print("  no kernel events: on the CPU the kernels are Python (the interpreter), not device kernels")
+if args.count_reads:  # the counting modes slow every tensor operation
+    sys.path.insert(0, str(REPO / "tests"))
+    import pytest
+    from test_train_bpe_gpu import CountHostReads, CountLaunches
+
     with pytest.MonkeyPatch.context() as patch:
         launches = CountLaunches(patch)
         with CountHostReads() as reads:

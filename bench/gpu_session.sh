@@ -70,13 +70,13 @@ for phase in "$@"; do
             --tb=short -rf --durations=10 ;;
     bpe_small)
         step bench_bpe_small 150 python3 bench/bench_bpe_gpu.py --data $CORPORA/enwiki.jsonl \
-            -n 1048576 -v 1000 --count_reads
+            -n 1048576 -v 1000 --count_reads --profile
         step multigpu_nccl_1 120 torchrun --standalone --nproc_per_node=1 train_bpe_multigpu.py \
             --data $CORPORA/enwiki.jsonl -n 1048576 -v 1000 --out /tmp/tok_multigpu ;;
     bpe_big)  # 2^27 characters: enwiki three times over (its 56.9M characters are fewer)
         [ -f $CORPORA/enwiki3.jsonl ] || cat $CORPORA/enwiki.jsonl{,,} > $CORPORA/enwiki3.jsonl
         step bench_bpe_big 300 python3 bench/bench_bpe_gpu.py --data $CORPORA/enwiki3.jsonl \
-            -n 134217728 -v 65534 --repeats 1
+            -n 134217728 -v 65534 --repeats 1 --profile
         step host_side 150 python3 bench/bench_bpe_gpu.py --data $CORPORA/enwiki.jsonl --host_side \
             -n 33554432 --repeats 1 ;;
     data) make_data ;;
