@@ -8,9 +8,10 @@ Train a byte-level BPE tokenizer, merging on a GPU: the same merges as train_bpe
 Flags and outputs are train_bpe_cpu.py's, the readable reference of the algorithm. This file shows
 how a sequential algorithm gets fast on a GPU: merge k needs the counts left by merge k-1, so merges
 can't run in parallel, but the work inside a merge can, and the host must stay out of the way. A
-merge is four small Triton kernels; the host launches them (on CUDA, 16 merges as one CUDA graph)
-and reads one flag per 16 merges: "done?". --device cpu runs the same kernels in Triton's
-interpreter (TRITON_INTERPRET=1): exact, slow, for the tests.
+merge is four small Triton kernels, or, when it is small, the same four steps in one program; the
+host launches them (on CUDA, 16 steps as one CUDA graph) and reads one flag per 16 steps: "done?".
+--device cpu runs the same kernels in Triton's interpreter (TRITON_INTERPRET=1): exact, slow, for
+the tests.
 """
 
 import argparse
@@ -68,9 +69,12 @@ EOT = "<|endoftext|>"
 HUB_DATASETS = {"fineweb": ("HuggingFaceFW/fineweb", "sample-10BT", None),
                 "fineweb-edu": ("HuggingFaceFW/fineweb-edu", "sample-10BT", None)}
 LOCAL_SUFFIXES = (".txt", ".jsonl", ".parquet")
-# programs, block of positions, of dirty rows, of choose_pair's keys, rows per block key
-INTERPRETER_SHAPE = (1, 1024, 64, 1024, 16)
-MERGES_PER_READ = 16  # merges launched (on CUDA: one graph replay) per host read of the "done" flag
+# programs; blocks of positions, dirty rows, keys to scan; rows a block key covers; merge_small's
+# block of positions, and the longest list it merges (CUDA's shape is in merge_on_device)
+INTERPRETER_SHAPE = dict(programs=1, block=1024, rows=64, choose_block=1024, key_block=16,
+                         small_block=1024, small=1024)
+STEPS_PER_READ = 16  # steps (merge_small, then the four kernels) per host read of the "done" flag
+SMALL_MERGES = 64  # merges that one merge_small launch may make
 PARALLEL_CHARS = 1 << 24  # from this many characters on, all cores pre-tokenize (below: one)
 BATCH_CHARS = 1 << 20  # characters of documents per batch sent to a pre-tokenizing worker
 MAX_POSITIONS = 2**31 - 2  # positions are int32: the distinct chunks' bytes + 2 spare slots
@@ -99,8 +103,13 @@ class UserError(Exception):
 # the rows' and recomputed for a dirty row's block: choosing reads the V/KEY_BLOCK block keys, one
 # block's row keys and the dirty rows' blocks (one or two a merge), not all V row keys.
 # The loop's state (a, b, list bounds) stays on the device, in `state`. Programs stride over blocks,
-# so every grid's size is known before the data: CUDA can record 16 merges as one graph. No kernel
+# so every grid's size is known before the data: CUDA can record 16 steps as one graph. No kernel
 # needs a lock; each docstring says why, from who writes what.
+# Most merges are small (on enwiki at V=65534 the median one visits 132 positions): as four kernels
+# they pay four launches and the gaps between, tens of microseconds, for a microsecond of work. So a
+# step is merge_small, which runs the four steps in one program, a barrier where a kernel would end,
+# for many small merges in a row, and then the four kernels, for the next merge: a long list, spread
+# over the whole GPU.
 # Every atomic is relaxed: each needs only atomicity, and what a kernel writes is seen by the next
 # (the stream orders kernels). The default, acq_rel, fences the whole device around each atomic
 # (MEMBAR.ALL.GPU on an H100), on apply's critical path.
@@ -121,195 +130,265 @@ def append(length, buffer, values, keep):
 
 
 @triton.jit
+def pick_pair(state, row_key, block_key, fresh_key, dirty_flag, dirty_rows, V, BLOCK: tl.constexpr,
+              KEY_BLOCK: tl.constexpr):
+    """The pair with the largest count (ties: the smallest left id, then right id), as (count, left
+    row); 0 counts: none. Makes the dirty rows' keys exact first, so a second pick, with no merge
+    between, picks the same. One program, with its threads: it may read and write anything."""
+    # the rows refresh_rows recomputed into fresh_key become exact again
+    dirty = tl.load(state + DIRTY)
+    for first in range(0, dirty, BLOCK):
+        i = first + tl.arange(0, BLOCK)
+        rows = tl.load(dirty_rows + i, mask=i < dirty, other=0)
+        tl.store(row_key + rows, tl.load(fresh_key + rows, mask=i < dirty), mask=i < dirty)
+        tl.store(fresh_key + rows, 0, mask=i < dirty)
+        tl.store(dirty_flag + rows, 0, mask=i < dirty)
+    # A row copied by one thread may be read below by another, and Triton orders global memory
+    # only within a thread: a barrier, or a thread could scan a dirty row's stale key (or read
+    # DIRTY after it is reset).
+    tl.debug_barrier()
+    tl.store(state + DIRTY, 0)
+    # A dirty row's key may have dropped: its block's key is recomputed (a block holding two
+    # dirty rows is written twice, with the same value). A barrier again before the scan.
+    tl.static_assert(BLOCK >= KEY_BLOCK)
+    for first in range(0, dirty, BLOCK // KEY_BLOCK):
+        i = first + tl.arange(0, BLOCK // KEY_BLOCK)
+        blocks = tl.load(dirty_rows + i, mask=i < dirty, other=0) // KEY_BLOCK
+        rows = blocks[:, None] * KEY_BLOCK + tl.arange(0, KEY_BLOCK)[None, :]
+        keys = tl.load(row_key + rows, mask=(i < dirty)[:, None] & (rows < V), other=0)
+        tl.store(block_key + blocks, tl.max(keys, axis=1), mask=i < dirty)
+    tl.debug_barrier()
+    # The largest count over all blocks, the first block on a tie; then the first row of that
+    # block with that count: the first row with the largest count of all.
+    new = tl.load(state + NEXT)
+    best_count, best_block = tl.full((), 0, tl.int64), tl.full((), 0, tl.int64)
+    for first in range(0, tl.cdiv(new, KEY_BLOCK), BLOCK):
+        blocks = first + tl.arange(0, BLOCK)
+        count = tl.load(block_key + blocks, mask=blocks * KEY_BLOCK < new, other=0) >> ID_BITS
+        most = tl.max(count, axis=0)
+        first_most = tl.min(tl.where(count == most, blocks, new), axis=0).to(tl.int64)
+        best_block = tl.where(most > best_count, first_most, best_block)
+        best_count = tl.maximum(most, best_count)
+    rows = best_block * KEY_BLOCK + tl.arange(0, KEY_BLOCK)
+    count = tl.load(row_key + rows, mask=rows < new, other=0) >> ID_BITS
+    best_row = tl.min(tl.where(count == best_count, rows, new), axis=0).to(tl.int64)
+    return best_count, best_row
+
+
+@triton.jit
+def start_merge(state, row_key, list_start, list_len, merges, best_row):
+    """Writes the merge of row best_row's best pair: a, b, the new id, a's list bounds."""
+    new = tl.load(state + NEXT)
+    right = LOW - (tl.load(row_key + best_row) & LOW)
+    tl.store(merges + 2 * (new - 256), best_row)
+    tl.store(merges + 2 * (new - 256) + 1, right)
+    tl.store(state + NEW, new)
+    tl.store(state + NEXT, new + 1)
+    tl.store(state + A, best_row)
+    tl.store(state + B, right)
+    tl.store(state + START, tl.load(list_start + best_row))
+    tl.store(state + LENGTH, tl.load(list_len + best_row))
+    tl.store(state + SURVIVORS, 0)
+    # The new token's list goes after the last list made: new - 1's (the bytes' for 256).
+    tl.store(list_start + new, tl.load(list_start + new - 1) + tl.load(list_len + new - 1))
+    tl.store(list_len + new, 0)
+
+
+@triton.jit
 def choose_pair(state, row_key, block_key, fresh_key, dirty_flag, dirty_rows, list_start, list_len,
                 merges, V, BLOCK: tl.constexpr, KEY_BLOCK: tl.constexpr):
-    """Picks the pair with the largest count (ties: the smallest left id, then right id) and writes
-    the merge's state (a, b, new id, list bounds).
-    One program, alone on the device (kernels run in order): it may read and write anything."""
+    """Picks the next pair and starts its merge, or sets DONE. One program, alone on the device
+    (kernels run in order)."""
     if tl.load(state + DONE) == 0:
-        # the rows refresh_rows recomputed into fresh_key become exact again
-        dirty = tl.load(state + DIRTY)
-        for first in range(0, dirty, BLOCK):
-            i = first + tl.arange(0, BLOCK)
-            rows = tl.load(dirty_rows + i, mask=i < dirty, other=0)
-            tl.store(row_key + rows, tl.load(fresh_key + rows, mask=i < dirty), mask=i < dirty)
-            tl.store(fresh_key + rows, 0, mask=i < dirty)
-            tl.store(dirty_flag + rows, 0, mask=i < dirty)
-        # A row copied by one thread may be read below by another, and Triton orders global memory
-        # only within a thread: a barrier, or a thread could scan a dirty row's stale key (or read
-        # DIRTY after it is reset).
-        tl.debug_barrier()
-        tl.store(state + DIRTY, 0)
-        # A dirty row's key may have dropped: its block's key is recomputed (a block holding two
-        # dirty rows is written twice, with the same value). A barrier again before the scan.
-        tl.static_assert(BLOCK >= KEY_BLOCK)
-        for first in range(0, dirty, BLOCK // KEY_BLOCK):
-            i = first + tl.arange(0, BLOCK // KEY_BLOCK)
-            blocks = tl.load(dirty_rows + i, mask=i < dirty, other=0) // KEY_BLOCK
-            rows = blocks[:, None] * KEY_BLOCK + tl.arange(0, KEY_BLOCK)[None, :]
-            keys = tl.load(row_key + rows, mask=(i < dirty)[:, None] & (rows < V), other=0)
-            tl.store(block_key + blocks, tl.max(keys, axis=1), mask=i < dirty)
-        tl.debug_barrier()
-        # The largest count over all blocks, the first block on a tie; then the first row of that
-        # block with that count: the first row with the largest count of all.
-        new = tl.load(state + NEXT)
-        best_count, best_block = tl.full((), 0, tl.int64), tl.full((), 0, tl.int64)
-        for first in range(0, tl.cdiv(new, KEY_BLOCK), BLOCK):
-            blocks = first + tl.arange(0, BLOCK)
-            count = tl.load(block_key + blocks, mask=blocks * KEY_BLOCK < new, other=0) >> ID_BITS
-            most = tl.max(count, axis=0)
-            first_most = tl.min(tl.where(count == most, blocks, new), axis=0).to(tl.int64)
-            best_block = tl.where(most > best_count, first_most, best_block)
-            best_count = tl.maximum(most, best_count)
-        rows = best_block * KEY_BLOCK + tl.arange(0, KEY_BLOCK)
-        count = tl.load(row_key + rows, mask=rows < new, other=0) >> ID_BITS
-        best_row = tl.min(tl.where(count == best_count, rows, new), axis=0).to(tl.int64)
-        if (best_count == 0) | (new >= V):
+        best_count, best_row = pick_pair(state, row_key, block_key, fresh_key, dirty_flag,
+                                         dirty_rows, V, BLOCK, KEY_BLOCK)
+        if (best_count == 0) | (tl.load(state + NEXT) >= V):
             tl.store(state + DONE, 1)
         else:
-            right = LOW - (tl.load(row_key + best_row) & LOW)
-            tl.store(merges + 2 * (new - 256), best_row)
-            tl.store(merges + 2 * (new - 256) + 1, right)
-            tl.store(state + NEW, new)
-            tl.store(state + NEXT, new + 1)
-            tl.store(state + A, best_row)
-            tl.store(state + B, right)
-            tl.store(state + START, tl.load(list_start + best_row))
-            tl.store(state + LENGTH, tl.load(list_len + best_row))
-            tl.store(state + SURVIVORS, 0)
-            # The new token's list goes after the last list made: new - 1's (the bytes' for 256).
-            tl.store(list_start + new, tl.load(list_start + new - 1) + tl.load(list_len + new - 1))
-            tl.store(list_len + new, 0)
+            start_merge(state, row_key, list_start, list_len, merges, best_row)
+
+
+@triton.jit
+def find(state, list_buffer, tokens, next_pos, prev_pos, mark, END, program, programs,
+         BLOCK: tl.constexpr):
+    """Marks the occurrences that merge: mark[p] = 2 new, mark[next_pos[p]] = 2 new + 1 (an earlier
+    merge's marks never match: none is cleared). Reads only, except these two marks of its own
+    merging p, which differ for different p: merged occurrences never share a position (no overlap),
+    and next_pos is one-to-one."""
+    a, b, new = tl.load(state + A), tl.load(state + B), tl.load(state + NEW)
+    start, length = tl.load(state + START), tl.load(state + LENGTH)
+    for first in range(program * BLOCK, length, programs * BLOCK):
+        i = first + tl.arange(0, BLOCK)
+        p = tl.load(list_buffer + start + i, mask=i < length, other=END)
+        right = tl.load(next_pos + p)
+        merge = (tl.load(tokens + p) == a) & (tl.load(tokens + right) == b)
+        # A run "aaaa" merges left to right without overlap: p merges when an even number of
+        # a's come before it in its run (walking prev_pos, as far as the block's longest run).
+        if a == b:
+            odd = merge & False
+            q = tl.load(prev_pos + p)
+            walking = merge & (tl.load(tokens + q) == a)
+            while tl.max(walking.to(tl.int32), axis=0) > 0:
+                odd = odd ^ walking
+                q = tl.load(prev_pos + q, mask=walking, other=END)
+                walking = walking & (tl.load(tokens + q) == a)
+            merge = merge & ~odd
+        tl.store(mark + p, 2 * new, mask=merge)
+        tl.store(mark + right, 2 * new + 1, mask=merge)
 
 
 @triton.jit
 def find_occurrences(state, list_buffer, tokens, next_pos, prev_pos, mark, END,
                      BLOCK: tl.constexpr):
-    """Marks the occurrences that merge: mark[p] = 2 new, mark[next_pos[p]] = 2 new + 1 (an earlier
-    merge's marks never match: none is cleared). Reads only, except these two marks of its own
-    merging p, which differ for different p: merged occurrences never share a position (no overlap),
-    and next_pos is one-to-one."""
     if tl.load(state + DONE) == 0:
-        a, b, new = tl.load(state + A), tl.load(state + B), tl.load(state + NEW)
-        start, length = tl.load(state + START), tl.load(state + LENGTH)
-        for first in range(tl.program_id(0) * BLOCK, length, tl.num_programs(0) * BLOCK):
-            i = first + tl.arange(0, BLOCK)
-            p = tl.load(list_buffer + start + i, mask=i < length, other=END)
-            right = tl.load(next_pos + p)
-            merge = (tl.load(tokens + p) == a) & (tl.load(tokens + right) == b)
-            # A run "aaaa" merges left to right without overlap: p merges when an even number of
-            # a's come before it in its run (walking prev_pos, as far as the block's longest run).
-            if a == b:
-                odd = merge & False
-                q = tl.load(prev_pos + p)
-                walking = merge & (tl.load(tokens + q) == a)
-                while tl.max(walking.to(tl.int32), axis=0) > 0:
-                    odd = odd ^ walking
-                    q = tl.load(prev_pos + q, mask=walking, other=END)
-                    walking = walking & (tl.load(tokens + q) == a)
-                merge = merge & ~odd
-            tl.store(mark + p, 2 * new, mask=merge)
-            tl.store(mark + right, 2 * new + 1, mask=merge)
+        find(state, list_buffer, tokens, next_pos, prev_pos, mark, END, tl.program_id(0),
+             tl.num_programs(0), BLOCK)
+
+
+@triton.jit
+def apply(state, list_buffer, scratch, list_start, list_len, tokens, next_pos, prev_pos, mark,
+          weight, counts, row_key, block_key, dirty_flag, dirty_rows, V, END, program, programs,
+          BLOCK: tl.constexpr, KEY_BLOCK: tl.constexpr):
+    """Merges the marked occurrences. The lane of (p, right) writes only what it owns: tokens,
+    next_pos and prev_pos of p and right, and prev_pos of the position after right unless that one
+    merges too (its own lane links it then). It reads a neighbour's token only where the marks say
+    no lane writes it. Counts change by atomic adds, which commute, so their order can't matter."""
+    a, b, new = tl.load(state + A), tl.load(state + B), tl.load(state + NEW)
+    start, length = tl.load(state + START), tl.load(state + LENGTH)
+    new_list = list_buffer + tl.load(list_start + new)
+    for first in range(program * BLOCK, length, programs * BLOCK):
+        i = first + tl.arange(0, BLOCK)
+        p = tl.load(list_buffer + start + i, mask=i < length, other=END)
+        mark_p = tl.load(mark + p)
+        merged = (i < length) & (mark_p == 2 * new)
+        # a's list keeps the positions still holding a; the merged ones join the new one's list.
+        unmarked = (i < length) & (mark_p != 2 * new) & (mark_p != 2 * new + 1)
+        survives = unmarked & (tl.load(tokens + p, mask=unmarked, other=-1) == a)
+        append(state + SURVIVORS, scratch, p, survives)
+        append(list_len + new, new_list, p, merged)
+        right = tl.load(next_pos + p, mask=merged, other=END)
+        before = tl.load(prev_pos + p, mask=merged, other=END)
+        after = tl.load(next_pos + right, mask=merged, other=END)
+        w = tl.load(weight + p, mask=merged, other=0)
+        before_merged = merged & (tl.load(mark + before, mask=merged, other=0) == 2 * new + 1)
+        after_merged = merged & (tl.load(mark + after, mask=merged, other=0) == 2 * new)
+        # The neighbours' tokens before this merge. x = -1: none (the chunk's start), or the
+        # previous merged occurrence, whose lane already counts the pair between the two.
+        x = tl.load(tokens + before, mask=merged & ~before_merged, other=-1)
+        y = tl.where(after_merged, a,
+                     tl.load(tokens + after, mask=merged & ~after_merged, other=-1))
+        y_new = tl.where(after_merged, new, y)
+        has_x, has_y = merged & (x >= 0), merged & (y >= 0)
+        tl.store(tokens + p, new, mask=merged)
+        tl.store(tokens + right, DEAD, mask=merged)
+        tl.store(next_pos + p, after, mask=merged)
+        tl.store(prev_pos + after, p, mask=has_y & ~after_merged)
+        tl.store(prev_pos + p, tl.load(prev_pos + before, mask=before_merged, other=END),
+                 mask=before_merged)
+        # (a, b), (x, a) and (b, y) lose w. A row whose maximum that pair was is listed as
+        # dirty, once: by the lane that flips dirty_flag. Reading row_key while other lanes
+        # raise it is safe: a raised key is a pair with the new token, above all the row held.
+        zero = 0 * x.to(tl.int64)  # makes a scalar a block
+        for k in tl.static_range(3):
+            if k == 0:
+                row, col, lose = a + zero, b + zero, merged
+            elif k == 1:
+                row, col, lose = x.to(tl.int64), a + zero, has_x
+            else:
+                row, col, lose = b + zero, y.to(tl.int64), has_y
+            tl.atomic_add(counts + row * V + col, -w, mask=lose, sem="relaxed")
+            was_max = lose & ((tl.load(row_key + row, mask=lose, other=0) & LOW) == LOW - col)
+            flag = tl.atomic_xchg(dirty_flag + row, 1, mask=was_max, sem="relaxed")
+            first = was_max & (flag == 0)
+            append(state + DIRTY, dirty_rows, row.to(tl.int32), first)
+        # (x, new) and (new, y_new) gain w. The lane whose add comes last sees the final count,
+        # so the atomic max of every lane's key is the final key, whatever the order; and
+        # likewise for the row's block.
+        for k in tl.static_range(2):
+            if k == 0:
+                row, col, gain = x.to(tl.int64), new + zero, has_x
+            else:
+                row, col, gain = new + zero, y_new.to(tl.int64), has_y
+            total = tl.atomic_add(counts + row * V + col, w, mask=gain, sem="relaxed") + w
+            key = (total.to(tl.int64) << ID_BITS) | (LOW - col)
+            tl.atomic_max(row_key + row, key, mask=gain, sem="relaxed")
+            tl.atomic_max(block_key + row // KEY_BLOCK, key, mask=gain, sem="relaxed")
 
 
 @triton.jit
 def apply_merges(state, list_buffer, scratch, list_start, list_len, tokens, next_pos, prev_pos,
                  mark, weight, counts, row_key, block_key, dirty_flag, dirty_rows, V, END,
                  BLOCK: tl.constexpr, KEY_BLOCK: tl.constexpr):
-    """Merges the marked occurrences. The lane of (p, right) writes only what it owns: tokens,
-    next_pos and prev_pos of p and right, and prev_pos of the position after right unless that one
-    merges too (its own lane links it then). It reads a neighbour's token only where the marks say
-    no lane writes it. Counts change by atomic adds, which commute, so their order can't matter."""
     if tl.load(state + DONE) == 0:
-        a, b, new = tl.load(state + A), tl.load(state + B), tl.load(state + NEW)
-        start, length = tl.load(state + START), tl.load(state + LENGTH)
-        new_list = list_buffer + tl.load(list_start + new)
-        for first in range(tl.program_id(0) * BLOCK, length, tl.num_programs(0) * BLOCK):
+        apply(state, list_buffer, scratch, list_start, list_len, tokens, next_pos, prev_pos, mark,
+              weight, counts, row_key, block_key, dirty_flag, dirty_rows, V, END, tl.program_id(0),
+              tl.num_programs(0), BLOCK, KEY_BLOCK)
+
+
+@triton.jit
+def refresh(state, list_buffer, scratch, list_len, counts, fresh_key, dirty_rows, V, program,
+            programs, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    """Copies a's surviving positions back from scratch, one slot per lane. Then recomputes the
+    dirty rows' maxima into fresh_key, in items of ROWS rows x BLOCK columns over the programs (one
+    dirty row of 65534 columns still fills the GPU). Nothing writes counts now, and atomic_max makes
+    the order free."""
+    if tl.load(state + NEW) >= 256:
+        a, survivors = tl.load(state + A), tl.load(state + SURVIVORS)
+        a_list = list_buffer + tl.load(state + START)
+        for first in range(program * BLOCK, survivors, programs * BLOCK):
             i = first + tl.arange(0, BLOCK)
-            p = tl.load(list_buffer + start + i, mask=i < length, other=END)
-            mark_p = tl.load(mark + p)
-            merged = (i < length) & (mark_p == 2 * new)
-            # a's list keeps the positions still holding a; the merged ones join the new one's list.
-            unmarked = (i < length) & (mark_p != 2 * new) & (mark_p != 2 * new + 1)
-            survives = unmarked & (tl.load(tokens + p, mask=unmarked, other=-1) == a)
-            append(state + SURVIVORS, scratch, p, survives)
-            append(list_len + new, new_list, p, merged)
-            right = tl.load(next_pos + p, mask=merged, other=END)
-            before = tl.load(prev_pos + p, mask=merged, other=END)
-            after = tl.load(next_pos + right, mask=merged, other=END)
-            w = tl.load(weight + p, mask=merged, other=0)
-            before_merged = merged & (tl.load(mark + before, mask=merged, other=0) == 2 * new + 1)
-            after_merged = merged & (tl.load(mark + after, mask=merged, other=0) == 2 * new)
-            # The neighbours' tokens before this merge. x = -1: none (the chunk's start), or the
-            # previous merged occurrence, whose lane already counts the pair between the two.
-            x = tl.load(tokens + before, mask=merged & ~before_merged, other=-1)
-            y = tl.where(after_merged, a,
-                         tl.load(tokens + after, mask=merged & ~after_merged, other=-1))
-            y_new = tl.where(after_merged, new, y)
-            has_x, has_y = merged & (x >= 0), merged & (y >= 0)
-            tl.store(tokens + p, new, mask=merged)
-            tl.store(tokens + right, DEAD, mask=merged)
-            tl.store(next_pos + p, after, mask=merged)
-            tl.store(prev_pos + after, p, mask=has_y & ~after_merged)
-            tl.store(prev_pos + p, tl.load(prev_pos + before, mask=before_merged, other=END),
-                     mask=before_merged)
-            # (a, b), (x, a) and (b, y) lose w. A row whose maximum that pair was is listed as
-            # dirty, once: by the lane that flips dirty_flag. Reading row_key while other lanes
-            # raise it is safe: a raised key is a pair with the new token, above all the row held.
-            zero = 0 * x.to(tl.int64)  # makes a scalar a block
-            for k in tl.static_range(3):
-                if k == 0:
-                    row, col, lose = a + zero, b + zero, merged
-                elif k == 1:
-                    row, col, lose = x.to(tl.int64), a + zero, has_x
-                else:
-                    row, col, lose = b + zero, y.to(tl.int64), has_y
-                tl.atomic_add(counts + row * V + col, -w, mask=lose, sem="relaxed")
-                was_max = lose & ((tl.load(row_key + row, mask=lose, other=0) & LOW) == LOW - col)
-                flag = tl.atomic_xchg(dirty_flag + row, 1, mask=was_max, sem="relaxed")
-                first = was_max & (flag == 0)
-                append(state + DIRTY, dirty_rows, row.to(tl.int32), first)
-            # (x, new) and (new, y_new) gain w. The lane whose add comes last sees the final count,
-            # so the atomic max of every lane's key is the final key, whatever the order; and
-            # likewise for the row's block.
-            for k in tl.static_range(2):
-                if k == 0:
-                    row, col, gain = x.to(tl.int64), new + zero, has_x
-                else:
-                    row, col, gain = new + zero, y_new.to(tl.int64), has_y
-                total = tl.atomic_add(counts + row * V + col, w, mask=gain, sem="relaxed") + w
-                key = (total.to(tl.int64) << ID_BITS) | (LOW - col)
-                tl.atomic_max(row_key + row, key, mask=gain, sem="relaxed")
-                tl.atomic_max(block_key + row // KEY_BLOCK, key, mask=gain, sem="relaxed")
+            tl.store(a_list + i, tl.load(scratch + i, mask=i < survivors), mask=i < survivors)
+        if program == 0:
+            tl.store(list_len + a, survivors)
+    columns, dirty = tl.load(state + NEXT), tl.load(state + DIRTY)
+    slices = tl.cdiv(columns, BLOCK)
+    for item in range(program, tl.cdiv(dirty, ROWS) * slices, programs):
+        i = (item // slices) * ROWS + tl.arange(0, ROWS)
+        row = tl.load(dirty_rows + i, mask=i < dirty, other=0).to(tl.int64)
+        col = (item % slices) * BLOCK + tl.arange(0, BLOCK)
+        inside = (i < dirty)[:, None] & (col < columns)[None, :]
+        count = tl.load(counts + row[:, None] * V + col[None, :], mask=inside, other=0)
+        count = count.to(tl.int64)
+        key = tl.where(count > 0, (count << ID_BITS) | (LOW - col[None, :]), 0)
+        tl.atomic_max(fresh_key + row, tl.max(key, axis=1), mask=i < dirty, sem="relaxed")
 
 
 @triton.jit
 def refresh_rows(state, list_buffer, scratch, list_len, counts, fresh_key, dirty_rows, V,
                  ROWS: tl.constexpr, BLOCK: tl.constexpr):
-    """Copies a's surviving positions back from scratch, one slot per lane. Then recomputes the
-    dirty rows' maxima into fresh_key, in items of ROWS rows x BLOCK columns over the programs (one
-    dirty row of 65534 columns still fills the GPU). Nothing writes counts now, and atomic_max makes
-    the order free."""
     if tl.load(state + DONE) == 0:
-        if tl.load(state + NEW) >= 256:
-            a, survivors = tl.load(state + A), tl.load(state + SURVIVORS)
-            a_list = list_buffer + tl.load(state + START)
-            for first in range(tl.program_id(0) * BLOCK, survivors, tl.num_programs(0) * BLOCK):
-                i = first + tl.arange(0, BLOCK)
-                tl.store(a_list + i, tl.load(scratch + i, mask=i < survivors), mask=i < survivors)
-            if tl.program_id(0) == 0:
-                tl.store(list_len + a, survivors)
-        columns, dirty = tl.load(state + NEXT), tl.load(state + DIRTY)
-        slices = tl.cdiv(columns, BLOCK)
-        for item in range(tl.program_id(0), tl.cdiv(dirty, ROWS) * slices, tl.num_programs(0)):
-            i = (item // slices) * ROWS + tl.arange(0, ROWS)
-            row = tl.load(dirty_rows + i, mask=i < dirty, other=0).to(tl.int64)
-            col = (item % slices) * BLOCK + tl.arange(0, BLOCK)
-            inside = (i < dirty)[:, None] & (col < columns)[None, :]
-            count = tl.load(counts + row[:, None] * V + col[None, :], mask=inside, other=0)
-            count = count.to(tl.int64)
-            key = tl.where(count > 0, (count << ID_BITS) | (LOW - col[None, :]), 0)
-            tl.atomic_max(fresh_key + row, tl.max(key, axis=1), mask=i < dirty, sem="relaxed")
+        refresh(state, list_buffer, scratch, list_len, counts, fresh_key, dirty_rows, V,
+                tl.program_id(0), tl.num_programs(0), ROWS, BLOCK)
+
+
+@triton.jit
+def merge_small(state, row_key, block_key, fresh_key, dirty_flag, dirty_rows, list_start, list_len,
+                merges, list_buffer, scratch, tokens, next_pos, prev_pos, mark, weight, counts, V,
+                END, SMALL, MERGES: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr,
+                CHOOSE_BLOCK: tl.constexpr, KEY_BLOCK: tl.constexpr):
+    """Up to MERGES merges in a row, each of a pair whose left token's list holds at most SMALL
+    positions: the four steps above in one program, a barrier where a kernel would end. A longer
+    list, or the end, is left to the four kernels, which run next: the pick that stopped here is
+    made again there, the same (pick_pair's dirty rows are exact by then)."""
+    merged, small = 0, tl.load(state + DONE) == 0
+    while small & (merged < MERGES):
+        best_count, best_row = pick_pair(state, row_key, block_key, fresh_key, dirty_flag,
+                                         dirty_rows, V, CHOOSE_BLOCK, KEY_BLOCK)
+        small = (best_count > 0) & (tl.load(state + NEXT) < V)
+        small = small & (tl.load(list_len + best_row) <= SMALL)
+        if small:
+            start_merge(state, row_key, list_start, list_len, merges, best_row)
+            tl.debug_barrier()
+            find(state, list_buffer, tokens, next_pos, prev_pos, mark, END, 0, 1, BLOCK)
+            tl.debug_barrier()
+            apply(state, list_buffer, scratch, list_start, list_len, tokens, next_pos, prev_pos,
+                  mark, weight, counts, row_key, block_key, dirty_flag, dirty_rows, V, END, 0, 1,
+                  BLOCK, KEY_BLOCK)
+            tl.debug_barrier()
+            refresh(state, list_buffer, scratch, list_len, counts, fresh_key, dirty_rows, V, 0, 1,
+                    ROWS, BLOCK)
+            tl.debug_barrier()
+        merged += 1
 
 
 def chunks_to_arrays(chunk_counts, vocab_size):
@@ -352,7 +431,7 @@ def chunks_to_arrays(chunk_counts, vocab_size):
 
 
 def merge_on_device(arrays, vocab_size, device):
-    """The merge loop, MERGES_PER_READ merges per host read: the merges, the token count, and the
+    """The merge loop, STEPS_PER_READ steps per host read: the merges, the token count, and the
     seconds of the setup (uploads, the V x V zeros, compiling, recording) and of the loop alone."""
     V, device = vocab_size, torch.device(device)
     started = time.time()
@@ -371,10 +450,14 @@ def merge_on_device(arrays, vocab_size, device):
     END = len(tokens) - 2
     mark, scratch = zeros(END + 2, torch.int32), torch.empty_like(list_buffer)
     # a GPU runs a few programs per SM; the interpreter runs them in turn: one, wide, is fastest
-    programs, block, rows, choose_block, key_block = INTERPRETER_SHAPE
+    shape = INTERPRETER_SHAPE
     if device.type == "cuda":
-        programs = 4 * torch.cuda.get_device_properties(device).multi_processor_count
-        block, rows, choose_block, key_block = 256, 4, 4096, 256
+        shape = dict(programs=4 * torch.cuda.get_device_properties(device).multi_processor_count,
+                     block=256, rows=4, choose_block=4096, key_block=256, small_block=1024,
+                     small=4096)
+    programs, block, rows = shape["programs"], shape["block"], shape["rows"]
+    choose_block, key_block = shape["choose_block"], shape["key_block"]
+    small_block, small = shape["small_block"], shape["small"]
     row_key, fresh_key, state, merges = zeros(V), zeros(V), zeros(16), zeros(2 * V)
     block_key = zeros(-(-V // key_block))
     dirty_flag, dirty_rows = zeros(V, torch.int32), zeros(V, torch.int32)
@@ -389,7 +472,12 @@ def merge_on_device(arrays, vocab_size, device):
 
     # past the last merge, choose_pair sets DONE and every kernel does nothing
     def merge_group():
-        for _ in range(MERGES_PER_READ):
+        for _ in range(STEPS_PER_READ):
+            merge_small[(1,)](state, row_key, block_key, fresh_key, dirty_flag, dirty_rows,
+                              list_start, list_len, merges, list_buffer, scratch, tokens,
+                              next_pos, prev_pos, mark, weight, counts, V, END, small,
+                              MERGES=SMALL_MERGES, BLOCK=small_block, ROWS=rows,
+                              CHOOSE_BLOCK=choose_block, KEY_BLOCK=key_block)
             choose_pair[(1,)](state, row_key, block_key, fresh_key, dirty_flag, dirty_rows,
                               list_start, list_len, merges, V, BLOCK=choose_block,
                               KEY_BLOCK=key_block)
@@ -414,14 +502,14 @@ def merge_on_device(arrays, vocab_size, device):
         torch.cuda.synchronize(device)
     loop_started = time.time()
     with tqdm(total=V - 256, unit="merge", desc="merging", mininterval=0.5) as progress:
-        for group in range(0, V - 256, MERGES_PER_READ):
+        done, merges_made = False, 0
+        while not done and merges_made < V - 256:
             if graph is None:
                 merge_group()
             else:
                 graph.replay()
-            progress.update(min(MERGES_PER_READ, V - 256 - group))
-            if merges_done(state):
-                break
+            done, merges_made = merges_done(state)
+            progress.update(merges_made - progress.n)
     seconds = dict(setup=loop_started - started, loop=time.time() - loop_started)
     num_merges = int(state[NEXT.value]) - 256
     merged_pairs = merges[:2 * num_merges].view(-1, 2).tolist()
@@ -432,8 +520,10 @@ def merge_on_device(arrays, vocab_size, device):
 
 
 def merges_done(state):
-    """The one host read of a group of merges: here, and only here, the host waits."""
-    return bool(state[DONE.value].item())
+    """The one host read of a group of steps, here and only here the host waits: whether the
+    merges are done, and how many there are."""
+    slots = state[:DONE.value + 1].tolist()
+    return bool(slots[DONE.value]), slots[NEXT.value] - 256
 
 
 # ---------------------------------------------------------------- pre-tokenizing, on every core
@@ -498,10 +588,12 @@ def count_worker(number, batches, inboxes, results, pattern_text):
     shares = [Counter() for _ in inboxes]
     for chunk, count in chunk_counts.items():
         shares[hash(chunk) % len(inboxes)][chunk] = count
+    del chunk_counts  # its memory back before the others' shares come in
     for other, inbox in enumerate(inboxes):
         if other != number:
             inbox.put(shares[other])
     chunk_sums = shares[number]
+    del shares  # each sent share goes once it is pickled
     for _ in range(len(inboxes) - 1):
         chunk_sums.update(inboxes[number].get())
     if error is None:
@@ -550,7 +642,9 @@ def count_chunks(documents, budget, pattern_text, workers, label):
                 # no chunk is in two workers' sums: joining them, in C, is all that is left
                 dict.update(chunk_counts, chunk_sums)
     finally:
-        # done by now, or stopped by an error
+        # Done by now, or stopped by an error: then a batch may still be on its way into a pipe that
+        # no worker will read, and at exit Python would wait for it forever.
+        batches.cancel_join_thread()
         for process in processes:
             process.kill()
             process.join()

@@ -558,10 +558,12 @@ def count_worker(number, batches, inboxes, results, pattern_text):
     shares = [Counter() for _ in inboxes]
     for chunk, count in chunk_counts.items():
         shares[hash(chunk) % len(inboxes)][chunk] = count
+    del chunk_counts  # its memory back before the others' shares come in
     for other, inbox in enumerate(inboxes):
         if other != number:
             inbox.put(shares[other])
     chunk_sums = shares[number]
+    del shares  # each sent share goes once it is pickled
     for _ in range(len(inboxes) - 1):
         chunk_sums.update(inboxes[number].get())
     if error is None:
@@ -610,7 +612,9 @@ def count_chunks(documents, budget, pattern_text, workers, label):
                 # no chunk is in two workers' sums: joining them, in C, is all that is left
                 dict.update(chunk_counts, chunk_sums)
     finally:
-        # done by now, or stopped by an error
+        # Done by now, or stopped by an error: then a batch may still be on its way into a pipe that
+        # no worker will read, and at exit Python would wait for it forever.
+        batches.cancel_join_thread()
         for process in processes:
             process.kill()
             process.join()

@@ -215,8 +215,8 @@ if args.count_reads or args.profile:  # in this process, after the timed runs
     device = args.device or ("cuda" if bpe.torch.cuda.is_available() else "cpu")
 if args.profile:
     # The kernels' own device time (CUPTI traces kernels inside graph replays too), a merge: what the cost
-    # model in RESULTS estimates per kernel. The loop's wall time a merge less their sum is the gaps between
-    # kernels and the host's reads. The setup's launches (DONE set: they return at once) and the last group's
+    # model in RESULTS estimates per kernel (merge_small's time is its small merges'; the four kernels' the
+    # others'). The loop's wall time a merge less their sum is the gaps between kernels and the host's reads. The setup's launches (DONE set: they return at once) and the last group's
     # surplus ones count too: a small overestimate.
     from torch.profiler import ProfilerActivity, profile
 
@@ -224,7 +224,7 @@ if args.profile:
     with profile(activities=activities) as profiler:
         merges, _, seconds = bpe.merge_on_device(arrays, args.vocab_size, device)
     kernels = {event.key: event for event in profiler.key_averages()
-               if event.key in ("choose_pair", "find_occurrences", "apply_merges", "refresh_rows")}
+               if event.key in ("merge_small", "choose_pair", "find_occurrences", "apply_merges", "refresh_rows")}
     loop_us = seconds["loop"] / len(merges) * 1e6
     print(f"\nprofiled merge loop: {len(merges)} merges, {loop_us:.1f} us a merge (wall, under the profiler)")
     for name, event in kernels.items():
@@ -247,7 +247,8 @@ if args.count_reads:  # the counting modes slow every tensor operation
     kinds = ", ".join(f"{kind} {count}" for kind, count in sorted(reads.counts.items()))
     print(f"host reads in the merge loop: {max(reads.counts.values()) / len(merges):.3f} per merge, the largest kind "
           f"({kinds}) over {len(merges)} merges")
-    print(f"kernels in the merge loop: {launches.loop_kernels() / len(merges):.2f} per merge (whole groups of "
-          f"{bpe.MERGES_PER_READ}, {launches.replays} graph replays), 2 block barriers (choose_pair's)")
+    print(f"kernels in the merge loop: {launches.loop_kernels() / len(merges):.2f} per merge (5 a step, whole "
+          f"groups of {bpe.STEPS_PER_READ} steps, {launches.replays} graph replays); block barriers: 2 in "
+          "choose_pair, 6 a merge in merge_small")
 if any("DIFFERENT" in run[2] for runs in rows.values() for run in runs):
     sys.exit("some trainer's merges differ from rustbpe's")

@@ -99,8 +99,10 @@ def test_edge_cases_equal_rustbpe_and_cpu_trainer(name):
 def test_many_programs_and_small_blocks_give_the_same_merges(monkeypatch):
     # The interpreter's default is one program with one wide block: here 2 programs stride over blocks of 16
     # positions, appends to the lists cross blocks, dirty rows are refreshed 8 rows by 16 columns at a time, and
-    # choose_pair compares 16 block keys at a time, of 4 rows each (271 ids: the last block holds 3).
-    monkeypatch.setattr(bpe, "INTERPRETER_SHAPE", (2, 16, 8, 16, 4))
+    # choose_pair compares 16 block keys at a time, of 4 rows each (271 ids: the last block holds 3); and
+    # merge_small takes the lists of up to 12 positions, in blocks of 4, the four kernels the rest.
+    shape = dict(programs=2, block=16, rows=8, choose_block=16, key_block=4, small_block=4, small=12)
+    monkeypatch.setattr(bpe, "INTERPRETER_SHAPE", shape)
     docs = EDGE_CASES["alternating pairs"] + ["aaa aaaaa aaaaaaa aaaaaaaa " * 2, "qr qr qr st st st xy xy"]
     assert our_vocab(docs, 271) == cpu_trainer_vocab(docs, 271)
 
@@ -161,15 +163,16 @@ from triton.compiler import ASTSource
 barriers = lambda ttir: [found.start() for found in re.finditer(r'(gpu|ttg)[.]barrier', ttir)]  # 3.6: gpu.barrier
 
 INT64 = {"state", "row_key", "block_key", "fresh_key", "list_start", "list_len", "merges"}
-SHAPE = dict(BLOCK=256, ROWS=4, KEY_BLOCK=256)
+SHAPE = dict(BLOCK=256, ROWS=4, KEY_BLOCK=256, MERGES=64, CHOOSE_BLOCK=4096)  # a CUDA run's
+KERNELS = (bpe.merge_small, bpe.choose_pair, bpe.find_occurrences, bpe.apply_merges, bpe.refresh_rows)
 for counts in ("*i32", "*i64"):
-    for kernel in (bpe.choose_pair, bpe.find_occurrences, bpe.apply_merges, bpe.refresh_rows):
+    for kernel in KERNELS:
         names = kernel.arg_names
         if counts == "*i64" and "counts" not in names:
             continue
-        signature = {name: "constexpr" if name in SHAPE else "i32" if name in ("V", "END") else
+        signature = {name: "constexpr" if name in SHAPE else "i32" if name in ("V", "END", "SMALL") else
                      counts if name in ("counts", "weight") else "*i64" if name in INT64 else "*i32" for name in names}
-        shape = dict(SHAPE, BLOCK=4096) if kernel is bpe.choose_pair else SHAPE  # a CUDA run's
+        shape = dict(SHAPE, BLOCK={bpe.choose_pair: 4096, bpe.merge_small: 1024}.get(kernel, 256))
         constexprs = {(names.index(name),): value for name, value in shape.items() if name in names}
         asm = triton.compile(ASTSource(kernel, signature, constexprs), target=GPUTarget("cuda", 90, 32)).asm
         ttir, atomics = asm["ttir"], re.findall(r"\\batom[.][\\w.]+", asm["ptx"])
@@ -181,17 +184,20 @@ for counts in ("*i32", "*i64"):
             block_keys = ttir.index("tt.reduce", first) < ttir.rindex("tt.store", first, second)
             print("barriers between copy, blocks and scan:",
                   ttir.index("tt.store") < first and block_keys and "tt.reduce" in ttir[second:])
+        if kernel is bpe.merge_small:  # pick_pair's two, then one after each step where a kernel would end
+            print("merge_small's barriers:", len(barriers(ttir)))
 """
 
 
 def test_the_kernels_compile_for_a_gpu():
     result = subprocess.run([sys.executable, "-c", COMPILE_FOR_A_GPU, str(REPO)], capture_output=True, text=True,
                             timeout=300)
-    assert result.returncode == 0 and result.stdout.count("compiled") == 6, result.stdout + result.stderr[-3000:]
+    assert result.returncode == 0 and result.stdout.count("compiled") == 8, result.stdout + result.stderr[-3000:]
     assert result.stdout.count("barriers between copy, blocks and scan: True") == 1, result.stdout  # a GPU race
+    assert result.stdout.count("merge_small's barriers: 6") == 2, result.stdout  # else
     # Every atomic relaxed (acq_rel puts a device-wide fence around each, on the merge's critical path), and
     # the atomics are there to be checked: the PTX is what the H100's compiler gets.
-    assert result.stdout.count("fenced: []") == 6, result.stdout
+    assert result.stdout.count("fenced: []") == 8, result.stdout
     assert sum(int(count) for count in re.findall(r"compiled; (\d+) atomics", result.stdout)) > 0, result.stdout
 
 
@@ -256,9 +262,9 @@ def test_at_most_one_host_read_per_16_merges():
 
 class CountLaunches:
     """Counts the Triton kernels the merge loop runs: each launch from Python, and on CUDA each graph replay as
-    the 4 x MERGES_PER_READ kernels it holds. The setup runs 4 x MERGES_PER_READ + 1 (a first refresh, then a
+    the 5 x STEPS_PER_READ kernels it holds. The setup runs 5 x STEPS_PER_READ + 1 (a first refresh, then a
     group with DONE set, which compiles them) and on CUDA records a group: those are not the loop's."""
-    KERNELS = ("choose_pair", "find_occurrences", "apply_merges", "refresh_rows")
+    KERNELS = ("merge_small", "choose_pair", "find_occurrences", "apply_merges", "refresh_rows")
 
     def __init__(self, monkeypatch):
         self.launches, self.replays = 0, 0
@@ -283,16 +289,21 @@ class CountLaunches:
         return Counted()
 
     def loop_kernels(self):
-        setup = 4 * bpe.MERGES_PER_READ + 1 + (4 * bpe.MERGES_PER_READ if self.replays else 0)
-        return self.launches - setup + self.replays * 4 * bpe.MERGES_PER_READ
+        group = len(self.KERNELS) * bpe.STEPS_PER_READ
+        setup = group + 1 + (group if self.replays else 0)
+        return self.launches - setup + self.replays * group
 
 
-def test_four_kernels_a_merge(monkeypatch):
-    # 32 merges fill two groups of 16: choose, find, apply and refresh, 4 kernels a merge, nothing else.
+@pytest.mark.parametrize("small", [0, 10**9])
+def test_five_kernels_a_step_and_a_merge_or_more_a_step(monkeypatch, small):
+    # A step is merge_small (the short merges in a row, in one program) and then the four kernels (one merge).
+    # With no list short enough for merge_small, 32 merges are 32 steps in two groups of 16: 5 kernels a merge,
+    # nothing else. With every list short enough, merge_small makes all 32 in the first step: one group.
+    monkeypatch.setitem(bpe.INTERPRETER_SHAPE, "small", small)
     counter = CountLaunches(monkeypatch)
     arrays = bpe.chunks_to_arrays(chunk_counts_of(generated_docs(30, 8)), 288)
     merges, _, _ = bpe.merge_on_device(arrays, 288, DEVICE)
-    assert len(merges) == 32 and counter.loop_kernels() == 4 * 32
+    assert len(merges) == 32 and counter.loop_kernels() == (5 * 32 if small == 0 else 5 * 16)
 
 
 class SlowFirstLaunch:
@@ -350,13 +361,12 @@ def test_cuda_merge_loop_never_syncs_between_the_allowed_reads(corpus, monkeypat
     merges_done, reads = bpe.merges_done, []
 
     def read_then_forbid(state):
-        # Forbidden only while another group is to come: after the last group (1744 merges are exactly 109
-        # groups, and DONE is set by the next choose_pair, which never runs) the loop ends and reads its
-        # results. Seen on an H100: forbidding there too failed at the first read after the loop.
+        # Forbidden only while another group is to come: after the read that says "done", or all 1744 merges
+        # made, the loop ends and reads its results.
         torch.cuda.set_sync_debug_mode("default")
         reads.append(merges_done(state))
-        another_group = len(reads) * bpe.MERGES_PER_READ < 2000 - 256
-        if len(reads) >= 2 and not reads[-1] and another_group:
+        done, merges_made = reads[-1]
+        if len(reads) >= 2 and not done and merges_made < 2000 - 256:
             torch.cuda.set_sync_debug_mode("error")
         return reads[-1]
 
@@ -366,7 +376,7 @@ def test_cuda_merge_loop_never_syncs_between_the_allowed_reads(corpus, monkeypat
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert ours == rustbpe_vocab(docs, 2000)
-    assert len(reads) >= (2000 - 256) // bpe.MERGES_PER_READ
+    assert len(reads) >= 2 and reads[-1][1] == 2000 - 256
 
 
 def test_plain_cuda_means_the_current_gpu(monkeypatch):
@@ -459,6 +469,31 @@ def test_a_workers_error_stops_the_reading_and_no_worker_is_left(monkeypatch):
     with pytest.raises(bpe.UserError, match="matches the empty string"):
         bpe.count_chunks(documents(), 10**8, r"\b|\w+", 2, None)
     assert len(read_documents) < 10**4 and not bpe.multiprocessing.active_children()
+
+
+STOPPED_MID_READ = """
+import sys
+sys.path.insert(0, sys.argv[1])
+import train_bpe_gpu as bpe
+
+def documents():  # megabyte batches in flight, then a bad line
+    for _ in range(12):
+        yield "word " * 200_000
+    raise bpe.UserError("docs.jsonl:13 is not a JSON object")
+
+try:
+    bpe.count_chunks(documents(), 10**9, bpe.pattern, 2, None)
+except bpe.UserError as error:
+    print("error:", error)
+"""
+
+
+def test_an_error_mid_read_ends_the_process():
+    # The error stops the reading with batches still on their way to the workers, which are then killed: at
+    # exit, Python waited forever for the batch that no worker would read (a hang after the error line).
+    result = subprocess.run([sys.executable, "-c", STOPPED_MID_READ, str(REPO)], capture_output=True, text=True,
+                            timeout=60, env=dict(os.environ, TRITON_INTERPRET="1"))
+    assert result.returncode == 0 and "error: docs.jsonl:13" in result.stdout, result.stderr[-2000:]
 
 
 def test_the_worker_and_the_document_cutter_are_the_same_in_both_gpu_trainers():
