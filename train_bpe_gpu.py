@@ -85,7 +85,7 @@ class UserError(Exception):
     """A mistake in the input: printed as one line, never as a traceback."""
 
 
-# -------------------------------------------------------- the lesson: one BPE merge as four kernels
+# -------------------------------------------------------- the lesson: one BPE merge as four steps
 # The distinct chunks lie in flat arrays, one slot per byte (a "position"), as in train_bpe_cpu.py:
 #   tokens[p]      the token at p; -1 on the spare slots END and END+1, DEAD once merged away
 #   next_pos[p]    the next live position of p's chunk, or END; prev_pos[p] likewise. A merge
@@ -106,13 +106,13 @@ class UserError(Exception):
 # so every grid's size is known before the data: CUDA can record 16 steps as one graph. No kernel
 # needs a lock; each docstring says why, from who writes what.
 # Most merges are small (on enwiki at V=65534 the median one visits 132 positions): as four kernels
-# they pay four launches and the gaps between, tens of microseconds, for a microsecond of work. So a
-# step is merge_small, which runs the four steps in one program, a barrier where a kernel would end,
-# for many small merges in a row, and then the four kernels, for the next merge: a long list, spread
-# over the whole GPU.
-# Every atomic is relaxed: each needs only atomicity, and what a kernel writes is seen by the next
-# (the stream orders kernels). The default, acq_rel, fences the whole device around each atomic
-# (MEMBAR.ALL.GPU on an H100), on apply's critical path.
+# they pay four launches and the gaps between them, more time than the work. So a step is
+# merge_small, which runs the four steps in one program, a barrier where a kernel would end, for
+# many small merges in a row, and then the four kernels, for the next merge: a long list, spread
+# over the whole GPU. The steps' bodies are functions that both call.
+# Every atomic is relaxed: each needs only atomicity, and what a step writes is seen by the next
+# (the stream orders kernels; in merge_small, a barrier). The default, acq_rel, fences the whole
+# device around each atomic (MEMBAR.ALL.GPU on an H100), on apply's critical path.
 
 # the slots of `state`
 NEXT, NEW, A, B, DONE, START, LENGTH, SURVIVORS, DIRTY = (tl.constexpr(i) for i in range(9))
