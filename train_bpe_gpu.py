@@ -9,7 +9,7 @@ Flags and outputs are train_bpe_cpu.py's, the readable reference of the algorith
 how a sequential algorithm gets fast on a GPU: merge k needs the counts left by merge k-1, so merges
 can't run in parallel, but the work inside a merge can, and the host must stay out of the way. A
 merge is four small Triton kernels, or, when it is small, the same four steps in one program; the
-host launches them (on CUDA, 16 steps as one CUDA graph) and reads one flag per 16 steps: "done?".
+host launches them (on CUDA, 16 steps as one CUDA graph) and reads once per 16 steps: "done?".
 --device cpu runs the same kernels in Triton's interpreter (TRITON_INTERPRET=1): exact, slow, for
 the tests.
 """
@@ -70,9 +70,10 @@ HUB_DATASETS = {"fineweb": ("HuggingFaceFW/fineweb", "sample-10BT", None),
                 "fineweb-edu": ("HuggingFaceFW/fineweb-edu", "sample-10BT", None)}
 LOCAL_SUFFIXES = (".txt", ".jsonl", ".parquet")
 # programs; blocks of positions, dirty rows, keys to scan; rows a block key covers; merge_small's
-# block of positions, and the longest list it merges (CUDA's shape is in merge_on_device)
+# blocks of positions and of a dirty row's columns, and the longest list it merges (CUDA's shape
+# is in merge_on_device)
 INTERPRETER_SHAPE = dict(programs=1, block=1024, rows=64, choose_block=1024, key_block=16,
-                         small_block=1024, small=1024)
+                         small_block=1024, refresh_block=1024, small=1024)
 STEPS_PER_READ = 16  # steps (merge_small, then the four kernels) per host read of the "done" flag
 SMALL_MERGES = 64  # merges that one merge_small launch may make
 PARALLEL_CHARS = 1 << 24  # from this many characters on, all cores pre-tokenize (below: one)
@@ -108,8 +109,8 @@ class UserError(Exception):
 # Most merges are small (on enwiki at V=65534 the median one visits 132 positions): as four kernels
 # they pay four launches and the gaps between them, more time than the work. So a step is
 # merge_small, which runs the four steps in one program, a barrier where a kernel would end, for
-# many small merges in a row, and then the four kernels, for the next merge: a long list, spread
-# over the whole GPU. The steps' bodies are functions that both call.
+# many small merges in a row, and then the four kernels, for the next merge (a long list, spread
+# over the whole GPU, or the one after 64 small ones). The steps' bodies are functions both call.
 # Every atomic is relaxed: each needs only atomicity, and what a step writes is seen by the next
 # (the stream orders kernels; in merge_small, a barrier). The default, acq_rel, fences the whole
 # device around each atomic (MEMBAR.ALL.GPU on an H100), on apply's critical path.
@@ -135,7 +136,7 @@ def pick_pair(state, row_key, block_key, fresh_key, dirty_flag, dirty_rows, V, B
     """The pair with the largest count (ties: the smallest left id, then right id), as (count, left
     row); 0 counts: none. Makes the dirty rows' keys exact first, so a second pick, with no merge
     between, picks the same. One program, with its threads: it may read and write anything."""
-    # the rows refresh_rows recomputed into fresh_key become exact again
+    # the rows that refresh recomputed into fresh_key become exact again
     dirty = tl.load(state + DIRTY)
     for first in range(0, dirty, BLOCK):
         i = first + tl.arange(0, BLOCK)
@@ -329,9 +330,9 @@ def apply_merges(state, list_buffer, scratch, list_start, list_len, tokens, next
 def refresh(state, list_buffer, scratch, list_len, counts, fresh_key, dirty_rows, V, program,
             programs, ROWS: tl.constexpr, BLOCK: tl.constexpr):
     """Copies a's surviving positions back from scratch, one slot per lane. Then recomputes the
-    dirty rows' maxima into fresh_key, in items of ROWS rows x BLOCK columns over the programs (one
-    dirty row of 65534 columns still fills the GPU). Nothing writes counts now, and atomic_max makes
-    the order free."""
+    dirty rows' maxima into fresh_key, in items of ROWS rows x BLOCK columns over the programs (as
+    refresh_rows, one dirty row of 65534 columns still fills the GPU). Nothing writes counts now,
+    and atomic_max makes the order free."""
     if tl.load(state + NEW) >= 256:
         a, survivors = tl.load(state + A), tl.load(state + SURVIVORS)
         a_list = list_buffer + tl.load(state + START)
@@ -348,9 +349,12 @@ def refresh(state, list_buffer, scratch, list_len, counts, fresh_key, dirty_rows
         col = (item % slices) * BLOCK + tl.arange(0, BLOCK)
         inside = (i < dirty)[:, None] & (col < columns)[None, :]
         count = tl.load(counts + row[:, None] * V + col[None, :], mask=inside, other=0)
-        count = count.to(tl.int64)
-        key = tl.where(count > 0, (count << ID_BITS) | (LOW - col[None, :]), 0)
-        tl.atomic_max(fresh_key + row, tl.max(key, axis=1), mask=i < dirty, sem="relaxed")
+        # the item's largest count and its first column, as a key: in the counts' own type until
+        # the key, which halves the registers of a wide item
+        most = tl.max(count, axis=1)
+        first_col = tl.min(tl.where(count == most[:, None], col[None, :], columns), axis=1)
+        key = tl.where(most > 0, (most.to(tl.int64) << ID_BITS) | (LOW - first_col), 0)
+        tl.atomic_max(fresh_key + row, key, mask=i < dirty, sem="relaxed")
 
 
 @triton.jit
@@ -364,12 +368,14 @@ def refresh_rows(state, list_buffer, scratch, list_len, counts, fresh_key, dirty
 @triton.jit
 def merge_small(state, row_key, block_key, fresh_key, dirty_flag, dirty_rows, list_start, list_len,
                 merges, list_buffer, scratch, tokens, next_pos, prev_pos, mark, weight, counts, V,
-                END, SMALL, MERGES: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr,
-                CHOOSE_BLOCK: tl.constexpr, KEY_BLOCK: tl.constexpr):
+                END, SMALL, MERGES: tl.constexpr, BLOCK: tl.constexpr, CHOOSE_BLOCK: tl.constexpr,
+                KEY_BLOCK: tl.constexpr, REFRESH_BLOCK: tl.constexpr):
     """Up to MERGES merges in a row, each of a pair whose left token's list holds at most SMALL
     positions: the four steps above in one program, a barrier where a kernel would end. A longer
     list, or the end, is left to the four kernels, which run next: the pick that stopped here is
-    made again there, the same (pick_pair's dirty rows are exact by then)."""
+    made again there, the same (pick_pair's dirty rows are exact by then). A dirty row is read in
+    items of REFRESH_BLOCK columns, and with 8 warps: one program has only its own loads in flight
+    (on an H100, 8,192 columns and 8 warps fit in 255 registers a thread, without spilling)."""
     merged, small = 0, tl.load(state + DONE) == 0
     while small & (merged < MERGES):
         best_count, best_row = pick_pair(state, row_key, block_key, fresh_key, dirty_flag,
@@ -377,6 +383,8 @@ def merge_small(state, row_key, block_key, fresh_key, dirty_flag, dirty_rows, li
         small = (best_count > 0) & (tl.load(state + NEXT) < V)
         small = small & (tl.load(list_len + best_row) <= SMALL)
         if small:
+            # every thread has read NEXT for `small` before start_merge raises it
+            tl.debug_barrier()
             start_merge(state, row_key, list_start, list_len, merges, best_row)
             tl.debug_barrier()
             find(state, list_buffer, tokens, next_pos, prev_pos, mark, END, 0, 1, BLOCK)
@@ -386,7 +394,7 @@ def merge_small(state, row_key, block_key, fresh_key, dirty_flag, dirty_rows, li
                   BLOCK, KEY_BLOCK)
             tl.debug_barrier()
             refresh(state, list_buffer, scratch, list_len, counts, fresh_key, dirty_rows, V, 0, 1,
-                    ROWS, BLOCK)
+                    1, REFRESH_BLOCK)
             tl.debug_barrier()
         merged += 1
 
@@ -454,10 +462,10 @@ def merge_on_device(arrays, vocab_size, device):
     if device.type == "cuda":
         shape = dict(programs=4 * torch.cuda.get_device_properties(device).multi_processor_count,
                      block=256, rows=4, choose_block=4096, key_block=256, small_block=1024,
-                     small=4096)
+                     refresh_block=8192, small=4096)
     programs, block, rows = shape["programs"], shape["block"], shape["rows"]
     choose_block, key_block = shape["choose_block"], shape["key_block"]
-    small_block, small = shape["small_block"], shape["small"]
+    small_block, refresh_block, small = shape["small_block"], shape["refresh_block"], shape["small"]
     row_key, fresh_key, state, merges = zeros(V), zeros(V), zeros(16), zeros(2 * V)
     block_key = zeros(-(-V // key_block))
     dirty_flag, dirty_rows = zeros(V, torch.int32), zeros(V, torch.int32)
@@ -476,8 +484,8 @@ def merge_on_device(arrays, vocab_size, device):
             merge_small[(1,)](state, row_key, block_key, fresh_key, dirty_flag, dirty_rows,
                               list_start, list_len, merges, list_buffer, scratch, tokens,
                               next_pos, prev_pos, mark, weight, counts, V, END, small,
-                              MERGES=SMALL_MERGES, BLOCK=small_block, ROWS=rows,
-                              CHOOSE_BLOCK=choose_block, KEY_BLOCK=key_block)
+                              MERGES=SMALL_MERGES, BLOCK=small_block, CHOOSE_BLOCK=choose_block,
+                              KEY_BLOCK=key_block, REFRESH_BLOCK=refresh_block, num_warps=8)
             choose_pair[(1,)](state, row_key, block_key, fresh_key, dirty_flag, dirty_rows,
                               list_start, list_len, merges, V, BLOCK=choose_block,
                               KEY_BLOCK=key_block)
