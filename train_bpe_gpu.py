@@ -22,6 +22,7 @@ import fcntl
 import json
 import multiprocessing
 import os
+import queue
 import resource
 import signal
 import socket
@@ -621,6 +622,29 @@ def count_chunks(documents, budget, pattern_text, workers, label):
                  for number in range(workers)]
     for process in processes:
         process.start()
+
+    def check_workers():  # a worker killed (out of memory, say) never answers: say so, don't wait
+        for process in processes:
+            if process.exitcode not in (None, 0):
+                died = process.exitcode
+                cause = f"signal {signal.Signals(-died).name}" if died < 0 else f"exit status {died}"
+                raise UserError(f"a pre-tokenizing worker died ({cause}; out of memory?): lower -n, "
+                                "or free memory")
+
+    def put(batch):
+        while True:
+            try:
+                return batches.put(batch, timeout=1)
+            except queue.Full:
+                check_workers()
+
+    def get():
+        while True:
+            try:
+                return results.get(timeout=1)
+            except queue.Empty:
+                check_workers()
+
     batch, batch_chars, chunk_counts = [], 0, Counter()
     read = dict(documents=0, chars=0, cut=False)
     try:
@@ -636,15 +660,15 @@ def count_chunks(documents, budget, pattern_text, workers, label):
                     batch.append(piece)
                     batch_chars += len(piece)
                     if batch_chars >= BATCH_CHARS:
-                        batches.put(batch)
+                        put(batch)
                         batch, batch_chars = [], 0
                     if not results.empty():  # before the end, only a worker's error is put there
                         raise results.get()
                 if read["chars"] == budget:
                     break
             for last in [batch] + [None] * workers:
-                batches.put(last)
-            for chunk_sums in [results.get() for _ in processes]:
+                put(last)
+            for chunk_sums in [get() for _ in processes]:
                 if isinstance(chunk_sums, UserError):
                     raise chunk_sums
                 # no chunk is in two workers' sums: joining them, in C, is all that is left

@@ -8,6 +8,7 @@ import json
 import os
 import re
 import random
+import signal
 import subprocess
 import sys
 import time
@@ -476,6 +477,28 @@ def test_a_workers_error_stops_the_reading_and_no_worker_is_left(monkeypatch):
     with pytest.raises(bpe.UserError, match="matches the empty string"):
         bpe.count_chunks(documents(), 10**8, r"\b|\w+", 2, None)
     assert len(read_documents) < 10**4 and not bpe.multiprocessing.active_children()
+
+
+def test_a_killed_worker_is_one_error_not_a_wait_forever(monkeypatch):
+    # A worker killed (by the kernel's out-of-memory killer, say) never answers: the parent, blocked on a full
+    # queue of batches or waiting for the workers' sums, would wait forever. It says so within seconds.
+    def killed(documents, pattern_text, chunk_counts):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def waited_too_long(signum, frame):  # a failure, rather than a suite that never ends
+        pytest.fail("count_chunks still waits for a killed worker after 60 s")
+
+    monkeypatch.setattr(bpe, "count_batch", killed)  # the workers fork with it
+    documents = (f"text number {number} " * 1000 for number in range(10**4))
+    previous = signal.signal(signal.SIGALRM, waited_too_long)
+    signal.alarm(60)
+    try:
+        with pytest.raises(bpe.UserError, match=r"a pre-tokenizing worker died \(signal SIGKILL; out of memory"):
+            bpe.count_chunks(documents, 10**9, bpe.pattern, 2, None)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    assert not bpe.multiprocessing.active_children()
 
 
 STOPPED_MID_READ = """
