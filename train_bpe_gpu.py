@@ -344,7 +344,9 @@ def refresh(state, list_buffer, scratch, list_len, counts, fresh_key, dirty_rows
             tl.store(list_len + a, survivors)
     columns, dirty = tl.load(state + NEXT), tl.load(state + DIRTY)
     slices = tl.cdiv(columns, BLOCK)
-    for item in range(program, tl.cdiv(dirty, ROWS) * slices, programs):
+    # Items are independent: num_stages=3 has the compiler load the next two while this one is
+    # reduced (cp.async into shared memory), or one program would wait out each load in turn.
+    for item in tl.range(program, tl.cdiv(dirty, ROWS) * slices, programs, num_stages=3):
         i = (item // slices) * ROWS + tl.arange(0, ROWS)
         row = tl.load(dirty_rows + i, mask=i < dirty, other=0).to(tl.int64)
         col = (item % slices) * BLOCK + tl.arange(0, BLOCK)

@@ -191,6 +191,8 @@ for counts in ("*i32", "*i64"):
                   ttir.index("tt.store") < first and block_keys and "tt.reduce" in ttir[second:])
         if kernel is bpe.merge_small:  # pick_pair's two, one before the merge starts, one after each step
             print("merge_small's barriers:", len(barriers(ttir)))
+        if kernel in (bpe.merge_small, bpe.refresh_rows):  # the next items' loads in flight (cp.async)
+            print(kernel.fn.__name__, "pipelined:", "cp.async" in asm["ptx"])
 """
 
 
@@ -200,6 +202,8 @@ def test_the_kernels_compile_for_a_gpu():
     assert result.returncode == 0 and result.stdout.count("compiled") == 8, result.stdout + result.stderr[-3000:]
     assert result.stdout.count("barriers between copy, blocks and scan: True") == 1, result.stdout  # a GPU race
     assert result.stdout.count("merge_small's barriers: 7") == 2, result.stdout  # else
+    # one program reading a dirty row item by item would wait out each load in turn
+    assert result.stdout.count("pipelined: True") == 4, result.stdout
     # Every atomic relaxed (acq_rel puts a device-wide fence around each, on the merge's critical path), and
     # the atomics are there to be checked: the PTX is what the H100's compiler gets.
     assert result.stdout.count("fenced: []") == 8, result.stdout
