@@ -321,16 +321,20 @@ def refresh_rows(state, list_buffer, scratch, list_len, counts, fresh_key, dirty
                 tl.store(list_len + a, survivors)
         columns, dirty = tl.load(state + NEXT), tl.load(state + DIRTY)
         slices = tl.cdiv(columns, BLOCK)
-        for item in range(tl.program_id(0), tl.cdiv(dirty, ROWS) * slices, tl.num_programs(0)):
+        # as in train_bpe_gpu.py: the next items' loads in flight, each item's key from its
+        # largest count and first column
+        for item in tl.range(tl.program_id(0), tl.cdiv(dirty, ROWS) * slices, tl.num_programs(0),
+                             num_stages=3):
             i = (item // slices) * ROWS + tl.arange(0, ROWS)
             row = tl.load(dirty_rows + i, mask=i < dirty, other=0).to(tl.int64)
             col = (item % slices) * BLOCK + tl.arange(0, BLOCK)
             inside = (i < dirty)[:, None] & (col < columns)[None, :]
             row_counts = counts + (row // WORLD)[:, None] * V
             count = tl.load(row_counts + col[None, :], mask=inside, other=0)
-            count = count.to(tl.int64)
-            key = tl.where(count > 0, (count << ID_BITS) | (LOW - col[None, :]), 0)
-            tl.atomic_max(fresh_key + row, tl.max(key, axis=1), mask=i < dirty, sem="relaxed")
+            most = tl.max(count, axis=1)
+            first_col = tl.min(tl.where(count == most[:, None], col[None, :], columns), axis=1)
+            key = tl.where(most > 0, (most.to(tl.int64) << ID_BITS) | (LOW - first_col), 0)
+            tl.atomic_max(fresh_key + row, key, mask=i < dirty, sem="relaxed")
 
 
 def chunks_to_arrays(blob, lengths, counts, count_dtype):

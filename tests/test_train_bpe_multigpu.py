@@ -481,6 +481,8 @@ for counts in ("*i32", "*i64"):
             block_keys = ttir.index("tt.reduce", first) < ttir.rindex("tt.store", first, second)
             print("barriers between copy, blocks and scan:",
                   ttir.index("tt.store") < first and block_keys and "tt.reduce" in ttir[second:])
+        if kernel is mg.refresh_rows:  # the next items' loads in flight (cp.async)
+            print("refresh_rows pipelined:", "cp.async" in asm["ptx"])
 """
 
 
@@ -491,6 +493,7 @@ def test_the_kernels_compile_for_a_gpu():
                             timeout=300)
     assert result.returncode == 0 and result.stdout.count("compiled") == 10, result.stdout + result.stderr[-3000:]
     assert result.stdout.count("barriers between copy, blocks and scan: True") == 2, result.stdout  # a GPU race
+    assert result.stdout.count("refresh_rows pipelined: True") == 2, result.stdout
     # Every atomic relaxed (acq_rel puts a device-wide fence around each, on the merge's critical path), and
     # the atomics are there to be checked: the PTX is what the H100's compiler gets.
     assert result.stdout.count("fenced: []") == 10, result.stdout
