@@ -98,6 +98,10 @@ def host_side():
     import pyarrow.parquet
     import rustbpe
 
+    lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+    cpu = re.search(r"Model name:\s*(.+)", lscpu)
+    print(f"{num_chars:,} characters; {cpu.group(1).strip() if cpu else 'CPU model unknown'}, "
+          f"{len(os.sched_getaffinity(0))} cores for both")
     with tempfile.TemporaryDirectory() as scratch:
         paths = {suffix: os.path.join(scratch, "docs" + suffix) for suffix in (".jsonl", ".txt", ".parquet")}
         with open(paths[".jsonl"], "w", encoding="utf-8") as f:
