@@ -126,6 +126,52 @@ def append(length, buffer, values, keep):
 
 
 @triton.jit
+def pick_pair(state, row_key, block_key, fresh_key, dirty_flag, dirty_rows, V, BLOCK: tl.constexpr,
+              KEY_BLOCK: tl.constexpr):
+    """The pair with the largest count (ties: the smallest left id, then right id), as (count, left
+    row); 0 counts: none. Makes the dirty rows' keys exact first, so a second pick, with no merge
+    between, picks the same. One program, with its threads: it may read and write anything."""
+    # the rows that refresh recomputed into fresh_key become exact again
+    dirty = tl.load(state + DIRTY)
+    for first in range(0, dirty, BLOCK):
+        i = first + tl.arange(0, BLOCK)
+        rows = tl.load(dirty_rows + i, mask=i < dirty, other=0)
+        tl.store(row_key + rows, tl.load(fresh_key + rows, mask=i < dirty), mask=i < dirty)
+        tl.store(fresh_key + rows, 0, mask=i < dirty)
+        tl.store(dirty_flag + rows, 0, mask=i < dirty)
+    # A row copied by one thread may be read below by another, and Triton orders global memory
+    # only within a thread: a barrier, or a thread could scan a dirty row's stale key (or read
+    # DIRTY after it is reset).
+    tl.debug_barrier()
+    tl.store(state + DIRTY, 0)
+    # A dirty row's key may have dropped: its block's key is recomputed (a block holding two
+    # dirty rows is written twice, with the same value). A barrier again before the scan.
+    tl.static_assert(BLOCK >= KEY_BLOCK)
+    for first in range(0, dirty, BLOCK // KEY_BLOCK):
+        i = first + tl.arange(0, BLOCK // KEY_BLOCK)
+        blocks = tl.load(dirty_rows + i, mask=i < dirty, other=0) // KEY_BLOCK
+        rows = blocks[:, None] * KEY_BLOCK + tl.arange(0, KEY_BLOCK)[None, :]
+        keys = tl.load(row_key + rows, mask=(i < dirty)[:, None] & (rows < V), other=0)
+        tl.store(block_key + blocks, tl.max(keys, axis=1), mask=i < dirty)
+    tl.debug_barrier()
+    # The largest count over all blocks, the first block on a tie; then the first row of that
+    # block with that count: the first row with the largest count of all.
+    new = tl.load(state + NEXT)
+    best_count, best_block = tl.full((), 0, tl.int64), tl.full((), 0, tl.int64)
+    for first in range(0, tl.cdiv(new, KEY_BLOCK), BLOCK):
+        blocks = first + tl.arange(0, BLOCK)
+        count = tl.load(block_key + blocks, mask=blocks * KEY_BLOCK < new, other=0) >> ID_BITS
+        most = tl.max(count, axis=0)
+        first_most = tl.min(tl.where(count == most, blocks, new), axis=0).to(tl.int64)
+        best_block = tl.where(most > best_count, first_most, best_block)
+        best_count = tl.maximum(most, best_count)
+    rows = best_block * KEY_BLOCK + tl.arange(0, KEY_BLOCK)
+    count = tl.load(row_key + rows, mask=rows < new, other=0) >> ID_BITS
+    best_row = tl.min(tl.where(count == best_count, rows, new), axis=0).to(tl.int64)
+    return best_count, best_row
+
+
+@triton.jit
 def best_pair(state, row_key, block_key, fresh_key, dirty_flag, dirty_rows, V, best,
               BITS: tl.constexpr, ONE_KEY: tl.constexpr, BLOCK: tl.constexpr,
               KEY_BLOCK: tl.constexpr):
@@ -134,42 +180,9 @@ def best_pair(state, row_key, block_key, fresh_key, dirty_flag, dirty_rows, V, b
     tie-break included. Counts past 63 - 2B bits don't fit: then best = [count, tie, count] for two
     reductions. One program, alone on the device."""
     if tl.load(state + DONE) == 0:
-        dirty = tl.load(state + DIRTY)  # the rows refresh_rows recomputed become exact again
-        for first in range(0, dirty, BLOCK):
-            i = first + tl.arange(0, BLOCK)
-            rows = tl.load(dirty_rows + i, mask=i < dirty, other=0)
-            tl.store(row_key + rows, tl.load(fresh_key + rows, mask=i < dirty), mask=i < dirty)
-            tl.store(fresh_key + rows, 0, mask=i < dirty)
-            tl.store(dirty_flag + rows, 0, mask=i < dirty)
-        # A row copied by one thread may be read below by another, and Triton orders global memory
-        # only within a thread: a barrier, or a thread could scan a dirty row's stale key (or read
-        # DIRTY after it is reset).
-        tl.debug_barrier()
-        tl.store(state + DIRTY, 0)
-        # A dirty row's key may have dropped: its block's key is recomputed (a block holding two
-        # dirty rows is written twice, with the same value). A barrier again before the scan.
-        tl.static_assert(BLOCK >= KEY_BLOCK)
-        for first in range(0, dirty, BLOCK // KEY_BLOCK):
-            i = first + tl.arange(0, BLOCK // KEY_BLOCK)
-            blocks = tl.load(dirty_rows + i, mask=i < dirty, other=0) // KEY_BLOCK
-            rows = blocks[:, None] * KEY_BLOCK + tl.arange(0, KEY_BLOCK)[None, :]
-            keys = tl.load(row_key + rows, mask=(i < dirty)[:, None] & (rows < V), other=0)
-            tl.store(block_key + blocks, tl.max(keys, axis=1), mask=i < dirty)
-        tl.debug_barrier()
-        # The largest count over all blocks, the first block on a tie; then the first row of that
-        # block with that count (rows this rank doesn't own have key 0).
-        new = tl.load(state + NEXT)
-        best_count, best_block = tl.full((), 0, tl.int64), tl.full((), 0, tl.int64)
-        for first in range(0, tl.cdiv(new, KEY_BLOCK), BLOCK):
-            blocks = first + tl.arange(0, BLOCK)
-            count = tl.load(block_key + blocks, mask=blocks * KEY_BLOCK < new, other=0) >> ID_BITS
-            most = tl.max(count, axis=0)
-            first_most = tl.min(tl.where(count == most, blocks, new), axis=0).to(tl.int64)
-            best_block = tl.where(most > best_count, first_most, best_block)
-            best_count = tl.maximum(most, best_count)
-        rows = best_block * KEY_BLOCK + tl.arange(0, KEY_BLOCK)
-        count = tl.load(row_key + rows, mask=rows < new, other=0) >> ID_BITS
-        best_row = tl.min(tl.where(count == best_count, rows, new), axis=0).to(tl.int64)
+        # rows this rank doesn't own have key 0: the pick is among its own
+        best_count, best_row = pick_pair(state, row_key, block_key, fresh_key, dirty_flag,
+                                         dirty_rows, V, BLOCK, KEY_BLOCK)
         right = LOW - (tl.load(row_key + best_row) & LOW)
         tie = tl.where(best_count > 0,
                        ((1 << BITS) - 1 - best_row) << BITS | ((1 << BITS) - 1 - right), 0)
