@@ -633,18 +633,11 @@ def count_chunks(documents, budget, pattern_text, workers, label):
                 raise UserError(f"a pre-tokenizing worker died ({cause}; out of memory?): lower -n, "
                                 "or free memory")
 
-    def put(batch):
+    def waiting(operation, *args):  # a queue's put or get, checking the workers every second
         while True:
             try:
-                return batches.put(batch, timeout=1)
-            except queue.Full:
-                check_workers()
-
-    def get():
-        while True:
-            try:
-                return results.get(timeout=1)
-            except queue.Empty:
+                return operation(*args, timeout=1)
+            except (queue.Full, queue.Empty):
                 check_workers()
 
     batch, batch_chars, chunk_counts = [], 0, Counter()
@@ -662,15 +655,15 @@ def count_chunks(documents, budget, pattern_text, workers, label):
                     batch.append(piece)
                     batch_chars += len(piece)
                     if batch_chars >= BATCH_CHARS:
-                        put(batch)
+                        waiting(batches.put, batch)
                         batch, batch_chars = [], 0
                     if not results.empty():  # before the end, only a worker's error is put there
                         raise results.get()
                 if read["chars"] == budget:
                     break
             for last in [batch] + [None] * workers:
-                put(last)
-            for chunk_sums in [get() for _ in processes]:
+                waiting(batches.put, last)
+            for chunk_sums in [waiting(results.get) for _ in processes]:
                 if isinstance(chunk_sums, UserError):
                     raise chunk_sums
                 # no chunk is in two workers' sums: joining them, in C, is all that is left
