@@ -100,9 +100,13 @@ class UserError(Exception):
 # keys. A merge (a, b) -> new changes only pairs in columns a and new, rows b and new:
 #   (x, a) loses w and (x, new) gains w   where x is a merged occurrence's left neighbour
 #   (b, y) loses w, (new, y') gains w     where y is the right neighbour (y' = new if y merged too)
-# and (a, b) itself. Each rank sums its changes into `delta`, 3V + 1 numbers [x | y | y' | (a, b)];
-# one all_reduce(SUM) adds them over the ranks, and each owner applies the part in its rows. The
-# next pair is one all_reduce(MAX) of the ranks' best keys. No deadlock, no divergence: every rank
+# and (a, b) itself. Each rank sums its changes into `delta`: delta[0] is (a, b), delta[1 + 3j + k]
+# is id j in part k = 0, 1, 2 (x, y, y'). No id past `new` has a pair yet, so only the first
+# 1 + 3 (new + 1) numbers can be non-zero: half of 3V on average. One all_reduce(SUM) of that prefix
+# adds them over the ranks, and each owner applies the part in its rows. The next pair is one
+# all_reduce(MAX) of the ranks' best keys. Two collectives a merge is the least this split allows:
+# the next pick needs the owners' refreshed rows, which need every rank's changes, which need the
+# pick. No deadlock, no divergence: every rank
 # launches the same collectives in the same order (a rank with no text sends zeros), and decides
 # (the pair, "done") from the REDUCED values, the same everywhere. Exact: counts are integers, each
 # with one owner, who adds all its changes. No kernel needs a lock; each docstring says why.
@@ -274,11 +278,11 @@ def apply_merges(state, list_buffer, scratch, list_start, list_len, tokens, next
             tl.store(prev_pos + after, p, mask=has_y & ~after_merged)
             tl.store(prev_pos + p, tl.load(prev_pos + before, mask=before_merged, other=END),
                      mask=before_merged)
-            tl.atomic_add(delta + x, w, mask=has_x, sem="relaxed")
-            tl.atomic_add(delta + V + y, w, mask=has_y, sem="relaxed")
-            tl.atomic_add(delta + 2 * V + y_new, w, mask=has_y, sem="relaxed")
+            tl.atomic_add(delta + 1 + 3 * x, w, mask=has_x, sem="relaxed")
+            tl.atomic_add(delta + 2 + 3 * y, w, mask=has_y, sem="relaxed")
+            tl.atomic_add(delta + 3 + 3 * y_new, w, mask=has_y, sem="relaxed")
             # one atomic a block for the one pair (a, b)
-            tl.atomic_add(delta + 3 * V, tl.sum(w, axis=0), sem="relaxed")
+            tl.atomic_add(delta, tl.sum(w, axis=0), sem="relaxed")
 
 
 @triton.jit
@@ -294,12 +298,14 @@ def apply_owned(state, delta, counts, row_key, block_key, dirty_flag, dirty_rows
         a, b, new = tl.load(state + A), tl.load(state + B), tl.load(state + NEW)
         if tl.program_id(0) == 0:
             tl.store(state + NEXT, new + 1)  # nothing here reads NEXT
-        for first in range(tl.program_id(0) * BLOCK, 3 * V + 1, tl.num_programs(0) * BLOCK):
+        live = 1 + 3 * (new + 1)  # no lane past it was written
+        for first in range(tl.program_id(0) * BLOCK, live, tl.num_programs(0) * BLOCK):
             i = first + tl.arange(0, BLOCK)
-            d = tl.load(delta + i, mask=i <= 3 * V, other=0).to(tl.int64)
+            d = tl.load(delta + i, mask=i < live, other=0).to(tl.int64)
             tl.store(delta + i, 0, mask=d != 0)  # most lanes hold 0 already: no write
             # part 0: (x=j, a) -> (j, new); 1: (b, j); 2: (new, j); 3: (a, b)
-            part, j = i // V, (i % V).to(tl.int64)
+            part = tl.where(i == 0, 3, (i - 1) % 3)
+            j = tl.where(i == 0, 0, (i - 1) // 3).to(tl.int64)
             row = tl.where(part == 0, j, tl.where(part == 1, b, tl.where(part == 2, new, a)))
             owned = (d != 0) & (row % WORLD == RANK)
             at = counts + (row // WORLD) * V
@@ -376,7 +382,16 @@ def chunks_to_arrays(blob, lengths, counts, count_dtype):
                 pair_weights=weight[left])
 
 
-def merge_on_device(arrays, vocab_size, total_pairs, device, show_progress):
+def delta_prefix(group, V):
+    """How much of delta the merges of the group starting at merge `group` can write: their ids are
+    at most 256 + group + 15. Rounded up, so that a run has eight sizes at most (a CUDA graph is
+    recorded for each)."""
+    size_step = -(-(V - 256) // 8)
+    ids = min(V, 256 + -(-(group + MERGES_PER_READ) // size_step) * size_step)
+    return 1 + 3 * ids
+
+
+def merge_on_device(arrays, vocab_size, total_pairs, device, show_progress, timeout=60):
     """The merges, this rank's tokens saved, the loop's counts of collectives and host reads, and
     the seconds of the setup (uploads, zeros, compiling, recording) and of the loop alone."""
     V, rank, W = vocab_size, dist.get_rank(), dist.get_world_size()
@@ -413,7 +428,7 @@ def merge_on_device(arrays, vocab_size, total_pairs, device, show_progress):
                            W, ROWS=rows, BLOCK=block)
 
     # past the last merge, find_occurrences sets DONE and every kernel does nothing
-    def merge_group():
+    def merge_group(prefix):
         for _ in range(MERGES_PER_READ):
             best_pair[(1,)](state, row_key, block_key, fresh_key, dirty_flag, dirty_rows, V, best,
                             BITS=bits, ONE_KEY=one_key, BLOCK=choose_block, KEY_BLOCK=key_block)
@@ -423,47 +438,66 @@ def merge_on_device(arrays, vocab_size, total_pairs, device, show_progress):
                 if not one_key:
                     best[1:2] = torch.where(best[2:] == best[:1], best[1:2], -1)
                     dist.all_reduce(best[1:2], op=dist.ReduceOp.MAX)
-                loop_counts.update(collectives=2 + (not one_key))
             find_occurrences[grid](state, best, list_start, list_len, merges, list_buffer, tokens,
                                    next_pos, prev_pos, mark, V, END, BITS=bits, ONE_KEY=one_key,
                                    BLOCK=block)
             apply_merges[grid](state, list_buffer, scratch, list_start, list_len, tokens, next_pos,
                                prev_pos, mark, weight, delta, V, END, BLOCK=block)
             if W > 1:
-                dist.all_reduce(delta)
+                dist.all_reduce(delta[:prefix])
             apply_owned[grid](state, delta, counts, row_key, block_key, dirty_flag, dirty_rows, V,
                               rank, W, BLOCK=block, KEY_BLOCK=key_block)
             refresh()
 
+    # The one host read of a group. On CUDA it polls: with the collectives inside a graph, NCCL's
+    # watchdog no longer sees them, so this wait enforces --timeout on a rank that never arrives.
+    done_host = torch.zeros(1, dtype=torch.int64, pin_memory=device.type == "cuda")
+
+    def group_done():
+        done_host.copy_(state[DONE.value:DONE.value + 1], non_blocking=True)
+        if device.type == "cuda":
+            copied, deadline = torch.cuda.Event(), time.time() + timeout
+            copied.record()
+            while not copied.query():
+                if time.time() > deadline:
+                    raise UserError(f"rank {rank}: no merge in {timeout:.0f} s: another rank died "
+                                    "or hangs (see its messages; --timeout sets the wait)")
+        return bool(done_host[0])
+
     refresh()
     # The setup ends with every kernel compiled, by a group run with DONE set (the kernels do nothing,
     # the collectives add zeros, in step on every rank), as in train_bpe_gpu.py: the loop's clock
-    # then times merges alone. On CUDA in a world of one (no collectives), 16 merges are recorded
-    # once as a CUDA graph. With W > 1 they are launched one by one: NCCL's watchdog, which enforces
-    # --timeout on a hung rank, does not see collectives inside a graph.
+    # then times merges alone. On CUDA, 16 merges are recorded once as a CUDA graph, collectives
+    # included (NCCL allows it): one launch a group, not 5 Triton launches and 2 NCCL calls a merge.
+    # With W > 1, one graph for each size of the delta's prefix, every rank the same.
     state[DONE.value] = 1
-    merge_group()
+    merge_group(len(delta))
     state[DONE.value] = 0
-    loop_counts.clear()
-    graph = None
-    if device.type == "cuda" and W == 1:
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            merge_group()
+    groups = range(0, V - 256, MERGES_PER_READ)
+    prefixes = [delta_prefix(group, V) if W > 1 else len(delta) for group in groups]
+    graphs = {}
     if device.type == "cuda":
+        for prefix in sorted(set(prefixes)):
+            graphs[prefix] = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graphs[prefix]):
+                merge_group(prefix)
         torch.cuda.synchronize(device)
     loop_started = time.time()
     with tqdm(total=V - 256, unit="merge", desc="merging", mininterval=0.5,
               disable=not show_progress) as progress:
-        for group in range(0, V - 256, MERGES_PER_READ):
-            if graph is None:
-                merge_group()
+        for group, prefix in zip(groups, prefixes):
+            if graphs:
+                graphs[prefix].replay()
             else:
-                graph.replay()
+                merge_group(prefix)
+            if W > 1:
+                reductions = MERGES_PER_READ * (1 + (not one_key))
+                delta_bytes = MERGES_PER_READ * prefix * delta.itemsize
+                loop_counts.update(collectives=reductions + MERGES_PER_READ,
+                                   collective_bytes=8 * reductions + delta_bytes)
             progress.update(min(MERGES_PER_READ, V - 256 - group))
             loop_counts.update(host_reads=1)
-            # the one host read of a group: here, and only here, the host waits
-            if state[DONE.value].item():
+            if group_done():
                 break
     seconds = dict(setup=loop_started - started, loop=time.time() - loop_started)
     num_merges = int(state[NEXT.value]) - 256
@@ -986,7 +1020,8 @@ def run(argv):
     t2 = time.time()
     run_device = torch.device("cuda", LOCAL_RANK) if args.device == "cuda" else torch.device("cpu")
     merges, tokens_saved, loop, seconds = merge_on_device(
-        arrays, args.vocab_size, total["total_pairs"], run_device, show_progress=RANK == 0)
+        arrays, args.vocab_size, total["total_pairs"], run_device, show_progress=RANK == 0,
+        timeout=args.timeout)
     t3 = time.time()
     if args.device == "cuda":
         peak = torch.cuda.max_memory_allocated(run_device)
@@ -1012,8 +1047,10 @@ def run(argv):
     say(f"{'loading the cache' if all_reused else 'reading + pre-tokenizing'} {t1 - t0:.2f}s | "
         f"layout {t2 - t1:.2f}s | setup {seconds['setup']:.2f}s | merging {seconds['loop']:.2f}s "
         f"({merges_per_second:,.0f} merges/s) | total {t3 - t0:.2f}s")
-    say(f"per merge: {loop['collectives'] / max(num_merges, 1):.2f} collectives, "
-        f"{loop['host_reads'] / max(num_merges, 1):.2f} host reads")
+    per_merge = {key: count / max(num_merges, 1) for key, count in loop.items()}
+    say(f"per merge: {per_merge.get('collectives', 0):.2f} collectives "
+        f"({per_merge.get('collective_bytes', 0) / 1024:,.1f} KiB), "
+        f"{per_merge['host_reads']:.2f} host reads")
     say(f"{'peak device memory' if args.device == 'cuda' else 'peak RSS'} per rank: "
         + ", ".join(f"{peak:,.0f} MiB" for _, peak in ends))
     say(f"compression: {total['total_bytes'] / max(tokens_left, 1):.3f} bytes/token; wrote "

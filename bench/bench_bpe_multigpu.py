@@ -84,10 +84,10 @@ def run(procs, name):
     if result.returncode != 0:
         sys.exit(f"train_bpe_multigpu.py failed on {procs} ranks:\n{result.stdout}\n{result.stderr[-3000:]}")
     out = result.stdout
-    per_merge = re.search(r"per merge: ([\d.]+) collectives, ([\d.]+) host reads", out)
+    per_merge = re.search(r"per merge: ([\d.]+) collectives \(([\d,.]+) KiB\), ([\d.]+) host reads", out)
     return {"wall": wall, "merge": float(re.search(r"merging ([\d.]+)s", out).group(1)),
             "rate": re.search(r"\(([\d,]+) merges/s\)", out).group(1), "collectives": per_merge.group(1),
-            "reads": per_merge.group(2),
+            "kib": per_merge.group(2), "reads": per_merge.group(3),
             "memory": re.findall(r"([\d,]+) MiB", out.split("per rank:")[-1].splitlines()[0]),
             "info": json.loads((work / name / "tokenizer.json").read_text()),
             "tiktoken": (work / name / "tokenizer.tiktoken").read_bytes()}
@@ -96,13 +96,13 @@ def run(procs, name):
 print(f"# {args.corpus}, -n {args.num_chars:,} -v {args.vocab_size}, {os.cpu_count()} CPU cores, device {args.device}")
 print("\n| ranks | wall s | merge s | merges/s | collectives / merge | host reads / merge "
       "| peak memory per rank (MiB) | same as rustbpe on the documents read |")
-print("|---|---|---|---|---|---|---|---|")
+print("|---|---|---|---|---|---|---|---|---|")
 for procs in args.procs:
     runs = [run(procs, f"w{procs}_{r}") for r in range(args.repeats)]
     same = all(r["tiktoken"] == rustbpe_file(documents_read(r["info"])) for r in runs[:1])
     first = runs[0]
     print(f"| {procs} | {statistics.median(r['wall'] for r in runs):.1f} | {statistics.median(r['merge'] for r in runs):.1f} "
-          f"| {first['rate']} | {first['collectives']} | {first['reads']} | {'/'.join(first['memory'])} "
+          f"| {first['rate']} | {first['collectives']} | {first['kib']} | {first['reads']} | {'/'.join(first['memory'])} "
           f"| {'yes' if same else 'NO'} |", flush=True)
 
 if args.device == "cuda":  # issue 16's target: world size 1 within 20% of the one-GPU trainer

@@ -415,6 +415,21 @@ def test_the_merge_loop_reads_the_device_once_per_16_merges_counting_every_kind(
     assert merges == cpu_bpe.train(chunk_counts, 288)[0]
 
 
+def test_each_group_sends_every_number_of_delta_its_merges_can_write_and_eight_sizes_at_most():
+    """The all_reduce sends a prefix of delta: merge 256 + i writes ids up to its own, each at 1 + 3 id + 2 at
+    most. A prefix one short drops a count change (rarely: exactness tests catch it only by luck)."""
+    for V in [257, 258, 271, 272, 280, 288, 300, 1000, 4096, 65534]:
+        groups = range(0, V - 256, mg.MERGES_PER_READ)
+        prefixes = [mg.delta_prefix(group, V) for group in groups]
+        for group, prefix in zip(groups, prefixes):
+            last_new = min(256 + group + mg.MERGES_PER_READ - 1, V - 1)
+            assert 1 + 3 * last_new + 2 < prefix <= 1 + 3 * V, (V, group, prefix)
+        assert len(set(prefixes)) <= 8 and prefixes == sorted(prefixes), (V, sorted(set(prefixes)))
+    # about half of the whole delta on average at the default vocabulary
+    average = np.mean([mg.delta_prefix(group, 65534) for group in range(0, 65534 - 256, 16)])
+    assert 0.5 < average / (3 * 65534 + 1) < 0.6, average
+
+
 def test_many_programs_and_small_blocks_give_the_same_merges(monkeypatch):
     """On a GPU the kernels run many programs over small blocks; here the same stride loops, several programs
     and blocks of a few lanes, in a world of one. And merges/s times the loop alone: a first launch made 0.5 s
