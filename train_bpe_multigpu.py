@@ -427,17 +427,21 @@ def merge_on_device(arrays, vocab_size, total_pairs, device, show_progress, time
         refresh_rows[grid](state, list_buffer, scratch, list_len, counts, fresh_key, dirty_rows, V,
                            W, ROWS=rows, BLOCK=block)
 
-    # past the last merge, find_occurrences sets DONE and every kernel does nothing
+    # past the last merge, find_occurrences sets DONE and every kernel does nothing. Returns what
+    # its collectives send, counted as they are called (in a graph: once, as it is recorded)
     def merge_group(prefix):
+        sent = Counter()
         for _ in range(MERGES_PER_READ):
             best_pair[(1,)](state, row_key, block_key, fresh_key, dirty_flag, dirty_rows, V, best,
                             BITS=bits, ONE_KEY=one_key, BLOCK=choose_block, KEY_BLOCK=key_block)
             if W > 1:
                 dist.all_reduce(best[:1], op=dist.ReduceOp.MAX)
+                sent.update(collectives=1, collective_bytes=8)
                 # the count first, then the tie-break among the ranks that have that count
                 if not one_key:
                     best[1:2] = torch.where(best[2:] == best[:1], best[1:2], -1)
                     dist.all_reduce(best[1:2], op=dist.ReduceOp.MAX)
+                    sent.update(collectives=1, collective_bytes=8)
             find_occurrences[grid](state, best, list_start, list_len, merges, list_buffer, tokens,
                                    next_pos, prev_pos, mark, V, END, BITS=bits, ONE_KEY=one_key,
                                    BLOCK=block)
@@ -445,23 +449,30 @@ def merge_on_device(arrays, vocab_size, total_pairs, device, show_progress, time
                                prev_pos, mark, weight, delta, V, END, BLOCK=block)
             if W > 1:
                 dist.all_reduce(delta[:prefix])
+                sent.update(collectives=1, collective_bytes=prefix * delta.itemsize)
             apply_owned[grid](state, delta, counts, row_key, block_key, dirty_flag, dirty_rows, V,
                               rank, W, BLOCK=block, KEY_BLOCK=key_block)
             refresh()
+        return sent
 
-    # The one host read of a group. On CUDA it polls: with the collectives inside a graph, NCCL's
-    # watchdog no longer sees them, so this wait enforces --timeout on a rank that never arrives.
+    # The one host read of a group. On CUDA it polls (a core a rank spins while a group runs): with
+    # the collectives inside a graph, NCCL's watchdog no longer sees them, so this wait enforces
+    # --timeout on a rank that never arrives. This rank then says so itself and leaves at once:
+    # tearing NCCL down would wait for the graph's collective, which waits for the missing rank.
+    # Its exit ends the run: torchrun stops the others.
     done_host = torch.zeros(1, dtype=torch.int64, pin_memory=device.type == "cuda")
 
     def group_done():
         done_host.copy_(state[DONE.value:DONE.value + 1], non_blocking=True)
         if device.type == "cuda":
-            copied, deadline = torch.cuda.Event(), time.time() + timeout
+            copied, deadline = torch.cuda.Event(), time.monotonic() + timeout
             copied.record()
             while not copied.query():
-                if time.time() > deadline:
-                    raise UserError(f"rank {rank}: no merge in {timeout:.0f} s: another rank died "
-                                    "or hangs (see its messages; --timeout sets the wait)")
+                if time.monotonic() > deadline:
+                    print(f"error: rank {rank}: no merge in {timeout:.0f} s: another rank died or "
+                          "hangs (see its messages; --timeout sets the wait)", file=sys.stderr,
+                          flush=True)
+                    os._exit(1)
         return bool(done_host[0])
 
     refresh()
@@ -469,18 +480,20 @@ def merge_on_device(arrays, vocab_size, total_pairs, device, show_progress, time
     # the collectives add zeros, in step on every rank), as in train_bpe_gpu.py: the loop's clock
     # then times merges alone. On CUDA, 16 merges are recorded once as a CUDA graph, collectives
     # included (NCCL allows it): one launch a group, not 5 Triton launches and 2 NCCL calls a merge.
-    # With W > 1, one graph for each size of the delta's prefix, every rank the same.
-    state[DONE.value] = 1
-    merge_group(len(delta))
-    state[DONE.value] = 0
+    # With W > 1, one graph for each size of the delta's prefix, every rank the same; each size is
+    # first sent once outside a graph, as NCCL may set up a size's connections on first use.
     groups = range(0, V - 256, MERGES_PER_READ)
     prefixes = [delta_prefix(group, V) if W > 1 else len(delta) for group in groups]
-    graphs = {}
+    state[DONE.value] = 1
+    for prefix in sorted(set(prefixes)) if device.type == "cuda" else [len(delta)]:
+        merge_group(prefix)
+    state[DONE.value] = 0
+    graphs, graph_sent = {}, {}
     if device.type == "cuda":
         for prefix in sorted(set(prefixes)):
             graphs[prefix] = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graphs[prefix]):
-                merge_group(prefix)
+            with torch.cuda.graph(graphs[prefix], capture_error_mode="thread_local"):
+                graph_sent[prefix] = merge_group(prefix)
         torch.cuda.synchronize(device)
     loop_started = time.time()
     with tqdm(total=V - 256, unit="merge", desc="merging", mininterval=0.5,
@@ -488,13 +501,9 @@ def merge_on_device(arrays, vocab_size, total_pairs, device, show_progress, time
         for group, prefix in zip(groups, prefixes):
             if graphs:
                 graphs[prefix].replay()
+                loop_counts.update(graph_sent[prefix])
             else:
-                merge_group(prefix)
-            if W > 1:
-                reductions = MERGES_PER_READ * (1 + (not one_key))
-                delta_bytes = MERGES_PER_READ * prefix * delta.itemsize
-                loop_counts.update(collectives=reductions + MERGES_PER_READ,
-                                   collective_bytes=8 * reductions + delta_bytes)
+                loop_counts.update(merge_group(prefix))
             progress.update(min(MERGES_PER_READ, V - 256 - group))
             loop_counts.update(host_reads=1)
             if group_done():
@@ -1050,7 +1059,7 @@ def run(argv):
     per_merge = {key: count / max(num_merges, 1) for key, count in loop.items()}
     say(f"per merge: {per_merge.get('collectives', 0):.2f} collectives "
         f"({per_merge.get('collective_bytes', 0) / 1024:,.1f} KiB), "
-        f"{per_merge['host_reads']:.2f} host reads")
+        f"{per_merge.get('host_reads', 0):.2f} host reads")
     say(f"{'peak device memory' if args.device == 'cuda' else 'peak RSS'} per rank: "
         + ", ".join(f"{peak:,.0f} MiB" for _, peak in ends))
     say(f"compression: {total['total_bytes'] / max(tokens_left, 1):.3f} bytes/token; wrote "

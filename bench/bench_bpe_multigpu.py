@@ -94,7 +94,7 @@ def run(procs, name):
 
 
 print(f"# {args.corpus}, -n {args.num_chars:,} -v {args.vocab_size}, {os.cpu_count()} CPU cores, device {args.device}")
-print("\n| ranks | wall s | merge s | merges/s | collectives / merge | host reads / merge "
+print("\n| ranks | wall s | merge s | merges/s | collectives / merge | KiB sent / merge | host reads / merge "
       "| peak memory per rank (MiB) | same as rustbpe on the documents read |")
 print("|---|---|---|---|---|---|---|---|---|")
 for procs in args.procs:
