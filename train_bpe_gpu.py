@@ -222,8 +222,8 @@ def find(state, list_buffer, tokens, next_pos, prev_pos, mark, END, program, pro
     for first in range(program * BLOCK, length, programs * BLOCK):
         i = first + tl.arange(0, BLOCK)
         p = tl.load(list_buffer + start + i, mask=i < length, other=END)
-        right = tl.load(next_pos + p)
-        merge = (tl.load(tokens + p) == a) & (tl.load(tokens + right) == b)
+        second = tl.load(next_pos + p)
+        merge = (tl.load(tokens + p) == a) & (tl.load(tokens + second) == b)
         # A run "aaaa" merges left to right without overlap: p merges when an even number of
         # a's come before it in its run (walking prev_pos, as far as the block's longest run).
         if a == b:
@@ -236,7 +236,7 @@ def find(state, list_buffer, tokens, next_pos, prev_pos, mark, END, program, pro
                 walking = walking & (tl.load(tokens + q) == a)
             merge = merge & ~odd
         tl.store(mark + p, 2 * new, mask=merge)
-        tl.store(mark + right, 2 * new + 1, mask=merge)
+        tl.store(mark + second, 2 * new + 1, mask=merge)
 
 
 @triton.jit
@@ -251,9 +251,9 @@ def find_occurrences(state, list_buffer, tokens, next_pos, prev_pos, mark, END,
 def apply(state, list_buffer, scratch, list_start, list_len, tokens, next_pos, prev_pos, mark,
           weight, counts, row_key, block_key, dirty_flag, dirty_rows, V, END, program, programs,
           BLOCK: tl.constexpr, KEY_BLOCK: tl.constexpr):
-    """Merges the marked occurrences. The lane of (p, right) writes only what it owns: tokens,
-    next_pos and prev_pos of p and right, and prev_pos of the position after right unless that one
-    merges too (its own lane links it then). It reads a neighbour's token only where the marks say
+    """Merges the marked occurrences. The lane of (p, second) writes only what it owns: tokens,
+    next_pos and prev_pos of p and second, and prev_pos of the position after second unless that
+    one merges too (its own lane links it then). It reads a neighbour's token only where the marks say
     no lane writes it. Counts change by atomic adds, which commute, so their order can't matter."""
     a, b, new = tl.load(state + A), tl.load(state + B), tl.load(state + NEW)
     start, length = tl.load(state + START), tl.load(state + LENGTH)
@@ -268,9 +268,9 @@ def apply(state, list_buffer, scratch, list_start, list_len, tokens, next_pos, p
         survives = unmarked & (tl.load(tokens + p, mask=unmarked, other=-1) == a)
         append(state + SURVIVORS, scratch, p, survives)
         append(list_len + new, new_list, p, merged)
-        right = tl.load(next_pos + p, mask=merged, other=END)
+        second = tl.load(next_pos + p, mask=merged, other=END)
         before = tl.load(prev_pos + p, mask=merged, other=END)
-        after = tl.load(next_pos + right, mask=merged, other=END)
+        after = tl.load(next_pos + second, mask=merged, other=END)
         w = tl.load(weight + p, mask=merged, other=0)
         before_merged = merged & (tl.load(mark + before, mask=merged, other=0) == 2 * new + 1)
         after_merged = merged & (tl.load(mark + after, mask=merged, other=0) == 2 * new)
@@ -282,39 +282,43 @@ def apply(state, list_buffer, scratch, list_start, list_len, tokens, next_pos, p
         y_new = tl.where(after_merged, new, y)
         has_x, has_y = merged & (x >= 0), merged & (y >= 0)
         tl.store(tokens + p, new, mask=merged)
-        tl.store(tokens + right, DEAD, mask=merged)
+        tl.store(tokens + second, DEAD, mask=merged)
         tl.store(next_pos + p, after, mask=merged)
         tl.store(prev_pos + after, p, mask=has_y & ~after_merged)
         tl.store(prev_pos + p, tl.load(prev_pos + before, mask=before_merged, other=END),
                  mask=before_merged)
-        # (a, b), (x, a) and (b, y) lose w. A row whose maximum that pair was is listed as
-        # dirty, once: by the lane that flips dirty_flag. Reading row_key while other lanes
-        # raise it is safe: a raised key is a pair with the new token, above all the row held.
-        zero = 0 * x.to(tl.int64)  # makes a scalar a block
-        for k in tl.static_range(3):
-            if k == 0:
-                row, col, lose = a + zero, b + zero, merged
-            elif k == 1:
-                row, col, lose = x.to(tl.int64), a + zero, has_x
-            else:
-                row, col, lose = b + zero, y.to(tl.int64), has_y
-            tl.atomic_add(counts + row * V + col, -w, mask=lose, sem="relaxed")
-            was_max = lose & ((tl.load(row_key + row, mask=lose, other=0) & LOW) == LOW - col)
-            flag = tl.atomic_xchg(dirty_flag + row, 1, mask=was_max, sem="relaxed")
-            first = was_max & (flag == 0)
-            append(state + DIRTY, dirty_rows, row.to(tl.int32), first)
-        # (x, new) and (new, y_new) gain w. The lane whose add comes last sees the final count,
-        # so the atomic max of every lane's key is the final key, whatever the order; and
-        # likewise for the row's block.
-        for k in tl.static_range(2):
-            if k == 0:
-                row, col, gain = x.to(tl.int64), new + zero, has_x
-            else:
-                row, col, gain = new + zero, y_new.to(tl.int64), has_y
-            total = tl.atomic_add(counts + row * V + col, w, mask=gain, sem="relaxed") + w
-            key = (total.to(tl.int64) << ID_BITS) | (LOW - col)
-            tl.atomic_max(row_key + row, key, mask=gain, sem="relaxed")
-            tl.atomic_max(block_key + row // KEY_BLOCK, key, mask=gain, sem="relaxed")
+        # the counts: a, b and new are scalars, and each pair's row and column must be blocks
+        x, y, y_new = x.to(tl.int64), y.to(tl.int64), y_new.to(tl.int64)
+        zero = 0 * x
+        lose_pair(state, counts, row_key, dirty_flag, dirty_rows, V, a + zero, b + zero, w, merged)
+        lose_pair(state, counts, row_key, dirty_flag, dirty_rows, V, x, a + zero, w, has_x)
+        lose_pair(state, counts, row_key, dirty_flag, dirty_rows, V, b + zero, y, w, has_y)
+        gain_pair(counts, row_key, block_key, V, x, new + zero, w, has_x, KEY_BLOCK)
+        gain_pair(counts, row_key, block_key, V, new + zero, y_new, w, has_y, KEY_BLOCK)
+
+
+@triton.jit
+def lose_pair(state, counts, row_key, dirty_flag, dirty_rows, V, row, col, w, lose):
+    """Pair (row, col) loses w where lose: (a, b), (x, a) and (b, y) in a merge. A row whose maximum
+    that pair was is listed as dirty, once: by the lane that flips dirty_flag. Reading row_key while
+    other lanes raise it is safe: a raised key is a pair with the new token, above all the row held."""
+    tl.atomic_add(counts + row * V + col, -w, mask=lose, sem="relaxed")
+    was_max = lose & ((tl.load(row_key + row, mask=lose, other=0) & LOW) == LOW - col)
+    flag = tl.atomic_xchg(dirty_flag + row, 1, mask=was_max, sem="relaxed")
+    flipped = was_max & (flag == 0)
+    append(state + DIRTY, dirty_rows, row.to(tl.int32), flipped)
+
+
+@triton.jit
+def gain_pair(counts, row_key, block_key, V, row, col, w, gain, KEY_BLOCK: tl.constexpr):
+    """Pair (row, col) gains w where gain: (x, new) and (new, y_new) in a merge. The lane whose add
+    comes last sees the final count, so the atomic max of every lane's key is the final key,
+    whatever the order; and likewise for the row's block. (Row x's key never rises this way:
+    (x, new) ends at most at (x, a)'s count before the merge, in a larger column.)"""
+    total = tl.atomic_add(counts + row * V + col, w, mask=gain, sem="relaxed") + w
+    key = (total.to(tl.int64) << ID_BITS) | (LOW - col)
+    tl.atomic_max(row_key + row, key, mask=gain, sem="relaxed")
+    tl.atomic_max(block_key + row // KEY_BLOCK, key, mask=gain, sem="relaxed")
 
 
 @triton.jit

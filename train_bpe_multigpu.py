@@ -224,8 +224,8 @@ def find_occurrences(state, best, list_start, list_len, merges, list_buffer, tok
         for first in range(tl.program_id(0) * BLOCK, length, tl.num_programs(0) * BLOCK):
             i = first + tl.arange(0, BLOCK)
             p = tl.load(list_buffer + start + i, mask=i < length, other=END)
-            right = tl.load(next_pos + p)
-            merge = (tl.load(tokens + p) == a) & (tl.load(tokens + right) == b)
+            second = tl.load(next_pos + p)
+            merge = (tl.load(tokens + p) == a) & (tl.load(tokens + second) == b)
             # in a run "aaaa", p merges when an even number of a's come before it in the run
             if a == b:
                 odd = merge & False
@@ -237,7 +237,7 @@ def find_occurrences(state, best, list_start, list_len, merges, list_buffer, tok
                     walking = walking & (tl.load(tokens + q) == a)
                 merge = merge & ~odd
             tl.store(mark + p, 2 * new, mask=merge)
-            tl.store(mark + right, 2 * new + 1, mask=merge)
+            tl.store(mark + second, 2 * new + 1, mask=merge)
     elif tl.program_id(0) == 0:
         # no pair left on any rank, or V reached: every kernel does nothing from now on
         tl.store(state + DONE, 1)
@@ -246,7 +246,7 @@ def find_occurrences(state, best, list_start, list_len, merges, list_buffer, tok
 @triton.jit
 def apply_merges(state, list_buffer, scratch, list_start, list_len, tokens, next_pos, prev_pos,
                  mark, weight, delta, V, END, BLOCK: tl.constexpr):
-    """Merges this rank's marked occurrences, as in train_bpe_gpu.py: the lane of (p, right) writes
+    """Merges this rank's marked occurrences, as in train_bpe_gpu.py: the lane of (p, second) writes
     only the links it owns. The count changes go to `delta` by atomic adds, which commute."""
     if tl.load(state + DONE) == 0:
         a, new = tl.load(state + A), tl.load(state + NEW)
@@ -261,9 +261,9 @@ def apply_merges(state, list_buffer, scratch, list_start, list_len, tokens, next
             survives = unmarked & (tl.load(tokens + p, mask=unmarked, other=-1) == a)
             append(state + SURVIVORS, scratch, p, survives)
             append(list_len + new, new_list, p, merged)
-            right = tl.load(next_pos + p, mask=merged, other=END)
+            second = tl.load(next_pos + p, mask=merged, other=END)
             before = tl.load(prev_pos + p, mask=merged, other=END)
-            after = tl.load(next_pos + right, mask=merged, other=END)
+            after = tl.load(next_pos + second, mask=merged, other=END)
             w = tl.load(weight + p, mask=merged, other=0)
             before_merged = merged & (tl.load(mark + before, mask=merged, other=0) == 2 * new + 1)
             after_merged = merged & (tl.load(mark + after, mask=merged, other=0) == 2 * new)
@@ -273,7 +273,7 @@ def apply_merges(state, list_buffer, scratch, list_start, list_len, tokens, next
             y_new = tl.where(after_merged, new, y)
             has_x, has_y = merged & (x >= 0), merged & (y >= 0)
             tl.store(tokens + p, new, mask=merged)
-            tl.store(tokens + right, DEAD, mask=merged)
+            tl.store(tokens + second, DEAD, mask=merged)
             tl.store(next_pos + p, after, mask=merged)
             tl.store(prev_pos + after, p, mask=has_y & ~after_merged)
             tl.store(prev_pos + p, tl.load(prev_pos + before, mask=before_merged, other=END),
