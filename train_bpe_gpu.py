@@ -9,7 +9,7 @@ Flags and outputs are train_bpe_cpu.py's, the readable reference of the algorith
 how a sequential algorithm gets fast on a GPU: merge k needs the counts left by merge k-1, so merges
 can't run in parallel, but the work inside a merge can, and the host must stay out of the way. A
 merge is four small Triton kernels, or, when it is small, the same four steps in one program; the
-host launches them (on CUDA, 16 steps as one CUDA graph) and reads once per 16 steps: "done?".
+host launches them (on CUDA, 16 rounds as one CUDA graph) and reads once per 16 rounds: "done?".
 --device cpu runs the same kernels in Triton's interpreter (TRITON_INTERPRET=1): exact, slow, for
 the tests.
 """
@@ -75,7 +75,7 @@ LOCAL_SUFFIXES = (".txt", ".jsonl", ".parquet")
 # is in merge_on_device)
 INTERPRETER_SHAPE = dict(programs=1, block=1024, rows=64, choose_block=1024, key_block=16,
                          small_block=1024, refresh_block=1024, small=1024)
-STEPS_PER_READ = 16  # steps (merge_small, then the four kernels) per host read of the "done" flag
+ROUNDS_PER_READ = 16  # rounds (merge_small, then the four kernels) per host read of "done"
 SMALL_MERGES = 64  # merges that one merge_small launch may make
 PARALLEL_CHARS = 1 << 24  # from this many characters on, all cores pre-tokenize (below: one)
 BATCH_CHARS = 1 << 20  # characters of documents per batch sent to a pre-tokenizing worker
@@ -89,26 +89,28 @@ class UserError(Exception):
 
 # -------------------------------------------------------- the lesson: one BPE merge as four steps
 # The distinct chunks lie in flat arrays, one slot per byte (a "position"), as in train_bpe_cpu.py:
-#   tokens[p]      the token at p; -1 on the spare slots END and END+1, DEAD once merged away
+#   tokens[p]      the token at p; DEAD once merged away; -1 on the spare slots END and END+1, real
+#                  slots so that a lane may read the token after any position without a mask
 #   next_pos[p]    the next live position of p's chunk, or END; prev_pos[p] likewise. A merge
 #                  unlinks a pair's right half: tokens never move, so positions stay valid names.
 #   weight[p]      how often p's chunk occurs in the corpus
 #   counts[l*V+r]  the weighted count of pair (l, r): a dense V x V matrix
-#   lists          the positions holding each token, a region of list_buffer per id: merging
-#                  (a, b) visits only a's positions.
+#   list_buffer[list_start[t]:list_start[t] + list_len[t]]   the positions holding token t:
+#                  merging (a, b) visits only a's positions.
 # Choosing must not scan V^2 counts. A pair's key is count << 20 | (2^20 - 1 - r), and row_key[l] is
 # row l's largest key: its largest count, ties to the smallest r (across rows, to the smallest l).
-# Per-row keys keep counts exact to 2^43 (one key per pair would cap them at 2^31). Only pairs with
+# Per-row keys keep counts exact to 2^43 (a key naming both ids would leave 23 bits). Only pairs with
 # the new token grow: atomic_max raises their row's key. A shrinking count leaves its row's key too
-# high only if it was the row's maximum: that row is "dirty" (rare) and recomputed from the matrix.
+# high only if it was the row's maximum: that row is "dirty" (rare) and recomputed from the matrix,
+# into a zeroed fresh_key (atomic_max can't lower a key), which the next pick copies over.
 # One level up, block_key[k] is the largest key of rows k*KEY_BLOCK.. (k+1)*KEY_BLOCK-1, raised with
 # the rows' and recomputed for a dirty row's block: choosing reads the V/KEY_BLOCK block keys, one
 # block's row keys and the dirty rows' blocks (one or two a merge), not all V row keys.
 # The loop's state (a, b, list bounds) stays on the device, in `state`. Programs stride over blocks,
-# so every grid's size is known before the data: CUDA can record 16 steps as one graph. No kernel
+# so every grid's size is known before the data: CUDA can record 16 rounds as one graph. No kernel
 # needs a lock; each docstring says why, from who writes what.
 # Most merges are small (on enwiki at V=65534 the median one visits 132 positions): as four kernels
-# they pay four launches and the gaps between them, more time than the work. So a step is
+# they pay four launches and the gaps between them, more time than the work. So a round is
 # merge_small, which runs the four steps in one program, a barrier where a kernel would end, for
 # many small merges in a row, and then the four kernels, for the next merge (a long list, spread
 # over the whole GPU, or the one after 64 small ones). The steps' bodies are functions both call.
@@ -116,7 +118,12 @@ class UserError(Exception):
 # (the stream orders kernels; in merge_small, a barrier). The default, acq_rel, fences the whole
 # device around each atomic (MEMBAR.ALL.GPU on an H100), on apply's critical path.
 
-# the slots of `state`
+# The slots of `state`, the loop's scalars, kept on the device:
+#   NEXT       the next id to give out (256 + the merges made): ids below it are the columns in use
+#   NEW, A, B  the merge being made, (a, b) -> new
+#   DONE       1 once no pair is left or V is reached: every kernel then does nothing
+#   START      where a's list lies in list_buffer; LENGTH, how long it is
+#   SURVIVORS  a's positions that stay a (they wait in scratch); DIRTY, the rows in dirty_rows
 NEXT, NEW, A, B, DONE, START, LENGTH, SURVIVORS, DIRTY = (tl.constexpr(i) for i in range(9))
 DEAD = tl.constexpr(-2)  # the token of an unlinked position (the right half of a merged pair)
 ID_BITS = tl.constexpr(20)  # a key's low bits hold 2^20 - 1 - right id
@@ -446,7 +453,7 @@ def chunks_to_arrays(chunk_counts, vocab_size):
 
 
 def merge_on_device(arrays, vocab_size, device):
-    """The merge loop, STEPS_PER_READ steps per host read: the merges, the token count, and the
+    """The merge loop, ROUNDS_PER_READ rounds per host read: the merges, the token count, and the
     seconds of the setup (uploads, the V x V zeros, compiling, recording) and of the loop alone."""
     V, device = vocab_size, torch.device(device)
     started = time.time()
@@ -473,21 +480,21 @@ def merge_on_device(arrays, vocab_size, device):
     programs, block, rows = shape["programs"], shape["block"], shape["rows"]
     choose_block, key_block = shape["choose_block"], shape["key_block"]
     small_block, refresh_block, small = shape["small_block"], shape["refresh_block"], shape["small"]
-    row_key, fresh_key, state, merges = zeros(V), zeros(V), zeros(16), zeros(2 * V)
-    block_key = zeros(-(-V // key_block))
+    row_key, fresh_key, state, merges = zeros(V), zeros(V), zeros(9), zeros(2 * V)
+    block_key = zeros(triton.cdiv(V, key_block))
     dirty_flag, dirty_rows = zeros(V, torch.int32), zeros(V, torch.int32)
     # the first refresh makes all rows' keys
     dirty_flag[:256], dirty_rows[:256] = 1, torch.arange(256, device=device)
     state[NEXT.value], state[DIRTY.value] = 256, 256
     grid = (programs,)
 
-    def refresh():
+    def launch_refresh():
         refresh_rows[grid](state, list_buffer, scratch, list_len, counts, fresh_key, dirty_rows, V,
                            ROWS=rows, BLOCK=block)
 
     # past the last merge, choose_pair sets DONE and every kernel does nothing
     def merge_group():
-        for _ in range(STEPS_PER_READ):
+        for _ in range(ROUNDS_PER_READ):
             merge_small[(1,)](state, row_key, block_key, fresh_key, dirty_flag, dirty_rows,
                               list_start, list_len, merges, list_buffer, scratch, tokens,
                               next_pos, prev_pos, mark, weight, counts, V, END, small,
@@ -501,9 +508,9 @@ def merge_on_device(arrays, vocab_size, device):
             apply_merges[grid](state, list_buffer, scratch, list_start, list_len, tokens, next_pos,
                                prev_pos, mark, weight, counts, row_key, block_key, dirty_flag,
                                dirty_rows, V, END, BLOCK=block, KEY_BLOCK=key_block)
-            refresh()
+            launch_refresh()
 
-    refresh()
+    launch_refresh()
     # The setup ends with every kernel compiled (a group run with DONE set does nothing else) and,
     # on CUDA, a group recorded as a graph: the loop's clock then times merges, and only merges.
     state[DONE.value] = 1
@@ -535,7 +542,7 @@ def merge_on_device(arrays, vocab_size, device):
 
 
 def merges_done(state):
-    """The one host read of a group of steps, here and only here the host waits: whether the
+    """The one host read of a group of rounds, here and only here the host waits: whether the
     merges are done, and how many there are."""
     slots = state[:DONE.value + 1].tolist()
     return bool(slots[DONE.value]), slots[NEXT.value] - 256

@@ -86,6 +86,7 @@ CACHE_VERSION = 3
 INTERPRETER_SHAPE = (1, 1024, 64, 1024, 16)
 MERGES_PER_READ = 16  # merges launched per host read of the "done" flag
 MAX_POSITIONS = 2**31 - 2  # positions are int32: a rank's distinct chunks' bytes + 2 spare slots
+PARALLEL_CHARS = 1 << 24  # from this many characters on, all cores pre-tokenize (below: one)
 BATCH_CHARS = 1 << 20  # characters of documents per batch sent to a pre-tokenizing worker
 # -----------------------------------------------------------------------------
 
@@ -95,26 +96,35 @@ class UserError(Exception):
 
 
 # ------------------------------------------------------------ the merge loop, split across ranks
-# train_bpe_gpu.py's kernels and layout (read that file first: the names are the same), on this
-# rank's distinct chunks. Rank r owns the rows l with l % W == r, kept at l // W, and their row
-# keys. A merge (a, b) -> new changes only pairs in columns a and new, rows b and new:
+# train_bpe_gpu.py's layout and kernel bodies (read that file first), on this rank's distinct
+# chunks; choose_pair is best_pair here, start_merge's part lives in find_occurrences, and apply is
+# split in two around a collective: apply_merges, then apply_owned. No merge_small: a merge needs
+# collectives between its steps, which one program can't make. Rank r owns the rows l with
+# l % W == r, kept at l // W, and their row keys. A merge (a, b) -> new changes only pairs in
+# columns a and new, rows b and new:
 #   (x, a) loses w and (x, new) gains w   where x is a merged occurrence's left neighbour
 #   (b, y) loses w, (new, y') gains w     where y is the right neighbour (y' = new if y merged too)
 # and (a, b) itself. Each rank sums its changes into `delta`: delta[0] is (a, b), delta[1 + 3j + k]
 # is id j in part k = 0, 1, 2 (x, y, y'). No id past `new` has a pair yet, so only the first
 # 1 + 3 (new + 1) numbers can be non-zero: half of 3V on average. One all_reduce(SUM) of that prefix
 # adds them over the ranks, and each owner applies the part in its rows. The next pair is one
-# all_reduce(MAX) of the ranks' best keys. Two collectives a merge is the least this split allows:
-# the next pick needs the owners' refreshed rows, which need every rank's changes, which need the
-# pick. No deadlock, no divergence: every rank
-# launches the same collectives in the same order (a rank with no text sends zeros), and decides
-# (the pair, "done") from the REDUCED values, the same everywhere. Exact: counts are integers, each
-# with one owner, who adds all its changes. No kernel needs a lock; each docstring says why.
+# all_reduce(MAX) of the ranks' best keys (two, when a count and both ids don't fit one int64).
+# Two collectives a merge is the least this split allows: the next pick needs the owners'
+# refreshed rows, which need every rank's changes, which need the pick. No deadlock, no
+# divergence: every rank launches the same collectives in the same order (a rank with no text
+# sends zeros), and decides (the pair, "done") from the REDUCED values, the same everywhere.
+# Exact: counts are integers, each with one owner, who adds all its changes. No kernel needs a
+# lock; each docstring says why.
 # Every atomic is relaxed: each needs only atomicity, and what a kernel writes is seen by the next
 # (the stream orders kernels). The default, acq_rel, fences the whole device around each atomic
 # (MEMBAR.ALL.GPU on an H100), on apply's critical path.
 
-# the slots of `state`
+# The slots of `state`, the loop's scalars, kept on the device:
+#   NEXT       the next id to give out (256 + the merges made): ids below it are the columns in use
+#   NEW, A, B  the merge being made, (a, b) -> new
+#   DONE       1 once no pair is left or V is reached: every kernel then does nothing
+#   START      where a's list lies in list_buffer; LENGTH, how long it is
+#   SURVIVORS  a's positions that stay a (they wait in scratch); DIRTY, the rows in dirty_rows
 NEXT, NEW, A, B, DONE, START, LENGTH, SURVIVORS, DIRTY = (tl.constexpr(i) for i in range(9))
 DEAD = tl.constexpr(-2)  # the token of an unlinked position (the right half of a merged pair)
 ID_BITS = tl.constexpr(20)  # a row key's low bits hold 2^20 - 1 - right id
@@ -301,24 +311,32 @@ def apply_owned(state, delta, counts, row_key, block_key, dirty_flag, dirty_rows
         live = 1 + 3 * (new + 1)  # no lane past it was written
         for first in range(tl.program_id(0) * BLOCK, live, tl.num_programs(0) * BLOCK):
             i = first + tl.arange(0, BLOCK)
-            d = tl.load(delta + i, mask=i < live, other=0).to(tl.int64)
-            tl.store(delta + i, 0, mask=d != 0)  # most lanes hold 0 already: no write
-            # part 0: (x=j, a) -> (j, new); 1: (b, j); 2: (new, j); 3: (a, b)
+            change = tl.load(delta + i, mask=i < live, other=0).to(tl.int64)
+            tl.store(delta + i, 0, mask=change != 0)  # most lanes hold 0 already: no write
+            # part  row   loses at  gains at
+            #   0   j     a         new        (x = j, a) -> (j, new)
+            #   1   b     j         -          (b, y = j)
+            #   2   new   -         j          (new, y' = j)
+            #   3   a     b         -          (a, b): lane 0
             part = tl.where(i == 0, 3, (i - 1) % 3)
             j = tl.where(i == 0, 0, (i - 1) // 3).to(tl.int64)
             row = tl.where(part == 0, j, tl.where(part == 1, b, tl.where(part == 2, new, a)))
-            owned = (d != 0) & (row % WORLD == RANK)
-            at = counts + (row // WORLD) * V
-            lose, column = owned & (part != 2), tl.where(part == 0, a, tl.where(part == 1, j, b))
-            tl.atomic_add(at + column, -d.to(counts.dtype.element_ty), mask=lose, sem="relaxed")
-            was_max = lose & ((tl.load(row_key + row, mask=lose, other=0) & LOW) == LOW - column)
+            lose_column = tl.where(part == 0, a, tl.where(part == 1, j, b))
+            gain_column = tl.where(part == 0, new, j)
+            owned = (change != 0) & (row % WORLD == RANK)
+            lose = owned & (part != 2)
+            gain = owned & (part % 2 == 0)
+            row_counts = counts + (row // WORLD) * V
+            amount = change.to(counts.dtype.element_ty)
+            tl.atomic_add(row_counts + lose_column, -amount, mask=lose, sem="relaxed")
+            key_column = LOW - (tl.load(row_key + row, mask=lose, other=0) & LOW)
+            was_max = lose & (key_column == lose_column)
             flag = tl.atomic_xchg(dirty_flag + row, 1, mask=was_max, sem="relaxed")
             flipped = was_max & (flag == 0)
             append(state + DIRTY, dirty_rows, row.to(tl.int32), flipped)
-            gain, column = owned & (part % 2 == 0), tl.where(part == 0, new, j)
-            total = tl.atomic_add(at + column, d.to(counts.dtype.element_ty), mask=gain,
-                                  sem="relaxed").to(tl.int64) + d
-            key, rises = (total << ID_BITS) | (LOW - column), gain & (part == 2)
+            total = tl.atomic_add(row_counts + gain_column, amount, mask=gain, sem="relaxed")
+            key = ((total.to(tl.int64) + change) << ID_BITS) | (LOW - gain_column)
+            rises = gain & (part == 2)
             tl.atomic_max(row_key + row, key, mask=rises, sem="relaxed")
             tl.atomic_max(block_key + row // KEY_BLOCK, key, mask=rises, sem="relaxed")
 
@@ -411,7 +429,7 @@ def merge_on_device(arrays, vocab_size, total_pairs, device, show_progress, time
     owned_byte_rows = byte_pairs.view(256, 256)[rank::W]
     counts.view(-1, V)[:len(owned_byte_rows), :256] = owned_byte_rows.to(weight.dtype)
     mark, scratch = zeros(END + 2, torch.int32), torch.empty_like(list_buffer)
-    row_key, fresh_key, state, merges = zeros(V), zeros(V), zeros(16), zeros(2 * V)
+    row_key, fresh_key, state, merges = zeros(V), zeros(V), zeros(9), zeros(2 * V)
     dirty_flag, dirty_rows = zeros(V, torch.int32), zeros(V, torch.int32)
     delta, best = zeros(3 * V + 1, weight.dtype), zeros(3)
     owned_bytes = torch.arange(rank, 256, W, device=device)  # the first refresh makes their keys
@@ -421,9 +439,9 @@ def merge_on_device(arrays, vocab_size, total_pairs, device, show_progress, time
     if device.type == "cuda":
         programs = 4 * torch.cuda.get_device_properties(device).multi_processor_count
         block, rows, choose_block, key_block = 256, 4, 4096, 256
-    block_key, grid = zeros(-(-V // key_block)), (programs,)
+    block_key, grid = zeros(triton.cdiv(V, key_block)), (programs,)
 
-    def refresh():
+    def launch_refresh():
         refresh_rows[grid](state, list_buffer, scratch, list_len, counts, fresh_key, dirty_rows, V,
                            W, ROWS=rows, BLOCK=block)
 
@@ -452,7 +470,7 @@ def merge_on_device(arrays, vocab_size, total_pairs, device, show_progress, time
                 sent.update(collectives=1, collective_bytes=prefix * delta.itemsize)
             apply_owned[grid](state, delta, counts, row_key, block_key, dirty_flag, dirty_rows, V,
                               rank, W, BLOCK=block, KEY_BLOCK=key_block)
-            refresh()
+            launch_refresh()
         return sent
 
     # The one host read of a group. On CUDA it polls (a core a rank spins while a group runs): with
@@ -475,7 +493,7 @@ def merge_on_device(arrays, vocab_size, total_pairs, device, show_progress, time
                     os._exit(1)
         return bool(done_host[0])
 
-    refresh()
+    launch_refresh()
     # The setup ends with every kernel compiled, by a group run with DONE set (the kernels do nothing,
     # the collectives add zeros, in step on every rank), as in train_bpe_gpu.py: the loop's clock
     # then times merges alone. On CUDA, 16 merges are recorded once as a CUDA graph, collectives
@@ -939,7 +957,8 @@ def count_part(args, source):
     error = None
     if cache_status != "reused":
         cores = len(os.sched_getaffinity(0)) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        num_workers = args.workers or (max(cores, 1) if share >= 2**24 else 1)
+        num_workers = 1 if share < PARALLEL_CHARS else max(cores, 1)
+        num_workers = args.workers or num_workers
         label = "reading (rank 0's part)" if RANK == 0 else None
         part = {"rank": RANK}  # what this rank read, for tokenizer.json
         if byte_range:
@@ -1028,7 +1047,7 @@ def run(argv):
     arrays = chunks_to_arrays(*cached[:3], count_dtype)
     t2 = time.time()
     run_device = torch.device("cuda", LOCAL_RANK) if args.device == "cuda" else torch.device("cpu")
-    merges, tokens_saved, loop, seconds = merge_on_device(
+    merges, tokens_saved, loop_counts, seconds = merge_on_device(
         arrays, args.vocab_size, total["total_pairs"], run_device, show_progress=RANK == 0,
         timeout=args.timeout)
     t3 = time.time()
@@ -1036,8 +1055,8 @@ def run(argv):
         peak = torch.cuda.max_memory_allocated(run_device)
     else:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
-    ends = [None] * WORLD
-    dist.all_gather_object(ends, (tokens_saved, peak / 2**20))
+    saved_and_peak = [None] * WORLD
+    dist.all_gather_object(saved_and_peak, (tokens_saved, peak / 2**20))
     num_merges, eot_id = len(merges), 256 + len(merges)
     stop_reason = "vocab_size reached" if eot_id == args.vocab_size else "no pairs left to merge"
     if eot_id < args.vocab_size:
@@ -1049,19 +1068,20 @@ def run(argv):
             "num_merges": num_merges, "num_chars": chars, "source": source,
             "trainer": "train_bpe_multigpu.py", "world_size": WORLD, "seconds": round(t3 - t0, 3),
             "stop_reason": stop_reason, "read": [stats["part"] for stats in rank_stats]})
-    tokens_left = total["total_bytes"] - sum(saved for saved, _ in ends)
+    tokens_left = total["total_bytes"] - sum(saved for saved, _ in saved_and_peak)
     all_reused = cache_statuses.count("reused") == WORLD
+    reading = "loading the cache" if all_reused else "reading + pre-tokenizing"
     # merges/s is over the loop alone, as in train_bpe_gpu.py: the setup says nothing about merging
     merges_per_second = num_merges / max(seconds["loop"], 1e-9)
-    say(f"{'loading the cache' if all_reused else 'reading + pre-tokenizing'} {t1 - t0:.2f}s | "
+    say(f"{reading} {t1 - t0:.2f}s | "
         f"layout {t2 - t1:.2f}s | setup {seconds['setup']:.2f}s | merging {seconds['loop']:.2f}s "
         f"({merges_per_second:,.0f} merges/s) | total {t3 - t0:.2f}s")
-    per_merge = {key: count / max(num_merges, 1) for key, count in loop.items()}
+    per_merge = {key: count / max(num_merges, 1) for key, count in loop_counts.items()}
     say(f"per merge: {per_merge.get('collectives', 0):.2f} collectives "
         f"({per_merge.get('collective_bytes', 0) / 1024:,.1f} KiB), "
         f"{per_merge.get('host_reads', 0):.2f} host reads")
-    say(f"{'peak device memory' if args.device == 'cuda' else 'peak RSS'} per rank: "
-        + ", ".join(f"{peak:,.0f} MiB" for _, peak in ends))
+    peak_kind = "peak device memory" if args.device == "cuda" else "peak RSS"
+    say(f"{peak_kind} per rank: " + ", ".join(f"{peak:,.0f} MiB" for _, peak in saved_and_peak))
     say(f"compression: {total['total_bytes'] / max(tokens_left, 1):.3f} bytes/token; wrote "
         f"{out_dir}/tokenizer.tiktoken and tokenizer.json ({EOT} = {eot_id}, "
         f"vocab_size {eot_id + 1})")

@@ -251,8 +251,8 @@ if args.count_reads:  # the counting modes slow every tensor operation
     kinds = ", ".join(f"{kind} {count}" for kind, count in sorted(reads.counts.items()))
     print(f"host reads in the merge loop: {max(reads.counts.values()) / len(merges):.3f} per merge, the largest kind "
           f"({kinds}) over {len(merges)} merges")
-    print(f"kernels in the merge loop: {launches.loop_kernels() / len(merges):.2f} per merge (5 a step, whole "
-          f"groups of {bpe.STEPS_PER_READ} steps, {launches.replays} graph replays); block barriers: 2 in "
+    print(f"kernels in the merge loop: {launches.loop_kernels() / len(merges):.2f} per merge (5 a round, whole "
+          f"groups of {bpe.ROUNDS_PER_READ} rounds, {launches.replays} graph replays); block barriers: 2 in "
           "choose_pair, 6 a merge in merge_small")
 if any("DIFFERENT" in run[2] for runs in rows.values() for run in runs):
     sys.exit("some trainer's merges differ from rustbpe's")

@@ -189,7 +189,7 @@ for counts in ("*i32", "*i64"):
             block_keys = ttir.index("tt.reduce", first) < ttir.rindex("tt.store", first, second)
             print("barriers between copy, blocks and scan:",
                   ttir.index("tt.store") < first and block_keys and "tt.reduce" in ttir[second:])
-        if kernel is bpe.merge_small:  # pick_pair's two, one before the merge starts, one after each step
+        if kernel is bpe.merge_small:  # pick_pair's two, one before the merge starts, one after each merge
             print("merge_small's barriers:", len(barriers(ttir)))
         if kernel in (bpe.merge_small, bpe.refresh_rows):  # the next items' loads in flight (cp.async)
             print(kernel.fn.__name__, "pipelined:", "cp.async" in asm["ptx"])
@@ -264,7 +264,7 @@ def test_at_most_one_host_read_per_16_merges():
     with CountHostReads() as reads:
         merges, _, _ = bpe.merge_on_device(arrays, 288, DEVICE)
     assert len(merges) == 32
-    # One "done?" per 16 steps (a step merges once or more), then three reads after the loop: the merge count,
+    # One "done?" per 16 rounds (a round merges once or more), then three reads after the loop: the merge count,
     # the merges, the token count.
     allowed = len(merges) // 16 + 3
     assert reads.counts and max(reads.counts.values()) <= allowed, reads.counts
@@ -272,7 +272,7 @@ def test_at_most_one_host_read_per_16_merges():
 
 class CountLaunches:
     """Counts the Triton kernels the merge loop runs: each launch from Python, and on CUDA each graph replay as
-    the 5 x STEPS_PER_READ kernels it holds. The setup runs 5 x STEPS_PER_READ + 1 (a first refresh, then a
+    the 5 x ROUNDS_PER_READ kernels it holds. The setup runs 5 x ROUNDS_PER_READ + 1 (a first refresh, then a
     group with DONE set, which compiles them) and on CUDA records a group: those are not the loop's."""
     KERNELS = ("merge_small", "choose_pair", "find_occurrences", "apply_merges", "refresh_rows")
 
@@ -299,16 +299,16 @@ class CountLaunches:
         return Counted()
 
     def loop_kernels(self):
-        group = len(self.KERNELS) * bpe.STEPS_PER_READ
+        group = len(self.KERNELS) * bpe.ROUNDS_PER_READ
         setup = group + 1 + (group if self.replays else 0)
         return self.launches - setup + self.replays * group
 
 
 @pytest.mark.parametrize("small", [0, 10**9])
-def test_five_kernels_a_step_and_a_merge_or_more_a_step(monkeypatch, small):
-    # A step is merge_small (the short merges in a row, in one program) and then the four kernels (one merge).
-    # With no list short enough for merge_small, 32 merges are 32 steps in two groups of 16: 5 kernels a merge,
-    # nothing else. With every list short enough, merge_small makes all 32 in the first step: one group.
+def test_five_kernels_a_round_and_a_merge_or_more_a_round(monkeypatch, small):
+    # A round is merge_small (the short merges in a row, in one program) and then the four kernels (one merge).
+    # With no list short enough for merge_small, 32 merges are 32 rounds in two groups of 16: 5 kernels a merge,
+    # nothing else. With every list short enough, merge_small makes all 32 in the first round: one group.
     monkeypatch.setitem(bpe.INTERPRETER_SHAPE, "small", small)
     counter = CountLaunches(monkeypatch)
     arrays = bpe.chunks_to_arrays(chunk_counts_of(generated_docs(30, 8)), 288)
@@ -381,7 +381,7 @@ def test_cuda_merge_loop_never_syncs_between_the_allowed_reads(corpus, monkeypat
         return reads[-1]
 
     monkeypatch.setattr(bpe, "merges_done", read_then_forbid)
-    # one small merge a step: ~55 groups (with merge_small's 64, two, and none of them forbidden)
+    # one small merge a round: ~55 groups (with merge_small's 64, two, and none of them forbidden)
     monkeypatch.setattr(bpe, "SMALL_MERGES", 1)
     try:
         ours = our_vocab(docs, 2000)
