@@ -89,8 +89,8 @@ class UserError(Exception):
 
 # -------------------------------------------------------- the lesson: one BPE merge as four steps
 # The distinct chunks lie in flat arrays, one slot per byte (a "position"), as in train_bpe_cpu.py:
-#   tokens[p]      the token at p; DEAD once merged away; -1 on the spare slots END and END+1, real
-#                  slots so that a lane may read the token after any position without a mask
+#   tokens[p]      the token at p; DEAD once merged away; -1 on the spare slots END and END+1,
+#                  real slots so that a lane may read the token after any position without a mask
 #   next_pos[p]    the next live position of p's chunk, or END; prev_pos[p] likewise. A merge
 #                  unlinks a pair's right half: tokens never move, so positions stay valid names.
 #   weight[p]      how often p's chunk occurs in the corpus
@@ -99,10 +99,10 @@ class UserError(Exception):
 #                  merging (a, b) visits only a's positions.
 # Choosing must not scan V^2 counts. A pair's key is count << 20 | (2^20 - 1 - r), and row_key[l] is
 # row l's largest key: its largest count, ties to the smallest r (across rows, to the smallest l).
-# Per-row keys keep counts exact to 2^43 (a key naming both ids would leave 23 bits). Only pairs with
-# the new token grow: atomic_max raises their row's key. A shrinking count leaves its row's key too
-# high only if it was the row's maximum: that row is "dirty" (rare) and recomputed from the matrix,
-# into a zeroed fresh_key (atomic_max can't lower a key), which the next pick copies over.
+# Per-row keys keep counts exact to 2^43 (a key naming both ids would leave 23 bits). Only pairs
+# with the new token grow: atomic_max raises their row's key. A shrinking count leaves its row's key
+# too high only if it was the row's maximum: that row is "dirty" (rare) and recomputed from the
+# matrix, into a zeroed fresh_key (atomic_max can't lower a key), which the next pick copies over.
 # One level up, block_key[k] is the largest key of rows k*KEY_BLOCK.. (k+1)*KEY_BLOCK-1, raised with
 # the rows' and recomputed for a dirty row's block: choosing reads the V/KEY_BLOCK block keys, one
 # block's row keys and the dirty rows' blocks (one or two a merge), not all V row keys.
@@ -185,12 +185,12 @@ def pick_pair(state, row_key, block_key, fresh_key, dirty_flag, dirty_rows, V, B
 
 
 @triton.jit
-def start_merge(state, row_key, list_start, list_len, merges, best_row):
+def start_merge(state, row_key, list_start, list_len, merge_log, best_row):
     """Writes the merge of row best_row's best pair: a, b, the new id, a's list bounds."""
     new = tl.load(state + NEXT)
     right = LOW - (tl.load(row_key + best_row) & LOW)
-    tl.store(merges + 2 * (new - 256), best_row)
-    tl.store(merges + 2 * (new - 256) + 1, right)
+    tl.store(merge_log + 2 * (new - 256), best_row)
+    tl.store(merge_log + 2 * (new - 256) + 1, right)
     tl.store(state + NEW, new)
     tl.store(state + NEXT, new + 1)
     tl.store(state + A, best_row)
@@ -205,7 +205,7 @@ def start_merge(state, row_key, list_start, list_len, merges, best_row):
 
 @triton.jit
 def choose_pair(state, row_key, block_key, fresh_key, dirty_flag, dirty_rows, list_start, list_len,
-                merges, V, BLOCK: tl.constexpr, KEY_BLOCK: tl.constexpr):
+                merge_log, V, BLOCK: tl.constexpr, KEY_BLOCK: tl.constexpr):
     """Picks the next pair and starts its merge, or sets DONE. One program, alone on the device
     (kernels run in order)."""
     if tl.load(state + DONE) == 0:
@@ -214,7 +214,7 @@ def choose_pair(state, row_key, block_key, fresh_key, dirty_flag, dirty_rows, li
         if (best_count == 0) | (tl.load(state + NEXT) >= V):
             tl.store(state + DONE, 1)
         else:
-            start_merge(state, row_key, list_start, list_len, merges, best_row)
+            start_merge(state, row_key, list_start, list_len, merge_log, best_row)
 
 
 @triton.jit
@@ -260,8 +260,9 @@ def apply(state, list_buffer, scratch, list_start, list_len, tokens, next_pos, p
           BLOCK: tl.constexpr, KEY_BLOCK: tl.constexpr):
     """Merges the marked occurrences. The lane of (p, second) writes only what it owns: tokens,
     next_pos and prev_pos of p and second, and prev_pos of the position after second unless that
-    one merges too (its own lane links it then). It reads a neighbour's token only where the marks say
-    no lane writes it. Counts change by atomic adds, which commute, so their order can't matter."""
+    one merges too (its own lane links it then). It reads a neighbour's token only where the marks
+    say no lane writes it. Counts change by atomic adds, which commute, so their order can't
+    matter."""
     a, b, new = tl.load(state + A), tl.load(state + B), tl.load(state + NEW)
     start, length = tl.load(state + START), tl.load(state + LENGTH)
     new_list = list_buffer + tl.load(list_start + new)
@@ -306,9 +307,10 @@ def apply(state, list_buffer, scratch, list_start, list_len, tokens, next_pos, p
 
 @triton.jit
 def lose_pair(state, counts, row_key, dirty_flag, dirty_rows, V, row, col, w, lose):
-    """Pair (row, col) loses w where lose: (a, b), (x, a) and (b, y) in a merge. A row whose maximum
-    that pair was is listed as dirty, once: by the lane that flips dirty_flag. Reading row_key while
-    other lanes raise it is safe: a raised key is a pair with the new token, above all the row held."""
+    """Pair (row, col) loses w where lose: (a, b), (x, a) and (b, y) in a merge. A row whose
+    maximum that pair was is listed as dirty, once: by the lane that flips dirty_flag. Reading
+    row_key while other lanes raise it is safe: a raised key is a pair with the new token, above
+    all the row held."""
     tl.atomic_add(counts + row * V + col, -w, mask=lose, sem="relaxed")
     was_max = lose & ((tl.load(row_key + row, mask=lose, other=0) & LOW) == LOW - col)
     flag = tl.atomic_xchg(dirty_flag + row, 1, mask=was_max, sem="relaxed")
@@ -381,25 +383,26 @@ def refresh_rows(state, list_buffer, scratch, list_len, counts, fresh_key, dirty
 
 @triton.jit
 def merge_small(state, row_key, block_key, fresh_key, dirty_flag, dirty_rows, list_start, list_len,
-                merges, list_buffer, scratch, tokens, next_pos, prev_pos, mark, weight, counts, V,
-                END, SMALL, MERGES: tl.constexpr, BLOCK: tl.constexpr, CHOOSE_BLOCK: tl.constexpr,
-                KEY_BLOCK: tl.constexpr, REFRESH_BLOCK: tl.constexpr):
-    """Up to MERGES merges in a row, each of a pair whose left token's list holds at most SMALL
-    positions: the four steps above in one program, a barrier where a kernel would end. A longer
-    list, or the end, is left to the four kernels, which run next: the pick that stopped here is
-    made again there, the same (pick_pair's dirty rows are exact by then). A dirty row is read in
+                merge_log, list_buffer, scratch, tokens, next_pos, prev_pos, mark, weight, counts, V,
+                END, MAX_LIST, MAX_MERGES: tl.constexpr, BLOCK: tl.constexpr,
+                CHOOSE_BLOCK: tl.constexpr, KEY_BLOCK: tl.constexpr, REFRESH_BLOCK: tl.constexpr):
+    """Up to MAX_MERGES merges in a row, each of a pair whose left token's list holds at most
+    MAX_LIST positions: the four steps above in one program, a barrier where a kernel would end. A
+    longer list, or the end, is left to the four kernels, which run next: the pick that stopped here
+    is made again there, the same (pick_pair's dirty rows are exact by then). A dirty row is read in
     items of REFRESH_BLOCK columns, and with 8 warps: one program has only its own loads in flight
     (on an H100, 8,192 columns and 8 warps fit in 255 registers a thread, without spilling)."""
-    merged, small = 0, tl.load(state + DONE) == 0
-    while small & (merged < MERGES):
+    tries = 0
+    keep_going = tl.load(state + DONE) == 0
+    while keep_going & (tries < MAX_MERGES):
         best_count, best_row = pick_pair(state, row_key, block_key, fresh_key, dirty_flag,
                                          dirty_rows, V, CHOOSE_BLOCK, KEY_BLOCK)
-        small = (best_count > 0) & (tl.load(state + NEXT) < V)
-        small = small & (tl.load(list_len + best_row) <= SMALL)
-        if small:
-            # every thread has read NEXT for `small` before start_merge raises it
+        keep_going = (best_count > 0) & (tl.load(state + NEXT) < V)
+        keep_going = keep_going & (tl.load(list_len + best_row) <= MAX_LIST)
+        if keep_going:
+            # every thread has read NEXT for `keep_going` before start_merge raises it
             tl.debug_barrier()
-            start_merge(state, row_key, list_start, list_len, merges, best_row)
+            start_merge(state, row_key, list_start, list_len, merge_log, best_row)
             tl.debug_barrier()
             find(state, list_buffer, tokens, next_pos, prev_pos, mark, END, 0, 1, BLOCK)
             tl.debug_barrier()
@@ -410,7 +413,7 @@ def merge_small(state, row_key, block_key, fresh_key, dirty_flag, dirty_rows, li
             refresh(state, list_buffer, scratch, list_len, counts, fresh_key, dirty_rows, V, 0, 1,
                     1, REFRESH_BLOCK)
             tl.debug_barrier()
-        merged += 1
+        tries += 1
 
 
 def chunks_to_arrays(chunk_counts, vocab_size):
@@ -480,7 +483,7 @@ def merge_on_device(arrays, vocab_size, device):
     programs, block, rows = shape["programs"], shape["block"], shape["rows"]
     choose_block, key_block = shape["choose_block"], shape["key_block"]
     small_block, refresh_block, small = shape["small_block"], shape["refresh_block"], shape["small"]
-    row_key, fresh_key, state, merges = zeros(V), zeros(V), zeros(9), zeros(2 * V)
+    row_key, fresh_key, state, merge_log = zeros(V), zeros(V), zeros(9), zeros(2 * V)
     block_key = zeros(triton.cdiv(V, key_block))
     dirty_flag, dirty_rows = zeros(V, torch.int32), zeros(V, torch.int32)
     # the first refresh makes all rows' keys
@@ -496,12 +499,12 @@ def merge_on_device(arrays, vocab_size, device):
     def merge_group():
         for _ in range(ROUNDS_PER_READ):
             merge_small[(1,)](state, row_key, block_key, fresh_key, dirty_flag, dirty_rows,
-                              list_start, list_len, merges, list_buffer, scratch, tokens,
+                              list_start, list_len, merge_log, list_buffer, scratch, tokens,
                               next_pos, prev_pos, mark, weight, counts, V, END, small,
-                              MERGES=SMALL_MERGES, BLOCK=small_block, CHOOSE_BLOCK=choose_block,
+                              MAX_MERGES=SMALL_MERGES, BLOCK=small_block, CHOOSE_BLOCK=choose_block,
                               KEY_BLOCK=key_block, REFRESH_BLOCK=refresh_block, num_warps=8)
             choose_pair[(1,)](state, row_key, block_key, fresh_key, dirty_flag, dirty_rows,
-                              list_start, list_len, merges, V, BLOCK=choose_block,
+                              list_start, list_len, merge_log, V, BLOCK=choose_block,
                               KEY_BLOCK=key_block)
             find_occurrences[grid](state, list_buffer, tokens, next_pos, prev_pos, mark, END,
                                    BLOCK=block)
@@ -534,7 +537,7 @@ def merge_on_device(arrays, vocab_size, device):
             progress.update(merges_made - progress.n)
     seconds = dict(setup=loop_started - started, loop=time.time() - loop_started)
     num_merges = int(state[NEXT.value]) - 256
-    merged_pairs = merges[:2 * num_merges].view(-1, 2).tolist()
+    merged_pairs = merge_log[:2 * num_merges].view(-1, 2).tolist()
     # a merged occurrence saves one token per use of its chunk
     saved = int(weight[tokens == DEAD.value].sum())
     merges = [((left, right), 256 + i) for i, (left, right) in enumerate(merged_pairs)]

@@ -206,7 +206,7 @@ def best_pair(state, row_key, block_key, fresh_key, dirty_flag, dirty_rows, V, b
 
 
 @triton.jit
-def find_occurrences(state, best, list_start, list_len, merges, list_buffer, tokens, next_pos,
+def find_occurrences(state, best, list_start, list_len, merge_log, list_buffer, tokens, next_pos,
                      prev_pos, mark, V, END, BITS: tl.constexpr, ONE_KEY: tl.constexpr,
                      BLOCK: tl.constexpr):
     """Decodes the reduced key, the same on every rank: the pair to merge. Each program decodes it
@@ -221,8 +221,8 @@ def find_occurrences(state, best, list_start, list_len, merges, list_buffer, tok
         a, b = (1 << BITS) - 1 - (tie >> BITS), (1 << BITS) - 1 - (tie & ((1 << BITS) - 1))
         start, length = tl.load(list_start + a), tl.load(list_len + a)
         if tl.program_id(0) == 0:
-            tl.store(merges + 2 * (new - 256), a)
-            tl.store(merges + 2 * (new - 256) + 1, b)
+            tl.store(merge_log + 2 * (new - 256), a)
+            tl.store(merge_log + 2 * (new - 256) + 1, b)
             tl.store(state + NEW, new)
             tl.store(state + A, a)
             tl.store(state + B, b)
@@ -429,7 +429,7 @@ def merge_on_device(arrays, vocab_size, total_pairs, device, show_progress, time
     owned_byte_rows = byte_pairs.view(256, 256)[rank::W]
     counts.view(-1, V)[:len(owned_byte_rows), :256] = owned_byte_rows.to(weight.dtype)
     mark, scratch = zeros(END + 2, torch.int32), torch.empty_like(list_buffer)
-    row_key, fresh_key, state, merges = zeros(V), zeros(V), zeros(9), zeros(2 * V)
+    row_key, fresh_key, state, merge_log = zeros(V), zeros(V), zeros(9), zeros(2 * V)
     dirty_flag, dirty_rows = zeros(V, torch.int32), zeros(V, torch.int32)
     delta, best = zeros(3 * V + 1, weight.dtype), zeros(3)
     owned_bytes = torch.arange(rank, 256, W, device=device)  # the first refresh makes their keys
@@ -460,7 +460,7 @@ def merge_on_device(arrays, vocab_size, total_pairs, device, show_progress, time
                     best[1:2] = torch.where(best[2:] == best[:1], best[1:2], -1)
                     dist.all_reduce(best[1:2], op=dist.ReduceOp.MAX)
                     sent.update(collectives=1, collective_bytes=8)
-            find_occurrences[grid](state, best, list_start, list_len, merges, list_buffer, tokens,
+            find_occurrences[grid](state, best, list_start, list_len, merge_log, list_buffer, tokens,
                                    next_pos, prev_pos, mark, V, END, BITS=bits, ONE_KEY=one_key,
                                    BLOCK=block)
             apply_merges[grid](state, list_buffer, scratch, list_start, list_len, tokens, next_pos,
@@ -494,12 +494,13 @@ def merge_on_device(arrays, vocab_size, total_pairs, device, show_progress, time
         return bool(done_host[0])
 
     launch_refresh()
-    # The setup ends with every kernel compiled, by a group run with DONE set (the kernels do nothing,
-    # the collectives add zeros, in step on every rank), as in train_bpe_gpu.py: the loop's clock
-    # then times merges alone. On CUDA, 16 merges are recorded once as a CUDA graph, collectives
-    # included (NCCL allows it): one launch a group, not 5 Triton launches and 2 NCCL calls a merge.
-    # With W > 1, one graph for each size of the delta's prefix, every rank the same; each size is
-    # first sent once outside a graph, as NCCL may set up a size's connections on first use.
+    # The setup ends with every kernel compiled, by a group run with DONE set (the kernels do
+    # nothing, the collectives add zeros, in step on every rank), as in train_bpe_gpu.py: the loop's
+    # clock then times merges alone. On CUDA, 16 merges are recorded once as a CUDA graph,
+    # collectives included (NCCL allows it): one launch a group, not 5 Triton launches and 2 NCCL
+    # calls a merge. With W > 1, one graph for each size of the delta's prefix, every rank the same;
+    # each size is first sent once outside a graph, as NCCL may set up a size's connections on first
+    # use.
     groups = range(0, V - 256, MERGES_PER_READ)
     prefixes = [delta_prefix(group, V) if W > 1 else len(delta) for group in groups]
     state[DONE.value] = 1
@@ -528,7 +529,7 @@ def merge_on_device(arrays, vocab_size, total_pairs, device, show_progress, time
                 break
     seconds = dict(setup=loop_started - started, loop=time.time() - loop_started)
     num_merges = int(state[NEXT.value]) - 256
-    merged_pairs = merges[:2 * num_merges].view(-1, 2).tolist()
+    merged_pairs = merge_log[:2 * num_merges].view(-1, 2).tolist()
     # a merged occurrence saves one token per use of its chunk
     tokens_saved = int(weight[tokens == DEAD.value].sum())
     merges = [((left, right), 256 + i) for i, (left, right) in enumerate(merged_pairs)]

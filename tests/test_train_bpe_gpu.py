@@ -165,15 +165,16 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 barriers = lambda ttir: [found.start() for found in re.finditer(r'(gpu|ttg)[.]barrier', ttir)]  # 3.6: gpu.barrier
 
-INT64 = {"state", "row_key", "block_key", "fresh_key", "list_start", "list_len", "merges"}
-SHAPE = dict(BLOCK=256, ROWS=4, KEY_BLOCK=256, MERGES=64, CHOOSE_BLOCK=4096, REFRESH_BLOCK=8192)  # CUDA's
+INT64 = {"state", "row_key", "block_key", "fresh_key", "list_start", "list_len", "merge_log"}
+SHAPE = dict(BLOCK=256, ROWS=4, KEY_BLOCK=256, MAX_MERGES=64, CHOOSE_BLOCK=4096, REFRESH_BLOCK=8192)  # CUDA's
 KERNELS = (bpe.merge_small, bpe.choose_pair, bpe.find_occurrences, bpe.apply_merges, bpe.refresh_rows)
+assert INT64 | set(SHAPE) <= {name for kernel in KERNELS for name in kernel.arg_names}  # no stale name
 for counts in ("*i32", "*i64"):
     for kernel in KERNELS:
         names = kernel.arg_names
         if counts == "*i64" and "counts" not in names:
             continue
-        signature = {name: "constexpr" if name in SHAPE else "i32" if name in ("V", "END", "SMALL") else
+        signature = {name: "constexpr" if name in SHAPE else "i32" if name in ("V", "END", "MAX_LIST") else
                      counts if name in ("counts", "weight") else "*i64" if name in INT64 else "*i32" for name in names}
         shape = dict(SHAPE, BLOCK={bpe.choose_pair: 4096, bpe.merge_small: 1024}.get(kernel, 256))
         constexprs = {(names.index(name),): value for name, value in shape.items() if name in names}

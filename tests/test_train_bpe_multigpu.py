@@ -485,9 +485,10 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 barriers = lambda ttir: [found.start() for found in re.finditer(r'(gpu|ttg)[.]barrier', ttir)]  # 3.6: gpu.barrier
 
-INT64 = {"state", "row_key", "block_key", "fresh_key", "list_start", "list_len", "merges", "best"}
+INT64 = {"state", "row_key", "block_key", "fresh_key", "list_start", "list_len", "merge_log", "best"}
 CONSTANTS = {"BLOCK": 256, "ROWS": 4, "BITS": 11, "KEY_BLOCK": 256}
 kernels = (mg.best_pair, mg.find_occurrences, mg.apply_merges, mg.apply_owned, mg.refresh_rows)
+assert INT64 | set(CONSTANTS) <= {name for kernel in kernels for name in kernel.arg_names}  # no stale name
 for counts in ("*i32", "*i64"):
     for kernel in kernels:
         names = kernel.arg_names
