@@ -82,8 +82,9 @@ HUB_DATASETS = {"fineweb": ("HuggingFaceFW/fineweb", "sample-10BT", None),
                 "fineweb-edu": ("HuggingFaceFW/fineweb-edu", "sample-10BT", None)}
 LOCAL_SUFFIXES = (".txt", ".jsonl", ".parquet")
 CACHE_VERSION = 3
-# programs, block of positions, of dirty rows, of best_pair's keys, rows per block key
-INTERPRETER_SHAPE = (1, 1024, 64, 1024, 16)
+# programs; blocks of positions, dirty rows, keys to scan; rows a block key covers (CUDA's shape is
+# in merge_on_device)
+INTERPRETER_SHAPE = dict(programs=1, block=1024, rows=64, choose_block=1024, key_block=16)
 MERGES_PER_READ = 16  # merges launched per host read of the "done" flag
 MAX_POSITIONS = 2**31 - 2  # positions are int32: a rank's distinct chunks' bytes + 2 spare slots
 PARALLEL_CHARS = 1 << 24  # from this many characters on, all cores pre-tokenize (below: one)
@@ -189,18 +190,19 @@ def pick_pair(state, row_key, block_key, fresh_key, dirty_flag, dirty_rows, V, B
 def best_pair(state, row_key, block_key, fresh_key, dirty_flag, dirty_rows, V, best,
               BITS: tl.constexpr, ONE_KEY: tl.constexpr, BLOCK: tl.constexpr,
               KEY_BLOCK: tl.constexpr):
-    """This rank's best pair as a key that orders pairs across ranks: with B bits an id and
-    M = 2^B - 1, count << 2B | (M - left) << B | (M - right) is largest for the pair BPE takes,
-    tie-break included. Counts past 63 - 2B bits don't fit: then best = [count, tie, count] for two
-    reductions. One program, alone on the device."""
+    """This rank's best pair as a key that orders pairs across ranks: with BITS bits an id and
+    M = 2^BITS - 1, count << 2 BITS | (M - left) << BITS | (M - right) is largest for the pair BPE
+    takes, tie-break included. Counts past 63 - 2 BITS bits don't fit: then best = [count, tie,
+    count] for two reductions. One program, alone on the device."""
     if tl.load(state + DONE) == 0:
         # rows this rank doesn't own have key 0: the pick is among its own
         best_count, best_row = pick_pair(state, row_key, block_key, fresh_key, dirty_flag,
                                          dirty_rows, V, BLOCK, KEY_BLOCK)
         right = LOW - (tl.load(row_key + best_row) & LOW)
-        tie = tl.where(best_count > 0,
-                       ((1 << BITS) - 1 - best_row) << BITS | ((1 << BITS) - 1 - right), 0)
-        tl.store(best, (best_count << 2 * BITS | tie) if ONE_KEY else best_count)
+        id_max = (1 << BITS) - 1
+        tie = tl.where(best_count > 0, (id_max - best_row) << BITS | (id_max - right), 0)
+        packed = best_count << (2 * BITS) | tie
+        tl.store(best, packed if ONE_KEY else best_count)
         tl.store(best + 1, tie)
         tl.store(best + 2, best_count)
 
@@ -214,11 +216,14 @@ def find_occurrences(state, best, list_start, list_len, merge_log, list_buffer, 
     apply_owned, and DONE is set only when every program finds the end itself, so no program depends
     on what program 0 writes. Then marks this rank's occurrences that merge, as train_bpe_gpu.py
     does: mark[p] = 2 new, mark[next_pos[p]] = 2 new + 1."""
+    # best[0] is the packed key (ONE_KEY) or the count; best[1] the tie-break
     count, tie, new = tl.load(best), tl.load(best + 1), tl.load(state + NEXT)
     if ONE_KEY:
-        count, tie = count >> 2 * BITS, count & ((1 << 2 * BITS) - 1)
+        count, tie = count >> (2 * BITS), count & ((1 << (2 * BITS)) - 1)
     if (tl.load(state + DONE) == 0) & (count > 0) & (new < V):
-        a, b = (1 << BITS) - 1 - (tie >> BITS), (1 << BITS) - 1 - (tie & ((1 << BITS) - 1))
+        id_max = (1 << BITS) - 1
+        a = id_max - (tie >> BITS)
+        b = id_max - (tie & id_max)
         start, length = tl.load(list_start + a), tl.load(list_len + a)
         if tl.program_id(0) == 0:
             tl.store(merge_log + 2 * (new - 256), a)
@@ -435,10 +440,13 @@ def merge_on_device(arrays, vocab_size, total_pairs, device, show_progress, time
     owned_bytes = torch.arange(rank, 256, W, device=device)  # the first refresh makes their keys
     dirty_flag[owned_bytes], dirty_rows[:len(owned_bytes)] = 1, owned_bytes.int()
     state[NEXT.value], state[DIRTY.value] = 256, len(owned_bytes)
-    programs, block, rows, choose_block, key_block = INTERPRETER_SHAPE
+    # a GPU runs a few programs per SM; the interpreter runs them in turn: one, wide, is fastest
+    shape = INTERPRETER_SHAPE
     if device.type == "cuda":
-        programs = 4 * torch.cuda.get_device_properties(device).multi_processor_count
-        block, rows, choose_block, key_block = 256, 4, 4096, 256
+        shape = dict(programs=4 * torch.cuda.get_device_properties(device).multi_processor_count,
+                     block=256, rows=4, choose_block=4096, key_block=256)
+    programs, block, rows = shape["programs"], shape["block"], shape["rows"]
+    choose_block, key_block = shape["choose_block"], shape["key_block"]
     block_key, grid = zeros(triton.cdiv(V, key_block)), (programs,)
 
     def launch_refresh():

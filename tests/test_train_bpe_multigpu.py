@@ -446,7 +446,7 @@ def test_many_programs_and_small_blocks_give_the_same_merges(monkeypatch):
     """On a GPU the kernels run many programs over small blocks; here the same stride loops, several programs
     and blocks of a few lanes, in a world of one. And merges/s times the loop alone: a first launch made 0.5 s
     slow, as compiling makes it, must end before the loop's clock starts."""
-    monkeypatch.setattr(mg, "INTERPRETER_SHAPE", (3, 64, 2, 64, 4))
+    monkeypatch.setattr(mg, "INTERPRETER_SHAPE", dict(programs=3, block=64, rows=2, choose_block=64, key_block=4))
     best_pair, launches = mg.best_pair, []
 
     class SlowFirstLaunch:
