@@ -89,8 +89,8 @@ class UserError(Exception):
 
 # -------------------------------------------------------- the lesson: one BPE merge as four steps
 # The distinct chunks lie in flat arrays, one slot per byte (a "position"), as in train_bpe_cpu.py:
-#   tokens[p]      the token at p; DEAD once merged away; -1 on the spare slots END and END+1,
-#                  real slots so that a lane may read the token after any position without a mask
+#   tokens[p]      the token at p; DEAD once merged away; -1 on the spare slots END and END+1
+#                  (END is real, so a lane may read the token after any position unmasked)
 #   next_pos[p]    the next live position of p's chunk, or END; prev_pos[p] likewise. A merge
 #                  unlinks a pair's right half: tokens never move, so positions stay valid names.
 #   weight[p]      how often p's chunk occurs in the corpus
@@ -123,7 +123,8 @@ class UserError(Exception):
 #   NEW, A, B  the merge being made, (a, b) -> new
 #   DONE       1 once no pair is left or V is reached: every kernel then does nothing
 #   START      where a's list lies in list_buffer; LENGTH, how long it is
-#   SURVIVORS  a's positions that stay a (they wait in scratch); DIRTY, the rows in dirty_rows
+#   SURVIVORS  how many of a's positions stay a (they wait in scratch); DIRTY, how many rows
+#              dirty_rows holds
 NEXT, NEW, A, B, DONE, START, LENGTH, SURVIVORS, DIRTY = (tl.constexpr(i) for i in range(9))
 DEAD = tl.constexpr(-2)  # the token of an unlinked position (the right half of a merged pair)
 ID_BITS = tl.constexpr(20)  # a key's low bits hold 2^20 - 1 - right id
@@ -383,8 +384,8 @@ def refresh_rows(state, list_buffer, scratch, list_len, counts, fresh_key, dirty
 
 @triton.jit
 def merge_small(state, row_key, block_key, fresh_key, dirty_flag, dirty_rows, list_start, list_len,
-                merge_log, list_buffer, scratch, tokens, next_pos, prev_pos, mark, weight, counts, V,
-                END, MAX_LIST, MAX_MERGES: tl.constexpr, BLOCK: tl.constexpr,
+                merge_log, list_buffer, scratch, tokens, next_pos, prev_pos, mark, weight, counts,
+                V, END, MAX_LIST, MAX_MERGES: tl.constexpr, BLOCK: tl.constexpr,
                 CHOOSE_BLOCK: tl.constexpr, KEY_BLOCK: tl.constexpr, REFRESH_BLOCK: tl.constexpr):
     """Up to MAX_MERGES merges in a row, each of a pair whose left token's list holds at most
     MAX_LIST positions: the four steps above in one program, a barrier where a kernel would end. A
@@ -500,7 +501,7 @@ def merge_on_device(arrays, vocab_size, device):
         for _ in range(ROUNDS_PER_READ):
             merge_small[(1,)](state, row_key, block_key, fresh_key, dirty_flag, dirty_rows,
                               list_start, list_len, merge_log, list_buffer, scratch, tokens,
-                              next_pos, prev_pos, mark, weight, counts, V, END, small,
+                              next_pos, prev_pos, mark, weight, counts, V, END, MAX_LIST=small,
                               MAX_MERGES=SMALL_MERGES, BLOCK=small_block, CHOOSE_BLOCK=choose_block,
                               KEY_BLOCK=key_block, REFRESH_BLOCK=refresh_block, num_warps=8)
             choose_pair[(1,)](state, row_key, block_key, fresh_key, dirty_flag, dirty_rows,

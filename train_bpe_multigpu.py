@@ -87,7 +87,7 @@ CACHE_VERSION = 3
 INTERPRETER_SHAPE = dict(programs=1, block=1024, rows=64, choose_block=1024, key_block=16)
 MERGES_PER_READ = 16  # merges launched per host read of the "done" flag
 MAX_POSITIONS = 2**31 - 2  # positions are int32: a rank's distinct chunks' bytes + 2 spare slots
-PARALLEL_CHARS = 1 << 24  # from this many characters on, all cores pre-tokenize (below: one)
+PARALLEL_CHARS = 1 << 24  # from a part this long on, the rank's cores pre-tokenize (below: one)
 BATCH_CHARS = 1 << 20  # characters of documents per batch sent to a pre-tokenizing worker
 # -----------------------------------------------------------------------------
 
@@ -125,7 +125,8 @@ class UserError(Exception):
 #   NEW, A, B  the merge being made, (a, b) -> new
 #   DONE       1 once no pair is left or V is reached: every kernel then does nothing
 #   START      where a's list lies in list_buffer; LENGTH, how long it is
-#   SURVIVORS  a's positions that stay a (they wait in scratch); DIRTY, the rows in dirty_rows
+#   SURVIVORS  how many of a's positions stay a (they wait in scratch); DIRTY, how many rows
+#              dirty_rows holds
 NEXT, NEW, A, B, DONE, START, LENGTH, SURVIVORS, DIRTY = (tl.constexpr(i) for i in range(9))
 DEAD = tl.constexpr(-2)  # the token of an unlinked position (the right half of a merged pair)
 ID_BITS = tl.constexpr(20)  # a row key's low bits hold 2^20 - 1 - right id
@@ -409,8 +410,8 @@ def delta_prefix(group, V):
     """How much of delta the merges of the group starting at merge `group` can write: their ids are
     at most 256 + group + 15. Rounded up, so that a run has eight sizes at most (a CUDA graph is
     recorded for each)."""
-    size_step = -(-(V - 256) // 8)
-    ids = min(V, 256 + -(-(group + MERGES_PER_READ) // size_step) * size_step)
+    size_step = triton.cdiv(V - 256, 8)
+    ids = min(V, 256 + triton.cdiv(group + MERGES_PER_READ, size_step) * size_step)
     return 1 + 3 * ids
 
 
