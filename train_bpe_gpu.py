@@ -421,10 +421,11 @@ def chunks_to_arrays(chunk_counts, vocab_size):
     """The distinct chunks (2+ bytes: a single byte has no pair) as the arrays above, in numpy."""
     chunks = [chunk.encode("utf-8") for chunk in chunk_counts]
     lengths = np.fromiter(map(len, chunks), np.int64, len(chunks))
-    counts = np.fromiter(chunk_counts.values(), np.int64, len(chunks))
-    total_bytes = int((lengths * counts).sum())  # tokens of the training text before any merge
+    occurrences = np.fromiter(chunk_counts.values(), np.int64, len(chunks))
+    total_bytes = int((lengths * occurrences).sum())  # tokens of the training text before any merge
     keep = lengths >= 2
-    chunks, lengths, counts = [c for c, k in zip(chunks, keep) if k], lengths[keep], counts[keep]
+    chunks = [chunk for chunk, kept in zip(chunks, keep) if kept]
+    lengths, occurrences = lengths[keep], occurrences[keep]
     L = END = int(lengths.sum())
     if L + 2 > MAX_POSITIONS:
         raise UserError(f"the distinct chunks hold {L:,} bytes, more than int32 positions can name "
@@ -436,9 +437,10 @@ def chunks_to_arrays(chunk_counts, vocab_size):
     next_pos[ends - 1], prev_pos[ends - lengths] = END, END
     next_pos[L:], prev_pos[L:] = END, END
     # Counts are sums of weights: int32 holds them, and halves the matrix, below 2^31 pairs of text.
-    count_dtype = np.int32 if int(((lengths - 1) * counts).sum()) < 2**31 else np.int64
+    total_pairs = int(((lengths - 1) * occurrences).sum())
+    count_dtype = np.int32 if total_pairs < 2**31 else np.int64
     weight = np.zeros(L + 2, count_dtype)
-    weight[:L] = np.repeat(counts, lengths)
+    weight[:L] = np.repeat(occurrences, lengths)
     # every position with a right neighbour starts a pair
     left = np.flatnonzero(next_pos[:L] != END)
     # the 256 byte lists, one after another: as uint8, numpy's stable sort is a radix sort, linear
@@ -540,9 +542,9 @@ def merge_on_device(arrays, vocab_size, device):
     num_merges = int(state[NEXT.value]) - 256
     merged_pairs = merge_log[:2 * num_merges].view(-1, 2).tolist()
     # a merged occurrence saves one token per use of its chunk
-    saved = int(weight[tokens == DEAD.value].sum())
+    tokens_saved = int(weight[tokens == DEAD.value].sum())
     merges = [((left, right), 256 + i) for i, (left, right) in enumerate(merged_pairs)]
-    return merges, arrays["total_bytes"] - saved, seconds
+    return merges, arrays["total_bytes"] - tokens_saved, seconds
 
 
 def merges_done(state):

@@ -380,7 +380,7 @@ def refresh_rows(state, list_buffer, scratch, list_len, counts, fresh_key, dirty
             tl.atomic_max(fresh_key + row, key, mask=i < dirty, sem="relaxed")
 
 
-def chunks_to_arrays(blob, lengths, counts, count_dtype):
+def chunks_to_arrays(blob, lengths, occurrences, count_dtype):
     """This rank's distinct chunks (from the cache) as the flat arrays above, built in numpy."""
     L = END = blob.size
     tokens = np.full(L + 2, -1, np.int32)
@@ -390,7 +390,7 @@ def chunks_to_arrays(blob, lengths, counts, count_dtype):
     next_pos[ends - 1], prev_pos[ends - lengths] = END, END
     next_pos[L:], prev_pos[L:] = END, END
     weight = np.zeros(L + 2, count_dtype)
-    weight[:L] = np.repeat(counts, lengths)
+    weight[:L] = np.repeat(occurrences, lengths)
     # every position with a right neighbour starts a pair
     left = np.flatnonzero(next_pos[:L] != END)
     # the 256 byte lists, one after another: as uint8, numpy's stable sort is a radix sort, linear
