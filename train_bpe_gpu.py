@@ -76,7 +76,7 @@ LOCAL_SUFFIXES = (".txt", ".jsonl", ".parquet")
 INTERPRETER_SHAPE = dict(programs=1, block=1024, rows=64, choose_block=1024, key_block=16,
                          small_block=1024, refresh_block=1024, small=1024)
 ROUNDS_PER_READ = 16  # rounds (merge_small, then the four kernels) per host read of "done"
-SMALL_MERGES = 64  # merges that one merge_small launch may make
+SMALL_MERGES = 64  # merges that one merge_small launch may make; 0: the four kernels alone
 PARALLEL_CHARS = 1 << 24  # from this many characters on, all cores pre-tokenize (below: one)
 BATCH_CHARS = 1 << 20  # characters of documents per batch sent to a pre-tokenizing worker
 MAX_POSITIONS = 2**31 - 2  # positions are int32: the distinct chunks' bytes + 2 spare slots
@@ -501,11 +501,13 @@ def merge_on_device(arrays, vocab_size, device):
     # past the last merge, choose_pair sets DONE and every kernel does nothing
     def merge_group():
         for _ in range(ROUNDS_PER_READ):
-            merge_small[(1,)](state, row_key, block_key, fresh_key, dirty_flag, dirty_rows,
-                              list_start, list_len, merge_log, list_buffer, scratch, tokens,
-                              next_pos, prev_pos, mark, weight, counts, V, END, MAX_LIST=small,
-                              MAX_MERGES=SMALL_MERGES, BLOCK=small_block, CHOOSE_BLOCK=choose_block,
-                              KEY_BLOCK=key_block, REFRESH_BLOCK=refresh_block, num_warps=8)
+            if SMALL_MERGES:  # (0 is no launch: a launch allowed no merge still costs its time)
+                merge_small[(1,)](state, row_key, block_key, fresh_key, dirty_flag, dirty_rows,
+                                  list_start, list_len, merge_log, list_buffer, scratch, tokens,
+                                  next_pos, prev_pos, mark, weight, counts, V, END, MAX_LIST=small,
+                                  MAX_MERGES=SMALL_MERGES, BLOCK=small_block,
+                                  CHOOSE_BLOCK=choose_block, KEY_BLOCK=key_block,
+                                  REFRESH_BLOCK=refresh_block, num_warps=8)
             choose_pair[(1,)](state, row_key, block_key, fresh_key, dirty_flag, dirty_rows,
                               list_start, list_len, merge_log, V, BLOCK=choose_block,
                               KEY_BLOCK=key_block)

@@ -46,6 +46,9 @@ parser.add_argument("--cpu_trainer", choices=["auto", "yes", "no"], default="aut
 parser.add_argument("--count_reads", action="store_true", help="count host reads per merge (one more merge loop)")
 parser.add_argument("--profile", action="store_true",
                     help="each kernel's device time a merge, from torch.profiler (one more merge loop)")
+parser.add_argument("--compare_paths", action="store_true",
+                    help="time the merge loop with merge_small and with the four kernels alone (SMALL_MERGES = 0), "
+                         "in turn, in this process (with --profile: each path profiled)")
 parser.add_argument("--pack", default=None, help="write the first n characters to this .jsonl.xz / .jsonl.gz and exit")
 parser.add_argument("--host_side", action="store_true",
                     help="time what a GPU run pays before its merge loop, per format, against rustbpe's whole run")
@@ -206,18 +209,40 @@ for name, runs in rows.items():
     notes = sorted({run[2] for run in runs})
     print(f"| {name} | {seconds:.2f} | {own:.2f} | {rate} | {seconds / rust_seconds:.2f}x | {own / rust_seconds:.2f}x | {', '.join(notes)} |")
 print(f"\ntrain_bpe_gpu.py peak memory: {peak_memory}")
-if args.count_reads or args.profile:  # in this process, after the timed runs
-    import regex
-    from collections import Counter
-
+if args.count_reads or args.profile or args.compare_paths:  # in this process, after the timed runs
     import train_bpe_gpu as bpe
 
-    chunk_counts = Counter()
-    for doc in docs:
-        chunk_counts.update(regex.findall(GPT4_PATTERN, doc))
+    workers = len(os.sched_getaffinity(0))  # the script's own pre-tokenizer, on every core
+    chunk_counts, _ = bpe.count_chunks(iter(docs), num_chars, GPT4_PATTERN, workers, None)
     arrays = bpe.chunks_to_arrays(chunk_counts, args.vocab_size)
     device = args.device or ("cuda" if bpe.torch.cuda.is_available() else "cpu")
-if args.profile:
+
+    def merge_loop():  # on the CPU the kernels work in the arrays themselves (no upload copies them): a copy a run
+        fresh = {name: value.copy() if hasattr(value, "copy") else value for name, value in arrays.items()}
+        return bpe.merge_on_device(fresh, args.vocab_size, device)
+paths = {"the default": bpe.SMALL_MERGES} if args.count_reads or args.profile or args.compare_paths else {}
+if args.compare_paths:
+    # A launch of merge_small allowed 0 merges would still cost its time: SMALL_MERGES = 0 skips it.
+    paths = {f"merge_small ({bpe.SMALL_MERGES}) + four kernels": bpe.SMALL_MERGES, "four kernels alone": 0}
+    loop_seconds = {name: [] for name in paths}
+    for repeat in range(2):
+        for name, small_merges in paths.items():  # in turn, so that drift hits both alike
+            bpe.SMALL_MERGES = small_merges
+            merges, _, seconds = merge_loop()
+            loop_seconds[name].append(seconds["loop"])
+            same = "same merges" if bpe.token_bytes(merges) == reference else "DIFFERENT MERGES"
+            print(f"  {name}: merge loop {seconds['loop']:.2f} s ({len(merges) / seconds['loop']:,.0f} merges/s), "
+                  f"setup {seconds['setup']:.2f} s; {same}")
+            if same != "same merges":
+                rows["compare_paths"] = [(0, None, same, 0)]
+    print("\n| path | merge loop, median s | merges/s |\n|---|---|---|")
+    for name, runs in loop_seconds.items():
+        print(f"| {name} | {statistics.median(runs):.3f} | {len(merges) / statistics.median(runs):,.0f} |")
+    names = list(paths)
+    ratio = statistics.median(loop_seconds[names[0]]) / statistics.median(loop_seconds[names[1]])
+    print(f"{names[0]} / {names[1]}: {ratio:.2f}x the loop's time")
+for name, small_merges in paths.items() if args.profile else ():
+    bpe.SMALL_MERGES = small_merges
     # The kernels' own device time (CUPTI traces kernels inside graph replays too), a merge: what the cost
     # model in RESULTS estimates per kernel (merge_small's time is its small merges'; the four kernels' the
     # others'). The loop's wall time a merge less their sum is the gaps between kernels and the host's reads. The setup's launches (DONE set: they return at once) and the last group's
@@ -226,13 +251,13 @@ if args.profile:
 
     activities = [ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * device.startswith("cuda")
     with profile(activities=activities) as profiler:
-        merges, _, seconds = bpe.merge_on_device(arrays, args.vocab_size, device)
+        merges, _, seconds = merge_loop()
     kernels = {event.key: event for event in profiler.key_averages()
                if event.key in ("merge_small", "choose_pair", "find_occurrences", "apply_merges", "refresh_rows")}
     loop_us = seconds["loop"] / len(merges) * 1e6
-    print(f"\nprofiled merge loop: {len(merges)} merges, {loop_us:.1f} us a merge (wall, under the profiler)")
-    for name, event in kernels.items():
-        print(f"  {name}: {event.device_time_total / len(merges):.1f} us a merge on the device, "
+    print(f"\nprofiled merge loop, {name}: {len(merges)} merges, {loop_us:.1f} us a merge (wall, under the profiler)")
+    for kernel, event in kernels.items():
+        print(f"  {kernel}: {event.device_time_total / len(merges):.1f} us a merge on the device, "
               f"{event.count} launches")
     if kernels:
         device_us = sum(event.device_time_total for event in kernels.values()) / len(merges)
@@ -240,6 +265,7 @@ if args.profile:
     else:
         print("  no kernel events: on the CPU the kernels are Python (the interpreter), not device kernels")
 if args.count_reads:  # the counting modes slow every tensor operation
+    bpe.SMALL_MERGES = paths["the default"] if "the default" in paths else list(paths.values())[0]
     sys.path.insert(0, str(REPO / "tests"))
     import pytest
     from test_train_bpe_gpu import CountHostReads, CountLaunches
@@ -247,7 +273,7 @@ if args.count_reads:  # the counting modes slow every tensor operation
     with pytest.MonkeyPatch.context() as patch:
         launches = CountLaunches(patch)
         with CountHostReads() as reads:
-            merges, _, _ = bpe.merge_on_device(arrays, args.vocab_size, device)
+            merges, _, _ = merge_loop()
     kinds = ", ".join(f"{kind} {count}" for kind, count in sorted(reads.counts.items()))
     print(f"host reads in the merge loop: {max(reads.counts.values()) / len(merges):.3f} per merge, the largest kind "
           f"({kinds}) over {len(merges)} merges")

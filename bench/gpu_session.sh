@@ -7,6 +7,8 @@
 #
 #   bash bench/gpu_session.sh suite bpe_small        # then: bpe_big data step, then: train ddp sample
 #   (hellaswag, after train: one HellaSwag eval of the 124M checkpoint, timed)
+#   DEADLINE=560 bash bench/gpu_session.sh bpe_paths suite hellaswag_scratch step_lillm generate_b8
+#                                                    # issue 39's one call (15 minutes of device time in all)
 #
 # Every step has its own time limit and goes on after a failure; its output goes to $OUT/log.txt and one
 # line per step (rc, seconds) to $OUT/summary.txt, printed again at the end. No step starts or runs past
@@ -60,9 +62,49 @@ make_data() {  # the tokenizers and shards the training phases read (kept while 
         --tokenizer tokenizers/enwiki_v8191 --data $CORPORA/enwiki.jsonl --out data/enwiki_lillm --workers 16
 }
 
+make_hellaswag() {  # 10,042 examples in HellaSwag's format, made from enwiki as the tests make theirs
+    [ -f /tmp/hellaswag_10042.jsonl ] && return
+    python3 - > /tmp/hellaswag.jsonl <<'MAKE'
+import json, random
+rng = random.Random(0)
+for line in open("/tmp/corpora/enwiki.jsonl"):
+    text = json.loads(line)["text"]
+    if len(text) < 400:
+        continue
+    context, ending = text[100:300], text[300:380]
+    distractors = [" ".join(w[::-1] for w in ending.split(" ")), ending[::-1], "".join(rng.sample(ending, 80))]
+    label = rng.randrange(4)
+    print(json.dumps({"ctx": context, "endings": distractors[:label] + [ending] + distractors[label:],
+                      "label": label}))
+MAKE
+    head -n 10042 /tmp/hellaswag.jsonl > /tmp/hellaswag_10042.jsonl
+}
+
 setup
 for phase in "$@"; do
     case $phase in
+    suite_cuda)  # the tests CI skips for want of a GPU (the interpreter's run in CI), at most 180 s
+        step suite_cuda 180 python3 -m pytest -v -n 6 -p no:cacheprovider --timeout=170 --tb=short -rf \
+            --durations=10 -k "cuda or nccl" ;;
+    bpe_paths)  # merge_small against the four kernels alone, on the same machine, at V=65534 on 2^27 characters
+        [ -f $CORPORA/enwiki3.jsonl ] || cat $CORPORA/enwiki.jsonl{,,} > $CORPORA/enwiki3.jsonl
+        step bpe_paths 200 python3 bench/bench_bpe_gpu.py --data $CORPORA/enwiki3.jsonl \
+            -n 134217728 -v 65534 --repeats 1 --compare_paths --profile ;;
+    hellaswag_scratch)  # the 124M model's HellaSwag eval timed, fresh weights (time doesn't depend on them):
+        # train.py --max_iters=0 evaluates once at iter 0 and exits; with HellaSwag less without is its cost
+        [ -f data/enwiki_small_gpt2/meta.json ] || { head -n 3000 $CORPORA/enwiki.jsonl > /tmp/enwiki_small.jsonl
+            step prepare_small_gpt2 60 python3 prepare_data.py --tokenizer .corpora/gpt2 \
+                --data /tmp/enwiki_small.jsonl --out data/enwiki_small_gpt2 --val_tokens=100000; }
+        make_hellaswag
+        scratch="config/gpt2_124m.py --dataset=data/enwiki_small_gpt2 --max_iters=0 --compile=False \
+            --eval_iters=1 --batch_size=8 --sample_prompt= --hellaswag=/tmp/hellaswag_10042.jsonl"
+        step eval_without_hellaswag 60 python3 train.py $scratch --out_dir=out-hs0 --hellaswag_interval=0
+        step eval_with_hellaswag 200 python3 train.py $scratch --out_dir=out-hs1 ;;
+    step_lillm)
+        step step_lillm 120 python3 bench/bench_step.py config/lillm.py ;;
+    generate_b8)  # batch 8, 1024 new tokens: where the KV cache should pay
+        step generate_b8_1024 150 python3 bench/bench_model.py --part generate --device cuda \
+            --dtype bfloat16 --presets lillm,gpt2_124m --new_tokens 1024 --batch_size 8 --repeats 1 ;;
     suite)  # the CUDA tests that CI skips run here; the interpreter tests run compiled kernels
         # -v names each failure as it happens, even if the step runs out of time. Compiling on CUDA takes
         # ~40 s a run, so a test that trains 3 runs needs minutes: 90 s per test failed good tests here.
@@ -112,20 +154,7 @@ for phase in "$@"; do
         ls -la out-term | tee -a "$LOG" ;;
     hellaswag)  # one HellaSwag eval of the 124M checkpoint (after train): 10,042 examples in HellaSwag's format,
         # made from enwiki as the tests make theirs (the Hub is out of reach), scored with --eval_only
-        python3 - > /tmp/hellaswag.jsonl <<'MAKE'
-import json, random
-rng = random.Random(0)
-for line in open("/tmp/corpora/enwiki.jsonl"):
-    text = json.loads(line)["text"]
-    if len(text) < 400:
-        continue
-    context, ending = text[100:300], text[300:380]
-    distractors = [" ".join(w[::-1] for w in ending.split(" ")), ending[::-1], "".join(rng.sample(ending, 80))]
-    label = rng.randrange(4)
-    print(json.dumps({"ctx": context, "endings": distractors[:label] + [ending] + distractors[label:],
-                      "label": label}))
-MAKE
-        head -n 10042 /tmp/hellaswag.jsonl > /tmp/hellaswag_10042.jsonl
+        make_hellaswag
         step hellaswag_eval 300 python3 train.py config/gpt2_124m.py --dataset=data/enwiki_gpt2 \
             --out_dir=out-gpt2 --init_from=resume --eval_only=True --eval_iters=8 \
             --hellaswag=/tmp/hellaswag_10042.jsonl ;;
