@@ -8,8 +8,8 @@ Train a byte-level BPE tokenizer, merging on a GPU: the same merges as train_bpe
 Flags and outputs are train_bpe_cpu.py's, the readable reference of the algorithm. This file shows
 how a sequential algorithm gets fast on a GPU: merge k needs the counts left by merge k-1, so merges
 can't run in parallel, but the work inside a merge can, and the host must stay out of the way. A
-merge is four small Triton kernels, or, when it is small, the same four steps in one program; the
-host launches them (on CUDA, 16 rounds as one CUDA graph) and reads once per 16 rounds: "done?".
+merge is four small Triton kernels, one per step; the host launches them (on CUDA, 16 merges'
+kernels as one CUDA graph) and reads once per 16 merges: "done?".
 --device cpu runs the same kernels in Triton's interpreter (TRITON_INTERPRET=1): exact, slow, for
 the tests.
 """
@@ -70,13 +70,10 @@ EOT = "<|endoftext|>"
 HUB_DATASETS = {"fineweb": ("HuggingFaceFW/fineweb", "sample-10BT", None),
                 "fineweb-edu": ("HuggingFaceFW/fineweb-edu", "sample-10BT", None)}
 LOCAL_SUFFIXES = (".txt", ".jsonl", ".parquet")
-# programs; blocks of positions, dirty rows, keys to scan; rows a block key covers; merge_small's
-# blocks of positions and of a dirty row's columns, and the longest list it merges (CUDA's shape
+# programs; blocks of positions, dirty rows, keys to scan; rows a block key covers (CUDA's shape
 # is in merge_on_device)
-INTERPRETER_SHAPE = dict(programs=1, block=1024, rows=64, choose_block=1024, key_block=16,
-                         small_block=1024, refresh_block=1024, small=1024)
-ROUNDS_PER_READ = 16  # rounds (merge_small, then the four kernels) per host read of "done"
-SMALL_MERGES = 64  # merges that one merge_small launch may make; 0: the four kernels alone
+INTERPRETER_SHAPE = dict(programs=1, block=1024, rows=64, choose_block=1024, key_block=16)
+ROUNDS_PER_READ = 16  # rounds (a merge's four kernels) per host read of "done"
 PARALLEL_CHARS = 1 << 24  # from this many characters on, all cores pre-tokenize (below: one)
 BATCH_CHARS = 1 << 20  # characters of documents per batch sent to a pre-tokenizing worker
 MAX_POSITIONS = 2**31 - 2  # positions are int32: the distinct chunks' bytes + 2 spare slots
@@ -109,14 +106,13 @@ class UserError(Exception):
 # The loop's state (a, b, list bounds) stays on the device, in `state`. Programs stride over blocks,
 # so every grid's size is known before the data: CUDA can record 16 rounds as one graph. No kernel
 # needs a lock; each docstring says why, from who writes what.
-# Most merges are small (on enwiki at V=65534 the median one visits 132 positions): as four kernels
-# they pay four launches and the gaps between them, more time than the work. So a round is
-# merge_small, which runs the four steps in one program, a barrier where a kernel would end, for
-# many small merges in a row, and then the four kernels, for the next merge (a long list, spread
-# over the whole GPU, or the one after 64 small ones). The steps' bodies are functions both call.
+# Most merges are small (on enwiki at V=65534 the median one visits 132 positions), so a merge
+# costs its kernels' latency more than their work: ~25 us on an H100, the four kernels and the gaps
+# between them inside a CUDA graph. (One program running the four steps in a row, with barriers
+# between them, measured 1.6x slower there: one SM's chain of dependent loads. bench/RESULTS.md)
 # Every atomic is relaxed: each needs only atomicity, and what a step writes is seen by the next
-# (the stream orders kernels; in merge_small, a barrier). The default, acq_rel, fences the whole
-# device around each atomic (MEMBAR.ALL.GPU on an H100), on apply's critical path.
+# (the stream orders kernels). The default, acq_rel, fences the whole device around each atomic
+# (MEMBAR.ALL.GPU on an H100), on apply's critical path.
 
 # The slots of `state`, the loop's scalars, kept on the device:
 #   NEXT       the next id to give out (256 + the merges made): ids below it are the columns in use
@@ -186,48 +182,44 @@ def pick_pair(state, row_key, block_key, fresh_key, dirty_flag, dirty_rows, V, B
 
 
 @triton.jit
-def start_merge(state, row_key, list_start, list_len, merge_log, best_row):
-    """Writes the merge of row best_row's best pair: a, b, the new id, a's list bounds."""
-    new = tl.load(state + NEXT)
-    right = LOW - (tl.load(row_key + best_row) & LOW)
-    tl.store(merge_log + 2 * (new - 256), best_row)
-    tl.store(merge_log + 2 * (new - 256) + 1, right)
-    tl.store(state + NEW, new)
-    tl.store(state + NEXT, new + 1)
-    tl.store(state + A, best_row)
-    tl.store(state + B, right)
-    tl.store(state + START, tl.load(list_start + best_row))
-    tl.store(state + LENGTH, tl.load(list_len + best_row))
-    tl.store(state + SURVIVORS, 0)
-    # The new token's list goes after the last list made: new - 1's (the bytes' for 256).
-    tl.store(list_start + new, tl.load(list_start + new - 1) + tl.load(list_len + new - 1))
-    tl.store(list_len + new, 0)
-
-
-@triton.jit
 def choose_pair(state, row_key, block_key, fresh_key, dirty_flag, dirty_rows, list_start, list_len,
                 merge_log, V, BLOCK: tl.constexpr, KEY_BLOCK: tl.constexpr):
-    """Picks the next pair and starts its merge, or sets DONE. One program, alone on the device
-    (kernels run in order)."""
+    """Step 1: picks the next pair and starts its merge (a, b, the new id, a's list bounds), or
+    sets DONE. One program, alone on the device (kernels run in order)."""
     if tl.load(state + DONE) == 0:
         best_count, best_row = pick_pair(state, row_key, block_key, fresh_key, dirty_flag,
                                          dirty_rows, V, BLOCK, KEY_BLOCK)
-        if (best_count == 0) | (tl.load(state + NEXT) >= V):
+        new = tl.load(state + NEXT)
+        if (best_count == 0) | (new >= V):
             tl.store(state + DONE, 1)
         else:
-            start_merge(state, row_key, list_start, list_len, merge_log, best_row)
+            right = LOW - (tl.load(row_key + best_row) & LOW)
+            tl.store(merge_log + 2 * (new - 256), best_row)
+            tl.store(merge_log + 2 * (new - 256) + 1, right)
+            tl.store(state + NEW, new)
+            tl.store(state + NEXT, new + 1)
+            tl.store(state + A, best_row)
+            tl.store(state + B, right)
+            tl.store(state + START, tl.load(list_start + best_row))
+            tl.store(state + LENGTH, tl.load(list_len + best_row))
+            tl.store(state + SURVIVORS, 0)
+            # The new token's list goes after the last list made: new - 1's (the bytes' for 256).
+            tl.store(list_start + new, tl.load(list_start + new - 1) + tl.load(list_len + new - 1))
+            tl.store(list_len + new, 0)
 
 
 @triton.jit
-def find(state, list_buffer, tokens, next_pos, prev_pos, mark, END, program, programs,
-         BLOCK: tl.constexpr):
-    """Marks the occurrences that merge: mark[p] = 2 new, mark[next_pos[p]] = 2 new + 1 (an earlier
-    merge's marks never match: none is cleared). Reads only, except these two marks of its own
-    merging p, which differ for different p: merged occurrences never share a position (no overlap),
-    and next_pos is one-to-one."""
+def find_occurrences(state, list_buffer, tokens, next_pos, prev_pos, mark, END,
+                     BLOCK: tl.constexpr):
+    """Step 2: marks the occurrences that merge: mark[p] = 2 new, mark[next_pos[p]] = 2 new + 1 (an
+    earlier merge's marks never match: none is cleared). Reads only, except these two marks of its
+    own merging p, which differ for different p: merged occurrences never share a position (no
+    overlap), and next_pos is one-to-one."""
+    if tl.load(state + DONE) != 0:
+        return
     a, b, new = tl.load(state + A), tl.load(state + B), tl.load(state + NEW)
     start, length = tl.load(state + START), tl.load(state + LENGTH)
-    for first in range(program * BLOCK, length, programs * BLOCK):
+    for first in range(tl.program_id(0) * BLOCK, length, tl.num_programs(0) * BLOCK):
         i = first + tl.arange(0, BLOCK)
         p = tl.load(list_buffer + start + i, mask=i < length, other=END)
         second = tl.load(next_pos + p)
@@ -248,26 +240,20 @@ def find(state, list_buffer, tokens, next_pos, prev_pos, mark, END, program, pro
 
 
 @triton.jit
-def find_occurrences(state, list_buffer, tokens, next_pos, prev_pos, mark, END,
-                     BLOCK: tl.constexpr):
-    if tl.load(state + DONE) == 0:
-        find(state, list_buffer, tokens, next_pos, prev_pos, mark, END, tl.program_id(0),
-             tl.num_programs(0), BLOCK)
-
-
-@triton.jit
-def apply(state, list_buffer, scratch, list_start, list_len, tokens, next_pos, prev_pos, mark,
-          weight, counts, row_key, block_key, dirty_flag, dirty_rows, V, END, program, programs,
-          BLOCK: tl.constexpr, KEY_BLOCK: tl.constexpr):
-    """Merges the marked occurrences. The lane of (p, second) writes only what it owns: tokens,
-    next_pos and prev_pos of p and second, and prev_pos of the position after second unless that
-    one merges too (its own lane links it then). It reads a neighbour's token only where the marks
-    say no lane writes it. Counts change by atomic adds, which commute, so their order can't
+def apply_merges(state, list_buffer, scratch, list_start, list_len, tokens, next_pos, prev_pos,
+                 mark, weight, counts, row_key, block_key, dirty_flag, dirty_rows, V, END,
+                 BLOCK: tl.constexpr, KEY_BLOCK: tl.constexpr):
+    """Step 3: merges the marked occurrences. The lane of (p, second) writes only what it owns:
+    tokens, next_pos and prev_pos of p and second, and prev_pos of the position after second unless
+    that one merges too (its own lane links it then). It reads a neighbour's token only where the
+    marks say no lane writes it. Counts change by atomic adds, which commute, so their order can't
     matter."""
+    if tl.load(state + DONE) != 0:
+        return
     a, b, new = tl.load(state + A), tl.load(state + B), tl.load(state + NEW)
     start, length = tl.load(state + START), tl.load(state + LENGTH)
     new_list = list_buffer + tl.load(list_start + new)
-    for first in range(program * BLOCK, length, programs * BLOCK):
+    for first in range(tl.program_id(0) * BLOCK, length, tl.num_programs(0) * BLOCK):
         i = first + tl.arange(0, BLOCK)
         p = tl.load(list_buffer + start + i, mask=i < length, other=END)
         mark_p = tl.load(mark + p)
@@ -332,22 +318,15 @@ def gain_pair(counts, row_key, block_key, V, row, col, w, gain, KEY_BLOCK: tl.co
 
 
 @triton.jit
-def apply_merges(state, list_buffer, scratch, list_start, list_len, tokens, next_pos, prev_pos,
-                 mark, weight, counts, row_key, block_key, dirty_flag, dirty_rows, V, END,
-                 BLOCK: tl.constexpr, KEY_BLOCK: tl.constexpr):
-    if tl.load(state + DONE) == 0:
-        apply(state, list_buffer, scratch, list_start, list_len, tokens, next_pos, prev_pos, mark,
-              weight, counts, row_key, block_key, dirty_flag, dirty_rows, V, END, tl.program_id(0),
-              tl.num_programs(0), BLOCK, KEY_BLOCK)
-
-
-@triton.jit
-def refresh(state, list_buffer, scratch, list_len, counts, fresh_key, dirty_rows, V, program,
-            programs, ROWS: tl.constexpr, BLOCK: tl.constexpr):
-    """Copies a's surviving positions back from scratch, one slot per lane. Then recomputes the
-    dirty rows' maxima into fresh_key, in items of ROWS rows x BLOCK columns over the programs (as
-    refresh_rows, one dirty row of 65534 columns still fills the GPU). Nothing writes counts now,
-    and atomic_max makes the order free."""
+def refresh_rows(state, list_buffer, scratch, list_len, counts, fresh_key, dirty_rows, V,
+                 ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    """Step 4: copies a's surviving positions back from scratch, one slot per lane. Then recomputes
+    the dirty rows' maxima into fresh_key, in items of ROWS rows x BLOCK columns over the programs
+    (one dirty row of 65534 columns still fills the GPU). Nothing writes counts now, and atomic_max
+    makes the order free. (The first launch, before any merge, makes all rows' keys.)"""
+    if tl.load(state + DONE) != 0:
+        return
+    program, programs = tl.program_id(0), tl.num_programs(0)
     if tl.load(state + NEW) >= 256:
         a, survivors = tl.load(state + A), tl.load(state + SURVIVORS)
         a_list = list_buffer + tl.load(state + START)
@@ -372,49 +351,6 @@ def refresh(state, list_buffer, scratch, list_len, counts, fresh_key, dirty_rows
         first_col = tl.min(tl.where(count == most[:, None], col[None, :], columns), axis=1)
         key = tl.where(most > 0, (most.to(tl.int64) << ID_BITS) | (LOW - first_col), 0)
         tl.atomic_max(fresh_key + row, key, mask=i < dirty, sem="relaxed")
-
-
-@triton.jit
-def refresh_rows(state, list_buffer, scratch, list_len, counts, fresh_key, dirty_rows, V,
-                 ROWS: tl.constexpr, BLOCK: tl.constexpr):
-    if tl.load(state + DONE) == 0:
-        refresh(state, list_buffer, scratch, list_len, counts, fresh_key, dirty_rows, V,
-                tl.program_id(0), tl.num_programs(0), ROWS, BLOCK)
-
-
-@triton.jit
-def merge_small(state, row_key, block_key, fresh_key, dirty_flag, dirty_rows, list_start, list_len,
-                merge_log, list_buffer, scratch, tokens, next_pos, prev_pos, mark, weight, counts,
-                V, END, MAX_LIST, MAX_MERGES: tl.constexpr, BLOCK: tl.constexpr,
-                CHOOSE_BLOCK: tl.constexpr, KEY_BLOCK: tl.constexpr, REFRESH_BLOCK: tl.constexpr):
-    """Up to MAX_MERGES merges in a row, each of a pair whose left token's list holds at most
-    MAX_LIST positions: the four steps above in one program, a barrier where a kernel would end. A
-    longer list, or the end, is left to the four kernels, which run next: the pick that stopped here
-    is made again there, the same (pick_pair's dirty rows are exact by then). A dirty row is read in
-    items of REFRESH_BLOCK columns, and with 8 warps: one program has only its own loads in flight
-    (on an H100, 8,192 columns and 8 warps fit in 255 registers a thread, without spilling)."""
-    tries = 0
-    keep_going = tl.load(state + DONE) == 0
-    while keep_going & (tries < MAX_MERGES):
-        best_count, best_row = pick_pair(state, row_key, block_key, fresh_key, dirty_flag,
-                                         dirty_rows, V, CHOOSE_BLOCK, KEY_BLOCK)
-        keep_going = (best_count > 0) & (tl.load(state + NEXT) < V)
-        keep_going = keep_going & (tl.load(list_len + best_row) <= MAX_LIST)
-        if keep_going:
-            # every thread has read NEXT for `keep_going` before start_merge raises it
-            tl.debug_barrier()
-            start_merge(state, row_key, list_start, list_len, merge_log, best_row)
-            tl.debug_barrier()
-            find(state, list_buffer, tokens, next_pos, prev_pos, mark, END, 0, 1, BLOCK)
-            tl.debug_barrier()
-            apply(state, list_buffer, scratch, list_start, list_len, tokens, next_pos, prev_pos,
-                  mark, weight, counts, row_key, block_key, dirty_flag, dirty_rows, V, END, 0, 1,
-                  BLOCK, KEY_BLOCK)
-            tl.debug_barrier()
-            refresh(state, list_buffer, scratch, list_len, counts, fresh_key, dirty_rows, V, 0, 1,
-                    1, REFRESH_BLOCK)
-            tl.debug_barrier()
-        tries += 1
 
 
 def chunks_to_arrays(chunk_counts, vocab_size):
@@ -481,11 +417,9 @@ def merge_on_device(arrays, vocab_size, device):
     shape = INTERPRETER_SHAPE
     if device.type == "cuda":
         shape = dict(programs=4 * torch.cuda.get_device_properties(device).multi_processor_count,
-                     block=256, rows=4, choose_block=4096, key_block=256, small_block=1024,
-                     refresh_block=8192, small=4096)
+                     block=256, rows=4, choose_block=4096, key_block=256)
     programs, block, rows = shape["programs"], shape["block"], shape["rows"]
     choose_block, key_block = shape["choose_block"], shape["key_block"]
-    small_block, refresh_block, small = shape["small_block"], shape["refresh_block"], shape["small"]
     row_key, fresh_key, state, merge_log = zeros(V), zeros(V), zeros(9), zeros(2 * V)
     block_key = zeros(triton.cdiv(V, key_block))
     dirty_flag, dirty_rows = zeros(V, torch.int32), zeros(V, torch.int32)
@@ -501,13 +435,6 @@ def merge_on_device(arrays, vocab_size, device):
     # past the last merge, choose_pair sets DONE and every kernel does nothing
     def merge_group():
         for _ in range(ROUNDS_PER_READ):
-            if SMALL_MERGES:  # (0 is no launch: a launch allowed no merge still costs its time)
-                merge_small[(1,)](state, row_key, block_key, fresh_key, dirty_flag, dirty_rows,
-                                  list_start, list_len, merge_log, list_buffer, scratch, tokens,
-                                  next_pos, prev_pos, mark, weight, counts, V, END, MAX_LIST=small,
-                                  MAX_MERGES=SMALL_MERGES, BLOCK=small_block,
-                                  CHOOSE_BLOCK=choose_block, KEY_BLOCK=key_block,
-                                  REFRESH_BLOCK=refresh_block, num_warps=8)
             choose_pair[(1,)](state, row_key, block_key, fresh_key, dirty_flag, dirty_rows,
                               list_start, list_len, merge_log, V, BLOCK=choose_block,
                               KEY_BLOCK=key_block)

@@ -46,9 +46,6 @@ parser.add_argument("--cpu_trainer", choices=["auto", "yes", "no"], default="aut
 parser.add_argument("--count_reads", action="store_true", help="count host reads per merge (one more merge loop)")
 parser.add_argument("--profile", action="store_true",
                     help="each kernel's device time a merge, from torch.profiler (one more merge loop)")
-parser.add_argument("--compare_paths", action="store_true",
-                    help="time the merge loop with merge_small and with the four kernels alone (SMALL_MERGES = 0), "
-                         "in turn, in this process (with --profile: each path profiled)")
 parser.add_argument("--pack", default=None, help="write the first n characters to this .jsonl.xz / .jsonl.gz and exit")
 parser.add_argument("--host_side", action="store_true",
                     help="time what a GPU run pays before its merge loop, per format, against rustbpe's whole run")
@@ -209,7 +206,7 @@ for name, runs in rows.items():
     notes = sorted({run[2] for run in runs})
     print(f"| {name} | {seconds:.2f} | {own:.2f} | {rate} | {seconds / rust_seconds:.2f}x | {own / rust_seconds:.2f}x | {', '.join(notes)} |")
 print(f"\ntrain_bpe_gpu.py peak memory: {peak_memory}")
-if args.count_reads or args.profile or args.compare_paths:  # in this process, after the timed runs
+if args.count_reads or args.profile:  # in this process, after the timed runs
     import train_bpe_gpu as bpe
 
     workers = len(os.sched_getaffinity(0))  # the script's own pre-tokenizer, on every core
@@ -220,32 +217,10 @@ if args.count_reads or args.profile or args.compare_paths:  # in this process, a
     def merge_loop():  # on the CPU the kernels work in the arrays themselves (no upload copies them): a copy a run
         fresh = {name: value.copy() if hasattr(value, "copy") else value for name, value in arrays.items()}
         return bpe.merge_on_device(fresh, args.vocab_size, device)
-paths = {"the default": bpe.SMALL_MERGES} if args.count_reads or args.profile or args.compare_paths else {}
-if args.compare_paths:
-    # A launch of merge_small allowed 0 merges would still cost its time: SMALL_MERGES = 0 skips it.
-    paths = {f"merge_small ({bpe.SMALL_MERGES}) + four kernels": bpe.SMALL_MERGES, "four kernels alone": 0}
-    loop_seconds = {name: [] for name in paths}
-    for repeat in range(2):
-        for name, small_merges in paths.items():  # in turn, so that drift hits both alike
-            bpe.SMALL_MERGES = small_merges
-            merges, _, seconds = merge_loop()
-            loop_seconds[name].append(seconds["loop"])
-            same = "same merges" if bpe.token_bytes(merges) == reference else "DIFFERENT MERGES"
-            print(f"  {name}: merge loop {seconds['loop']:.2f} s ({len(merges) / seconds['loop']:,.0f} merges/s), "
-                  f"setup {seconds['setup']:.2f} s; {same}")
-            if same != "same merges":
-                rows["compare_paths"] = [(0, None, same, 0)]
-    print("\n| path | merge loop, median s | merges/s |\n|---|---|---|")
-    for name, runs in loop_seconds.items():
-        print(f"| {name} | {statistics.median(runs):.3f} | {len(merges) / statistics.median(runs):,.0f} |")
-    names = list(paths)
-    ratio = statistics.median(loop_seconds[names[0]]) / statistics.median(loop_seconds[names[1]])
-    print(f"{names[0]} / {names[1]}: {ratio:.2f}x the loop's time")
-for name, small_merges in paths.items() if args.profile else ():
-    bpe.SMALL_MERGES = small_merges
+if args.profile:
     # The kernels' own device time (CUPTI traces kernels inside graph replays too), a merge: what the cost
-    # model in RESULTS estimates per kernel (merge_small's time is its small merges'; the four kernels' the
-    # others'). The loop's wall time a merge less their sum is the gaps between kernels and the host's reads. The setup's launches (DONE set: they return at once) and the last group's
+    # model in RESULTS estimates per kernel. The loop's wall time a merge less their sum is the gaps between
+    # kernels and the host's reads. The setup's launches (DONE set: they return at once) and the last group's
     # surplus ones count too: a small overestimate.
     from torch.profiler import ProfilerActivity, profile
 
@@ -253,9 +228,9 @@ for name, small_merges in paths.items() if args.profile else ():
     with profile(activities=activities) as profiler:
         merges, _, seconds = merge_loop()
     kernels = {event.key: event for event in profiler.key_averages()
-               if event.key in ("merge_small", "choose_pair", "find_occurrences", "apply_merges", "refresh_rows")}
+               if event.key in ("choose_pair", "find_occurrences", "apply_merges", "refresh_rows")}
     loop_us = seconds["loop"] / len(merges) * 1e6
-    print(f"\nprofiled merge loop, {name}: {len(merges)} merges, {loop_us:.1f} us a merge (wall, under the profiler)")
+    print(f"\nprofiled merge loop: {len(merges)} merges, {loop_us:.1f} us a merge (wall, under the profiler)")
     for kernel, event in kernels.items():
         print(f"  {kernel}: {event.device_time_total / len(merges):.1f} us a merge on the device, "
               f"{event.count} launches")
@@ -265,7 +240,6 @@ for name, small_merges in paths.items() if args.profile else ():
     else:
         print("  no kernel events: on the CPU the kernels are Python (the interpreter), not device kernels")
 if args.count_reads:  # the counting modes slow every tensor operation
-    bpe.SMALL_MERGES = paths["the default"] if "the default" in paths else list(paths.values())[0]
     sys.path.insert(0, str(REPO / "tests"))
     import pytest
     from test_train_bpe_gpu import CountHostReads, CountLaunches
@@ -277,8 +251,8 @@ if args.count_reads:  # the counting modes slow every tensor operation
     kinds = ", ".join(f"{kind} {count}" for kind, count in sorted(reads.counts.items()))
     print(f"host reads in the merge loop: {max(reads.counts.values()) / len(merges):.3f} per merge, the largest kind "
           f"({kinds}) over {len(merges)} merges")
-    print(f"kernels in the merge loop: {launches.loop_kernels() / len(merges):.2f} per merge (5 a round, whole "
+    print(f"kernels in the merge loop: {launches.loop_kernels() / len(merges):.2f} per merge (4 a round, whole "
           f"groups of {bpe.ROUNDS_PER_READ} rounds, {launches.replays} graph replays); block barriers: 2 in "
-          "choose_pair, 6 a merge in merge_small")
+          "choose_pair")
 if any("DIFFERENT" in run[2] for runs in rows.values() for run in runs):
     sys.exit("some trainer's merges differ from rustbpe's")

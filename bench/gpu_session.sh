@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # Issue 28 on a lent GPU machine: every CUDA path run for real, in phases that each fit one device call
 # (10 minutes). The machine is bare and offline, so the call carries what it needs (git-ignored):
-#   .corpora/*.xz      the shared corpora, xz-compressed (xz -T2 -6 -c ../shared/corpora/enwiki.jsonl)
+#   .corpora/*.xz      the shared corpora, xz-compressed (xz -T2 -6 -c ../shared/corpora/enwiki.jsonl; and
+#                      tinyshakespeare.txt, which a CUDA test reads)
 #   .corpora/gpt2/     GPT-2's ranks as a BPE directory (tiktoken can't download them offline)
 #   .whl/              wheels the image lacks: datasets, dill, multiprocess, rustbpe (cp312)
 #
 #   bash bench/gpu_session.sh suite bpe_small        # then: bpe_big data step, then: train ddp sample
 #   (hellaswag, after train: one HellaSwag eval of the 124M checkpoint, timed)
-#   DEADLINE=560 bash bench/gpu_session.sh bpe_paths suite hellaswag_scratch step_lillm generate_b8
+#   DEADLINE=560 bash bench/gpu_session.sh bpe_loop suite_cuda hellaswag_scratch step_lillm generate_b8
 #                                                    # issue 39's one call (15 minutes of device time in all)
 #
 # Every step has its own time limit and goes on after a failure; its output goes to $OUT/log.txt and one
@@ -86,10 +87,10 @@ for phase in "$@"; do
     suite_cuda)  # the tests CI skips for want of a GPU (the interpreter's run in CI), at most 180 s
         step suite_cuda 180 python3 -m pytest -v -n 6 -p no:cacheprovider --timeout=170 --tb=short -rf \
             --durations=10 -k "cuda or nccl" ;;
-    bpe_paths)  # merge_small against the four kernels alone, on the same machine, at V=65534 on 2^27 characters
+    bpe_loop)  # the merge loop at V=65534 on 2^27 characters beside rustbpe, each kernel's time a merge
         [ -f $CORPORA/enwiki3.jsonl ] || cat $CORPORA/enwiki.jsonl{,,} > $CORPORA/enwiki3.jsonl
-        step bpe_paths 200 python3 bench/bench_bpe_gpu.py --data $CORPORA/enwiki3.jsonl \
-            -n 134217728 -v 65534 --repeats 1 --compare_paths --profile ;;
+        step bpe_loop 200 python3 bench/bench_bpe_gpu.py --data $CORPORA/enwiki3.jsonl \
+            -n 134217728 -v 65534 --repeats 1 --profile ;;
     hellaswag_scratch)  # the 124M model's HellaSwag eval timed, fresh weights (time doesn't depend on them):
         # train.py --max_iters=0 evaluates once at iter 0 and exits; with HellaSwag less without is its cost
         [ -f data/enwiki_small_gpt2/meta.json ] || { head -n 3000 $CORPORA/enwiki.jsonl > /tmp/enwiki_small.jsonl

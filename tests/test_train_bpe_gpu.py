@@ -100,11 +100,8 @@ def test_edge_cases_equal_rustbpe_and_cpu_trainer(name):
 def test_many_programs_and_small_blocks_give_the_same_merges(monkeypatch):
     # The interpreter's default is one program with one wide block: here 2 programs stride over blocks of 16
     # positions, appends to the lists cross blocks, dirty rows are refreshed 8 rows by 16 columns at a time, and
-    # choose_pair compares 16 block keys at a time, of 4 rows each (271 ids: the last block holds 3); and
-    # merge_small takes the lists of up to 12 positions, in blocks of 4 (and a dirty row in 8 columns at a
-    # time), the four kernels the rest.
-    shape = dict(programs=2, block=16, rows=8, choose_block=16, key_block=4, small_block=4, refresh_block=8,
-                 small=12)
+    # choose_pair compares 16 block keys at a time, of 4 rows each (271 ids: the last block holds 3).
+    shape = dict(programs=2, block=16, rows=8, choose_block=16, key_block=4)
     monkeypatch.setattr(bpe, "INTERPRETER_SHAPE", shape)
     docs = EDGE_CASES["alternating pairs"] + ["aaa aaaaa aaaaaaa aaaaaaaa " * 2, "qr qr qr st st st xy xy"]
     assert our_vocab(docs, 271) == cpu_trainer_vocab(docs, 271)
@@ -166,21 +163,19 @@ from triton.compiler import ASTSource
 barriers = lambda ttir: [found.start() for found in re.finditer(r'(gpu|ttg)[.]barrier', ttir)]  # 3.6: gpu.barrier
 
 INT64 = {"state", "row_key", "block_key", "fresh_key", "list_start", "list_len", "merge_log"}
-SHAPE = dict(BLOCK=256, ROWS=4, KEY_BLOCK=256, MAX_MERGES=64, CHOOSE_BLOCK=4096, REFRESH_BLOCK=8192)  # CUDA's
-KERNELS = (bpe.merge_small, bpe.choose_pair, bpe.find_occurrences, bpe.apply_merges, bpe.refresh_rows)
+SHAPE = dict(BLOCK=256, ROWS=4, KEY_BLOCK=256)  # CUDA's
+KERNELS = (bpe.choose_pair, bpe.find_occurrences, bpe.apply_merges, bpe.refresh_rows)
 assert INT64 | set(SHAPE) <= {name for kernel in KERNELS for name in kernel.arg_names}  # no stale name
 for counts in ("*i32", "*i64"):
     for kernel in KERNELS:
         names = kernel.arg_names
         if counts == "*i64" and "counts" not in names:
             continue
-        signature = {name: "constexpr" if name in SHAPE else "i32" if name in ("V", "END", "MAX_LIST") else
+        signature = {name: "constexpr" if name in SHAPE else "i32" if name in ("V", "END") else
                      counts if name in ("counts", "weight") else "*i64" if name in INT64 else "*i32" for name in names}
-        shape = dict(SHAPE, BLOCK={bpe.choose_pair: 4096, bpe.merge_small: 1024}.get(kernel, 256))
+        shape = dict(SHAPE, BLOCK=4096 if kernel is bpe.choose_pair else 256)
         constexprs = {(names.index(name),): value for name, value in shape.items() if name in names}
-        warps = dict(num_warps=8 if kernel is bpe.merge_small else 4)  # as launched
-        asm = triton.compile(ASTSource(kernel, signature, constexprs), target=GPUTarget("cuda", 90, 32),
-                             options=warps).asm
+        asm = triton.compile(ASTSource(kernel, signature, constexprs), target=GPUTarget("cuda", 90, 32)).asm
         ttir, atomics = asm["ttir"], re.findall(r"\\batom[.][\\w.]+", asm["ptx"])
         print(kernel.fn.__name__, counts, "compiled;", len(atomics), "atomics;", "fenced:", sorted(
             {atomic for atomic in atomics if ".relaxed" not in atomic}))
@@ -190,9 +185,7 @@ for counts in ("*i32", "*i64"):
             block_keys = ttir.index("tt.reduce", first) < ttir.rindex("tt.store", first, second)
             print("barriers between copy, blocks and scan:",
                   ttir.index("tt.store") < first and block_keys and "tt.reduce" in ttir[second:])
-        if kernel is bpe.merge_small:  # pick_pair's two, one before the merge starts, one after each merge
-            print("merge_small's barriers:", len(barriers(ttir)))
-        if kernel in (bpe.merge_small, bpe.refresh_rows):  # the next items' loads in flight (cp.async)
+        if kernel is bpe.refresh_rows:  # the next items' loads in flight (cp.async)
             print(kernel.fn.__name__, "pipelined:", "cp.async" in asm["ptx"])
 """
 
@@ -200,14 +193,13 @@ for counts in ("*i32", "*i64"):
 def test_the_kernels_compile_for_a_gpu():
     result = subprocess.run([sys.executable, "-c", COMPILE_FOR_A_GPU, str(REPO)], capture_output=True, text=True,
                             timeout=300)
-    assert result.returncode == 0 and result.stdout.count("compiled") == 8, result.stdout + result.stderr[-3000:]
+    assert result.returncode == 0 and result.stdout.count("compiled") == 6, result.stdout + result.stderr[-3000:]
     assert result.stdout.count("barriers between copy, blocks and scan: True") == 1, result.stdout  # a GPU race
-    assert result.stdout.count("merge_small's barriers: 7") == 2, result.stdout  # else
     # one program reading a dirty row item by item would wait out each load in turn
-    assert result.stdout.count("pipelined: True") == 4, result.stdout
+    assert result.stdout.count("pipelined: True") == 2, result.stdout
     # Every atomic relaxed (acq_rel puts a device-wide fence around each, on the merge's critical path), and
     # the atomics are there to be checked: the PTX is what the H100's compiler gets.
-    assert result.stdout.count("fenced: []") == 8, result.stdout
+    assert result.stdout.count("fenced: []") == 6, result.stdout
     assert sum(int(count) for count in re.findall(r"compiled; (\d+) atomics", result.stdout)) > 0, result.stdout
 
 
@@ -265,7 +257,7 @@ def test_at_most_one_host_read_per_16_merges():
     with CountHostReads() as reads:
         merges, _, _ = bpe.merge_on_device(arrays, 288, DEVICE)
     assert len(merges) == 32
-    # One "done?" per 16 rounds (a round merges once or more), then three reads after the loop: the merge count,
+    # One "done?" per 16 rounds (a round merges once), then three reads after the loop: the merge count,
     # the merges, the token count.
     allowed = len(merges) // 16 + 3
     assert reads.counts and max(reads.counts.values()) <= allowed, reads.counts
@@ -273,9 +265,9 @@ def test_at_most_one_host_read_per_16_merges():
 
 class CountLaunches:
     """Counts the Triton kernels the merge loop runs: each launch from Python, and on CUDA each graph replay as
-    the 5 x ROUNDS_PER_READ kernels it holds. The setup runs 5 x ROUNDS_PER_READ + 1 (a first refresh, then a
+    the 4 x ROUNDS_PER_READ kernels it holds. The setup runs 4 x ROUNDS_PER_READ + 1 (a first refresh, then a
     group with DONE set, which compiles them) and on CUDA records a group: those are not the loop's."""
-    KERNELS = ("merge_small", "choose_pair", "find_occurrences", "apply_merges", "refresh_rows")
+    KERNELS = ("choose_pair", "find_occurrences", "apply_merges", "refresh_rows")
 
     def __init__(self, monkeypatch):
         self.launches, self.replays = 0, 0
@@ -305,16 +297,12 @@ class CountLaunches:
         return self.launches - setup + self.replays * group
 
 
-@pytest.mark.parametrize("small", [0, 10**9])
-def test_five_kernels_a_round_and_a_merge_or_more_a_round(monkeypatch, small):
-    # A round is merge_small (the short merges in a row, in one program) and then the four kernels (one merge).
-    # With no list short enough for merge_small, 32 merges are 32 rounds in two groups of 16: 5 kernels a merge,
-    # nothing else. With every list short enough, merge_small makes all 32 in the first round: one group.
-    monkeypatch.setitem(bpe.INTERPRETER_SHAPE, "small", small)
+def test_four_kernels_a_merge(monkeypatch):
+    # A round is one merge, its four kernels: 32 merges are 32 rounds in two groups of 16, nothing else.
     counter = CountLaunches(monkeypatch)
     arrays = bpe.chunks_to_arrays(chunk_counts_of(generated_docs(30, 8)), 288)
     merges, _, _ = bpe.merge_on_device(arrays, 288, DEVICE)
-    assert len(merges) == 32 and counter.loop_kernels() == (5 * 32 if small == 0 else 5 * 16)
+    assert len(merges) == 32 and counter.loop_kernels() == 4 * 32
 
 
 class SlowFirstLaunch:
@@ -381,9 +369,7 @@ def test_cuda_merge_loop_never_syncs_between_the_allowed_reads(corpus, monkeypat
             torch.cuda.set_sync_debug_mode("error")
         return reads[-1]
 
-    monkeypatch.setattr(bpe, "merges_done", read_then_forbid)
-    # one small merge a round: ~55 groups (with merge_small's 64, two, and none of them forbidden)
-    monkeypatch.setattr(bpe, "SMALL_MERGES", 1)
+    monkeypatch.setattr(bpe, "merges_done", read_then_forbid)  # 1744 merges: 109 groups of 16
     try:
         ours = our_vocab(docs, 2000)
     finally:
