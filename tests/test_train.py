@@ -321,7 +321,7 @@ def test_cuda_bf16_compiled_run_resumes_and_samples(dataset, tmp_path):
     assert whole_steps[max(whole_steps)] < whole_steps[min(whole_steps)] and set(halves_steps) == set(whole_steps)
     assert all(abs(halves_steps[i] - whole_steps[i]) < 2e-2 for i in whole_steps), (halves_steps, whole_steps)
     checkpoint = load(tmp_path / "halves" / "ckpt.pt")
-    assert checkpoint["train_config"]["device"] == "cuda" and checkpoint["iter_num"] == 8
+    assert checkpoint["train_config"]["device"].startswith("cuda") and checkpoint["iter_num"] == 8
     sample = subprocess.run([sys.executable, str(REPO / "sample.py"), f"--out_dir={tmp_path / 'halves'}",
                              "--device=cuda", "--num_samples=1", "--max_new_tokens=40", "--start=ROMEO:"],
                             capture_output=True, text=True, env=ENV, timeout=120)
