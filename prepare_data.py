@@ -461,9 +461,10 @@ def complete(out_dir, tokenizer_files, meta=None):
         leftover.unlink(missing_ok=True)
 
 
-# ------------------------------ reading text (the same in every script; a first read can skip it)
-# .txt and .jsonl are read with the standard library: `datasets` would turn CRLF into LF (no longer
-# rustbpe's bytes), stop at invalid UTF-8, and take seconds to start.
+# === plumbing: reading text (a function that stands in several scripts is the same in each; a
+# first read can skip to the next # === banner). .txt and .jsonl are read with the standard library:
+# `datasets` would turn CRLF into LF (no longer rustbpe's bytes), stop at invalid UTF-8, and take
+# seconds to start.
 
 def open_source(data, data_was_named):  # (documents, name, description); documents(budget) -> texts
     if data not in HUB_DATASETS:
@@ -499,12 +500,11 @@ def stdlib_documents(budget=None):  # the offline corpus: real code and prose, o
     files = [file for file in files if "site-packages" not in file.parts]
     return (file.read_text("utf-8", "replace") for file in files)
 
-def datasets_texts(where, node=None, **load):  # rows' "text"; node=(rank, world_size) takes a share
-    import datasets.distributed  # here: it takes seconds, and .txt and .jsonl never need it
+def datasets_texts(where, **load):  # the rows' "text", streamed
+    import datasets  # here: it takes seconds, and .txt and .jsonl never need it
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its errors reach the user as ours
     try:
         rows = datasets.load_dataset(split="train", streaming=True, **load)
-        rows = datasets.distributed.split_dataset_by_node(rows, *node) if node else rows
         for number, row in enumerate(rows, 1):
             if not isinstance(row.get("text"), str):
                 raise ValueError(f'row {number} has no string "text": {row!r:.50}')
@@ -529,16 +529,13 @@ def local_texts(files, budget):  # a document is a .txt file, a .jsonl line, a .
         else:
             yield from read_txt(path, budget) if path.suffix == ".txt" else read_jsonl(path)
 
-def read_parquet(path, start=0, end=None):  # the "text" of each row group placed in bytes [start, end)
+def read_parquet(path):  # the "text" of each row
     import pyarrow.parquet  # here, as .txt and .jsonl never need it; 10x less CPU than `datasets`
     try:
         parquet = pyarrow.parquet.ParquetFile(path)
         if "text" not in parquet.schema_arrow.names:
             raise ValueError('no "text" column')
-        size, groups = os.path.getsize(path), parquet.num_row_groups
-        end = size if end is None else end  # a group sits at its share of the bytes: ranges tile them
-        ours = [group for group in range(groups) if start <= size * group // groups < end]
-        for batch in parquet.iter_batches(1024, ours, columns=["text"]):
+        for batch in parquet.iter_batches(1024, columns=["text"]):
             for text in batch.column(0).to_pylist():
                 if not isinstance(text, str):
                     raise ValueError(f'a row\'s "text" is {text!r:.50}, not a string')
@@ -551,16 +548,9 @@ def read_txt(path, budget):  # one document, CRLF kept, read only as far as the 
     with open(path, encoding="utf-8", errors=BadUTF8.errors, newline="") as f:
         yield f.read(budget if budget < os.path.getsize(path) else -1)  # N bytes: <= N characters
 
-def read_jsonl(path, start=0, end=None):  # the "text" of each line starting in bytes [start, end)
+def read_jsonl(path):  # the "text" of each line
     with open(path, "rb") as f:
-        if start > 0:  # the line holding byte start-1 is the range's before: ranges tile the file
-            f.seek(start - 1)
-            f.readline()
-        line_end = f.tell()
         for number, line in enumerate(f, 1):
-            line_start, line_end = line_end, line_end + len(line)
-            if end is not None and line_start >= end:
-                return
             if not line.strip():
                 continue
             try:  # a BOM, as Windows tools write it, is no part of the JSON
@@ -568,8 +558,7 @@ def read_jsonl(path, start=0, end=None):  # the "text" of each line starting in 
             except (ValueError, KeyError, TypeError, RecursionError):
                 text = None
             if not isinstance(text, str):
-                where = f"{path} (the line at byte {line_start})" if start else f"{path}:{number}"
-                raise UserError(f'{where} is not a JSON object with a string "text" field')
+                raise UserError(f'{path}:{number} is not a JSON object with a string "text" field')
             if not text.isascii():  # "\ud800" is valid JSON, but a lone surrogate has no UTF-8
                 text = text.encode("utf-16-le", "surrogatepass").decode("utf-16-le", BadUTF8.errors)
             yield text

@@ -11,6 +11,7 @@ REPO = Path(__file__).resolve().parent.parent
 TRAINERS = ["train_bpe_cpu.py", "train_bpe_gpu.py", "train_bpe_multigpu.py"]
 GPU_TRAINERS = ["train_bpe_gpu.py", "train_bpe_multigpu.py"]  # they count chunks alike, on every core
 WRITERS = [*TRAINERS, "prepare_data.py", "train.py", "export_hf.py"]  # each writes a directory and locks it
+READERS = ["train_bpe_cpu.py", "train_bpe_gpu.py", "prepare_data.py", "train_bpe_multigpu.py"]  # they read text
 COPIES = [("lock_directory", WRITERS),
           ("check_out_dir", TRAINERS),
           ("save_tokenizer", TRAINERS),
@@ -21,7 +22,14 @@ COPIES = [("lock_directory", WRITERS),
           ("pick_pair", GPU_TRAINERS),  # the block keys' pick, a Triton function
           ("tokenizer_problem", ["model.py", "prepare_data.py"]),
           ("parse_settings", ["sample.py", "export_hf.py"]),  # their --key=value options
-          ("hub_problem", [*TRAINERS, "prepare_data.py", "train.py"])]  # train.py: for HellaSwag
+          ("hub_problem", [*TRAINERS, "prepare_data.py", "train.py"]),  # train.py: for HellaSwag
+          # the text reader: train_bpe_multigpu.py's ranks read byte ranges (read_jsonl, read_parquet) and
+          # shares of a Hub dataset (datasets_texts), so those three are its own, and it opens its sources
+          # its own way (no local_texts, no offline corpus)
+          ("local_files", READERS), ("read_txt", READERS), ("stdlib_documents", READERS[:3]),
+          ("local_texts", READERS[:3]), ("datasets_texts", READERS[:3]), ("read_jsonl", READERS[:3]),
+          ("read_parquet", READERS[:3]), ("open_source", ["train_bpe_cpu.py", "train_bpe_gpu.py"]),
+          ("first_chars", ["train_bpe_cpu.py", "prepare_data.py"])]
 
 
 def function_source(script, name):
@@ -64,3 +72,13 @@ def test_the_interpreter_fix_is_the_same_in_both_gpu_trainers():
         text = (REPO / script).read_text(encoding="utf-8")
         blocks.append(text[text.index(start):text.index(end) + len(end)])
     assert blocks[0] == blocks[1] and "squeeze" in blocks[0]
+
+
+def test_the_utf8_counter_is_the_same_in_every_reader():
+    """A class and the two lines that register it as a codec error handler: from `class` to the register line."""
+    start, end = "class BadUTF8:", "codecs.register_error(BadUTF8.errors, BadUTF8.replace)\n"
+    blocks = []
+    for script in READERS:
+        text = (REPO / script).read_text(encoding="utf-8")
+        blocks.append(text[text.index(start):text.index(end) + len(end)])
+    assert len(set(blocks)) == 1 and "BadUTF8.count += 1" in blocks[0]

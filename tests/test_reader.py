@@ -1,8 +1,9 @@
 """The text reader that the four text-reading scripts share, tested once.
 
-The scripts carry identical copies of one section (checked here), so its bad-input table runs in-process
-against one copy, train_bpe_cpu.py's; one command line run per kind of error shows it reaching the user as a
-single `error:` line.
+A reader function that stands in several scripts is the same in each (tests/test_copies.py), so the bad-input
+table runs in-process against one copy, train_bpe_cpu.py's; one command line run per kind of error shows it
+reaching the user as a single `error:` line. Byte ranges are train_bpe_multigpu.py's alone: its ranks split
+the files.
 """
 import importlib.util
 import json
@@ -19,8 +20,6 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-BANNER = re.compile(r"^# -+ reading text .*$", re.M)  # the reader section's banner line
-SCRIPTS = ["train_bpe_cpu.py", "train_bpe_gpu.py", "train_bpe_multigpu.py", "prepare_data.py"]
 
 
 def load_script(name):
@@ -31,21 +30,7 @@ def load_script(name):
 
 
 reader = load_script("train_bpe_cpu.py")
-
-
-def reader_section(script):  # from its banner to the next, blank lines at its end included: byte for byte
-    text = (REPO / script).read_text()
-    banner = BANNER.search(text)
-    assert banner, f"{script} has no reader section"
-    end = text.index("\n# ----", banner.end()) + 1
-    # the last section: a first read of the script ends before it, and only the __main__ block follows
-    assert re.fullmatch(r"# -+ [^\n]+\n+if __name__ == \"__main__\":\n.*", text[end:], re.S), script
-    return text[banner.start():end]
-
-
-def test_the_four_scripts_carry_the_same_reader_as_their_last_section():
-    sections = {script: reader_section(script) for script in SCRIPTS}
-    assert len(set(sections.values())) == 1, [s for s in SCRIPTS if sections[s] != sections[SCRIPTS[0]]]
+ranges = load_script("train_bpe_multigpu.py")  # the reader with byte ranges
 
 
 def read(data, budget=10**9):
@@ -125,11 +110,11 @@ def test_byte_ranges_read_every_line_exactly_once(tmp_path):
     rng = random.Random(0)
     for parts in (1, 2, 3, 5, 40, 200):
         cuts = [0, *sorted(rng.sample(range(1, len(raw) + 5), parts - 1)), None]
-        shares = [list(reader.read_jsonl(path, cuts[i], cuts[i + 1])) for i in range(parts)]
+        shares = [list(ranges.read_jsonl(path, cuts[i], cuts[i + 1])) for i in range(parts)]
         assert sum(shares, []) == whole, cuts
     # a range starting exactly at a line's first byte owns that line
     second = raw.index(b"\n") + 1
-    assert list(reader.read_jsonl(path, second, second + 1)) == whole[1:2]
+    assert list(ranges.read_jsonl(path, second, second + 1)) == whole[1:2]
 
 
 def test_byte_ranges_read_every_parquet_row_group_exactly_once(tmp_path):
@@ -144,7 +129,7 @@ def test_byte_ranges_read_every_parquet_row_group_exactly_once(tmp_path):
     for parts in (1, 2, 3, 8, 50, "at the groups"):
         cuts = where_groups_sit if parts == "at the groups" else [0, *sorted(rng.sample(range(1, size), parts - 1)), size]
         parts = len(cuts) - 1
-        shares = [list(reader.read_parquet(path, cuts[i], cuts[i + 1])) for i in range(parts)]
+        shares = [list(ranges.read_parquet(path, cuts[i], cuts[i + 1])) for i in range(parts)]
         assert sum(shares, []) == texts, cuts
         assert all(len(share) % 7 == 0 or texts[-1] in share for share in shares)  # whole groups
 
@@ -185,8 +170,8 @@ def test_bad_jsonl_line_names_file_and_line(tmp_path, case):
     with pytest.raises(reader.UserError, match=r"bad\.jsonl:3 is not a JSON object with a string \"text\" field"):
         read(path)
     start = len('{"text": "fine"}\n\n')  # read as a byte range, the line is named by its first byte
-    with pytest.raises(reader.UserError, match=f"the line at byte {start}"):
-        list(reader.read_jsonl(path, start - 1))
+    with pytest.raises(ranges.UserError, match=f"the line at byte {start}"):
+        list(ranges.read_jsonl(path, start - 1))
 
 
 def test_bad_parquet_is_one_line(tmp_path):
