@@ -45,6 +45,8 @@ try:
     import triton.language as tl
 except ImportError:
     sys.exit("error: train_bpe_gpu.py needs triton (pip install triton)")
+
+# === plumbing: a fix for Triton's interpreter (a first read can skip to the next # === banner)
 if os.environ["TRITON_INTERPRET"] == "1":
     # Triton 3.6's interpreter (CUDA torch 2.11 pins it) takes a loop bound as int() of a 1-element
     # array, which NumPy 2.4 refuses (triton-lang/triton#9171); later Tritons take the element.
@@ -55,7 +57,7 @@ if os.environ["TRITON_INTERPRET"] == "1":
         tensor.__index__ = lambda self: int(self.handle.data.squeeze())
     interpreter._patch_lang_tensor = patch_tensor
 
-# -----------------------------------------------------------------------------
+# === settings ----------------------------------------------------------------
 # defaults, each overridable from the command line
 vocab_size = 1000  # byte tokens (256) + merges; <|endoftext|> gets the next id
 num_chars = 1048576  # train on the first 2^20 characters of the stream
@@ -66,10 +68,6 @@ device = None  # cuda; without a GPU, --device cpu (Triton's interpreter: exact,
 # runs, and whitespace, so that merges never glue a word to the punctuation or the space after it.
 pattern = r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]++[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+"""
 EOT = "<|endoftext|>"
-# (repository, config)
-HUB_DATASETS = {"fineweb": ("HuggingFaceFW/fineweb", "sample-10BT"),
-                "fineweb-edu": ("HuggingFaceFW/fineweb-edu", "sample-10BT")}
-LOCAL_SUFFIXES = (".txt", ".jsonl", ".parquet")
 # programs; blocks of positions, dirty rows, keys to scan; rows a block key covers (CUDA's shape
 # is in merge_on_device)
 INTERPRETER_SHAPE = dict(programs=1, block=1024, rows=64, choose_block=1024, key_block=16)
@@ -78,10 +76,6 @@ PARALLEL_CHARS = 1 << 24  # from this many characters on, all cores pre-tokenize
 BATCH_CHARS = 1 << 20  # characters of documents per batch sent to a pre-tokenizing worker
 MAX_POSITIONS = 2**31 - 2  # positions are int32: the distinct chunks' bytes + 2 spare slots
 # -----------------------------------------------------------------------------
-
-
-class UserError(Exception):
-    """A mistake in the input: printed as one line, never as a traceback."""
 
 
 # -------------------------------------------------------- the lesson: one BPE merge as four steps
@@ -483,8 +477,9 @@ def merges_done(state):
     return bool(slots[DONE.value]), slots[NEXT.value] - 256
 
 
-# ---------------------------------------------------------------- pre-tokenizing, on every core
-# (the same in both GPU trainers). The regex is the slow part, and it holds the GIL: the parent
+# === plumbing: pre-tokenizing on every core, the pool's bookkeeping (train_bpe_cpu.py teaches
+# the counting of chunks; this is the same in both GPU trainers; a first read can skip to the next
+# # === banner). The regex is the slow part, and it holds the GIL: the parent
 # reads the documents, and worker processes count batches of them, at most two a worker queued.
 # BPE depends only on the multiset of chunks, so the order of adding up is free. A CPU-time alarm
 # per document (1 s + 10 s per million characters; GPT-4's pattern needs 0.3 s) turns a pattern
@@ -638,7 +633,7 @@ def document_pieces(document, pattern_text):
     yield document[start:]
 
 
-# ---------------------------------------------------------------- output
+# === output: the tokenizer's files ---------------------------------------------------------
 
 
 def token_bytes(merges):
@@ -660,7 +655,12 @@ def save_tokenizer(out_dir, merges, info):
         os.replace(out_dir / f"{name}.tmp", out_dir / name)
 
 
-# ---------------------------------------------------------------- the run
+# === plumbing: the settings' and the output directory's checks (a first read can skip to the
+# next # === banner)
+
+
+class UserError(Exception):
+    """A mistake in the input: printed as one line, never as a traceback."""
 
 
 def check_out_dir(out_dir):
@@ -786,7 +786,7 @@ def check_memory(vocab_size, itemsize, device):
                         "train_bpe_cpu.py")
 
 
-def run(argv):
+def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("-v", "--vocab_size", type=int, default=vocab_size)
     parser.add_argument("-n", "--num_chars", type=int, default=num_chars)
@@ -794,7 +794,14 @@ def run(argv):
     parser.add_argument("--out", default=out, help="default tokenizers/<source>_v<vocab_size>")
     parser.add_argument("--pattern", default=pattern, help="the split regex (default GPT-4's)")
     parser.add_argument("--device", default=device, help="cuda, or cpu (Triton's interpreter)")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+# === the run: read, pre-tokenize, lay out, merge on the device, write ----------------------
+
+
+def run(argv):
+    args = parse_args(argv)
     train_device = validate(args)
     documents, source_name, source = open_source(args.data or data, args.data is not None)
     out_dir = Path(args.out or f"tokenizers/{source_name}_v{args.vocab_size}")
@@ -853,6 +860,9 @@ def run(argv):
 # first read can skip to the next # === banner). .txt and .jsonl are read with the standard library:
 # `datasets` would turn CRLF into LF (no longer rustbpe's bytes), stop at invalid UTF-8, and take
 # seconds to start.
+HUB_DATASETS = {"fineweb": ("HuggingFaceFW/fineweb", "sample-10BT"),  # (repository, config)
+                "fineweb-edu": ("HuggingFaceFW/fineweb-edu", "sample-10BT")}
+LOCAL_SUFFIXES = (".txt", ".jsonl", ".parquet")
 
 def open_source(data, data_was_named):  # (documents, name, description); documents(budget) -> texts
     if data not in HUB_DATASETS:
