@@ -42,19 +42,12 @@ out = None  # output directory; default tokenizers/<source>_v<vocab_size>
 # runs, and whitespace, so that merges never glue a word to the punctuation or the space after it.
 pattern = r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]++[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+"""
 EOT = "<|endoftext|>"
-# (repository, config)
-HUB_DATASETS = {"fineweb": ("HuggingFaceFW/fineweb", "sample-10BT"),
-                "fineweb-edu": ("HuggingFaceFW/fineweb-edu", "sample-10BT")}
-LOCAL_SUFFIXES = (".txt", ".jsonl", ".parquet")
 # -----------------------------------------------------------------------------
 
 
-class UserError(Exception):
-    """A mistake in the input: printed as one line, never as a traceback."""
-
-
 # ---------------------------------------------------------------- step 1: count distinct chunks
-# A million words hold only tens of thousands of distinct ones: all later work shrinks by 10-100x.
+# A million words hold only tens of thousands of distinct ones: on enwiki, 9x fewer distinct chunks
+# than chunks at 2^20 characters, 24x at 2^24 (the README), and all later work shrinks with them.
 
 def count_chunks(documents, split_pattern, num_chars):
     """Split each document with the pattern; count the distinct chunks (none spans 2 documents)."""
@@ -187,13 +180,7 @@ def save_tokenizer(out_dir, merges, info):
 # ---------------------------------------------------------------- the run
 
 def run(argv):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("-v", "--vocab_size", type=int, default=vocab_size)
-    parser.add_argument("-n", "--num_chars", type=int, default=num_chars)
-    parser.add_argument("--data", help=f"fineweb, fineweb-edu, or local files (default {data})")
-    parser.add_argument("--out", default=out, help="default tokenizers/<source>_v<vocab_size>")
-    parser.add_argument("--pattern", default=pattern, help="the split regex (default GPT-4's)")
-    args = parser.parse_args(argv)
+    args = parse_args(argv)
     split_pattern = validate(args)
     documents, source_name, source = open_source(args.data or data, args.data is not None)
     out_dir = Path(args.out or f"tokenizers/{source_name}_v{args.vocab_size}")
@@ -229,7 +216,22 @@ def run(argv):
     os.close(out_lock)
 
 
-# ---------------------------------------------------------------- checks: one line per bad input
+# === plumbing: the checks, one line per bad input (a first read can skip to the next # === banner)
+
+
+class UserError(Exception):
+    """A mistake in the input: printed as one line, never as a traceback."""
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("-v", "--vocab_size", type=int, default=vocab_size)
+    parser.add_argument("-n", "--num_chars", type=int, default=num_chars)
+    parser.add_argument("--data", help=f"fineweb, fineweb-edu, or local files (default {data})")
+    parser.add_argument("--out", default=out, help="default tokenizers/<source>_v<vocab_size>")
+    parser.add_argument("--pattern", default=pattern, help="the split regex (default GPT-4's)")
+    return parser.parse_args(argv)
+
 
 def validate(args):
     """The settings, checked before any work. Returns the compiled split pattern."""
@@ -346,6 +348,9 @@ def lock_directory(path):
 # first read can skip to the next # === banner). .txt and .jsonl are read with the standard library:
 # `datasets` would turn CRLF into LF (no longer rustbpe's bytes), stop at invalid UTF-8, and take
 # seconds to start.
+HUB_DATASETS = {"fineweb": ("HuggingFaceFW/fineweb", "sample-10BT"),  # (repository, config)
+                "fineweb-edu": ("HuggingFaceFW/fineweb-edu", "sample-10BT")}
+LOCAL_SUFFIXES = (".txt", ".jsonl", ".parquet")
 
 def open_source(data, data_was_named):  # (documents, name, description); documents(budget) -> texts
     if data not in HUB_DATASETS:
