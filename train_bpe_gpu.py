@@ -68,13 +68,11 @@ device = None  # cuda; without a GPU, --device cpu (Triton's interpreter: exact,
 # runs, and whitespace, so that merges never glue a word to the punctuation or the space after it.
 pattern = r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]++[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+"""
 EOT = "<|endoftext|>"
-# programs; blocks of positions, dirty rows, keys to scan; rows a block key covers (CUDA's shape
-# is in merge_on_device)
+# programs; positions per block; dirty rows per refresh item; keys choose_pair scans at once; rows
+# per block key (CUDA's shape is in merge_on_device)
 INTERPRETER_SHAPE = dict(programs=1, block=1024, rows=64, choose_block=1024, key_block=16)
 ROUNDS_PER_READ = 16  # rounds (a merge's four kernels) per host read of "done"
 PARALLEL_CHARS = 1 << 24  # from this many characters on, all cores pre-tokenize (below: one)
-BATCH_CHARS = 1 << 20  # characters of documents per batch sent to a pre-tokenizing worker
-MAX_POSITIONS = 2**31 - 2  # positions are int32: the distinct chunks' bytes + 2 spare slots
 # -----------------------------------------------------------------------------
 
 
@@ -102,8 +100,8 @@ MAX_POSITIONS = 2**31 - 2  # positions are int32: the distinct chunks' bytes + 2
 # needs a lock; each docstring says why, from who writes what.
 # Most merges are small (on enwiki at V=65534 the median one visits 132 positions), so a merge
 # costs its kernels' latency more than their work: ~25 us on an H100, the four kernels and the gaps
-# between them inside a CUDA graph. (One program running the four steps in a row, with barriers
-# between them, measured 1.6x slower there: one SM's chain of dependent loads. bench/RESULTS.md)
+# between them inside a CUDA graph. (An earlier merge_small ran many small merges in one program,
+# barriers for kernel ends: 1.6x the loop's time on an H100, one SM's chain of dependent loads.)
 # Every atomic is relaxed: each needs only atomicity, and what a step writes is seen by the next
 # (the stream orders kernels). The default, acq_rel, fences the whole device around each atomic
 # (MEMBAR.ALL.GPU on an H100), on apply's critical path.
@@ -117,7 +115,7 @@ MAX_POSITIONS = 2**31 - 2  # positions are int32: the distinct chunks' bytes + 2
 #              dirty_rows holds
 NEXT, NEW, A, B, DONE, START, LENGTH, SURVIVORS, DIRTY = (tl.constexpr(i) for i in range(9))
 DEAD = tl.constexpr(-2)  # the token of an unlinked position (the right half of a merged pair)
-ID_BITS = tl.constexpr(20)  # a key's low bits hold 2^20 - 1 - right id
+ID_BITS = tl.constexpr(20)  # a key's low bits hold 2^20 - 1 - right id: V is at most 2^20
 LOW = tl.constexpr((1 << 20) - 1)
 
 
@@ -276,7 +274,8 @@ def apply_merges(state, list_buffer, scratch, list_start, list_len, tokens, next
         tl.store(prev_pos + after, p, mask=has_y & ~after_merged)
         tl.store(prev_pos + p, tl.load(prev_pos + before, mask=before_merged, other=END),
                  mask=before_merged)
-        # the counts: a, b and new are scalars, and each pair's row and column must be blocks
+        # the counts: a, b and new are scalars, broadcast to the block by adding a zero block; int64,
+        # as row * V + col passes 2^31 at V = 65534
         x, y, y_new = x.to(tl.int64), y.to(tl.int64), y_new.to(tl.int64)
         zero = 0 * x
         lose_pair(state, counts, row_key, dirty_flag, dirty_rows, V, a + zero, b + zero, w, merged)
@@ -290,8 +289,8 @@ def apply_merges(state, list_buffer, scratch, list_start, list_len, tokens, next
 def lose_pair(state, counts, row_key, dirty_flag, dirty_rows, V, row, col, w, lose):
     """Pair (row, col) loses w where lose: (a, b), (x, a) and (b, y) in a merge. A row whose
     maximum that pair was is listed as dirty, once: by the lane that flips dirty_flag. Reading
-    row_key while other lanes raise it is safe: a raised key is a pair with the new token, above
-    all the row held."""
+    row_key while other lanes run gain_pair is safe: only row new's key rises there, and no pair
+    of row new loses."""
     tl.atomic_add(counts + row * V + col, -w, mask=lose, sem="relaxed")
     was_max = lose & ((tl.load(row_key + row, mask=lose, other=0) & LOW) == LOW - col)
     flag = tl.atomic_xchg(dirty_flag + row, 1, mask=was_max, sem="relaxed")
@@ -316,7 +315,7 @@ def refresh_rows(state, list_buffer, scratch, list_len, counts, fresh_key, dirty
                  ROWS: tl.constexpr, BLOCK: tl.constexpr):
     """Step 4: copies a's surviving positions back from scratch, one slot per lane. Then recomputes
     the dirty rows' maxima into fresh_key, in items of ROWS rows x BLOCK columns over the programs
-    (one dirty row of 65534 columns still fills the GPU). Nothing writes counts now, and atomic_max
+    (one dirty row of 65534 columns is 256 items of 256 columns). Nothing writes counts now, and atomic_max
     makes the order free. (The first launch, before any merge, makes all rows' keys.)"""
     if tl.load(state + DONE) != 0:
         return
@@ -357,9 +356,7 @@ def chunks_to_arrays(chunk_counts, vocab_size):
     chunks = [chunk for chunk, kept in zip(chunks, keep) if kept]
     lengths, occurrences = lengths[keep], occurrences[keep]
     L = END = int(lengths.sum())
-    if L + 2 > MAX_POSITIONS:
-        raise UserError(f"the distinct chunks hold {L:,} bytes, more than int32 positions can name "
-                        "(2^31 - 4); lower -n, or use train_bpe_multigpu.py")
+    check_positions(L)  # int32 positions
     ends = np.cumsum(lengths)
     tokens = np.full(L + 2, -1, np.int32)
     tokens[:L] = np.frombuffer(b"".join(chunks), np.uint8)
@@ -375,7 +372,7 @@ def chunks_to_arrays(chunk_counts, vocab_size):
     left = np.flatnonzero(next_pos[:L] != END)
     # the 256 byte lists, one after another: as uint8, numpy's stable sort is a radix sort, linear
     order = np.argsort(tokens[left].astype(np.uint8), kind="stable")
-    # each merge appends as many positions as it kills
+    # the byte lists, then the new tokens' lists: each merge appends as many positions as it kills
     list_buffer = np.zeros(2 * len(left) + 1, np.int32)
     list_buffer[:len(left)] = left[order]
     list_len = np.zeros(vocab_size, np.int64)
@@ -394,9 +391,8 @@ def merge_on_device(arrays, vocab_size, device):
     V, device = vocab_size, torch.device(device)
     started = time.time()
     if device.type == "cuda":
-        # Triton launches, and a CUDA graph records, on the current device: make it this one, or
-        # --device cuda:1 would run the kernels on GPU 0 with pointers into GPU 1. Plain "cuda"
-        # is the current GPU (set_device wants an index).
+        # kernels launch, and a graph records, on the current GPU: make it this one (set_device
+        # wants an index: plain "cuda" is the current GPU)
         if device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(device)
@@ -484,6 +480,7 @@ def merges_done(state):
 # BPE depends only on the multiset of chunks, so the order of adding up is free. A CPU-time alarm
 # per document (1 s + 10 s per million characters; GPT-4's pattern needs 0.3 s) turns a pattern
 # that backtracks catastrophically, (a|a)+b on aaaa..., into one line.
+BATCH_CHARS = 1 << 20  # characters of documents per batch sent to a pre-tokenizing worker
 #
 # A document longer than a batch (a .txt file is one) is cut into pieces for the workers, but only
 # where the split pattern can't match across the cut: then the pieces' chunks are the document's.
@@ -786,6 +783,22 @@ def check_memory(vocab_size, itemsize, device):
                         "train_bpe_cpu.py")
 
 
+MAX_POSITIONS = 2**31 - 2  # positions are int32: the distinct chunks' bytes + 2 spare slots
+
+
+def check_positions(L):
+    if L + 2 > MAX_POSITIONS:
+        raise UserError(f"the distinct chunks hold {L:,} bytes, more than int32 positions can name "
+                        "(2^31 - 4); lower -n, or use train_bpe_multigpu.py")
+
+
+def peak_memory(device):
+    if device.type == "cuda":
+        return f"{torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB (device)"
+    kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # Linux reports KiB
+    return f"{kib / 2**20:.2f} GiB (process resident)"
+
+
 def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("-v", "--vocab_size", type=int, default=vocab_size)
@@ -842,12 +855,7 @@ def run(argv):
     print(f"reading + pre-tokenizing {t1 - t0:.2f}s | layout {t_layout - t1:.2f}s | setup "
           f"{seconds['setup']:.2f}s | merging {seconds['loop']:.2f}s ({merges_per_second:,.0f} "
           f"merges/s) | total {t2 - t0:.2f}s")
-    if train_device.type == "cuda":
-        peak, kind = torch.cuda.max_memory_allocated(train_device), "device"
-    else:
-        # Linux reports KiB
-        peak, kind = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "process resident"
-    print(f"peak memory: {peak / 2**30:.2f} GiB ({kind})")
+    print(f"peak memory: {peak_memory(train_device)}")
     total_bytes = arrays["total_bytes"]
     print(f"compression on the training text: {total_bytes / max(total_tokens, 1):.3f} bytes/token "
           f"({total_bytes:,} bytes -> {total_tokens:,} tokens)")
@@ -969,8 +977,7 @@ class BadUTF8:  # invalid UTF-8 and lone surrogates: each read as U+FFFD, and co
 BadUTF8.errors = f"replace and count {id(BadUTF8)}"  # its own name: a process may load two scripts
 codecs.register_error(BadUTF8.errors, BadUTF8.replace)
 
-# ---------------------------------------------------------------- the command line
-
+# === the command line: run, and each mistake in one line --------------------------------------
 if __name__ == "__main__":
     try:
         run(sys.argv[1:])
