@@ -464,8 +464,7 @@ def first_chars(documents, num_chars):  # the last document is cut to fit
         if num_chars == 0:
             return  # before the source is asked for one more document: it may be slow, or malformed
 
-# ---------------------------------------------------------------- the command line
-
+# === the command line: run, and each mistake in one line --------------------------------------
 if __name__ == "__main__":
     try:
         run(sys.argv[1:])
