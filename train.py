@@ -80,6 +80,15 @@ class UserError(Exception):
 class BatchError(UserError):
     """A bad id in the batch a rank just read: no other rank sees it, so every rank prints it."""
 
+def lost_contact(error):
+    """The line for a rank whose collective failed: if it timed out, another rank hangs."""
+    reason = re.sub(r"^\[[^\]]*\] ", "", str(error).strip().split("\n")[0])[:150]
+    other = f"rank {1 - rank}" if world_size == 2 else "another rank"
+    # "Timed out", "timeout", "timing out", ETIMEDOUT; not "without" or "about"
+    timed_out = re.search(r"\be?tim(e[ds]?|ing)[ _]?outs?\b", str(error), re.I)
+    what_happened = "hangs" if timed_out else "stopped"
+    return f"rank {rank} lost contact with the other ranks ({reason}): {other} {what_happened}"
+
 def report(error_type, error, traceback):
     """sys.excepthook: a mistake (printed by the master), a second Ctrl-C or a lost rank is one line
     and exit status 1. A bug keeps its traceback."""
@@ -87,10 +96,7 @@ def report(error_type, error, traceback):
         error = "interrupted: stopped at once, without saving (one Ctrl-C saves first)"
     elif ddp and issubclass(error_type, RuntimeError) and re.search(
             "gloo|nccl|time.?out|connect|peer", str(error), re.I):
-        reason = re.sub(r"^\[[^\]]*\] ", "", str(error).strip().split("\n")[0])[:150]
-        other = f"rank {1 - rank}" if world_size == 2 else "another rank"
-        what_happened = "hangs" if "out" in reason else "stopped"
-        error = f"rank {rank} lost contact with the other ranks ({reason}): {other} {what_happened}"
+        error = lost_contact(error)
     elif not issubclass(error_type, UserError):
         return sys.__excepthook__(error_type, error, traceback)
     if master or not issubclass(error_type, UserError) or issubclass(error_type, BatchError):
