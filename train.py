@@ -19,7 +19,9 @@ from datetime import timedelta
 import numpy as np  # torch comes after the checks: mistakes show at once
 
 # ------------------------------------------------------------------------------------------------
-# settings; the defaults train lilLM on FineWeb (config/lillm.py says the same, explicitly)
+# settings. The defaults are lilLM's recipe, config/lillm.py, but for six that the preset sets
+# for its own run: out_dir, dataset, hellaswag_interval, sample_prompt, always_save_checkpoint
+# and milestones
 out_dir = "out"                 # ckpt.pt, milestone copies ckpt_<iter>.pt and log.jsonl go here
 dataset = "data/fineweb"        # a directory written by prepare_data.py: shards and meta.json
 init_from = "scratch"           # "scratch" (not over a checkpoint), "resume" (ckpt.pt), "auto"

@@ -3,6 +3,7 @@ here to the shard contract (tinyshakespeare when the shared corpora are present,
 
 The checks compare independent routes to the same numbers: two processes (torchrun, or SLURM's variables)
 against one process with the same global batch; a run stopped and resumed against one that never stopped."""
+import ast
 import base64
 import hashlib
 import importlib.util
@@ -422,6 +423,19 @@ def test_a_lost_rank_is_said_to_hang_only_when_a_collective_timed_out():
         reason = line.split("rank 0 lost contact with the other ranks (", 1)[1]
         assert not reason.startswith("["), line  # the "[file:line] " before the message is cut
         assert line.endswith("rank 1 hangs" if message in timed_out else "rank 1 stopped"), line
+
+
+def test_the_defaults_are_lillms_recipe_but_for_the_settings_the_comment_names():
+    """config/lillm.py is the recipe's source of truth; train.py's settings comment names every default that
+    differs from it, and only those."""
+    result = subprocess.run([sys.executable, TRAIN, "--help"], capture_output=True, text=True, env=ENV, timeout=60)
+    defaults = dict(line[4:].split("=", 1) for line in result.stdout.splitlines() if line.startswith("  --"))
+    defaults = {key: ast.literal_eval(value) for key, value in defaults.items()}
+    preset = {}
+    exec((REPO / "config" / "lillm.py").read_text(), preset)
+    differ = {key for key, value in preset.items() if not key.startswith("_") and defaults[key] != value}
+    comment = re.search(r"((?:^#.*\n)+)out_dir = ", Path(TRAIN).read_text(), re.M)[1]  # the lines above it
+    assert differ == {key for key in defaults if re.search(rf"\b{key}\b", comment)}, comment
 
 
 def test_non_finite_loss_stops_with_the_iteration(dataset, tmp_path):
