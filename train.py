@@ -11,15 +11,15 @@ Each global of the settings block is a setting; presets and --key=value set them
 a preset is Python and runs as code: use only presets you trust. One run at a time writes in an
 out_dir. SIGTERM or Ctrl-C finishes the step in flight, saves out_dir/ckpt.pt and exits with 0.
 """
-import ast, difflib, fcntl, glob, hashlib, importlib.util, json, math, os, re, signal, socket, sys
-import tempfile, time, urllib.parse
+import json, math, os, time
 from dataclasses import asdict, fields
 from datetime import timedelta
 
 import numpy as np  # torch comes after the checks: mistakes show at once
 
-# ------------------------------------------------------------------------------------------------
-# settings; the defaults train lilLM on FineWeb (config/lillm.py says the same, explicitly)
+# === the settings. The defaults are lilLM's recipe, config/lillm.py, but for six that the preset
+# sets for its own run: out_dir, dataset, hellaswag_interval, sample_prompt, always_save_checkpoint
+# and milestones
 out_dir = "out"                 # ckpt.pt, milestone copies ckpt_<iter>.pt and log.jsonl go here
 dataset = "data/fineweb"        # a directory written by prepare_data.py: shards and meta.json
 init_from = "scratch"           # "scratch" (not over a checkpoint), "resume" (ckpt.pt), "auto"
@@ -61,24 +61,32 @@ dtype = "auto"                  # "auto": bfloat16 (float16 on old GPUs); float3
 compile = "auto"                # torch.compile; "auto": on CUDA only (a CPU loses by it)
 timeout = 600                   # seconds a rank waits for the others before it gives up
 seed = 1337
-# ------------------------------------------------------------------------------------------------
 defaults = {k: v for k, v in globals().items()  # the globals above are the settings
             if not k.startswith("_") and isinstance(v, (int, float, str, list, type(None)))}
-# A value must have its default's type; these settings take one more type.
-extra_types = {"vocab_size": int, "total_batch_size": type(None), "n_kv_head": type(None),
-               "compile": bool}
 
-# the processes: torchrun sets RANK, WORLD_SIZE and LOCAL_RANK; srun sets SLURM's own variables
+# === the processes: torchrun sets RANK, WORLD_SIZE and LOCAL_RANK; srun sets SLURM's own variables
 slurm = "RANK" not in os.environ and int(os.environ.get("SLURM_NTASKS", 1)) > 1
 names = "SLURM_PROCID SLURM_NTASKS SLURM_LOCALID" if slurm else "RANK WORLD_SIZE LOCAL_RANK"
 rank, world_size, local_rank = [int(os.environ.get(n, d)) for n, d in zip(names.split(), (0, 1, 0))]
 ddp, master = world_size > 1, rank == 0  # the master is the only rank that prints, logs and writes
+
+# === plumbing: errors, the command line, settings' checks (a first read skips to the next # ===)
+import ast, difflib, importlib.util, re, sys
 
 class UserError(Exception):
     """A mistake in the input: printed as one line, never as a traceback."""
 
 class BatchError(UserError):
     """A bad id in the batch a rank just read: no other rank sees it, so every rank prints it."""
+
+def lost_contact(error):
+    """The line for a rank whose collective failed: if it timed out, another rank hangs."""
+    reason = re.sub(r"^\[[^\]]*\] ", "", str(error).strip().split("\n")[0])[:150]
+    other = f"rank {1 - rank}" if world_size == 2 else "another rank"
+    # "Timed out", "timeout", "timing out", ETIMEDOUT; not "without" or "about"
+    timed_out = re.search(r"\be?tim(e[ds]?|ing)[ _]?outs?\b", str(error), re.I)
+    what_happened = "hangs" if timed_out else "stopped"
+    return f"rank {rank} lost contact with the other ranks ({reason}): {other} {what_happened}"
 
 def report(error_type, error, traceback):
     """sys.excepthook: a mistake (printed by the master), a second Ctrl-C or a lost rank is one line
@@ -87,10 +95,7 @@ def report(error_type, error, traceback):
         error = "interrupted: stopped at once, without saving (one Ctrl-C saves first)"
     elif ddp and issubclass(error_type, RuntimeError) and re.search(
             "gloo|nccl|time.?out|connect|peer", str(error), re.I):
-        reason = re.sub(r"^\[[^\]]*\] ", "", str(error).strip().split("\n")[0])[:150]
-        other = f"rank {1 - rank}" if world_size == 2 else "another rank"
-        what_happened = "hangs" if "out" in reason else "stopped"
-        error = f"rank {rank} lost contact with the other ranks ({reason}): {other} {what_happened}"
+        error = lost_contact(error)
     elif not issubclass(error_type, UserError):
         return sys.__excepthook__(error_type, error, traceback)
     if master or not issubclass(error_type, UserError) or issubclass(error_type, BatchError):
@@ -100,7 +105,11 @@ def report(error_type, error, traceback):
 
 sys.excepthook = report
 
-# the command line: presets (Python files, run as code) and --key=value, in order
+# the command line: presets (Python files, run as code) and --key=value, in order.
+# A value must have its default's type; these settings take one more type.
+extra_types = {"vocab_size": int, "total_batch_size": type(None), "n_kv_head": type(None),
+               "compile": bool}
+
 def set_setting(source, key, value):
     if key not in defaults:
         close = difflib.get_close_matches(key, defaults, n=1)
@@ -164,7 +173,8 @@ for names, test, what in [  # (settings, test, what the test asks)
     (["compile"], lambda value: value in ("auto", True, False), "'auto', True or False"),
     (["device"], lambda value: re.fullmatch(r"auto|cpu|cuda(:\d+)?|mps", value),
      "'auto', 'cpu', 'cuda', 'cuda:N' or 'mps'"),
-    (["milestones"], lambda value: all(type(m) is int for m in value), "a list of iteration numbers"),
+    (["milestones"], lambda value: all(type(m) is int for m in value),
+     "a list of iteration numbers"),
 ]:
     for name in names:
         if not test(globals()[name]):
@@ -183,7 +193,10 @@ for ok, message in [  # the rules across settings
         raise UserError(message)
 n_kv_head = n_head if n_kv_head is None else n_kv_head  # None: plain multi-head attention
 
-# the dataset: meta.json, the tokenizer (the checkpoint carries it), the shards
+# === plumbing: the dataset: meta.json, tokenizer, shards (a first read skips to the next # ===)
+# They give meta (meta.json), tokenizer (the checkpoint carries it), shard_sizes (path -> tokens).
+import hashlib
+
 fix_dataset = f"run prepare_data.py again, or delete {dataset} and rerun it"
 meta_path = os.path.join(dataset, "meta.json")
 if not os.path.exists(meta_path):
@@ -202,7 +215,8 @@ try:  # its numbers must fit each other and the shards' dtype
 except (OSError, ValueError, KeyError, TypeError):
     meta_ok = False
 if not meta_ok:
-    raise UserError(f"{meta_path} is not the meta.json of a finished prepare_data.py run; {fix_dataset}")
+    raise UserError(f"{meta_path} is not the meta.json of a finished prepare_data.py run; "
+                    f"{fix_dataset}")
 if kind == "bpe":  # the tokenizer's files, which prepare_data.py copies beside the shards
     try:
         ranks_file = open(os.path.join(dataset, "tokenizer.tiktoken"), "rb").read()
@@ -211,7 +225,7 @@ if kind == "bpe":  # the tokenizer's files, which prepare_data.py copies beside 
                      "special_tokens": info["special_tokens"]}
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise UserError(f"{dataset} lacks readable tokenizer files ({e}): {fix_dataset}")
-    if hashlib.sha256(ranks_file).hexdigest() != meta["tokenizer"]["sha256"]:  # a BPE trainer's --out?
+    if hashlib.sha256(ranks_file).hexdigest() != meta["tokenizer"]["sha256"]:  # a trainer's --out?
         raise UserError(f"{dataset}/tokenizer.tiktoken is not the tokenizer the shards were made "
                         f"with (see meta.json's sha256): copy it back from "
                         f"{meta['tokenizer'].get('path', 'its directory')}, or {fix_dataset}")
@@ -234,47 +248,8 @@ for name in shard_names:
                         f"{meta['dtype']} ids of meta.json: {fix_dataset}")
     shard_sizes[path] = len(tokens)
 
-def get_batch(split, generator):
-    """batch_size random windows of the split, drawn uniformly over all of its shards."""
-    paths, counts, window_ends = windows[split]
-    starts = torch.randint(int(window_ends[-1]), (batch_size,), generator=generator).numpy()
-    shard_of = np.searchsorted(window_ends, starts, side="right")
-    offsets = starts - (window_ends[shard_of] - counts[shard_of])
-    rows = np.empty((batch_size, block_size + 1), dtype=np.int64)
-    for shard in np.unique(shard_of):
-        tokens = np.load(paths[shard], mmap_mode="r")  # per batch: an open memmap keeps every page
-        for row in np.flatnonzero(shard_of == shard):
-            rows[row] = tokens[offsets[row]:offsets[row] + block_size + 1]
-        # An id past the vocabulary would fail deep in the embedding (on a GPU, as a device
-        # assert). Checked here, on the ids just read, it costs nothing; start-up reads no tokens.
-        largest = rows[shard_of == shard].max()  # (unsigned: no id is below 0)
-        if largest >= meta["vocab_size"]:
-            raise BatchError(f"{paths[shard]} holds token id {largest}, past the vocabulary of "
-                            f"meta.json (0..{meta['vocab_size'] - 1}): {fix_dataset}")
-    x, y = torch.from_numpy(rows[:, :-1].copy()), torch.from_numpy(rows[:, 1:].copy())
-    if device_type == "cuda":  # pinned memory: the copy runs while the GPU works on the last batch
-        x, y = x.pin_memory(), y.pin_memory()
-    return x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-
-def get_lr(it):
-    """Linear warmup from ~0, cosine from learning_rate to min_lr at lr_decay_iters, then flat."""
-    if it < warmup_iters:
-        return learning_rate * (it + 1) / (warmup_iters + 1)
-    progress = min(1.0, (it - warmup_iters) / max(1, lr_decay_iters - warmup_iters))
-    return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (learning_rate - min_lr)
-
-def log(line, **fields):
-    """Print a line, and append its fields to log.jsonl (and evals to wandb): the master only."""
-    fields = {k: None if v != v else v for k, v in fields.items()}  # JSON has no NaN
-    if master:
-        print(line, flush=True)
-        with open(os.path.join(out_dir, "log.jsonl"), "a") as f:
-            f.write(json.dumps(fields) + "\n")
-        if wandb_log and "val_loss" in fields:
-            wandb.log(fields, step=fields["iter"])
-
-def percent(mfu):
-    return "n/a" if mfu is None or mfu != mfu else f"{mfu * 100:.1f}%"  # NaN: no known peak
+# === plumbing: HellaSwag's examples: the Hub's, or a .jsonl (a first read skips to the next # ===)
+import socket, urllib.parse
 
 def hub_problem(timeout=3.0):  # None, or why the Hub can't be used: in 3 s (`datasets` takes ~25)
     for switch in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
@@ -303,7 +278,8 @@ def hellaswag_examples(source):
         except Exception as error:  # not cached, the network failed midway, no datasets package, ...
             problem = problem or f"{type(error).__name__}: {str(error)[:100]}"
         if master:
-            print(f"note: no HellaSwag figures ({problem}); --hellaswag=<file.jsonl> scores a local copy")
+            print(f"note: no HellaSwag figures ({problem}); --hellaswag=<file.jsonl> scores a "
+                  "local copy")
         return None
     try:
         lines = open(source, encoding="utf-8-sig").read().split("\n")  # JSON text may hold U+2028
@@ -317,7 +293,8 @@ def hellaswag_examples(source):
             row = json.loads(line)
             context, endings, label = row["ctx"], row["endings"], row["label"]
             label = int(label) if type(label) is str and label.isdigit() else label
-            texts_ok = type(label) is int and all(type(text) is str and text for text in [context, *endings])
+            texts_ok = type(label) is int and all(type(text) is str and text
+                                                  for text in [context, *endings])
         except (ValueError, KeyError, TypeError):
             texts_ok = False
         if not (texts_ok and type(endings) is list and len(endings) == 4 and 0 <= label < 4):
@@ -330,13 +307,12 @@ def hellaswag_examples(source):
 
 hellaswag_set = hellaswag_examples(hellaswag) if hellaswag_interval else None
 
-# torch, the device, the tokenizer's check, the checkpoint to resume (it decides the model)
+# === torch, the device and the precision
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from model import GPT, CheckpointError, GPTConfig, encoding_from_checkpoint, load_checkpoint
-from model import model_from_checkpoint, save_checkpoint, token_bytes
+from model import GPT, GPTConfig, save_checkpoint, token_bytes
 
 device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
 device_type = device.split(":")[0]
@@ -350,6 +326,16 @@ if dtype == "auto":  # never bfloat16 on a CPU: most emulate it, many times slow
     bfloat16_ok = device_type == "cuda" and torch.cuda.is_bf16_supported()
     dtype = "bfloat16" if bfloat16_ok else "float16" if device_type == "cuda" else "float32"
 compile = device_type == "cuda" if compile == "auto" else compile
+ckpt_path = os.path.join(out_dir, "ckpt.pt")
+if init_from == "auto":
+    init_from = "resume" if os.path.exists(ckpt_path) else "scratch"
+
+# === plumbing: the tokenizer's check; loading a checkpoint (a first read skips to the next # ===)
+# It checks the tokenizer, and turns HellaSwag's examples and the sample's prompt into token ids
+# (encoding, hellaswag_set, sample_ids). On a resume, it loads and checks checkpoint, whose model
+# (raw_model) and model settings (block_size, n_layer, ...) win over the command line's.
+from model import CheckpointError, encoding_from_checkpoint, load_checkpoint, model_from_checkpoint
+
 if kind != "tiktoken":  # (a tiktoken name may need the internet to load)
     try:
         tokenizer_size = encoding_from_checkpoint({"tokenizer": tokenizer}).n_vocab
@@ -386,9 +372,6 @@ sample_ids = token_ids(sample_prompt, "all") if sample_prompt else None
 if sample_prompt and not sample_ids:
     raise UserError(f"sample_prompt={sample_prompt!r} has characters the vocabulary lacks")
 
-ckpt_path = os.path.join(out_dir, "ckpt.pt")
-if init_from == "auto":
-    init_from = "resume" if os.path.exists(ckpt_path) else "scratch"
 if eval_only and init_from != "resume":
     raise UserError(f"eval_only=True: there is no {ckpt_path} to evaluate")
 checkpoint = None
@@ -416,20 +399,24 @@ vocab_size = meta["vocab_size"] if vocab_size is None else vocab_size
 if vocab_size < meta["vocab_size"]:
     raise UserError(f"vocab_size={vocab_size} but the dataset's vocabulary has "
                     f"{meta['vocab_size']} ids: leave vocab_size unset, or set it that large")
-# More GPUs, or a smaller batch_size to fit memory, only change how many micro-steps make a step
-# (here, after a resume has set the checkpoint's block_size)
+
+# === the batch: more GPUs, or a smaller batch_size to fit memory, only change how many
+# micro-steps make a step (here, after a resume has set the checkpoint's block_size)
 tokens_per_micro_step = batch_size * block_size * world_size
 total_batch_size = tokens_per_micro_step if total_batch_size is None else total_batch_size
 if total_batch_size % tokens_per_micro_step:
-    raise UserError(f"total_batch_size={total_batch_size} is not a multiple of batch_size*block_size*"
-                    f"world_size = {batch_size}*{block_size}*{world_size} = {tokens_per_micro_step}: "
-                    "change one so that it divides")
+    raise UserError(f"total_batch_size={total_batch_size} is not a multiple of batch_size*"
+                    f"block_size*world_size = {batch_size}*{block_size}*{world_size} = "
+                    f"{tokens_per_micro_step}: change one so that it divides")
 grad_accum_steps = total_batch_size // tokens_per_micro_step  # micro-steps per rank per step
 try:
     model_config = GPTConfig(**{f.name: globals()[f.name] for f in fields(GPTConfig)
                                 if f.name in defaults})
 except ValueError as e:
     raise UserError(e)
+
+# === the data: a batch is batch_size windows of block_size+1 tokens, drawn from all shards alike
+# (meta is the dataset's meta.json, shard_sizes each shard's tokens: the dataset's checks read them)
 windows = {}  # split -> its shard paths, each one's block_size+1 token windows, their running sum
 for split in ("train", "val"):
     paths = [os.path.join(dataset, name) for name in meta["shards"][split]]
@@ -438,6 +425,58 @@ for split in ("train", "val"):
         raise UserError(f"the {split} split of {dataset} has fewer than block_size+1 = "
                         f"{block_size + 1} tokens in any shard")
     windows[split] = paths, counts, np.cumsum(counts)
+
+def get_batch(split, generator):
+    """batch_size random windows of the split, drawn uniformly over all of its shards."""
+    paths, counts, window_ends = windows[split]
+    starts = torch.randint(int(window_ends[-1]), (batch_size,), generator=generator).numpy()
+    shard_of = np.searchsorted(window_ends, starts, side="right")
+    offsets = starts - (window_ends[shard_of] - counts[shard_of])
+    rows = np.empty((batch_size, block_size + 1), dtype=np.int64)
+    for shard in np.unique(shard_of):
+        tokens = np.load(paths[shard], mmap_mode="r")  # per batch: an open memmap keeps every page
+        for row in np.flatnonzero(shard_of == shard):
+            rows[row] = tokens[offsets[row]:offsets[row] + block_size + 1]
+        # An id past the vocabulary would fail deep in the embedding (on a GPU, as a device
+        # assert). Checked here, on the ids just read, it costs nothing; start-up reads no tokens.
+        largest = rows[shard_of == shard].max()  # (unsigned: no id is below 0)
+        if largest >= meta["vocab_size"]:
+            raise BatchError(f"{paths[shard]} holds token id {largest}, past the vocabulary of "
+                             f"meta.json (0..{meta['vocab_size'] - 1}): {fix_dataset}")
+    x, y = torch.from_numpy(rows[:, :-1].copy()), torch.from_numpy(rows[:, 1:].copy())
+    if device_type == "cuda":  # pinned memory: the copy runs while the GPU works on the last batch
+        x, y = x.pin_memory(), y.pin_memory()
+    return x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+
+def get_lr(it):
+    """Linear warmup from ~0, cosine from learning_rate to min_lr at lr_decay_iters, then flat."""
+    if it < warmup_iters:
+        return learning_rate * (it + 1) / (warmup_iters + 1)
+    progress = min(1.0, (it - warmup_iters) / max(1, lr_decay_iters - warmup_iters))
+    return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (learning_rate - min_lr)
+
+def log(line, **fields):
+    """Print a line, and append its fields to log.jsonl (and evals to wandb): the master only."""
+    fields = {k: None if v != v else v for k, v in fields.items()}  # JSON has no NaN
+    if master:
+        print(line, flush=True)
+        with open(os.path.join(out_dir, "log.jsonl"), "a") as f:
+            f.write(json.dumps(fields) + "\n")
+        if wandb_log and "val_loss" in fields:
+            wandb.log(fields, step=fields["iter"])
+
+def percent(mfu):
+    return "n/a" if mfu is None or mfu != mfu else f"{mfu * 100:.1f}%"  # NaN: no known peak
+
+config = {k: globals()[k] for k in defaults}  # the merged settings, with "auto" and None resolved
+if master:
+    print("config: " + ", ".join(f"{k}={v!r}" for k, v in config.items()))
+    print(f"{world_size} process(es) on {device} in {dtype}; tokens per step: total_batch_size "
+          f"{total_batch_size} = batch_size {batch_size} x block_size {block_size} x world_size "
+          f"{world_size} x accumulation {grad_accum_steps}")
+
+# === plumbing: out_dir: writable, locked, not overwritten (a first read skips to the next # ===)
+import fcntl, glob, tempfile
 
 def lock_directory(path):
     """Hold an OS lock on the directory `path` while this process lives: one writer per directory. The
@@ -454,13 +493,7 @@ def lock_directory(path):
               "writes there", file=sys.stderr)
     return descriptor  # the lock lasts while this descriptor is open: keep it
 
-# out_dir: the master locks it for the whole run, and only then looks at what is in it
-config = {k: globals()[k] for k in defaults}  # the merged settings, with "auto" and None resolved
-if master:
-    print("config: " + ", ".join(f"{k}={v!r}" for k, v in config.items()))
-    print(f"{world_size} process(es) on {device} in {dtype}; tokens per step: total_batch_size "
-          f"{total_batch_size} = batch_size {batch_size} x block_size {block_size} x world_size "
-          f"{world_size} x accumulation {grad_accum_steps}")
+if master:  # the master locks it for the whole run, and only then looks at what is in it
     try:  # find out now, not at the first save
         os.makedirs(out_dir, exist_ok=True)
         tempfile.TemporaryFile(dir=out_dir).close()
@@ -473,26 +506,18 @@ if master:
 checkpoints_there = glob.glob(os.path.join(glob.escape(out_dir), "ckpt*.pt"))
 if init_from == "scratch" and checkpoints_there:  # a milestone alone too: resume reads only ckpt.pt
     copy_hint = " once it is copied to ckpt.pt" if ckpt_path not in checkpoints_there else ""
-    raise UserError(f"{min(checkpoints_there)} exists and a run from scratch would overwrite it: go on "
-                    f"from it with --init_from=resume{copy_hint}, or give another --out_dir")
+    raise UserError(f"{min(checkpoints_there)} exists and a run from scratch would overwrite it: "
+                    f"go on from it with --init_from=resume{copy_hint}, or give another --out_dir")
 if master:
     for temp in glob.glob(os.path.join(glob.escape(out_dir), "ckpt*.pt.tmp.*")):
         os.remove(temp)  # left by a save killed mid-write: the lock says no other run writes here
     if checkpoint is None and os.path.exists(os.path.join(out_dir, "log.jsonl")):
         os.remove(os.path.join(out_dir, "log.jsonl"))  # the log of a run that saved no checkpoint
 
-# processes, model, optimizer, random states
+# === the processes together; the model, the optimizer, the random states
 if ddp:  # NCCL between GPUs, gloo on CPUs; the timeout turns a rank that hangs into an error
     dist.init_process_group("nccl" if device_type == "cuda" else "gloo", rank=rank,
                             world_size=world_size, timeout=timedelta(seconds=timeout))
-if ddp and hellaswag_interval:  # a rank that couldn't load the examples would shrink every count
-    sizes = torch.tensor([len(hellaswag_set or []), -len(hellaswag_set or [])], device=device)
-    dist.all_reduce(sizes, op=dist.ReduceOp.MIN)
-    fewest, most = sizes[0].item(), -sizes[1].item()
-    if fewest != most:
-        hellaswag_set = None
-        if master:
-            print(f"note: no HellaSwag figures: the ranks loaded {fewest:,} to {most:,} examples")
 torch.manual_seed(seed)  # the same initial weights on every rank and in every run
 torch.set_float32_matmul_precision("high")  # TF32 matmuls on Ampere and later: ~free speed
 autocast = torch.autocast(device_type, dtype=getattr(torch, dtype), enabled=dtype != "float32")
@@ -533,6 +558,20 @@ if checkpoint is not None:
         print(f"note: the checkpoint has {len(saved_states['data'])} data streams, this run "
               f"{num_slots}")
 
+# === plumbing: the ranks' HellaSwag; SIGTERM and Ctrl-C (a first read skips to the next # ===)
+# A rank that couldn't load the examples would shrink every count. A signal sets stop_signal: the
+# loop finishes the step or eval batch in flight, saves and stops.
+import signal
+
+if ddp and hellaswag_interval:
+    sizes = torch.tensor([len(hellaswag_set or []), -len(hellaswag_set or [])], device=device)
+    dist.all_reduce(sizes, op=dist.ReduceOp.MIN)
+    fewest, most = sizes[0].item(), -sizes[1].item()
+    if fewest != most:
+        hellaswag_set = None
+        if master:
+            print(f"note: no HellaSwag figures: the ranks loaded {fewest:,} to {most:,} examples")
+
 def request_stop(signum, frame):
     """SIGTERM (SLURM preemption, torchrun stopping) or Ctrl-C: stop after this step, and save."""
     global stop_signal
@@ -546,6 +585,9 @@ def request_stop(signum, frame):
 stop_signal = None  # the name of the first signal that asked to stop
 signal.signal(signal.SIGTERM, request_stop)
 signal.signal(signal.SIGINT, request_stop)
+
+# === the training loop. At the top of iteration iter_num, iter_num steps are done: the state
+# that a checkpoint holds
 if master:
     print(f"model: {raw_model.get_num_params():,} parameters; "
           f"{f'resuming at iter {iter_num}' if checkpoint else 'from scratch'}")
@@ -553,8 +595,6 @@ if master:
         import wandb
         wandb.init(project=wandb_project, name=wandb_run_name, config=config)
 checkpoint = None  # free its memory: everything is loaded
-
-# the training loop. At the top of iteration iter_num, iter_num steps are done: a checkpoint's state
 step_seconds = []  # each step's time since the last eval: the speed the log lines report
 stop_votes = 0  # how many ranks had a signal when the last step ended: then all stop together
 while True:
@@ -637,7 +677,7 @@ while True:
     if save_paths:
         cuda_state = torch.cuda.get_rng_state() if device_type == "cuda" else None
         rank_states = {"rng": {"torch": torch.get_rng_state(), "cuda": cuda_state},
-                  "data": [generator.get_state() for generator in train_generators]}
+                       "data": [generator.get_state() for generator in train_generators]}
         all_states = [rank_states] * world_size
         if ddp:
             dist.all_gather_object(all_states, rank_states)
@@ -651,11 +691,11 @@ while True:
                     "rng": {"ranks": [s["rng"] for s in all_states],
                             "data": [data for s in all_states for data in s["data"]]}})
             except (OSError, RuntimeError) as e:  # torch's zip writer: a full disk is a RuntimeError
-                raise UserError(f"can't write {path} ({str(e).splitlines()[0][:60]}): no space left? "
-                                f"The last checkpoint is kept: make room, then resume")
+                raise UserError(f"can't write {path} ({str(e).splitlines()[0][:60]}): no space "
+                                f"left? The last checkpoint is kept: make room, then resume")
     if stopping and master:
-        print(f"stopped by {stop_signal or 'another rank'} after iter {iter_num}; {ckpt_path} saved: "
-              f"go on with --init_from=resume", flush=True)
+        print(f"stopped by {stop_signal or 'another rank'} after iter {iter_num}; {ckpt_path} "
+              f"saved: go on with --init_from=resume", flush=True)
     if stopping or last_iter:
         break
 
@@ -686,8 +726,9 @@ while True:
     step_seconds.append(time.time() - step_start)
     if not math.isfinite(step_loss_value):
         raise UserError(f"the loss is {step_loss_value} at iter {iter_num}: training diverged. "
-                        f"Lower learning_rate, lengthen warmup_iters, keep grad_clip on, or use bfloat16 "
-                        f"or float32 over float16; --init_from=resume restarts from the last checkpoint")
+                        f"Lower learning_rate, lengthen warmup_iters, keep grad_clip on, or use "
+                        f"bfloat16 or float32 over float16; --init_from=resume restarts from the "
+                        f"last checkpoint")
     if iter_num % log_interval == 0:
         seconds = np.mean(step_seconds[-log_interval:])
         mfu = raw_model.estimate_mfu(batch_size * grad_accum_steps, seconds)

@@ -9,7 +9,7 @@
 out_dir = "out-gpt2-124m"
 dataset = "data/fineweb_gpt2"
 eval_interval = 250
-eval_iters = 20  # x 64 x 1024 tokens x GPUs
+eval_iters = 20  # x 64 x 1024 tokens: 1.3M val tokens per estimate, shared out among the GPUs
 log_interval = 10
 hellaswag_interval = 250  # HellaSwag at every eval (the Hub's; offline: a note)
 sample_prompt = "Hello, I'm a language model,"  # a sample at every eval

@@ -1,5 +1,6 @@
 # lilLM: the 39.6M-parameter Llama-style model (model.py's GPTConfig defaults) on FineWeb, with our own BPE
-# tokenizer of 8192 ids (8191 merges and bytes, plus <|endoftext|>). This is also train.py's default.
+# tokenizer of 8192 ids (8191 merges and bytes, plus <|endoftext|>). train.py's defaults are this recipe, but
+# for out_dir, dataset, hellaswag_interval, sample_prompt, always_save_checkpoint and milestones.
 # The tokenizer and the data (the whole sample-10BT is ~10B tokens; --max_tokens limits it):
 #   python train_bpe_cpu.py -v 8191 -n 1000000000
 #   python prepare_data.py --tokenizer tokenizers/<the directory it printed> --data fineweb --out data/fineweb_lillm
@@ -9,7 +10,7 @@
 out_dir = "out-lillm"
 dataset = "data/fineweb_lillm"
 eval_interval = 1000
-eval_iters = 100  # x 32 x 512 tokens: 1.6M val tokens per estimate
+eval_iters = 100  # x 64 x 512 tokens: 3.3M val tokens per estimate, whatever the number of GPUs
 log_interval = 10
 hellaswag_interval = 1000  # HellaSwag at every eval (the Hub's; offline: a note)
 sample_prompt = 'The meaning of life is'  # a sample at every eval

@@ -3,11 +3,13 @@ here to the shard contract (tinyshakespeare when the shared corpora are present,
 
 The checks compare independent routes to the same numbers: two processes (torchrun, or SLURM's variables)
 against one process with the same global batch; a run stopped and resumed against one that never stopped."""
+import ast
 import base64
 import hashlib
 import importlib.util
 import json
 import os
+import re
 import resource
 import signal
 import socket
@@ -22,6 +24,7 @@ import pytest
 import torch
 
 from conftest import CORPORA, assert_one_error_line, freeze_rank_1
+from test_copies import function_source
 
 REPO = Path(__file__).resolve().parent.parent
 TRAIN = str(REPO / "train.py")
@@ -402,6 +405,37 @@ def test_a_frozen_rank_stops_the_other_after_the_timeout(dataset, tmp_path):
     rank0 = [line for line in stderr.splitlines() if line.startswith("[rank0]:")]  # torchrun's prefix
     assert len(rank0) == 1 and rank0[0].startswith("[rank0]: error: rank 0 lost contact with the other ranks (Timed out")
     assert "rank 1 hangs" in rank0[0], stderr[-3000:]
+
+
+def test_a_lost_rank_is_said_to_hang_only_when_a_collective_timed_out():
+    """The line of a rank that lost the others says "hangs" on a timeout, "stopped" otherwise: not "hangs" for
+    any message with "out" in it ("without", "about"). train.py runs at import: its function's own text is run."""
+    namespace = {"re": re, "rank": 0, "world_size": 2}
+    exec(function_source("train.py", "lost_contact"), namespace)
+    timed_out = ["[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 3000ms for recv "
+                 "operation to complete",  # gloo's, as the frozen-rank test above gets it
+                 "[Rank 0] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=5, OpType=ALLREDUCE) ran "
+                 "for 600031 milliseconds before timing out.", "Socket Timeout", "connect: ETIMEDOUT"]
+    other = ["[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:37449",
+             "NCCL error: the remote process exited without a reply", "Connection reset by peer after about 3 s"]
+    for message in timed_out + other:
+        line = namespace["lost_contact"](RuntimeError(message))
+        reason = line.split("rank 0 lost contact with the other ranks (", 1)[1]
+        assert not reason.startswith("["), line  # the "[file:line] " before the message is cut
+        assert line.endswith("rank 1 hangs" if message in timed_out else "rank 1 stopped"), line
+
+
+def test_the_defaults_are_lillms_recipe_but_for_the_settings_the_comment_names():
+    """config/lillm.py is the recipe's source of truth; train.py's settings comment names every default that
+    differs from it, and only those."""
+    result = subprocess.run([sys.executable, TRAIN, "--help"], capture_output=True, text=True, env=ENV, timeout=60)
+    defaults = dict(line[4:].split("=", 1) for line in result.stdout.splitlines() if line.startswith("  --"))
+    defaults = {key: ast.literal_eval(value) for key, value in defaults.items()}
+    preset = {}
+    exec((REPO / "config" / "lillm.py").read_text(), preset)
+    differ = {key for key, value in preset.items() if not key.startswith("_") and defaults[key] != value}
+    comment = re.search(r"((?:^#.*\n)+)out_dir = ", Path(TRAIN).read_text(), re.M)[1]  # the lines above it
+    assert differ == {key for key in defaults if re.search(rf"\b{key}\b", comment)}, comment
 
 
 def test_non_finite_loss_stops_with_the_iteration(dataset, tmp_path):
