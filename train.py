@@ -43,7 +43,7 @@ n_layer = 12
 n_head = 16
 n_kv_head = 8                   # key/value heads shared by the query heads; None: n_head
 n_embd = 512
-ffn_ratio = 8 / 3               # SwiGLU hidden size / n_embd (up to 128s): GPT-2's MLP size
+ffn_ratio = 8 / 3               # SwiGLU hidden / n_embd, rounded up to 128s: GPT-2's MLP params
 dropout = 0.0
 # optimizer: AdamW; learning rate warms up linearly, then a cosine down to min_lr, then flat
 muon = False                    # Muon for the blocks' matrices, AdamW for the rest (MuonAdamW)
@@ -248,6 +248,14 @@ for name in shard_names:
                         f"{meta['dtype']} ids of meta.json: {fix_dataset}")
     shard_sizes[path] = len(tokens)
 
+def check_ids(rows, path):
+    # An id past the vocabulary would fail deep in the embedding (on a GPU, as a device assert).
+    # Checked in get_batch, on the ids just read, it costs nothing; start-up reads no tokens.
+    largest = rows.max()  # (unsigned: no id is below 0)
+    if largest >= meta["vocab_size"]:
+        raise BatchError(f"{path} holds token id {largest}, past the vocabulary of meta.json "
+                         f"(0..{meta['vocab_size'] - 1}): {fix_dataset}")
+
 # === plumbing: HellaSwag's examples: the Hub's, or a .jsonl (a first read skips to the next # ===)
 import socket, urllib.parse
 
@@ -330,10 +338,10 @@ ckpt_path = os.path.join(out_dir, "ckpt.pt")
 if init_from == "auto":
     init_from = "resume" if os.path.exists(ckpt_path) else "scratch"
 
-# === plumbing: the tokenizer's check; loading a checkpoint (a first read skips to the next # ===)
+# === plumbing: the tokenizer's check; a checkpoint's checks (a first read skips to the next # ===)
 # It checks the tokenizer, and turns HellaSwag's examples and the sample's prompt into token ids
-# (encoding, hellaswag_set, sample_ids). On a resume, it loads and checks checkpoint, whose model
-# (raw_model) and model settings (block_size, n_layer, ...) win over the command line's.
+# (encoding; hellaswag_set: (context ids, 4 endings' ids, label); sample_ids). load_for_resume
+# loads a checkpoint and its model, and says in one line why it can't resume here.
 from model import CheckpointError, encoding_from_checkpoint, load_checkpoint, model_from_checkpoint
 
 if kind != "tiktoken":  # (a tiktoken name may need the internet to load)
@@ -372,30 +380,36 @@ sample_ids = token_ids(sample_prompt, "all") if sample_prompt else None
 if sample_prompt and not sample_ids:
     raise UserError(f"sample_prompt={sample_prompt!r} has characters the vocabulary lacks")
 
-if eval_only and init_from != "resume":
-    raise UserError(f"eval_only=True: there is no {ckpt_path} to evaluate")
-checkpoint = None
-if init_from == "resume":
+def load_for_resume(path):
     try:
-        checkpoint = load_checkpoint(ckpt_path, map_location="cpu")
-        raw_model = model_from_checkpoint(checkpoint)  # no "_orig_mod." or "module." prefixes
+        checkpoint = load_checkpoint(path, map_location="cpu")
+        model = model_from_checkpoint(checkpoint)  # no "_orig_mod." or "module." prefixes
     except CheckpointError as e:
         raise UserError(f"cannot resume: {e}")
     training_state = ["optimizer", "iter_num", "best_val_loss", "rng", "tokenizer", "train_config"]
     if None in map(checkpoint.get, training_state):
-        raise UserError(f"{ckpt_path} lacks the training state: only train.py's checkpoints resume")
+        raise UserError(f"{path} lacks the training state: only train.py's checkpoints resume")
     if checkpoint["tokenizer"] != tokenizer:  # its ids would mean other text
         trained_on = (checkpoint.get("dataset") or {}).get("tokenizer")
-        raise UserError(f"{ckpt_path} was trained with another tokenizer ({trained_on}) than "
+        raise UserError(f"{path} was trained with another tokenizer ({trained_on}) than "
                         f"{dataset}'s ({meta['tokenizer']}): resume on its own dataset")
     if checkpoint["train_config"].get("muon", False) != muon:
-        raise UserError(f"{ckpt_path} was trained with muon={not muon}: resume with "
-                        f"--muon={not muon}")
+        raise UserError(f"{path} was trained with muon={not muon}: resume with --muon={not muon}")
+    return checkpoint, model
+
+if eval_only and init_from != "resume":
+    raise UserError(f"eval_only=True: there is no {ckpt_path} to evaluate")
+
+# === resume: the checkpoint's model, whose settings (block_size, n_layer, ...) win over the
+# command line's; the rest of its state (optimizer, step, random states) is restored below
+checkpoint = None
+if init_from == "resume":
+    checkpoint, raw_model = load_for_resume(ckpt_path)
     for key, value in [(k, v) for k, v in checkpoint["model_config"].items() if k in defaults]:
         if globals()[key] not in (None, value) and master:
             print(f"note: resuming keeps the checkpoint's {key}={value!r} (not {globals()[key]!r})")
         globals()[key] = value
-vocab_size = meta["vocab_size"] if vocab_size is None else vocab_size
+vocab_size = meta["vocab_size"] if vocab_size is None else vocab_size  # the dataset's, by default
 if vocab_size < meta["vocab_size"]:
     raise UserError(f"vocab_size={vocab_size} but the dataset's vocabulary has "
                     f"{meta['vocab_size']} ids: leave vocab_size unset, or set it that large")
@@ -434,15 +448,11 @@ def get_batch(split, generator):
     offsets = starts - (window_ends[shard_of] - counts[shard_of])
     rows = np.empty((batch_size, block_size + 1), dtype=np.int64)
     for shard in np.unique(shard_of):
-        tokens = np.load(paths[shard], mmap_mode="r")  # per batch: an open memmap keeps every page
+        # opened anew for each batch: a memmap kept open keeps in memory every page it has read
+        tokens = np.load(paths[shard], mmap_mode="r")
         for row in np.flatnonzero(shard_of == shard):
             rows[row] = tokens[offsets[row]:offsets[row] + block_size + 1]
-        # An id past the vocabulary would fail deep in the embedding (on a GPU, as a device
-        # assert). Checked here, on the ids just read, it costs nothing; start-up reads no tokens.
-        largest = rows[shard_of == shard].max()  # (unsigned: no id is below 0)
-        if largest >= meta["vocab_size"]:
-            raise BatchError(f"{paths[shard]} holds token id {largest}, past the vocabulary of "
-                             f"meta.json (0..{meta['vocab_size'] - 1}): {fix_dataset}")
+        check_ids(rows[shard_of == shard], paths[shard])  # ids past the vocabulary: one line
     x, y = torch.from_numpy(rows[:, :-1].copy()), torch.from_numpy(rows[:, 1:].copy())
     if device_type == "cuda":  # pinned memory: the copy runs while the GPU works on the last batch
         x, y = x.pin_memory(), y.pin_memory()
@@ -607,7 +617,8 @@ while True:
     # the same seed at every eval: evals compare like with like, whatever the number of processes.
     if (iter_num % eval_interval == 0 or last_iter or eval_only) and not stopping:
         model.eval()
-        # train losses' sum, val ones', ranks stopped; HellaSwag's examples, right by mean, by sum
+        # slots: train losses' sum, val losses' sum, ranks stopped (by stop_signal: SIGTERM or
+        # Ctrl-C); HellaSwag's examples, right by mean loss, right by summed loss
         totals = torch.zeros(6, device=device)
         for k in range(rank, eval_iters, world_size):
             if stop_signal:  # a long eval must not outlast a preemption's grace period
@@ -620,7 +631,8 @@ while True:
                     totals[split_index] += model(x, y)[1].float()
         # HellaSwag as build-nanogpt and llm.c score it: each ending after the context, the model's
         # answer the ending of lowest mean loss over its tokens (acc_norm), or of lowest sum (acc).
-        # One example a forward, the examples shared out: 2 processes count what 1 does.
+        # One example a forward, the examples shared out: 2 processes count what 1 does. The raw
+        # model here and for the sample: their shapes vary, and each would make torch.compile recompile.
         if hellaswag_set and (iter_num % hellaswag_interval == 0 or last_iter or eval_only):
             for context, endings, label in hellaswag_set[rank::world_size]:
                 if stop_signal:
