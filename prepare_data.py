@@ -61,8 +61,9 @@ class UserError(Exception):
 # process pool's cost (pickling documents to workers, tokens back); encode_to_numpy builds no list
 # of ints. See bench/RESULTS.md.
 def encode_batch(texts, encoder, dtype, token_lengths):
-    """Each text's ids (<|endoftext|>, none at char level, then its own), its UTF-8 bytes, and the
-    bytes its ids spell: fewer where the split pattern left some unmatched (tiktoken drops them)."""
+    """Each text's ids (<|endoftext|>, none at char level, then its own), its characters, its UTF-8
+    bytes, and the bytes its ids spell: fewer where the split pattern left some unmatched (tiktoken
+    drops them)."""
     eot = np.array([] if encoder.eot_token is None else [encoder.eot_token], dtype)
     encoded = []
     for text in texts:
@@ -75,13 +76,13 @@ def encode_batch(texts, encoder, dtype, token_lengths):
         text_bytes = len(text.encode("utf-8", "surrogatepass"))
         # at char level (no token_lengths) every character is a token
         kept = text_bytes if token_lengths is None else int(token_lengths[ids].sum())
-        encoded.append((ids, text_bytes, kept))
+        encoded.append((ids, len(text), text_bytes, kept))
     return encoded
 
 
 def encode_in_threads(texts, encode, workers):
-    """(encode's result, number of characters) for each text, in order. Threads encode batches of
-    batch_chars characters while this one reads ahead, 2 per thread at most: memory stays flat."""
+    """encode's results, in order. Threads encode batches of batch_chars characters while this one
+    reads ahead, 2 per thread at most: memory stays flat."""
     pool, in_flight, batch, size = ThreadPoolExecutor(workers), deque(), [], 0
     try:
         for text in itertools.chain(texts, [None]):  # None: the end, collect the rest
@@ -89,11 +90,10 @@ def encode_in_threads(texts, encode, workers):
                 batch.append(text)
                 size += len(text)
             if batch and (text is None or size >= batch_chars):
-                in_flight.append((batch, pool.submit(encode, batch)))
+                in_flight.append(pool.submit(encode, batch))
                 batch, size = [], 0
             while in_flight and (text is None or len(in_flight) > 2 * workers):
-                done, future = in_flight.popleft()
-                yield from zip(future.result(), map(len, done))
+                yield from in_flight.popleft().result()
     finally:  # also when stopped early (--max_tokens, an error, Ctrl-C): drop the batches not begun
         pool.shutdown(cancel_futures=True)
 
@@ -245,7 +245,7 @@ def run(argv):
         pending, bytes_read, bytes_kept, t1 = None, 0, 0, time.time()
         with tqdm(unit="tok", unit_scale=True, desc="tokenizing", mininterval=0.5, initial=total,
                   total=args.max_tokens) as bar:
-            for index, ((tokens, text_bytes, token_bytes), chars) in enumerate(stream, start):
+            for index, (tokens, chars, text_bytes, token_bytes) in enumerate(stream, start):
                 if pending:
                     shards.route(*pending, is_last=False)
                 pending = (index, tokens[:limit - total], chars, offset if index == start else 0)
