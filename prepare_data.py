@@ -216,7 +216,7 @@ def run(argv):
         if encoder is None:  # char level: pass 1 finds the vocabulary, every distinct character
             if "chars" not in state:
                 state["chars"] = sorted(set(itertools.chain.from_iterable(
-                    tqdm(texts(), unit=" docs", desc="pass 1: characters", mininterval=0.5))))
+                    tqdm(texts(), unit=" docs", desc="pass 1: characters"))))
                 BadUTF8.count = 0  # pass 2 reads the same text again, and counts it again
             encoder = CharEncoder(state["chars"])
         # uint16 holds ids up to 65535: half the disk and memory bandwidth of uint32
@@ -241,7 +241,7 @@ def run(argv):
             state["num_chars"] += chars
 
         pending, bytes_read, bytes_kept, t1 = None, 0, 0, time.time()
-        with tqdm(unit="tok", unit_scale=True, desc="tokenizing", mininterval=0.5, initial=total,
+        with tqdm(unit="tok", unit_scale=True, desc="tokenizing", initial=total,
                   total=args.max_tokens) as bar:
             for index, (tokens, chars, text_bytes, token_bytes) in enumerate(stream, start):
                 if pending:
