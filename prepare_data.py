@@ -189,7 +189,7 @@ def complete(out_dir, tokenizer_files, meta=None):
         leftover.unlink(missing_ok=True)
 
 
-# === the run: steps 1 to 4, in order
+# === the run: steps 1 to 4, in order. What it calls that no step defines is plumbing, below.
 def run(argv):
     args, t0 = parse_args(argv), time.time()
     documents, source_name, source = open_source(args.data or data, args.data is not None)
