@@ -57,9 +57,8 @@ LOCAL_SUFFIXES = (".txt", ".jsonl", ".parquet")
 # process pool's cost (pickling documents to workers, tokens back); encode_to_numpy builds no list
 # of ints. See bench/RESULTS.md.
 def encode_batch(texts, encoder, dtype, token_lengths):
-    """Each text's ids (<|endoftext|>, none at char level, then its own), its characters, its UTF-8
-    bytes, and the bytes its ids spell: fewer where the split pattern left some unmatched (tiktoken
-    drops them)."""
+    """Per text: ids (<|endoftext|>, none at char level, then its own), characters, UTF-8 bytes, and
+    the bytes its ids spell: fewer if the split pattern left some unmatched (tiktoken drops them)"""
     eot = np.array([] if encoder.eot_token is None else [encoder.eot_token], dtype)
     encoded = []
     for text in texts:
@@ -296,13 +295,13 @@ def parse_args(argv):
     return args
 
 
-def output_dir(args, source_name):  # --out, or data/<source>_<tokenizer>
+def output_dir(args, source_name):
     name = Path(args.tokenizer).resolve().name
     name = name if name.startswith(source_name + "_") else f"{source_name}_{name}"
     return Path(args.out or Path("data", name))
 
 
-def warn(args, state, bytes_read, bytes_kept):  # what the user should know of the finished run
+def warn(args, state, bytes_read, bytes_kept):  # at the end of a run
     tokens, unmatched = state["tokens"], 1 - bytes_kept / max(bytes_read, 1)
     for failed, warning in [
             (BadUTF8.count, f"{BadUTF8.count} invalid UTF-8 sequences were replaced with U+FFFD"),
