@@ -52,17 +52,13 @@ LOCAL_SUFFIXES = (".txt", ".jsonl", ".parquet")
 # -----------------------------------------------------------------------------
 
 
-class UserError(Exception):
-    """A mistake in the input: printed as one line, never as a traceback."""
-
-
-# ---------------------------------------------------------------- step 1: encode in threads
+# === step 1: tokenize the documents, in threads
 # tiktoken's Rust core releases the GIL while it encodes, so threads use every core without a
 # process pool's cost (pickling documents to workers, tokens back); encode_to_numpy builds no list
 # of ints. See bench/RESULTS.md.
 def encode_batch(texts, encoder, dtype, token_lengths):
-    """Each text's ids (<|endoftext|>, none at char level, then its own), its UTF-8 bytes, and the
-    bytes its ids spell: fewer where the split pattern left some unmatched (tiktoken drops them)."""
+    """Per text: ids (<|endoftext|>, none at char level, then its own), characters, UTF-8 bytes, and
+    the bytes its ids spell: fewer if the split pattern left some unmatched (tiktoken drops them)"""
     eot = np.array([] if encoder.eot_token is None else [encoder.eot_token], dtype)
     encoded = []
     for text in texts:
@@ -75,13 +71,13 @@ def encode_batch(texts, encoder, dtype, token_lengths):
         text_bytes = len(text.encode("utf-8", "surrogatepass"))
         # at char level (no token_lengths) every character is a token
         kept = text_bytes if token_lengths is None else int(token_lengths[ids].sum())
-        encoded.append((ids, text_bytes, kept))
+        encoded.append((ids, len(text), text_bytes, kept))
     return encoded
 
 
 def encode_in_threads(texts, encode, workers):
-    """(encode's result, number of characters) for each text, in order. Threads encode batches of
-    batch_chars characters while this one reads ahead, 2 per thread at most: memory stays flat."""
+    """encode's results, in order. Threads encode batches of batch_chars characters while this one
+    reads ahead, 2 per thread at most: memory stays flat."""
     pool, in_flight, batch, size = ThreadPoolExecutor(workers), deque(), [], 0
     try:
         for text in itertools.chain(texts, [None]):  # None: the end, collect the rest
@@ -89,11 +85,10 @@ def encode_in_threads(texts, encode, workers):
                 batch.append(text)
                 size += len(text)
             if batch and (text is None or size >= batch_chars):
-                in_flight.append((batch, pool.submit(encode, batch)))
+                in_flight.append(pool.submit(encode, batch))
                 batch, size = [], 0
             while in_flight and (text is None or len(in_flight) > 2 * workers):
-                done, future = in_flight.popleft()
-                yield from zip(future.result(), map(len, done))
+                yield from in_flight.popleft().result()
     finally:  # also when stopped early (--max_tokens, an error, Ctrl-C): drop the batches not begun
         pool.shutdown(cancel_futures=True)
 
@@ -112,33 +107,17 @@ class CharEncoder:
         return ids
 
 
-# ---------------------------------------------------------------- step 2: shards, val then train
+# === step 2: write the shards
 # Shard k of a split holds its tokens [k * shard_size, (k + 1) * shard_size): the boundaries depend
 # on the data alone. A .npy file is a 128-byte header and the raw array: tokens stream into NAME.tmp
 # behind a placeholder header, the true header goes in when the shard is full, then it is renamed
 # NAME. Each finished shard saves progress.json: the meta.json to be, and where a rerun resumes.
 class Shards:
-    def __init__(self, out_dir, state, args):
-        self.out_dir, self.state, self.args = out_dir, state, args
+    def __init__(self, out_dir, state, shard_size):
+        self.out_dir, self.state, self.shard_size = out_dir, state, shard_size
         self.split, self.file, self.filled = None, None, 0
 
-    def route(self, index, tokens, chars, skip, is_last):
-        """Val takes the first documents until it holds val_tokens (one at least); train takes the
-        rest, and always the last. A single document trains on its first 90%, as in nanoGPT."""
-        if is_last and index == 0:
-            if len(tokens) < 2:
-                raise UserError(f"the dataset {self.state['source']} is a single token: too little")
-            cut = min(len(tokens) - 1, len(tokens) * 9 // 10)
-            self.write("train", tokens, skip, cut, index)
-            self.write("val", tokens, max(skip, cut), len(tokens), index)
-        else:  # the shards hold the documents before this one, and its first `skip` tokens
-            written = self.state["tokens"]
-            val_is_full = written["val"] - skip >= self.args.val_tokens
-            val = not is_last and written["train"] == 0 and not val_is_full
-            self.write("val" if val else "train", tokens, skip, len(tokens), index)
-        self.state["num_chars"] += chars
-
-    def write(self, split, tokens, start, end, index):
+    def write(self, split, tokens, start, end, index):  # tokens[start:end] of document `index`
         if split != self.split:
             self.finish(index, start)
             self.split = split
@@ -149,12 +128,12 @@ class Shards:
                 name = f"{split}_{len(self.state['shards'][split]):06d}.npy"
                 self.file = open(self.out_dir / f"{name}.tmp", "wb")
                 self.file.write(bytes(128))
-            chunk = tokens[start:min(end, start + self.args.shard_size - self.filled)]
+            chunk = tokens[start:min(end, start + self.shard_size - self.filled)]
             self.file.write(chunk.tobytes())
             self.filled, start = self.filled + len(chunk), start + len(chunk)
             self.state["tokens"][split] += len(chunk)
             self.state["max_token_id"] = max(self.state["max_token_id"], int(chunk.max()))
-            if self.filled == self.args.shard_size:
+            if self.filled == self.shard_size:
                 self.finish(index, start)
 
     def finish(self, document, offset):
@@ -183,21 +162,35 @@ def write_json(path, obj):  # under a temporary name, then renamed: readers neve
     os.replace(f"{path}.tmp", path)
 
 
-# ---------------------------------------------------------------- the run
-def run(argv):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tokenizer", default=tokenizer, help="BPE dir, tiktoken name or char")
-    parser.add_argument("--data", help=f"{' | '.join(HUB_DATASETS)} | a file or directory ({data})")
-    parser.add_argument("--out", default=out, help="default data/<source>_<tokenizer>")
-    parser.add_argument("-n", "--num_chars", type=int, default=num_chars, help="read N characters")
-    for name, meaning in [("max_tokens", "stop after N tokens"), ("shard_size", "tokens per shard"),
-                          ("val_tokens", "tokens for val"), ("workers", "tokenizer threads")]:
-        default = globals()[name]
-        parser.add_argument(f"--{name}", type=int, default=default, help=f"{meaning} ({default})")
-    args = parser.parse_args(argv)
-    validate(args)
+# === step 3: the val split
+# Val takes the first documents until it holds val_tokens (one at least); train takes the rest, and
+# always the last. A lone document trains on its first 90% and validates on the rest, as in nanoGPT.
+def val_split(index, size, skip, is_last, written, val_tokens):
+    """Where document `index`'s tokens [skip, size) go, as (split, start, end); `written`: the
+    tokens each split holds, this document's first `skip` included (a resumed run wrote those)."""
+    if is_last and index == 0:
+        cut = size * 9 // 10  # below size: val gets a token at least
+        return [("train", skip, cut), ("val", max(skip, cut), size)]
+    val = not is_last and written["train"] == 0 and written["val"] - skip < val_tokens
+    return [("val" if val else "train", skip, size)]
 
-    t0 = time.time()
+
+# === step 4: meta.json, last
+def complete(out_dir, tokenizer_files, meta=None):
+    """The BPE tokenizer's files as loaded (the dataset stands on its own); meta.json, last, as it
+    says the dataset is complete; then no progress.json, nor a *.tmp that a killed run began."""
+    for name, content in tokenizer_files.items():
+        (out_dir / f"{name}.tmp").write_bytes(content)
+        os.replace(out_dir / f"{name}.tmp", out_dir / name)  # train.py never reads half a tokenizer
+    if meta:
+        write_json(out_dir / "meta.json", meta)
+    for leftover in [out_dir / "progress.json", *out_dir.glob("*.tmp")]:
+        leftover.unlink(missing_ok=True)
+
+
+# === the run: steps 1 to 4, in order. What it calls that no step defines is plumbing, below.
+def run(argv):
+    args, t0 = parse_args(argv), time.time()
     documents, source_name, source = open_source(args.data or data, args.data is not None)
     encoder, tokenizer_meta, tokenizer_files = load_tokenizer(args.tokenizer)
     # at char level a token is a character: both passes then read the same max_tokens characters
@@ -208,17 +201,13 @@ def run(argv):
     def texts():  # an empty text is no document
         return (text for text in first_chars(documents, budget) if text)
 
-    name = Path(args.tokenizer).resolve().name
-    name = name if name.startswith(source_name + "_") else f"{source_name}_{name}"
-    out_dir = Path(args.out or Path("data", name))
-    files = None  # a local source is known by its files: a rerun on edited ones must not resume
-    if (args.data or data) not in HUB_DATASETS:
-        files = [[str(p), p.stat().st_size, p.stat().st_mtime_ns] for p in local_files(args.data)]
-    run_args = {"source": source, "tokenizer": tokenizer_meta, "num_chars": args.num_chars,
-                "max_tokens": args.max_tokens, "shard_size": args.shard_size,
-                "val_tokens": args.val_tokens, "files": files}
-    with writing_to(out_dir):
-        state = resume_state(out_dir, run_args, encoder)
+    out_dir = output_dir(args, source_name)
+    # the state: meta.json to be (saved as progress.json after each shard) and where to resume
+    state = {"version": 1, "max_token_id": -1, "tokenizer": tokenizer_meta, "source": source,
+             "num_chars": 0, "tokens": {"val": 0, "train": 0}, "shards": {"val": [], "train": []},
+             "args": run_args(args, source, tokenizer_meta), "resume": {"document": 0, "offset": 0}}
+    with writing_to(out_dir):  # one run at a time writes there
+        state = resume_state(out_dir, state, encoder)  # or a killed run's; None if complete
         if state is None:  # put back the tokenizer files; clear what a killed run left
             complete(out_dir, tokenizer_files)
             return print(f"{out_dir} is already complete with these arguments; nothing to do")
@@ -226,7 +215,7 @@ def run(argv):
         if encoder is None:  # char level: pass 1 finds the vocabulary, every distinct character
             if "chars" not in state:
                 state["chars"] = sorted(set(itertools.chain.from_iterable(
-                    tqdm(texts(), unit=" docs", desc="pass 1: characters", mininterval=0.5))))
+                    tqdm(texts(), unit=" docs", desc="pass 1: characters"))))
                 BadUTF8.count = 0  # pass 2 reads the same text again, and counts it again
             encoder = CharEncoder(state["chars"])
         # uint16 holds ids up to 65535: half the disk and memory bandwidth of uint32
@@ -235,19 +224,27 @@ def run(argv):
                      dtype=np.dtype(dtype).name)
         token_lengths = None if args.tokenizer == "char" else token_byte_lengths(encoder)
 
-        # encode in threads, and route to the shards one document late: the last one always trains
-        shards, limit = Shards(out_dir, state, args), args.max_tokens or sys.maxsize
+        # step 1 in threads; steps 3 and 2 one document late: only the next one's arrival says
+        # that a document is not the last, which always trains
+        shards, limit = Shards(out_dir, state, args.shard_size), args.max_tokens or sys.maxsize
         start, offset = state["resume"]["document"], state["resume"]["offset"]
         total = start_total = sum(state["tokens"].values()) - offset  # those before `start` count
         stream = encode_in_threads(itertools.islice(texts(), start, None) if total < limit else (),
                                    lambda batch: encode_batch(batch, encoder, dtype, token_lengths),
                                    args.workers)
+
+        def route(index, tokens, chars, skip, is_last):  # step 3, then step 2
+            for split, begin, end in val_split(index, len(tokens), skip, is_last, state["tokens"],
+                                               args.val_tokens):
+                shards.write(split, tokens, begin, end, index)
+            state["num_chars"] += chars
+
         pending, bytes_read, bytes_kept, t1 = None, 0, 0, time.time()
-        with tqdm(unit="tok", unit_scale=True, desc="tokenizing", mininterval=0.5, initial=total,
+        with tqdm(unit="tok", unit_scale=True, desc="tokenizing", initial=total,
                   total=args.max_tokens) as bar:
-            for index, ((tokens, text_bytes, token_bytes), chars) in enumerate(stream, start):
+            for index, (tokens, chars, text_bytes, token_bytes) in enumerate(stream, start):
                 if pending:
-                    shards.route(*pending, is_last=False)
+                    route(*pending, is_last=False)
                 pending = (index, tokens[:limit - total], chars, offset if index == start else 0)
                 total += len(pending[1])
                 bytes_read, bytes_kept = bytes_read + text_bytes, bytes_kept + token_bytes
@@ -256,14 +253,56 @@ def run(argv):
                     break
         if pending is None and start == 0:
             raise UserError(f"the dataset {source} is empty; point --data at text")
+        if pending and pending[0] == 0 and len(pending[1]) < 2:  # none left for val
+            raise UserError(f"the dataset {source} is a single token: too little")
         if pending:  # (else: a resumed run whose shards were all finished)
-            shards.route(*pending, is_last=True)
+            route(*pending, is_last=True)
             shards.finish(pending[0] + 1, 0)
         t2 = time.time()
         complete(out_dir, tokenizer_files, {key: state[key] for key in state if key != "resume"})
 
+    warn(args, state, bytes_read, bytes_kept)
     tokens, shard_names = state["tokens"], state["shards"]
-    unmatched = 1 - bytes_kept / max(bytes_read, 1)
+    print(f"wrote {out_dir}: {tokens['train']:,} train tokens in {len(shard_names['train'])} "
+          f"shards, {tokens['val']:,} val tokens in {len(shard_names['val'])}, {state['dtype']}, "
+          f"from {state['resume']['document']:,} documents")
+    tokens_per_second = (total - start_total) / max(t2 - t1, 1e-9)
+    print(f"tokenizing {t2 - t1:.2f}s ({tokens_per_second:,.0f} tokens/s) | total {t2 - t0:.2f}s")
+
+
+# === plumbing: the command line and its checks, the warnings at the end (a first read can skip
+# to the next # === banner)
+class UserError(Exception):
+    """A mistake in the input: printed as one line, never as a traceback."""
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokenizer", default=tokenizer, help="BPE dir, tiktoken name or char")
+    parser.add_argument("--data", help=f"{' | '.join(HUB_DATASETS)} | a file or directory ({data})")
+    parser.add_argument("--out", default=out, help="default data/<source>_<tokenizer>")
+    parser.add_argument("-n", "--num_chars", type=int, default=num_chars, help="read N characters")
+    for name, meaning in [("max_tokens", "stop after N tokens"), ("shard_size", "tokens per shard"),
+                          ("val_tokens", "tokens for val"), ("workers", "tokenizer threads")]:
+        default = globals()[name]
+        parser.add_argument(f"--{name}", type=int, default=default, help=f"{meaning} ({default})")
+    args = parser.parse_args(argv)
+    if args.tokenizer is None:
+        raise UserError("--tokenizer is required: a BPE directory, a tiktoken name (gpt2) or char")
+    for flag, value in vars(args).items():
+        if isinstance(value, int) and value <= 0:
+            raise UserError(f"--{flag} {value}: must be a positive number")
+    return args
+
+
+def output_dir(args, source_name):
+    name = Path(args.tokenizer).resolve().name
+    name = name if name.startswith(source_name + "_") else f"{source_name}_{name}"
+    return Path(args.out or Path("data", name))
+
+
+def warn(args, state, bytes_read, bytes_kept):  # at the end of a run
+    tokens, unmatched = state["tokens"], 1 - bytes_kept / max(bytes_read, 1)
     for failed, warning in [
             (BadUTF8.count, f"{BadUTF8.count} invalid UTF-8 sequences were replaced with U+FFFD"),
             (bytes_kept < bytes_read, f"the split pattern matched {bytes_kept:,} of {bytes_read:,} "
@@ -275,22 +314,9 @@ def run(argv):
     if args.num_chars and state["num_chars"] < args.num_chars and not args.max_tokens:
         print(f"the source ran out after {state['num_chars']:,} characters "
               f"(asked for {args.num_chars:,})")
-    print(f"wrote {out_dir}: {tokens['train']:,} train tokens in {len(shard_names['train'])} "
-          f"shards, {tokens['val']:,} val tokens in {len(shard_names['val'])}, {state['dtype']}, "
-          f"from {state['resume']['document']:,} documents")
-    tokens_per_second = (total - start_total) / max(t2 - t1, 1e-9)
-    print(f"tokenizing {t2 - t1:.2f}s ({tokens_per_second:,.0f} tokens/s) | total {t2 - t0:.2f}s")
 
 
-# ---------------------------------------------------------------- checks, the tokenizer, --out
-def validate(args):
-    if args.tokenizer is None:
-        raise UserError("--tokenizer is required: a BPE directory, a tiktoken name (gpt2) or char")
-    for flag, value in vars(args).items():
-        if isinstance(value, int) and value <= 0:
-            raise UserError(f"--{flag} {value}: must be a positive number")
-
-
+# === plumbing: the tokenizer and its checks (a first read can skip to the next # === banner)
 def load_tokenizer(name):
     """--tokenizer -> (tiktoken's encoder, None at char level; meta.json's entry; its files)."""
     if name == "char":  # the vocabulary comes later, from the data
@@ -352,18 +378,26 @@ def token_byte_lengths(encoder):  # each id's bytes; 0 for special tokens, never
     return lengths
 
 
-def resume_state(out_dir, run_args, encoder):
-    """A new dataset's state; None for one already complete; or the state that a killed run saved,
-    if the same settings made it and its finished shards are whole."""
+# === plumbing: resuming, and the lock that lets one run at a time write to an --out
+# (a first read can skip to the next # === banner)
+def run_args(args, source, tokenizer_meta):  # what decides the shards: a rerun with others refuses
+    files = None  # a local source is known by its files: a rerun on edited ones must not resume
+    if (args.data or data) not in HUB_DATASETS:
+        files = [[str(p), p.stat().st_size, p.stat().st_mtime_ns] for p in local_files(args.data)]
+    return {"source": source, "tokenizer": tokenizer_meta, "num_chars": args.num_chars,
+            "max_tokens": args.max_tokens, "shard_size": args.shard_size,
+            "val_tokens": args.val_tokens, "files": files}
+
+
+def resume_state(out_dir, state, encoder):
+    """The new dataset's `state`; None for one already complete; or the state that a killed run
+    saved, if the same settings made it and its finished shards are whole."""
     saved_path = next((path for path in [out_dir / "meta.json", out_dir / "progress.json"]
                        if path.exists()), None)
     if saved_path is None:
         if any(not path.name.endswith(".tmp") for path in out_dir.iterdir()):
             raise UserError(f"--out {out_dir} is not empty and was not made by prepare_data.py")
-        return {"version": 1, "max_token_id": -1, "tokenizer": run_args["tokenizer"],
-                "source": run_args["source"], "num_chars": 0, "tokens": {"val": 0, "train": 0},
-                "shards": {"val": [], "train": []}, "args": run_args,
-                "resume": {"document": 0, "offset": 0}}
+        return state
     vocabulary = {}  # the tokenizer's ids decide the shards too; at char level, the data's (later)
     if encoder is not None:
         vocabulary = {"vocab_size": encoder.n_vocab, "eot_token": encoder.eot_token}
@@ -371,10 +405,10 @@ def resume_state(out_dir, run_args, encoder):
     try:
         saved = json.loads(saved_path.read_text())
         before = shard_settings(saved["args"], {key: saved[key] for key in vocabulary})
-        damaged = damaged_shard(out_dir, saved, run_args["shard_size"])
+        damaged = damaged_shard(out_dir, saved, state["args"]["shard_size"])
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         raise UserError(f"--out {out_dir}: {saved_path.name} is unreadable; {start_over}")
-    now = shard_settings(run_args, vocabulary)
+    now = shard_settings(state["args"], vocabulary)
     changed = next((key for key in now if now[key] != before.get(key)), None)
     why = f"other arguments ({changed}: {before.get(changed)!r}, now {now.get(changed)!r})"
     if changed == "files":  # their sizes or times differ
@@ -391,7 +425,7 @@ def resume_state(out_dir, run_args, encoder):
     print(f"resuming {out_dir}: {len(saved['shards']['val'])} val and "
           f"{len(saved['shards']['train'])} train shards are finished; "
           f"skipping {saved['resume']['document']:,} documents")
-    return {**saved, "tokenizer": run_args["tokenizer"], "args": run_args}  # today's tokenizer path
+    return {**saved, "tokenizer": state["tokenizer"], "args": state["args"]}  # today's path
 
 
 def shard_settings(run_args, vocabulary):  # what decides the shards: all but the tokenizer's path
@@ -447,18 +481,6 @@ def lock_directory(path):
         print(f"warning: {path}: can't lock it ({error.strerror}); make sure that one run at a time "
               "writes there", file=sys.stderr)
     return descriptor  # the lock lasts while this descriptor is open: keep it
-
-
-def complete(out_dir, tokenizer_files, meta=None):
-    """The BPE tokenizer's files as loaded (the dataset stands on its own); meta.json, last, as it
-    says the dataset is complete; then no progress.json, nor a *.tmp that a killed run began."""
-    for name, content in tokenizer_files.items():
-        (out_dir / f"{name}.tmp").write_bytes(content)
-        os.replace(out_dir / f"{name}.tmp", out_dir / name)  # train.py never reads half a tokenizer
-    if meta:
-        write_json(out_dir / "meta.json", meta)
-    for leftover in [out_dir / "progress.json", *out_dir.glob("*.tmp")]:
-        leftover.unlink(missing_ok=True)
 
 
 # === plumbing: reading text (a function that stands in several scripts is the same in each; a
@@ -580,7 +602,7 @@ def first_chars(documents, num_chars):  # the last document is cut to fit
         if num_chars == 0:
             return  # before the source is asked for one more document: it may be slow, or malformed
 
-# ---------------------------------------------------------------- the command line
+# === plumbing: the command line runs run(), and prints each error as one line, never a traceback
 if __name__ == "__main__":
     try:
         run(sys.argv[1:])

@@ -193,6 +193,23 @@ def test_char_ids_are_ranks_and_an_unseen_character_is_refused():
         encoder.encode_to_numpy("abc")
 
 
+@pytest.mark.parametrize("index, size, skip, is_last, written, pieces", [
+    (0, 50, 0, False, {"val": 0, "train": 0}, [("val", 0, 50)]),  # the first document: val
+    (1, 50, 0, False, {"val": 99, "train": 0}, [("val", 0, 50)]),  # val short of 100: still val
+    (2, 50, 0, False, {"val": 100, "train": 0}, [("train", 0, 50)]),  # val full: train from now on
+    (3, 50, 0, False, {"val": 40, "train": 10}, [("train", 0, 50)]),  # train begun: train
+    (1, 50, 0, True, {"val": 0, "train": 0}, [("train", 0, 50)]),  # the last document always trains
+    # resumed at token 30 of a document: `written` holds those 30, which don't make val full
+    (4, 50, 30, False, {"val": 120, "train": 0}, [("val", 30, 50)]),
+    (4, 50, 30, False, {"val": 100, "train": 30}, [("train", 30, 50)]),
+    (0, 50, 0, True, {"val": 0, "train": 0}, [("train", 0, 45), ("val", 45, 50)]),  # alone: 90/10
+    (0, 2, 0, True, {"val": 0, "train": 0}, [("train", 0, 1), ("val", 1, 2)]),  # val: one at least
+])
+def test_the_val_split_rule(index, size, skip, is_last, written, pieces):
+    """Step 3 on its own: where each piece of a document goes, with val_tokens = 100."""
+    assert prepare_data.val_split(index, size, skip, is_last, written, 100) == pieces
+
+
 def test_tiktoken_name_path_with_a_local_encoding(tmp_path, docs, bpe_dir):
     """The tiktoken-name route (tiktoken.get_encoding) for real, on an encoding that tiktoken finds through its
     plugin mechanism (a tiktoken_ext module on PYTHONPATH) and builds from local ranks: gpt2 & co. would need
