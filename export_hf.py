@@ -20,10 +20,11 @@ import fcntl
 import json
 import os
 import shutil
-import struct
 import sys
 
 import torch
+from safetensors import SafetensorError
+from safetensors.torch import save_file
 
 from model import (CharTokenizer, CheckpointError, encoding_from_checkpoint, load_checkpoint,
                    model_from_checkpoint)
@@ -77,16 +78,16 @@ def main():
     temp_dir = f"{hf_path}.tmp.{os.getpid()}"
     try:
         os.makedirs(temp_dir)
-        write_safetensors(os.path.join(temp_dir, "model.safetensors"), weights)
+        save_file(weights, os.path.join(temp_dir, "model.safetensors"), metadata={"format": "pt"})
         for name, content in files.items():
             with open(os.path.join(temp_dir, name), "w", encoding="utf-8") as f:
                 json.dump(content, f, indent=2, ensure_ascii=False)
                 f.write("\n")
         os.rename(temp_dir, hf_path)  # replaces the empty, locked hf_dir
-    except OSError as err:
+    except (OSError, SafetensorError) as err:  # safetensors reports a full disk as its own error
         if os.path.isdir(hf_path) and not os.listdir(hf_path):
             os.rmdir(hf_path)  # a failed export leaves nothing
-        raise UserError(f"can't write {hf_path}: {err.strerror or err}") from None
+        raise UserError(f"can't write {hf_path}: {getattr(err, 'strerror', None) or err}") from None
     finally:
         shutil.rmtree(temp_dir, ignore_errors=True)
     print(f"wrote {hf_path}: LlamaForCausalLM with {model.get_num_params():,} parameters "
@@ -187,28 +188,6 @@ def llama_config(cfg, eot_id):
         "torch_dtype": dtype, "dtype": dtype,  # transformers 4's name and 5's
         "use_cache": True, "initializer_range": 0.02,
     }
-
-
-# model.safetensors: an 8-byte header length, a JSON header (each tensor's dtype, shape and byte
-# range), then the raw little-endian bytes. Twenty lines spare a dependency; the test reads the file
-# back with the `safetensors` package.
-SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
-
-
-def write_safetensors(path, tensors):
-    header, offset = {"__metadata__": {"format": "pt"}}, 0
-    for name, tensor in tensors.items():
-        size = tensor.numel() * tensor.element_size()
-        header[name] = {"dtype": SAFETENSORS_DTYPES[tensor.dtype], "shape": list(tensor.shape),
-                        "data_offsets": [offset, offset + size]}
-        offset += size
-    header_bytes = json.dumps(header, separators=(",", ":")).encode()
-    header_bytes += b" " * (-len(header_bytes) % 8)  # spaces: the tensor data starts 8-byte aligned
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(header_bytes)))
-        f.write(header_bytes)
-        for tensor in tensors.values():  # torch's CPU tensors are little-endian wherever it runs
-            f.write(tensor.reshape(-1).view(torch.uint8).numpy().data)
 
 
 # ---- the checks: each mistake in the input is one line ----
