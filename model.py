@@ -32,7 +32,6 @@ class GPTConfig:
     block_size: int = 512        # longest context; RoPE tables and the KV cache are sized to it
     n_head: int = 16             # query heads (head_dim = n_embd // n_head = 32)
     n_kv_head: int = 8           # key/value heads, shared by n_head // n_kv_head query heads each
-    max_batch_size: int = 32     # largest batch generate() accepts (its KV cache is sized per call)
     rope_theta: float = 10000.0  # base of the rotary frequencies
     norm_eps: float = 1e-5
     ffn_hidden: int = 0          # SwiGLU hidden size; 0 = the rule below
@@ -44,7 +43,7 @@ class GPTConfig:
     def __post_init__(self):
         # A config that can't be a model fails here in one line, not deep inside a layer.
         for name in ("vocab_size", "n_embd", "n_layer", "block_size", "n_head", "n_kv_head",
-                     "max_batch_size", "ffn_multiple_of"):
+                     "ffn_multiple_of"):
             value = getattr(self, name)
             if type(value) is not int or value <= 0:
                 raise ValueError(f"{name}={value!r}: must be a positive integer")
@@ -313,8 +312,6 @@ class GPT(nn.Module):
         # One preallocated buffer per layer for (batch, block_size): writing into it costs nothing
         # per step, where growing a tensor with torch.cat would copy the whole cache every token.
         cfg = self.config
-        if batch_size > cfg.max_batch_size:
-            raise ValueError(f"batch of {batch_size} is larger than max_batch_size={cfg.max_batch_size}")
         dtype = self.lm_head.weight.dtype
         if torch.is_autocast_enabled(device.type):  # keys/values come out of autocast in its dtype
             dtype = torch.get_autocast_dtype(device.type)
@@ -572,7 +569,9 @@ def model_from_checkpoint(checkpoint):
     """Rebuild the GPT a checkpoint describes (GPTConfig checks its model_config) and load its
     weights; CheckpointError, one line, if they don't fit."""
     try:
-        model = GPT(GPTConfig(**checkpoint["model_config"]))
+        settings = dict(checkpoint["model_config"])
+        settings.pop("max_batch_size", None)  # older checkpoints' setting, gone: the cache is sized per call
+        model = GPT(GPTConfig(**settings))
         model.load_state_dict(checkpoint["model"])
     except (TypeError, ValueError, RuntimeError) as err:
         message = f"the checkpoint's model does not fit this model.py: {first_line(err)}"
