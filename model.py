@@ -3,7 +3,8 @@ lilLM's model: a Llama-3-style GPT in one file, shared by train.py, sample.py an
 
 Compared with GPT-2 (nanoGPT), it swaps in what later models settled on: RMSNorm, rotary position
 embeddings, a SwiGLU MLP and grouped-query attention, with tied embeddings and no biases. After the
-model: generation with a KV cache, the Muon optimizer (train.py's --muon=True) and the checkpoints.
+model: generation with a KV cache and the Muon optimizer (train.py's --muon=True). At the end, in
+plumbing blocks a first read skips: the config's checks, and the checkpoints with their tokenizer.
 
     from model import GPTConfig, GPT
     model = GPT(GPTConfig())             # the lilLM preset, 39,596,544 parameters
@@ -21,8 +22,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-CHECKPOINT_VERSION = 1
-
 
 @dataclass
 class GPTConfig:
@@ -34,34 +33,19 @@ class GPTConfig:
     n_kv_head: int = 8           # key/value heads, shared by n_head // n_kv_head query heads each
     rope_theta: float = 10000.0  # base of the rotary frequencies
     norm_eps: float = 1e-5
-    ffn_hidden: int = 0          # SwiGLU hidden size; 0 = the rule below
-    ffn_ratio: float = 8 / 3     # the rule: ffn_ratio * n_embd, up to a multiple of ffn_multiple_of
+    ffn_ratio: float = 8 / 3     # SwiGLU hidden size: ffn_ratio * n_embd, up to a multiple of:
     ffn_multiple_of: int = 128
     dropout: float = 0.0         # pretraining on lots of data does not need it
     bias: bool = False           # biases in the Linear layers; off, like Llama
 
     def __post_init__(self):
-        # A config that can't be a model fails here in one line, not deep inside a layer.
-        for name in ("vocab_size", "n_embd", "n_layer", "block_size", "n_head", "n_kv_head",
-                     "ffn_multiple_of"):
-            value = getattr(self, name)
-            if type(value) is not int or value <= 0:
-                raise ValueError(f"{name}={value!r}: must be a positive integer")
-        heads = f"n_embd={self.n_embd}, n_head={self.n_head}, n_kv_head={self.n_kv_head}"
-        for bad, reason in [
-            (self.n_embd % self.n_head or (self.n_embd // self.n_head) % 2,
-             f"{heads}: n_head must divide n_embd into an even head size (RoPE rotates pairs)"),
-            (self.n_head % self.n_kv_head, f"{heads}: n_kv_head must divide n_head"),
-            (not 0 < self.ffn_ratio < math.inf, f"ffn_ratio={self.ffn_ratio}: must be positive"),
-            (not 0 <= self.dropout < 1, f"dropout={self.dropout}: a probability, 0 <= dropout < 1")]:
-            if bad:
-                raise ValueError(reason)
+        check_config(self)  # a config that can't be a model fails here in one line, not in a layer
 
     @property
     def ffn_hidden_size(self):
         # SwiGLU has three matrices, not two: 8/3*n_embd (not 4*n_embd) keeps GPT-2's MLP size.
         multiple = self.ffn_multiple_of
-        return self.ffn_hidden or multiple * math.ceil(self.ffn_ratio * self.n_embd / multiple)
+        return multiple * math.ceil(self.ffn_ratio * self.n_embd / multiple)
 
 
 class RMSNorm(nn.Module):
@@ -320,7 +304,6 @@ class GPT(nn.Module):
             block.attn.kv_cache = (torch.zeros(shape, dtype=dtype, device=device),
                                    torch.zeros(shape, dtype=dtype, device=device))
 
-
     # ---- scoring: which continuation the model finds likeliest (HellaSwag) ----
 
     @torch.no_grad()
@@ -349,26 +332,8 @@ class GPT(nn.Module):
         summed = losses.sum(dim=1)
         return summed, summed / (targets >= 0).sum(dim=1)
 
-# Dense bf16 peaks (fp16: V100, T4) from data sheets; the first key in the GPU's name wins.
-PEAK_FLOPS = {"GB200": 2.5e15, "B200": 2.25e15, "GH200": 989e12, "H200": 989e12, "H100 PCIe": 756e12,
-              "H100": 989e12, "H800": 989e12, "A100": 312e12, "A800": 312e12, "L40S": 362e12,
-              "L40": 181e12, "L4": 121e12, "A10G": 70e12, "A10": 125e12, "A6000": 155e12,
-              "A5000": 111e12, "A4000": 77e12, "A40": 150e12, "4090": 165e12, "3090": 71e12,
-              "MI300X": 1307e12, "MI250X": 383e12, "V100": 125e12, "T4": 65e12}
 
-
-def peak_flops(device):
-    """(peak FLOP/s, label) for a device: None on the CPU (its peak depends on cores and SIMD width,
-    not its name); an unknown GPU counts as an A100, and says so."""
-    device = torch.device(device)
-    if device.type != "cuda":
-        return None, f"n/a on {device.type}"
-    name = torch.cuda.get_device_name(device)
-    flops = next((flops for key, flops in PEAK_FLOPS.items() if key in name), None)
-    if flops is None:
-        return 312e12, f"{name} is not in the table: assuming an A100's 312 TFLOP/s"
-    return flops, f"{name}: {flops / 1e12:.0f} TFLOP/s peak"
-
+# ---- sampling: the next token from the logits ----
 
 def top_k_filter(logits, k):
     """Set every logit below the k-th largest to -inf (ties with the k-th are kept)."""
@@ -502,7 +467,51 @@ class MuonAdamW(torch.optim.Optimizer):
         torch._foreach_addcdiv_(params, exp_avgs, denominators, value=-lr / (1 - beta1 ** step))
 
 
-# ---- checkpoints, and the tokenizer they carry ----
+# === plumbing: the config's checks, the GPUs' peak FLOP/s (a first read can skip to the next # === banner)
+
+def check_config(config):
+    """ValueError, one line, for a GPTConfig that can't be a model."""
+    for name in ("vocab_size", "n_embd", "n_layer", "block_size", "n_head", "n_kv_head",
+                 "ffn_multiple_of"):
+        value = getattr(config, name)
+        if type(value) is not int or value <= 0:
+            raise ValueError(f"{name}={value!r}: must be a positive integer")
+    heads = f"n_embd={config.n_embd}, n_head={config.n_head}, n_kv_head={config.n_kv_head}"
+    for bad, reason in [
+        (config.n_embd % config.n_head or (config.n_embd // config.n_head) % 2,
+         f"{heads}: n_head must divide n_embd into an even head size (RoPE rotates pairs)"),
+        (config.n_head % config.n_kv_head, f"{heads}: n_kv_head must divide n_head"),
+        (not 0 < config.ffn_ratio < math.inf, f"ffn_ratio={config.ffn_ratio}: must be positive"),
+        (not 0 <= config.dropout < 1, f"dropout={config.dropout}: a probability, 0 <= dropout < 1")]:
+        if bad:
+            raise ValueError(reason)
+
+
+# Dense bf16 peaks (fp16: V100, T4) from data sheets; the first key in the GPU's name wins.
+PEAK_FLOPS = {"GB200": 2.5e15, "B200": 2.25e15, "GH200": 989e12, "H200": 989e12, "H100 PCIe": 756e12,
+              "H100": 989e12, "H800": 989e12, "A100": 312e12, "A800": 312e12, "L40S": 362e12,
+              "L40": 181e12, "L4": 121e12, "A10G": 70e12, "A10": 125e12, "A6000": 155e12,
+              "A5000": 111e12, "A4000": 77e12, "A40": 150e12, "4090": 165e12, "3090": 71e12,
+              "MI300X": 1307e12, "MI250X": 383e12, "V100": 125e12, "T4": 65e12}
+
+
+def peak_flops(device):
+    """(peak FLOP/s, label) for a device: None on the CPU (its peak depends on cores and SIMD width,
+    not its name); an unknown GPU counts as an A100, and says so."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None, f"n/a on {device.type}"
+    name = torch.cuda.get_device_name(device)
+    flops = next((flops for key, flops in PEAK_FLOPS.items() if key in name), None)
+    if flops is None:
+        return 312e12, f"{name} is not in the table: assuming an A100's 312 TFLOP/s"
+    return flops, f"{name}: {flops / 1e12:.0f} TFLOP/s peak"
+
+
+# === plumbing: checkpoints, and the tokenizer they carry (a first read can skip to the end of the file)
+
+CHECKPOINT_VERSION = 1
+
 
 class CheckpointError(Exception):
     """A checkpoint that can't be used; str(error) is one line that says why and what to do."""
@@ -570,7 +579,8 @@ def model_from_checkpoint(checkpoint):
     weights; CheckpointError, one line, if they don't fit."""
     try:
         settings = dict(checkpoint["model_config"])
-        settings.pop("max_batch_size", None)  # older checkpoints' setting, gone: the cache is sized per call
+        for retired in ("max_batch_size", "ffn_hidden"):  # older checkpoints' settings, now gone
+            settings.pop(retired, None)
         model = GPT(GPTConfig(**settings))
         model.load_state_dict(checkpoint["model"])
     except (TypeError, ValueError, RuntimeError) as err:

@@ -555,13 +555,14 @@ def test_checkpoint_round_trip(tmp_path):
     assert torch.equal(all_logits(restored, idx), all_logits(model, idx))
 
 
-def test_an_older_checkpoint_with_max_batch_size_loads(tmp_path):
+def test_an_older_checkpoint_with_retired_settings_loads(tmp_path):
     # GPTConfig had max_batch_size (a cap on generate's batch that protected nothing: the KV cache is sized per
-    # call); checkpoints that carry it still load, and generate takes a batch past its old default of 32.
+    # call) and ffn_hidden (0: the ffn_ratio rule; nothing set it); checkpoints that carry them still load, and
+    # generate takes a batch past max_batch_size's old default of 32.
     model = tiny_model()
     path = tmp_path / "ckpt.pt"
-    save_checkpoint(str(path), {"model": model.state_dict(), "model_config": {**asdict(model.config),
-                                                                             "max_batch_size": 32}})
+    retired = {"max_batch_size": 32, "ffn_hidden": 0}
+    save_checkpoint(str(path), {"model": model.state_dict(), "model_config": {**asdict(model.config), **retired}})
     restored = model_from_checkpoint(load_checkpoint(str(path))).eval()
     idx = torch.randint(0, 97, (40, 10))
     assert torch.equal(all_logits(restored, idx), all_logits(model, idx))
