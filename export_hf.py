@@ -71,25 +71,8 @@ def main():
              "tokenizer.json": hf_tokenizer_json(ranks, encoding._pat_str, special_tokens),
              "tokenizer_config.json": tokenizer_config}
 
-    # 4. The files: hf_dir is made (empty) and locked first (one writer at a time), checked again.
-    os.makedirs(hf_path, exist_ok=True)
-    lock = lock_directory(hf_path)  # noqa: F841 (the lock lasts while the process does)
-    validate(hf_path)
-    temp_dir = f"{hf_path}.tmp.{os.getpid()}"
-    try:
-        os.makedirs(temp_dir)
-        save_file(weights, os.path.join(temp_dir, "model.safetensors"), metadata={"format": "pt"})
-        for name, content in files.items():
-            with open(os.path.join(temp_dir, name), "w", encoding="utf-8") as f:
-                json.dump(content, f, indent=2, ensure_ascii=False)
-                f.write("\n")
-        os.rename(temp_dir, hf_path)  # replaces the empty, locked hf_dir
-    except (OSError, SafetensorError) as err:  # safetensors reports a full disk as its own error
-        if os.path.isdir(hf_path) and not os.listdir(hf_path):
-            os.rmdir(hf_path)  # a failed export leaves nothing
-        raise UserError(f"can't write {hf_path}: {getattr(err, 'strerror', None) or err}") from None
-    finally:
-        shutil.rmtree(temp_dir, ignore_errors=True)
+    # 4. The files, all at once: a temporary directory, renamed to hf_dir when complete.
+    write_directory(hf_path, weights, files)
     print(f"wrote {hf_path}: LlamaForCausalLM with {model.get_num_params():,} parameters "
           f"({dtype}), tokenizer of {len(ranks) + len(special_tokens):,} ids "
           f"({checkpoint['tokenizer']['kind']}); load it with "
@@ -190,7 +173,30 @@ def llama_config(cfg, eot_id):
     }
 
 
-# ---- the checks: each mistake in the input is one line ----
+# === plumbing: writing hf_dir, the settings' checks (a first read can skip to the end)
+
+def write_directory(hf_path, weights, files):
+    """model.safetensors and the JSON files into hf_path, all or nothing: hf_path is made (empty)
+    and locked first (one writer at a time), checked again, then replaced by a complete copy."""
+    os.makedirs(hf_path, exist_ok=True)
+    lock = lock_directory(hf_path)  # noqa: F841 (the lock lasts while the process does)
+    validate(hf_path)
+    temp_dir = f"{hf_path}.tmp.{os.getpid()}"
+    try:
+        os.makedirs(temp_dir)
+        save_file(weights, os.path.join(temp_dir, "model.safetensors"), metadata={"format": "pt"})
+        for name, content in files.items():
+            with open(os.path.join(temp_dir, name), "w", encoding="utf-8") as f:
+                json.dump(content, f, indent=2, ensure_ascii=False)
+                f.write("\n")
+        os.rename(temp_dir, hf_path)  # replaces the empty, locked hf_dir
+    except (OSError, SafetensorError) as err:  # safetensors reports a full disk as its own error
+        if os.path.isdir(hf_path) and not os.listdir(hf_path):
+            os.rmdir(hf_path)  # a failed export leaves nothing
+        raise UserError(f"can't write {hf_path}: {getattr(err, 'strerror', None) or err}") from None
+    finally:
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
 
 class UserError(Exception):
     """A mistake in the input: printed as one line, never as a traceback."""

@@ -467,7 +467,7 @@ class MuonAdamW(torch.optim.Optimizer):
         torch._foreach_addcdiv_(params, exp_avgs, denominators, value=-lr / (1 - beta1 ** step))
 
 
-# === plumbing: the config's checks, the GPUs' peak FLOP/s (a first read can skip to the next # === banner)
+# === plumbing: config checks, GPU peak FLOP/s (a first read can skip to the next # === banner)
 
 def check_config(config):
     """ValueError, one line, for a GPTConfig that can't be a model."""
@@ -508,7 +508,7 @@ def peak_flops(device):
     return flops, f"{name}: {flops / 1e12:.0f} TFLOP/s peak"
 
 
-# === plumbing: checkpoints, and the tokenizer they carry (a first read can skip to the end of the file)
+# === plumbing: checkpoints and their tokenizer (a first read can skip to the end of the file)
 
 CHECKPOINT_VERSION = 1
 

@@ -55,7 +55,7 @@ def main():
         bf16 = device_type == "cuda" and torch.cuda.is_bf16_supported()
         precision = "bfloat16" if bf16 else "float16" if device_type == "cuda" else "float32"
     # Weights stay float32; autocast runs the matmuls in the lower precision, as in training.
-    autocast = torch.autocast(device_type, getattr(torch, precision), enabled=precision != "float32")
+    ctx = torch.autocast(device_type, getattr(torch, precision), enabled=precision != "float32")
 
     # The checkpoint: the model, and the tokenizer it was trained with.
     checkpoint = load_checkpoint(os.path.join(out_dir, ckpt))
@@ -77,7 +77,7 @@ def main():
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         print(prompt, end="")
         started = time.perf_counter()
-        with autocast:
+        with ctx:
             for token in model.generate_tokens(idx, max_new_tokens, temperature=temperature,
                                                top_k=top_k or None, top_p=top_p):
                 print(decoder.decode(token_bytes(encoding, token.item())), end="", flush=True)
