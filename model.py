@@ -415,56 +415,38 @@ class MuonAdamW(torch.optim.Optimizer):
                 (self._muon_step if group["use_muon"] else self._adamw_step)(group, params)
 
     def _muon_step(self, group, params):
-        lr, momentum = group["lr"], group["momentum"]
-        # Matrices of one shape are orthogonalized together, in batched matmuls; a tall matrix joins
-        # the wide ones of its transposed shape.
-        by_shape = {}
+        lr, momentum, every = group["lr"], group["momentum"], group.get("ns_every", 1)
         for p in params:
-            by_shape.setdefault((min(p.shape), max(p.shape)), []).append(p)
-        for (rows, cols), same_shape in by_shape.items():
-            states = [self.state[p] for p in same_shape]
-            grads = [p.grad for p in same_shape]
-            buffers = [state.get("momentum_buffer") for state in states]
-            if buffers[0] is None:
-                buffers = [state.setdefault("momentum_buffer", torch.zeros_like(p))
-                           for state, p in zip(states, same_shape)]
-            torch._foreach_lerp_(buffers, grads, 1 - momentum)  # a momentum-weighted mean of grads
-            every, step = group.get("ns_every", 1), states[0].get("step", 0)
+            state = self.state[p]
+            buffer = state.setdefault("momentum_buffer", torch.zeros_like(p))
+            buffer.lerp_(p.grad, 1 - momentum)  # a momentum-weighted mean of the gradients
+            step = state.get("step", 0)
             fresh = every == 1 or step % every == 0 or step < group.get("ns_warmup", 0)
-            if fresh or "direction" not in states[0]:
+            if fresh or "direction" not in state:
                 # Nesterov: step along the gradient plus the buffer, where the momentum will go.
-                nesterov = torch._foreach_lerp(grads, buffers, momentum)
-                wide = torch.stack([g if g.size(0) == rows else g.mT for g in nesterov])
-                directions = orthogonalize(wide, group["ns_steps"]).to(same_shape[0].dtype)
-                directions = [d if p.size(0) == rows else d.mT for d, p in zip(directions, same_shape)]
+                nesterov = p.grad.lerp(buffer, momentum)
+                direction = orthogonalize(nesterov[None], group["ns_steps"])[0].to(p.dtype)
             else:
-                directions = [state["direction"] for state in states]
+                direction = state["direction"]
             if every > 1:  # kept in the state, so that a resumed run takes the same steps
-                for state, direction in zip(states, directions):
-                    state.update(step=step + 1, direction=direction)
-            torch._foreach_mul_(same_shape, 1 - lr * group["weight_decay"])
-            torch._foreach_add_(same_shape, directions, alpha=-lr * 0.2 * cols ** 0.5)
+                state.update(step=step + 1, direction=direction)
+            p.mul_(1 - lr * group["weight_decay"])
+            p.add_(direction, alpha=-lr * 0.2 * max(p.shape) ** 0.5)
 
     def _adamw_step(self, group, params):
-        # AdamW on whole lists of tensors (torch._foreach_*: one call per line, not one per tensor).
         lr, (beta1, beta2), eps = group["lr"], group["betas"], group["eps"]
         for p in params:
-            if not self.state[p]:
-                self.state[p].update(step=0, exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
-            self.state[p]["step"] += 1
-        step = self.state[params[0]]["step"]  # the group's tensors are stepped together
-        grads = [p.grad for p in params]
-        exp_avgs = [self.state[p]["exp_avg"] for p in params]
-        exp_avg_sqs = [self.state[p]["exp_avg_sq"] for p in params]
-        torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)  # running means of the gradient and its square
-        torch._foreach_mul_(exp_avg_sqs, beta2)
-        torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
-        # Both averages start at 0, biased toward it for ~1/(1 - beta) steps: divide the bias out.
-        denominators = torch._foreach_div(exp_avg_sqs, 1 - beta2 ** step)
-        torch._foreach_sqrt_(denominators)
-        torch._foreach_add_(denominators, eps)
-        torch._foreach_mul_(params, 1 - lr * group["weight_decay"])
-        torch._foreach_addcdiv_(params, exp_avgs, denominators, value=-lr / (1 - beta1 ** step))
+            state = self.state[p]
+            if not state:
+                state.update(step=0, exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
+            state["step"] += 1
+            step, exp_avg, exp_avg_sq = state["step"], state["exp_avg"], state["exp_avg_sq"]
+            exp_avg.lerp_(p.grad, 1 - beta1)  # running means of the gradient and its square
+            exp_avg_sq.mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
+            # Both averages start at 0, biased toward it for ~1/(1 - beta) steps: divide the bias out.
+            denominator = (exp_avg_sq / (1 - beta2 ** step)).sqrt_().add_(eps)
+            p.mul_(1 - lr * group["weight_decay"])
+            p.addcdiv_(exp_avg, denominator, value=-lr / (1 - beta1 ** step))
 
 
 # === plumbing: config checks, GPU peak FLOP/s (a first read can skip to the next # === banner)
