@@ -180,10 +180,8 @@ class GPT(nn.Module):
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
 
-    def get_num_params(self, non_embedding=False):
-        """Parameters, the tied embedding counted once; non_embedding=True leaves it out."""
-        total = sum(p.numel() for p in self.parameters())
-        return total - self.transformer.wte.weight.numel() if non_embedding else total
+    def get_num_params(self):
+        return sum(p.numel() for p in self.parameters())  # the tied embedding counted once
 
     def forward(self, idx, targets=None, start_pos=0):
         """idx: (B, T) token ids. With targets (B, T) (-1 = ignore): logits (B, T, vocab) and the
