@@ -107,8 +107,8 @@ class CausalSelfAttention(nn.Module):
         if self.kv_cache is not None:
             # Store this step's keys/values at their positions, then attend over all cached so far.
             (cached_keys, cached_values), end = self.kv_cache, start_pos + T
-            cached_keys[:B, :, start_pos:end], cached_values[:B, :, start_pos:end] = k, v
-            k, v = cached_keys[:B, :, :end], cached_values[:B, :, :end]
+            cached_keys[:, :, start_pos:end], cached_values[:, :, start_pos:end] = k, v
+            k, v = cached_keys[:, :, :end], cached_values[:, :, :end]
             is_causal = start_pos == 0 and T > 1  # the prefill; one new token sees all the cache
             if start_pos > 0 and T > 1:  # a chunk after earlier tokens: query i sees keys 0..start_pos+i
                 query_positions = start_pos + torch.arange(T, device=x.device)
