@@ -20,10 +20,11 @@ import fcntl
 import json
 import os
 import shutil
-import struct
 import sys
 
 import torch
+from safetensors import SafetensorError
+from safetensors.torch import save_file
 
 from model import (CharTokenizer, CheckpointError, encoding_from_checkpoint, load_checkpoint,
                    model_from_checkpoint)
@@ -70,25 +71,8 @@ def main():
              "tokenizer.json": hf_tokenizer_json(ranks, encoding._pat_str, special_tokens),
              "tokenizer_config.json": tokenizer_config}
 
-    # 4. The files: hf_dir is made (empty) and locked first (one writer at a time), checked again.
-    os.makedirs(hf_path, exist_ok=True)
-    lock = lock_directory(hf_path)  # noqa: F841 (the lock lasts while the process does)
-    validate(hf_path)
-    temp_dir = f"{hf_path}.tmp.{os.getpid()}"
-    try:
-        os.makedirs(temp_dir)
-        write_safetensors(os.path.join(temp_dir, "model.safetensors"), weights)
-        for name, content in files.items():
-            with open(os.path.join(temp_dir, name), "w", encoding="utf-8") as f:
-                json.dump(content, f, indent=2, ensure_ascii=False)
-                f.write("\n")
-        os.rename(temp_dir, hf_path)  # replaces the empty, locked hf_dir
-    except OSError as err:
-        if os.path.isdir(hf_path) and not os.listdir(hf_path):
-            os.rmdir(hf_path)  # a failed export leaves nothing
-        raise UserError(f"can't write {hf_path}: {err.strerror or err}") from None
-    finally:
-        shutil.rmtree(temp_dir, ignore_errors=True)
+    # 4. The files, all at once: a temporary directory, renamed to hf_dir when complete.
+    write_directory(hf_path, weights, files)
     print(f"wrote {hf_path}: LlamaForCausalLM with {model.get_num_params():,} parameters "
           f"({dtype}), tokenizer of {len(ranks) + len(special_tokens):,} ids "
           f"({checkpoint['tokenizer']['kind']}); load it with "
@@ -189,29 +173,30 @@ def llama_config(cfg, eot_id):
     }
 
 
-# model.safetensors: an 8-byte header length, a JSON header (each tensor's dtype, shape and byte
-# range), then the raw little-endian bytes. Twenty lines spare a dependency; the test reads the file
-# back with the `safetensors` package.
-SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+# === plumbing: writing hf_dir, the settings' checks (a first read can skip to the end)
 
+def write_directory(hf_path, weights, files):
+    """model.safetensors and the JSON files into hf_path, all or nothing: hf_path is made (empty)
+    and locked first (one writer at a time), checked again, then replaced by a complete copy."""
+    os.makedirs(hf_path, exist_ok=True)
+    lock = lock_directory(hf_path)  # noqa: F841 (the lock lasts while the process does)
+    validate(hf_path)
+    temp_dir = f"{hf_path}.tmp.{os.getpid()}"
+    try:
+        os.makedirs(temp_dir)
+        save_file(weights, os.path.join(temp_dir, "model.safetensors"), metadata={"format": "pt"})
+        for name, content in files.items():
+            with open(os.path.join(temp_dir, name), "w", encoding="utf-8") as f:
+                json.dump(content, f, indent=2, ensure_ascii=False)
+                f.write("\n")
+        os.rename(temp_dir, hf_path)  # replaces the empty, locked hf_dir
+    except (OSError, SafetensorError) as err:  # safetensors reports a full disk as its own error
+        if os.path.isdir(hf_path) and not os.listdir(hf_path):
+            os.rmdir(hf_path)  # a failed export leaves nothing
+        raise UserError(f"can't write {hf_path}: {getattr(err, 'strerror', None) or err}") from None
+    finally:
+        shutil.rmtree(temp_dir, ignore_errors=True)
 
-def write_safetensors(path, tensors):
-    header, offset = {"__metadata__": {"format": "pt"}}, 0
-    for name, tensor in tensors.items():
-        size = tensor.numel() * tensor.element_size()
-        header[name] = {"dtype": SAFETENSORS_DTYPES[tensor.dtype], "shape": list(tensor.shape),
-                        "data_offsets": [offset, offset + size]}
-        offset += size
-    header_bytes = json.dumps(header, separators=(",", ":")).encode()
-    header_bytes += b" " * (-len(header_bytes) % 8)  # spaces: the tensor data starts 8-byte aligned
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(header_bytes)))
-        f.write(header_bytes)
-        for tensor in tensors.values():  # torch's CPU tensors are little-endian wherever it runs
-            f.write(tensor.reshape(-1).view(torch.uint8).numpy().data)
-
-
-# ---- the checks: each mistake in the input is one line ----
 
 class UserError(Exception):
     """A mistake in the input: printed as one line, never as a traceback."""

@@ -3,7 +3,8 @@ lilLM's model: a Llama-3-style GPT in one file, shared by train.py, sample.py an
 
 Compared with GPT-2 (nanoGPT), it swaps in what later models settled on: RMSNorm, rotary position
 embeddings, a SwiGLU MLP and grouped-query attention, with tied embeddings and no biases. After the
-model: generation with a KV cache, the Muon optimizer (train.py's --muon=True) and the checkpoints.
+model: generation with a KV cache and the Muon optimizer (train.py's --muon=True). At the end, in
+plumbing blocks a first read skips: the config's checks, and the checkpoints with their tokenizer.
 
     from model import GPTConfig, GPT
     model = GPT(GPTConfig())             # the lilLM preset, 39,596,544 parameters
@@ -21,8 +22,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-CHECKPOINT_VERSION = 1
-
 
 @dataclass
 class GPTConfig:
@@ -32,37 +31,21 @@ class GPTConfig:
     block_size: int = 512        # longest context; RoPE tables and the KV cache are sized to it
     n_head: int = 16             # query heads (head_dim = n_embd // n_head = 32)
     n_kv_head: int = 8           # key/value heads, shared by n_head // n_kv_head query heads each
-    max_batch_size: int = 32     # largest batch generate() accepts (its KV cache is sized per call)
     rope_theta: float = 10000.0  # base of the rotary frequencies
     norm_eps: float = 1e-5
-    ffn_hidden: int = 0          # SwiGLU hidden size; 0 = the rule below
-    ffn_ratio: float = 8 / 3     # the rule: ffn_ratio * n_embd, up to a multiple of ffn_multiple_of
+    ffn_ratio: float = 8 / 3     # SwiGLU hidden size: ffn_ratio * n_embd, up to a multiple of:
     ffn_multiple_of: int = 128
     dropout: float = 0.0         # pretraining on lots of data does not need it
     bias: bool = False           # biases in the Linear layers; off, like Llama
 
     def __post_init__(self):
-        # A config that can't be a model fails here in one line, not deep inside a layer.
-        for name in ("vocab_size", "n_embd", "n_layer", "block_size", "n_head", "n_kv_head",
-                     "max_batch_size", "ffn_multiple_of"):
-            value = getattr(self, name)
-            if type(value) is not int or value <= 0:
-                raise ValueError(f"{name}={value!r}: must be a positive integer")
-        heads = f"n_embd={self.n_embd}, n_head={self.n_head}, n_kv_head={self.n_kv_head}"
-        for bad, reason in [
-            (self.n_embd % self.n_head or (self.n_embd // self.n_head) % 2,
-             f"{heads}: n_head must divide n_embd into an even head size (RoPE rotates pairs)"),
-            (self.n_head % self.n_kv_head, f"{heads}: n_kv_head must divide n_head"),
-            (not 0 < self.ffn_ratio < math.inf, f"ffn_ratio={self.ffn_ratio}: must be positive"),
-            (not 0 <= self.dropout < 1, f"dropout={self.dropout}: a probability, 0 <= dropout < 1")]:
-            if bad:
-                raise ValueError(reason)
+        check_config(self)  # a config that can't be a model fails here in one line, not in a layer
 
     @property
     def ffn_hidden_size(self):
         # SwiGLU has three matrices, not two: 8/3*n_embd (not 4*n_embd) keeps GPT-2's MLP size.
         multiple = self.ffn_multiple_of
-        return self.ffn_hidden or multiple * math.ceil(self.ffn_ratio * self.n_embd / multiple)
+        return multiple * math.ceil(self.ffn_ratio * self.n_embd / multiple)
 
 
 class RMSNorm(nn.Module):
@@ -124,8 +107,8 @@ class CausalSelfAttention(nn.Module):
         if self.kv_cache is not None:
             # Store this step's keys/values at their positions, then attend over all cached so far.
             (cached_keys, cached_values), end = self.kv_cache, start_pos + T
-            cached_keys[:B, :, start_pos:end], cached_values[:B, :, start_pos:end] = k, v
-            k, v = cached_keys[:B, :, :end], cached_values[:B, :, :end]
+            cached_keys[:, :, start_pos:end], cached_values[:, :, start_pos:end] = k, v
+            k, v = cached_keys[:, :, :end], cached_values[:, :, :end]
             is_causal = start_pos == 0 and T > 1  # the prefill; one new token sees all the cache
             if start_pos > 0 and T > 1:  # a chunk after earlier tokens: query i sees keys 0..start_pos+i
                 query_positions = start_pos + torch.arange(T, device=x.device)
@@ -197,10 +180,8 @@ class GPT(nn.Module):
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
 
-    def get_num_params(self, non_embedding=False):
-        """Parameters, the tied embedding counted once; non_embedding=True leaves it out."""
-        total = sum(p.numel() for p in self.parameters())
-        return total - self.transformer.wte.weight.numel() if non_embedding else total
+    def get_num_params(self):
+        return sum(p.numel() for p in self.parameters())  # the tied embedding counted once
 
     def forward(self, idx, targets=None, start_pos=0):
         """idx: (B, T) token ids. With targets (B, T) (-1 = ignore): logits (B, T, vocab) and the
@@ -313,8 +294,6 @@ class GPT(nn.Module):
         # One preallocated buffer per layer for (batch, block_size): writing into it costs nothing
         # per step, where growing a tensor with torch.cat would copy the whole cache every token.
         cfg = self.config
-        if batch_size > cfg.max_batch_size:
-            raise ValueError(f"batch of {batch_size} is larger than max_batch_size={cfg.max_batch_size}")
         dtype = self.lm_head.weight.dtype
         if torch.is_autocast_enabled(device.type):  # keys/values come out of autocast in its dtype
             dtype = torch.get_autocast_dtype(device.type)
@@ -322,7 +301,6 @@ class GPT(nn.Module):
         for block in self.transformer.h:
             block.attn.kv_cache = (torch.zeros(shape, dtype=dtype, device=device),
                                    torch.zeros(shape, dtype=dtype, device=device))
-
 
     # ---- scoring: which continuation the model finds likeliest (HellaSwag) ----
 
@@ -352,26 +330,8 @@ class GPT(nn.Module):
         summed = losses.sum(dim=1)
         return summed, summed / (targets >= 0).sum(dim=1)
 
-# Dense bf16 peaks (fp16: V100, T4) from data sheets; the first key in the GPU's name wins.
-PEAK_FLOPS = {"GB200": 2.5e15, "B200": 2.25e15, "GH200": 989e12, "H200": 989e12, "H100 PCIe": 756e12,
-              "H100": 989e12, "H800": 989e12, "A100": 312e12, "A800": 312e12, "L40S": 362e12,
-              "L40": 181e12, "L4": 121e12, "A10G": 70e12, "A10": 125e12, "A6000": 155e12,
-              "A5000": 111e12, "A4000": 77e12, "A40": 150e12, "4090": 165e12, "3090": 71e12,
-              "MI300X": 1307e12, "MI250X": 383e12, "V100": 125e12, "T4": 65e12}
 
-
-def peak_flops(device):
-    """(peak FLOP/s, label) for a device: None on the CPU (its peak depends on cores and SIMD width,
-    not its name); an unknown GPU counts as an A100, and says so."""
-    device = torch.device(device)
-    if device.type != "cuda":
-        return None, f"n/a on {device.type}"
-    name = torch.cuda.get_device_name(device)
-    flops = next((flops for key, flops in PEAK_FLOPS.items() if key in name), None)
-    if flops is None:
-        return 312e12, f"{name} is not in the table: assuming an A100's 312 TFLOP/s"
-    return flops, f"{name}: {flops / 1e12:.0f} TFLOP/s peak"
-
+# ---- sampling: the next token from the logits ----
 
 def top_k_filter(logits, k):
     """Set every logit below the k-th largest to -inf (ties with the k-th are kept)."""
@@ -453,59 +413,85 @@ class MuonAdamW(torch.optim.Optimizer):
                 (self._muon_step if group["use_muon"] else self._adamw_step)(group, params)
 
     def _muon_step(self, group, params):
-        lr, momentum = group["lr"], group["momentum"]
-        # Matrices of one shape are orthogonalized together, in batched matmuls; a tall matrix joins
-        # the wide ones of its transposed shape.
-        by_shape = {}
+        lr, momentum, every = group["lr"], group["momentum"], group.get("ns_every", 1)
         for p in params:
-            by_shape.setdefault((min(p.shape), max(p.shape)), []).append(p)
-        for (rows, cols), same_shape in by_shape.items():
-            states = [self.state[p] for p in same_shape]
-            grads = [p.grad for p in same_shape]
-            buffers = [state.get("momentum_buffer") for state in states]
-            if buffers[0] is None:
-                buffers = [state.setdefault("momentum_buffer", torch.zeros_like(p))
-                           for state, p in zip(states, same_shape)]
-            torch._foreach_lerp_(buffers, grads, 1 - momentum)  # a momentum-weighted mean of grads
-            every, step = group.get("ns_every", 1), states[0].get("step", 0)
+            state = self.state[p]
+            buffer = state.setdefault("momentum_buffer", torch.zeros_like(p))
+            buffer.lerp_(p.grad, 1 - momentum)  # a momentum-weighted mean of the gradients
+            step = state.get("step", 0)
             fresh = every == 1 or step % every == 0 or step < group.get("ns_warmup", 0)
-            if fresh or "direction" not in states[0]:
+            if fresh or "direction" not in state:
                 # Nesterov: step along the gradient plus the buffer, where the momentum will go.
-                nesterov = torch._foreach_lerp(grads, buffers, momentum)
-                wide = torch.stack([g if g.size(0) == rows else g.mT for g in nesterov])
-                directions = orthogonalize(wide, group["ns_steps"]).to(same_shape[0].dtype)
-                directions = [d if p.size(0) == rows else d.mT for d, p in zip(directions, same_shape)]
+                nesterov = p.grad.lerp(buffer, momentum)
+                direction = orthogonalize(nesterov[None], group["ns_steps"])[0].to(p.dtype)
             else:
-                directions = [state["direction"] for state in states]
+                direction = state["direction"]
             if every > 1:  # kept in the state, so that a resumed run takes the same steps
-                for state, direction in zip(states, directions):
-                    state.update(step=step + 1, direction=direction)
-            torch._foreach_mul_(same_shape, 1 - lr * group["weight_decay"])
-            torch._foreach_add_(same_shape, directions, alpha=-lr * 0.2 * cols ** 0.5)
+                state.update(step=step + 1, direction=direction)
+            p.mul_(1 - lr * group["weight_decay"])
+            p.add_(direction, alpha=-lr * 0.2 * max(p.shape) ** 0.5)
 
     def _adamw_step(self, group, params):
-        # AdamW on whole lists of tensors (torch._foreach_*: one call per line, not one per tensor).
         lr, (beta1, beta2), eps = group["lr"], group["betas"], group["eps"]
         for p in params:
-            if not self.state[p]:
-                self.state[p].update(step=0, exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
-            self.state[p]["step"] += 1
-        step = self.state[params[0]]["step"]  # the group's tensors are stepped together
-        grads = [p.grad for p in params]
-        exp_avgs = [self.state[p]["exp_avg"] for p in params]
-        exp_avg_sqs = [self.state[p]["exp_avg_sq"] for p in params]
-        torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)  # running means of the gradient and its square
-        torch._foreach_mul_(exp_avg_sqs, beta2)
-        torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
-        # Both averages start at 0, biased toward it for ~1/(1 - beta) steps: divide the bias out.
-        denominators = torch._foreach_div(exp_avg_sqs, 1 - beta2 ** step)
-        torch._foreach_sqrt_(denominators)
-        torch._foreach_add_(denominators, eps)
-        torch._foreach_mul_(params, 1 - lr * group["weight_decay"])
-        torch._foreach_addcdiv_(params, exp_avgs, denominators, value=-lr / (1 - beta1 ** step))
+            state = self.state[p]
+            if not state:
+                state.update(step=0, exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
+            state["step"] += 1
+            step, exp_avg, exp_avg_sq = state["step"], state["exp_avg"], state["exp_avg_sq"]
+            exp_avg.lerp_(p.grad, 1 - beta1)  # running means of the gradient and its square
+            exp_avg_sq.mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
+            # Both averages start at 0, biased toward it for ~1/(1 - beta) steps: divide the bias out.
+            denominator = (exp_avg_sq / (1 - beta2 ** step)).sqrt_().add_(eps)
+            p.mul_(1 - lr * group["weight_decay"])
+            p.addcdiv_(exp_avg, denominator, value=-lr / (1 - beta1 ** step))
 
 
-# ---- checkpoints, and the tokenizer they carry ----
+# === plumbing: config checks, GPU peak FLOP/s (a first read can skip to the next # === banner)
+
+def check_config(config):
+    """ValueError, one line, for a GPTConfig that can't be a model."""
+    for name in ("vocab_size", "n_embd", "n_layer", "block_size", "n_head", "n_kv_head",
+                 "ffn_multiple_of"):
+        value = getattr(config, name)
+        if type(value) is not int or value <= 0:
+            raise ValueError(f"{name}={value!r}: must be a positive integer")
+    heads = f"n_embd={config.n_embd}, n_head={config.n_head}, n_kv_head={config.n_kv_head}"
+    for bad, reason in [
+        (config.n_embd % config.n_head or (config.n_embd // config.n_head) % 2,
+         f"{heads}: n_head must divide n_embd into an even head size (RoPE rotates pairs)"),
+        (config.n_head % config.n_kv_head, f"{heads}: n_kv_head must divide n_head"),
+        (not 0 < config.ffn_ratio < math.inf, f"ffn_ratio={config.ffn_ratio}: must be positive"),
+        (not 0 <= config.dropout < 1, f"dropout={config.dropout}: a probability, 0 <= dropout < 1")]:
+        if bad:
+            raise ValueError(reason)
+
+
+# Dense bf16 peaks (fp16: V100, T4) from data sheets; the first key in the GPU's name wins.
+PEAK_FLOPS = {"GB200": 2.5e15, "B200": 2.25e15, "GH200": 989e12, "H200": 989e12, "H100 PCIe": 756e12,
+              "H100": 989e12, "H800": 989e12, "A100": 312e12, "A800": 312e12, "L40S": 362e12,
+              "L40": 181e12, "L4": 121e12, "A10G": 70e12, "A10": 125e12, "A6000": 155e12,
+              "A5000": 111e12, "A4000": 77e12, "A40": 150e12, "4090": 165e12, "3090": 71e12,
+              "MI300X": 1307e12, "MI250X": 383e12, "V100": 125e12, "T4": 65e12}
+
+
+def peak_flops(device):
+    """(peak FLOP/s, label) for a device: None on the CPU (its peak depends on cores and SIMD width,
+    not its name); an unknown GPU counts as an A100, and says so."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None, f"n/a on {device.type}"
+    name = torch.cuda.get_device_name(device)
+    flops = next((flops for key, flops in PEAK_FLOPS.items() if key in name), None)
+    if flops is None:
+        return 312e12, f"{name} is not in the table: assuming an A100's 312 TFLOP/s"
+    return flops, f"{name}: {flops / 1e12:.0f} TFLOP/s peak"
+
+
+# === plumbing: checkpoints and their tokenizer (a first read can skip to the end of the file)
+
+CHECKPOINT_VERSION = 1
+
 
 class CheckpointError(Exception):
     """A checkpoint that can't be used; str(error) is one line that says why and what to do."""
@@ -572,7 +558,10 @@ def model_from_checkpoint(checkpoint):
     """Rebuild the GPT a checkpoint describes (GPTConfig checks its model_config) and load its
     weights; CheckpointError, one line, if they don't fit."""
     try:
-        model = GPT(GPTConfig(**checkpoint["model_config"]))
+        settings = dict(checkpoint["model_config"])
+        for retired in ("max_batch_size", "ffn_hidden"):  # older checkpoints' settings, now gone
+            settings.pop(retired, None)
+        model = GPT(GPTConfig(**settings))
         model.load_state_dict(checkpoint["model"])
     except (TypeError, ValueError, RuntimeError) as err:
         message = f"the checkpoint's model does not fit this model.py: {first_line(err)}"

@@ -46,22 +46,16 @@ EOT = "<|endoftext|>"
 
 
 def main():
-    # Ctrl-C, or a reader that closed the pipe (`| head`), ends it at once and quietly.
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-    if hasattr(signal, "SIGPIPE"):  # not on Windows
-        signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     globals().update(parse_settings(sys.argv[1:], defaults, {"top_k": type(None)}))
     validate()
     prompt = read_prompt(start)
     device_name, device_type = check_device(device)
     precision = dtype
-    if dtype == "auto" and device_type == "cuda":
-        precision = "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
-    elif dtype == "auto":
-        precision = "float32"
+    if dtype == "auto":  # bfloat16 on a GPU that has it, else float16; float32 elsewhere
+        bf16 = device_type == "cuda" and torch.cuda.is_bf16_supported()
+        precision = "bfloat16" if bf16 else "float16" if device_type == "cuda" else "float32"
     # Weights stay float32; autocast runs the matmuls in the lower precision, as in training.
-    autocast = torch.autocast(device_type, getattr(torch, precision),
-                              enabled=precision != "float32")
+    ctx = torch.autocast(device_type, getattr(torch, precision), enabled=precision != "float32")
 
     # The checkpoint: the model, and the tokenizer it was trained with.
     checkpoint = load_checkpoint(os.path.join(out_dir, ckpt))
@@ -83,15 +77,14 @@ def main():
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         print(prompt, end="")
         started = time.perf_counter()
-        with autocast:
+        with ctx:
             for token in model.generate_tokens(idx, max_new_tokens, temperature=temperature,
                                                top_k=top_k or None, top_p=top_p):
                 print(decoder.decode(token_bytes(encoding, token.item())), end="", flush=True)
         seconds += time.perf_counter() - started
         print(decoder.decode(b"", final=True), end="\n---------------\n", flush=True)
     new_tokens = num_samples * max_new_tokens
-    rate = new_tokens / max(seconds, 1e-9)
-    print(f"{new_tokens} tokens in {seconds:.2f} s: {rate:.1f} tokens/s "
+    print(f"{new_tokens} tokens in {seconds:.2f} s: {new_tokens / max(seconds, 1e-9):.1f} tokens/s "
           f"({device_name}, {precision}, prompt prefill included)", file=sys.stderr)
 
 
@@ -114,7 +107,7 @@ def encode_prompt(encoding, prompt, block_size):
     return prompt_ids[-block_size:]
 
 
-# ---- the checks: each mistake in the input is one line ----
+# === plumbing: the settings' checks, the prompt file, the device (a first read can skip to the end)
 
 class UserError(Exception):
     """A mistake in the input: printed as one line, never as a traceback."""
@@ -197,6 +190,10 @@ def check_device(name):
 
 
 if __name__ == "__main__":
+    # Ctrl-C, or a reader that closed the pipe (`| head`), ends it at once and quietly.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    if hasattr(signal, "SIGPIPE"):  # not on Windows
+        signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     try:
         main()
     except (UserError, CheckpointError) as err:

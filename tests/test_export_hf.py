@@ -9,7 +9,9 @@ import inspect
 import io
 import json
 import os
+import resource
 import runpy
+import signal
 import subprocess
 import sys
 from dataclasses import asdict
@@ -220,7 +222,7 @@ def test_the_files_say_what_the_model_is(exported, loaded):
     assert (config["num_key_value_heads"], config["rope_theta"], config["rms_norm_eps"]) == (2, 500.0, 1e-6)
     assert config["bos_token_id"] == config["eos_token_id"] == OFFLINE_VOCAB
     assert config["max_position_embeddings"] == ours.config.block_size and config["tie_word_embeddings"]
-    # Our hand-written safetensors, read by the safetensors package: every tensor, once, bit for bit.
+    # model.safetensors, read back by the safetensors package: every tensor, once, bit for bit.
     tensors = safetensors_torch.load_file(str(hf_dir / "model.safetensors"))
     state = ours.state_dict()
     assert len(tensors) == len(state) - 1  # the tied output head is stored once, as the embedding
@@ -335,3 +337,19 @@ def test_one_writer_per_hf_dir(exported, tmp_path):
     assert result.returncode == 1 and result.stderr == (f"error: {hf_dir}: another run is writing there; wait for it "
                                                         "to end, or choose another directory\n")
     assert os.listdir(hf_dir) == [] and not list(tmp_path.glob("*.tmp.*"))
+
+
+def test_a_write_that_fails_for_space_is_one_line_and_leaves_nothing(exported, tmp_path):
+    # A full disk, as a file size limit (RLIMIT_FSIZE, its signal ignored: a write past it fails with EFBIG as a
+    # full disk fails with ENOSPC). safetensors reports it as its own error, not an OSError: still one line.
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (50_000, hard))  # the gqa model's weights are ~0.4 MB
+    try:
+        result = export_here(f"--out_dir={exported['root'] / 'gqa'}", f"--hf_dir={tmp_path / 'hf'}")
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, handler)
+    assert result.returncode == 1 and result.stderr.count("\n") == 1, result.stderr
+    assert result.stderr.startswith(f"error: can't write {tmp_path / 'hf'}: ") and "too large" in result.stderr
+    assert os.listdir(tmp_path) == []  # no hf_dir, no temporary directory, no half-written file
