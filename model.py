@@ -645,7 +645,7 @@ def encoding_from_checkpoint(checkpoint):
     return encoding
 
 
-def token_bytes(encoding, token_id):
+def bytes_of_id(encoding, token_id):
     """A token's bytes. An id past the tokenizer, in a vocabulary padded to a multiple of 64 for
     speed, is never trained on, but sampling can draw it: it stands for no bytes."""
     return encoding.decode_single_token_bytes(token_id) if token_id < encoding.n_vocab else b""

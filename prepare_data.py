@@ -242,12 +242,12 @@ def run(argv):
         pending, bytes_read, bytes_kept, t1 = None, 0, 0, time.time()
         with tqdm(unit="tok", unit_scale=True, desc="tokenizing", initial=total,
                   total=args.max_tokens) as bar:
-            for index, (tokens, chars, text_bytes, token_bytes) in enumerate(stream, start):
+            for index, (tokens, chars, text_bytes, kept_bytes) in enumerate(stream, start):
                 if pending:
                     route(*pending, is_last=False)
                 pending = (index, tokens[:limit - total], chars, offset if index == start else 0)
                 total += len(pending[1])
-                bytes_read, bytes_kept = bytes_read + text_bytes, bytes_kept + token_bytes
+                bytes_read, bytes_kept = bytes_read + text_bytes, bytes_kept + kept_bytes
                 bar.update(len(pending[1]))
                 if total == limit:
                     break

@@ -23,7 +23,7 @@ import time
 import torch
 
 from model import (GREEDY_BELOW, CharTokenizer, CheckpointError, encoding_from_checkpoint,
-                   load_checkpoint, model_from_checkpoint, token_bytes)
+                   load_checkpoint, model_from_checkpoint, bytes_of_id)
 
 _names_before_settings = set(globals())
 # -----------------------------------------------------------------------------
@@ -80,7 +80,7 @@ def main():
         with ctx:
             for token in model.generate_tokens(idx, max_new_tokens, temperature=temperature,
                                                top_k=top_k or None, top_p=top_p):
-                print(decoder.decode(token_bytes(encoding, token.item())), end="", flush=True)
+                print(decoder.decode(bytes_of_id(encoding, token.item())), end="", flush=True)
         seconds += time.perf_counter() - started
         print(decoder.decode(b"", final=True), end="\n---------------\n", flush=True)
     new_tokens = num_samples * max_new_tokens

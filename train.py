@@ -320,7 +320,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from model import GPT, GPTConfig, save_checkpoint, token_bytes
+from model import GPT, GPTConfig, save_checkpoint, bytes_of_id
 
 device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
 device_type = device.split(":")[0]
@@ -648,7 +648,7 @@ while True:
             sampler = torch.Generator(device).manual_seed(seed)
             with torch.no_grad(), autocast:
                 new_ids = raw_model.generate(prompt, 32, top_k=50, generator=sampler)[0, prompt.size(1):]
-            new_bytes = b"".join(token_bytes(encoding, i) for i in new_ids.tolist())
+            new_bytes = b"".join(bytes_of_id(encoding, i) for i in new_ids.tolist())
             sample = sample_prompt + new_bytes.decode("utf-8", "replace")
         if ddp:
             dist.all_reduce(totals)  # every rank reaches it, stopped early or not

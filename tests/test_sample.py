@@ -96,13 +96,13 @@ def test_bpe_streaming_equals_decoding_the_whole_sample(checkpoints):
     result = finish(process)
     assert result.returncode == 0, result.stderr
 
-    def token_bytes(token_id):  # ids 301..319 are padding past the tokenizer: sample.py prints nothing for them
+    def bytes_of_id(token_id):  # ids 301..319 are padding past the tokenizer: sample.py prints nothing for them
         return encoding.decode_single_token_bytes(token_id) if token_id < encoding.n_vocab else b""
 
-    whole = [b"".join(token_bytes(t) for t in sample).decode("utf-8", errors="replace") for sample in samples]
+    whole = [b"".join(bytes_of_id(t) for t in sample).decode("utf-8", errors="replace") for sample in samples]
     assert result.stdout == "".join(prompt + text + SEPARATOR for text in whole)
     # The check has teeth: decoding token by token on its own would have broken characters in these samples.
-    piecewise = ["".join(token_bytes(t).decode("utf-8", errors="replace") for t in sample) for sample in samples]
+    piecewise = ["".join(bytes_of_id(t).decode("utf-8", errors="replace") for t in sample) for sample in samples]
     assert piecewise != whole
     assert "160 tokens in" in result.stderr and "tokens/s" in result.stderr
     assert "(cpu, float32," in result.stderr  # never bfloat16 on the CPU, where most CPUs emulate it slowly
