@@ -406,18 +406,9 @@ def chunks_to_arrays(blob, lengths, occurrences, count_dtype):
                 pair_weights=weight[left])
 
 
-def delta_prefix(group, V):
-    """How much of delta the merges of the group starting at merge `group` can write: their ids are
-    at most 256 + group + 15. Rounded up, so that a run has eight sizes at most (a CUDA graph is
-    recorded for each)."""
-    size_step = triton.cdiv(V - 256, 8)
-    ids = min(V, 256 + triton.cdiv(group + MERGES_PER_READ, size_step) * size_step)
-    return 1 + 3 * ids
-
-
-def merge_on_device(arrays, vocab_size, total_pairs, device, show_progress, timeout=60):
+def merge_on_device(arrays, vocab_size, total_pairs, device, show_progress):
     """The merges, this rank's tokens saved, the loop's counts of collectives and host reads, and
-    the seconds of the setup (uploads, zeros, compiling, recording) and of the loop alone."""
+    the seconds of the setup (uploads, zeros, compiling) and of the loop alone."""
     V, rank, W = vocab_size, dist.get_rank(), dist.get_world_size()
     started = time.time()
     upload = lambda name: torch.from_numpy(arrays[name]).to(device)  # noqa: E731
@@ -454,87 +445,48 @@ def merge_on_device(arrays, vocab_size, total_pairs, device, show_progress, time
         refresh_rows[grid](state, list_buffer, scratch, list_len, counts, fresh_key, dirty_rows, V,
                            W, ROWS=rows, BLOCK=block)
 
-    # past the last merge, find_occurrences sets DONE and every kernel does nothing. Returns what
-    # its collectives send, counted as they are called (in a graph: once, as it is recorded)
-    def merge_group(prefix):
-        sent = Counter()
-        for _ in range(MERGES_PER_READ):
-            best_pair[(1,)](state, row_key, block_key, fresh_key, dirty_flag, dirty_rows, V, best,
-                            BITS=bits, ONE_KEY=one_key, BLOCK=choose_block, KEY_BLOCK=key_block)
-            if W > 1:
-                dist.all_reduce(best[:1], op=dist.ReduceOp.MAX)
-                sent.update(collectives=1, collective_bytes=8)
-                # the count first, then the tie-break among the ranks that have that count
-                if not one_key:
-                    best[1:2] = torch.where(best[2:] == best[:1], best[1:2], -1)
-                    dist.all_reduce(best[1:2], op=dist.ReduceOp.MAX)
-                    sent.update(collectives=1, collective_bytes=8)
-            find_occurrences[grid](state, best, list_start, list_len, merge_log, list_buffer, tokens,
-                                   next_pos, prev_pos, mark, V, END, BITS=bits, ONE_KEY=one_key,
-                                   BLOCK=block)
-            apply_merges[grid](state, list_buffer, scratch, list_start, list_len, tokens, next_pos,
-                               prev_pos, mark, weight, delta, V, END, BLOCK=block)
-            if W > 1:
-                dist.all_reduce(delta[:prefix])
-                sent.update(collectives=1, collective_bytes=prefix * delta.itemsize)
-            apply_owned[grid](state, delta, counts, row_key, block_key, dirty_flag, dirty_rows, V,
-                              rank, W, BLOCK=block, KEY_BLOCK=key_block)
-            launch_refresh()
-        return sent
-
-    # The one host read of a group. On CUDA it polls (a core a rank spins while a group runs): with
-    # the collectives inside a graph, NCCL's watchdog no longer sees them, so this wait enforces
-    # --timeout on a rank that never arrives. This rank then says so itself and leaves at once:
-    # tearing NCCL down would wait for the graph's collective, which waits for the missing rank.
-    # Its exit ends the run: torchrun stops the others.
-    done_host = torch.zeros(1, dtype=torch.int64, pin_memory=device.type == "cuda")
-
-    def group_done():
-        done_host.copy_(state[DONE.value:DONE.value + 1], non_blocking=True)
-        if device.type == "cuda":
-            copied, deadline = torch.cuda.Event(), time.monotonic() + timeout
-            copied.record()
-            while not copied.query():
-                if time.monotonic() > deadline:
-                    print(f"error: rank {rank}: no merge in {timeout:.0f} s: another rank died or "
-                          "hangs (see its messages; --timeout sets the wait)", file=sys.stderr,
-                          flush=True)
-                    os._exit(1)
-        return bool(done_host[0])
+    # One merge: five kernels, and between them the host calls the collectives, every rank the same
+    # ones in the same order, each waiting at most the process group's --timeout for the others.
+    # Merge number m makes id 256 + m at most, so delta's prefix up to that id is all it sends.
+    # Past the last merge, find_occurrences sets DONE and every kernel does nothing.
+    def merge(m):
+        best_pair[(1,)](state, row_key, block_key, fresh_key, dirty_flag, dirty_rows, V, best,
+                        BITS=bits, ONE_KEY=one_key, BLOCK=choose_block, KEY_BLOCK=key_block)
+        dist.all_reduce(best[:1], op=dist.ReduceOp.MAX)
+        # the count first, then the tie-break among the ranks that have that count
+        if not one_key:
+            best[1:2] = torch.where(best[2:] == best[:1], best[1:2], -1)
+            dist.all_reduce(best[1:2], op=dist.ReduceOp.MAX)
+        find_occurrences[grid](state, best, list_start, list_len, merge_log, list_buffer, tokens,
+                               next_pos, prev_pos, mark, V, END, BITS=bits, ONE_KEY=one_key,
+                               BLOCK=block)
+        apply_merges[grid](state, list_buffer, scratch, list_start, list_len, tokens, next_pos,
+                           prev_pos, mark, weight, delta, V, END, BLOCK=block)
+        prefix = min(1 + 3 * (256 + m + 1), len(delta))
+        dist.all_reduce(delta[:prefix])
+        apply_owned[grid](state, delta, counts, row_key, block_key, dirty_flag, dirty_rows, V,
+                          rank, W, BLOCK=block, KEY_BLOCK=key_block)
+        launch_refresh()
+        loop_counts.update(collectives=2 + (not one_key), collective_bytes=(
+            8 * (1 + (not one_key)) + prefix * delta.itemsize))
 
     launch_refresh()
-    # The setup ends with every kernel compiled, by a group run with DONE set (the kernels do
-    # nothing, the collectives add zeros, in step on every rank), as in train_bpe_gpu.py: the loop's
-    # clock then times merges alone. On CUDA, 16 merges are recorded once as a CUDA graph,
-    # collectives included (NCCL allows it): one launch a group, not 5 Triton launches and 2 NCCL
-    # calls a merge. With W > 1, one graph for each size of the delta's prefix, every rank the same;
-    # each size is first sent once outside a graph, as NCCL may set up a size's connections on first
-    # use.
-    groups = range(0, V - 256, MERGES_PER_READ)
-    prefixes = [delta_prefix(group, V) if W > 1 else len(delta) for group in groups]
+    # The setup ends with every kernel compiled by a merge with DONE set (the kernels do nothing,
+    # the collectives add zeros), as in train_bpe_gpu.py: the loop's clock then times merges alone.
     state[DONE.value] = 1
-    for prefix in sorted(set(prefixes)) if device.type == "cuda" else [len(delta)]:
-        merge_group(prefix)
+    merge(0)
     state[DONE.value] = 0
-    graphs, graph_sent = {}, {}
-    if device.type == "cuda":
-        for prefix in sorted(set(prefixes)):
-            graphs[prefix] = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graphs[prefix], capture_error_mode="thread_local"):
-                graph_sent[prefix] = merge_group(prefix)
-        torch.cuda.synchronize(device)
+    loop_counts.clear()
     loop_started = time.time()
     with tqdm(total=V - 256, unit="merge", desc="merging", mininterval=0.5,
               disable=not show_progress) as progress:
-        for group, prefix in zip(groups, prefixes):
-            if graphs:
-                graphs[prefix].replay()
-                loop_counts.update(graph_sent[prefix])
-            else:
-                loop_counts.update(merge_group(prefix))
+        for group in range(0, V - 256, MERGES_PER_READ):
+            for m in range(group, group + MERGES_PER_READ):
+                merge(m)
             progress.update(min(MERGES_PER_READ, V - 256 - group))
+            # the one host read of a group: the host launches ahead, and waits only here
             loop_counts.update(host_reads=1)
-            if group_done():
+            if state[DONE.value].item():
                 break
     seconds = dict(setup=loop_started - started, loop=time.time() - loop_started)
     num_merges = int(state[NEXT.value]) - 256
@@ -997,8 +949,8 @@ def run(argv):
     cached, cache_status, prefix, error = count_part(args, source)
 
     # --- the process group. Its timeout bounds each wait for the others, in joining (each counts
-    # its part first) and in collectives: a hung rank becomes an error on the others (a dead one
-    # sooner: its sockets close).
+    # its part first) and in every collective, which the host calls: a hung rank becomes an error
+    # on the others (a dead one sooner: its sockets close). On NCCL, its watchdog ends the process.
     if args.device == "cuda":
         torch.cuda.set_device(LOCAL_RANK)
     # small ops: waking OpenMP threads for each costs more than it saves
@@ -1058,8 +1010,7 @@ def run(argv):
     t2 = time.time()
     run_device = torch.device("cuda", LOCAL_RANK) if args.device == "cuda" else torch.device("cpu")
     merges, tokens_saved, loop_counts, seconds = merge_on_device(
-        arrays, args.vocab_size, total["total_pairs"], run_device, show_progress=RANK == 0,
-        timeout=args.timeout)
+        arrays, args.vocab_size, total["total_pairs"], run_device, show_progress=RANK == 0)
     t3 = time.time()
     if args.device == "cuda":
         peak = torch.cuda.max_memory_allocated(run_device)
