@@ -78,8 +78,8 @@ timeout = 1800  # seconds a rank waits for the others (reading a big part takes 
 # runs, and whitespace, so that merges never glue a word to the punctuation or the space after it.
 pattern = r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]++[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+"""
 EOT = "<|endoftext|>"
-HUB_DATASETS = {"fineweb": ("HuggingFaceFW/fineweb", "sample-10BT", None),
-                "fineweb-edu": ("HuggingFaceFW/fineweb-edu", "sample-10BT", None)}
+HUB_DATASETS = {"fineweb": ("HuggingFaceFW/fineweb", "sample-10BT"),
+                "fineweb-edu": ("HuggingFaceFW/fineweb-edu", "sample-10BT")}
 LOCAL_SUFFIXES = (".txt", ".jsonl", ".parquet")
 CACHE_VERSION = 3
 # programs; blocks of positions, dirty rows, keys to scan; rows a block key covers (CUDA's shape is
@@ -504,18 +504,12 @@ def merge_on_device(arrays, vocab_size, total_pairs, device, show_progress):
 # seeks straight to its range.
 
 
-def rank_documents(name, source, budget):
-    """This rank's documents (a generator: nothing is read yet), the files they come from, and the
-    byte range of its part (None from the Hub, whose stream `datasets` splits)."""
-    if name in HUB_DATASETS and not source.startswith("Python standard library"):
-        repository, config, _ = HUB_DATASETS[name]
-        documents = datasets_texts(repository, node=(RANK, WORLD), path=repository, name=config)
-        return documents, [], None
-    if name in HUB_DATASETS:  # the offline corpus, a .py file a document
-        stdlib = Path(sysconfig.get_paths()["stdlib"])
-        files = [path for path in sorted(stdlib.rglob("*.py")) if "site-packages" not in path.parts]
-    else:
-        files = local_files(name)
+def rank_documents(name, files, budget):
+    """This rank's documents (a generator: nothing is read yet), and the byte range of its part
+    (None from the Hub, whose stream `datasets` splits)."""
+    if not files:
+        repository, config = HUB_DATASETS[name]
+        return datasets_texts(repository, node=(RANK, WORLD), path=repository, name=config), None
     sizes = [path.stat().st_size for path in files]
     lo, hi = sum(sizes) * RANK // WORLD, sum(sizes) * (RANK + 1) // WORLD
     part_files = []
@@ -524,7 +518,7 @@ def rank_documents(name, source, budget):
         split_into_ours = first < lo < first + size and path.suffix in (".jsonl", ".parquet")
         if size and (lo <= first < hi or split_into_ours):
             part_files.append((path, first, size))
-    return read_part(part_files, lo, hi, budget), files, [lo, hi]
+    return read_part(part_files, lo, hi, budget), [lo, hi]
 
 
 def read_part(part_files, lo, hi, budget):
@@ -901,19 +895,19 @@ def validate(args):
     check_count_rows(args.vocab_size, 4, device_memory(args.device), args.device)
     # one warning (the Hub is off: the offline corpus instead), rank 0's
     with contextlib.redirect_stderr(io.StringIO()) if RANK else contextlib.nullcontext():
-        _, source_name, source = open_source(args.data or data, args.data is not None)
+        source_name, source, files = find_source(args.data or data, args.data is not None)
     out_dir = Path(args.out or f"tokenizers/{source_name}_v{args.vocab_size}")
     if RANK == 0:  # the one writer; its lock is held while this process lives
         check_out_dir(out_dir)
-    return source, out_dir
+    return source, files, out_dir
 
 
-def count_part(args, source):
+def count_part(args, source, files):
     """This rank's part, pre-tokenized and counted, or the counts cached by an earlier run: (the
     cache's arrays and stats, its status, its prefix, an error or None). Counted before gloo's or
     NCCL's threads start: a fork copies none of their locks."""
     share = args.num_chars * (RANK + 1) // WORLD - args.num_chars * RANK // WORLD
-    documents, files, byte_range = rank_documents(args.data or data, source, share)
+    documents, byte_range = rank_documents(args.data or data, files, share)
     prefix = Path(args.cache_dir) / cache_key(args, source, files, WORLD) / f"rank{RANK}"
     cache_status, cached = ("missing", None) if args.no_cache else read_cache(prefix)
     error = None
@@ -944,9 +938,9 @@ def count_part(args, source):
 
 def run(argv):
     args = parse_args(argv)
-    source, out_dir = validate(args)
+    source, files, out_dir = validate(args)
     t0 = time.time()
-    cached, cache_status, prefix, error = count_part(args, source)
+    cached, cache_status, prefix, error = count_part(args, source, files)
 
     # --- the process group. Its timeout bounds each wait for the others, in joining (each counts
     # its part first) and in every collective, which the host calls: a hung rank becomes an error
@@ -1053,22 +1047,18 @@ def run(argv):
 # .txt and .jsonl are read with the standard library: `datasets` would turn CRLF into LF (no longer
 # rustbpe's bytes), stop at invalid UTF-8, and take seconds to start.
 
-def open_source(data, data_was_named):  # (documents, name, description); documents(budget) -> texts
+def find_source(data, data_was_named):  # (name, description, files); no files: a Hub dataset
     if data not in HUB_DATASETS:
-        files = local_files(data)
-        return (lambda budget: local_texts(files, budget)), Path(data).stem, str(data)
-    repository, config, parquet_files = HUB_DATASETS[data]
-    load = dict(path=repository, name=config)
-    if parquet_files:  # by path: `datasets` then never runs an old loading script
-        load = dict(path="parquet", data_files=f"hf://datasets/{repository}/{parquet_files}")
+        return Path(data).stem, str(data), local_files(data)
     problem = hub_problem()
     if problem is None:
-        description = f"{repository} {config}" if config else repository
-        return (lambda budget: datasets_texts(repository, **load)), data, description
+        return data, " ".join(HUB_DATASETS[data]), []
     if data_was_named:  # the default source falls back to the offline corpus; a named one refuses
         raise UserError(f"{problem}, needed for --data {data}; use --data path/to/files instead")
     print(f"warning: {problem}: using the offline corpus, Python's stdlib", file=sys.stderr)
-    return stdlib_documents, "stdlib", "Python standard library source (offline fallback)"
+    stdlib = Path(sysconfig.get_paths()["stdlib"])  # its .py files, a document each
+    files = [path for path in sorted(stdlib.rglob("*.py")) if "site-packages" not in path.parts]
+    return "stdlib", "Python standard library source (offline fallback)", files
 
 def hub_problem(timeout=3.0):  # None, or why the Hub can't be used: in 3 s (`datasets` takes ~25)
     for switch in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
@@ -1082,17 +1072,12 @@ def hub_problem(timeout=3.0):  # None, or why the Hub can't be used: in 3 s (`da
     except (OSError, ValueError):
         return f"can't reach the Hugging Face Hub at {endpoint}"
 
-def stdlib_documents(budget=None):  # the offline corpus: real code and prose, on every machine
-    files = sorted(Path(sysconfig.get_paths()["stdlib"]).rglob("*.py"))
-    files = [file for file in files if "site-packages" not in file.parts]
-    return (file.read_text("utf-8", "replace") for file in files)
-
-def datasets_texts(where, node=None, **load):  # rows' "text"; node=(rank, world_size) takes a share
+def datasets_texts(where, node, **load):  # rows' "text"; node=(rank, world_size): its share
     import datasets.distributed  # here: it takes seconds, and .txt and .jsonl never need it
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its errors reach the user as ours
     try:
         rows = datasets.load_dataset(split="train", streaming=True, **load)
-        rows = datasets.distributed.split_dataset_by_node(rows, *node) if node else rows
+        rows = datasets.distributed.split_dataset_by_node(rows, *node)
         for number, row in enumerate(rows, 1):
             if not isinstance(row.get("text"), str):
                 raise ValueError(f'row {number} has no string "text": {row!r:.50}')
@@ -1110,21 +1095,14 @@ def local_files(data):  # the file, or a directory's files in sorted order; regu
         raise UserError(f"--data {data} is none of: {kinds}")
     return files
 
-def local_texts(files, budget):  # a document is a .txt file, a .jsonl line, a .parquet row
-    for path in files:
-        if path.suffix == ".parquet":
-            yield from read_parquet(path)
-        else:
-            yield from read_txt(path, budget) if path.suffix == ".txt" else read_jsonl(path)
-
-def read_parquet(path, start=0, end=None):  # the "text" of each row group placed in bytes [start, end)
+def read_parquet(path, start, end):  # the "text" of each row group placed in bytes [start, end)
     import pyarrow.parquet  # here, as .txt and .jsonl never need it; 10x less CPU than `datasets`
     try:
         parquet = pyarrow.parquet.ParquetFile(path)
         if "text" not in parquet.schema_arrow.names:
             raise ValueError('no "text" column')
+        # a group sits at its share of the bytes: ranges tile them
         size, groups = os.path.getsize(path), parquet.num_row_groups
-        end = size if end is None else end  # a group sits at its share of the bytes: ranges tile them
         ours = [group for group in range(groups) if start <= size * group // groups < end]
         for batch in parquet.iter_batches(1024, ours, columns=["text"]):
             for text in batch.column(0).to_pylist():
@@ -1139,7 +1117,7 @@ def read_txt(path, budget):  # one document, CRLF kept, read only as far as the 
     with open(path, encoding="utf-8", errors=BadUTF8.errors, newline="") as f:
         yield f.read(budget if budget < os.path.getsize(path) else -1)  # N bytes: <= N characters
 
-def read_jsonl(path, start=0, end=None):  # the "text" of each line starting in bytes [start, end)
+def read_jsonl(path, start, end):  # the "text" of each line starting in bytes [start, end)
     with open(path, "rb") as f:
         if start > 0:  # the line holding byte start-1 is the range's before: ranges tile the file
             f.seek(start - 1)
@@ -1147,7 +1125,7 @@ def read_jsonl(path, start=0, end=None):  # the "text" of each line starting in 
         line_end = f.tell()
         for number, line in enumerate(f, 1):
             line_start, line_end = line_end, line_end + len(line)
-            if end is not None and line_start >= end:
+            if line_start >= end:
                 return
             if not line.strip():
                 continue
@@ -1171,13 +1149,6 @@ class BadUTF8:  # invalid UTF-8 and lone surrogates: each read as U+FFFD, and co
 
 BadUTF8.errors = f"replace and count {id(BadUTF8)}"  # its own name: a process may load two scripts
 codecs.register_error(BadUTF8.errors, BadUTF8.replace)
-
-def first_chars(documents, num_chars):  # the last document is cut to fit
-    for document in documents(num_chars):
-        yield document[:num_chars]
-        num_chars -= min(len(document), num_chars)
-        if num_chars == 0:
-            return  # before the source is asked for one more document: it may be slow, or malformed
 
 # ---------------------------------------------------------------- the command line
 

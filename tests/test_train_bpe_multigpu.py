@@ -242,6 +242,17 @@ def test_a_bad_line_in_rank_1s_part_is_one_line_from_rank_0(tmp_path):
     assert "train_bpe_multigpu.py\", line" not in output and not (tmp_path / "out").exists()
 
 
+def test_offline_the_default_source_is_the_standard_library_split_between_the_ranks(tmp_path):
+    """No --data and no Hub (HF_HUB_OFFLINE=1): Python's own .py files, a document each, in byte ranges like
+    any local files; one warning, rank 0's."""
+    result = torchrun(2, "-n", 20000, "-v", 260, cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stderr.count("warning: the Hugging Face Hub is off") == 1, result.stderr
+    info = json.loads((tmp_path / "tokenizers" / "stdlib_v260" / "tokenizer.json").read_text())
+    assert info["source"] == "Python standard library source (offline fallback)" and info["num_chars"] == 20000
+    assert [part["chars"] for part in info["read"]] == [10000, 10000] and info["read"][1]["bytes"][0] > 0
+
+
 def test_characters_the_pattern_leaves_out_are_one_warning_over_all_ranks(tmp_path):
     """\\w+ leaves the spaces and punctuation out, on both ranks' parts: tiktoken drops them from the
     encoding too, so the run goes on, and rank 0 says how many, counted over all the text."""
@@ -265,14 +276,16 @@ def test_characters_the_pattern_leaves_out_are_one_warning_over_all_ranks(tmp_pa
     (["--out", "DATASET"], "is a dataset directory"),
     (["--out", "FILE/under"], "is a file, not a directory"),
     (["--out", "/proc/tok"], "can't be written"),
+    (["--data", "fineweb"], "the Hugging Face Hub is off (HF_HUB_OFFLINE=1), needed for --data fineweb"),
 ])
 def test_checks_before_any_work(tmp_path, monkeypatch, argv, message):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     (tmp_path / "ok.txt").write_text("some text to train on " * 10)
     (tmp_path / "DATASET").mkdir()
     (tmp_path / "DATASET" / "meta.json").write_text("{}")
     (tmp_path / "FILE").write_text("")
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(mg.UserError, match=message):
+    with pytest.raises(mg.UserError, match=re.escape(message)):
         mg.validate(mg.parse_args(["--data", "ok.txt", "--device", "cpu", *argv]))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["DATASET", "FILE", "ok.txt"]
 
