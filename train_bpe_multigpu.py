@@ -12,8 +12,9 @@ multiset of chunks. The output is train_bpe_gpu.py's; tokenizer.json also says w
 This is not data-parallel training: a merge chosen from one rank's counts would be wrong. The ranks
 split the text (each reads its own part, about n / W characters, documents whole), the distinct
 chunks (each merges its own, on its device) and the [V, V] pair-count matrix (each owns 1/W of its
-rows); collectives make every merge the same on every rank. --device cpu (gloo) runs the kernels in
-Triton's interpreter: exact, slow, for tests.
+rows); collectives make every merge the same on every rank. train_bpe_gpu.py teaches the merge loop
+on one GPU: read it first. This file teaches what changes on W of them. --device cpu (gloo) runs
+the kernels in Triton's interpreter: exact, slow, for tests.
 """
 
 import argparse
@@ -53,6 +54,8 @@ try:
     import triton.language as tl
 except ImportError:
     sys.exit("error: train_bpe_multigpu.py needs triton (pip install triton)")
+# === plumbing: Triton 3.6's interpreter on NumPy 2.4, the same fix as train_bpe_gpu.py's (a first
+# read can skip to the next # === banner)
 if os.environ["TRITON_INTERPRET"] == "1":
     # Triton 3.6's interpreter (CUDA torch 2.11 pins it) takes a loop bound as int() of a 1-element
     # array, which NumPy 2.4 refuses (triton-lang/triton#9171); later Tritons take the element.
@@ -63,8 +66,7 @@ if os.environ["TRITON_INTERPRET"] == "1":
         tensor.__index__ = lambda self: int(self.handle.data.squeeze())
     interpreter._patch_lang_tensor = patch_tensor
 
-# -----------------------------------------------------------------------------
-# defaults, each overridable from the command line
+# === defaults, each overridable from the command line
 vocab_size = 65534  # 256 bytes + merges; <|endoftext|> gets the next id (ids fit a uint16)
 num_chars = 2**27  # characters to train on, all ranks together (about n / W each)
 data = "fineweb"  # fineweb | fineweb-edu | a .txt/.jsonl/.parquet file | a directory of them
@@ -96,13 +98,12 @@ class UserError(Exception):
     """A mistake in the input: printed as one line, never as a traceback."""
 
 
-# ------------------------------------------------------------ the merge loop, split across ranks
-# train_bpe_gpu.py's layout and kernel bodies (read that file first), on this rank's distinct
-# chunks; choose_pair is best_pair here, start_merge's part lives in find_occurrences, and apply is
-# split in two around a collective: apply_merges, then apply_owned. No merge_small: a merge needs
-# collectives between its steps, which one program can't make. Rank r owns the rows l with
-# l % W == r, kept at l // W, and their row keys. A merge (a, b) -> new changes only pairs in
-# columns a and new, rows b and new:
+# === the merge loop, split across ranks
+# train_bpe_gpu.py's layout, row and block keys and kernel bodies (read that file first), on this
+# rank's distinct chunks. Its choose_pair and apply_merges are each split in two around a
+# collective: best_pair, then find_occurrences, which decodes the reduced pick and starts the merge;
+# apply_merges, then apply_owned. Rank r owns the rows l with l % W == r, kept at l // W, and
+# their row keys. A merge (a, b) -> new changes only pairs in columns a and new, rows b and new:
 #   (x, a) loses w and (x, new) gains w   where x is a merged occurrence's left neighbour
 #   (b, y) loses w, (new, y') gains w     where y is the right neighbour (y' = new if y merged too)
 # and (a, b) itself. Each rank sums its changes into `delta`: delta[0] is (a, b), delta[1 + 3j + k]
@@ -111,14 +112,12 @@ class UserError(Exception):
 # adds them over the ranks, and each owner applies the part in its rows. The next pair is one
 # all_reduce(MAX) of the ranks' best keys (two, when a count and both ids don't fit one int64).
 # Two collectives a merge is the least this split allows: the next pick needs the owners'
-# refreshed rows, which need every rank's changes, which need the pick. No deadlock, no
-# divergence: every rank launches the same collectives in the same order (a rank with no text
-# sends zeros), and decides (the pair, "done") from the REDUCED values, the same everywhere.
+# refreshed rows, which need every rank's changes, which need the pick. The host launches the five
+# kernels and calls the collectives between them, and reads the device once per 16 merges. No
+# deadlock, no divergence: every rank calls the same collectives in the same order (a rank with
+# no text sends zeros), and decides (the pair, "done") from the REDUCED values, the same everywhere.
 # Exact: counts are integers, each with one owner, who adds all its changes. No kernel needs a
-# lock; each docstring says why.
-# Every atomic is relaxed: each needs only atomicity, and what a kernel writes is seen by the next
-# (the stream orders kernels). The default, acq_rel, fences the whole device around each atomic
-# (MEMBAR.ALL.GPU on an H100), on apply's critical path.
+# lock; each docstring says why. Every atomic is relaxed, as in train_bpe_gpu.py.
 
 # The slots of `state`, the loop's scalars, kept on the device:
 #   NEXT       the next id to give out (256 + the merges made): ids below it are the columns in use
@@ -132,6 +131,9 @@ DEAD = tl.constexpr(-2)  # the token of an unlinked position (the right half of 
 ID_BITS = tl.constexpr(20)  # a row key's low bits hold 2^20 - 1 - right id
 LOW = tl.constexpr((1 << 20) - 1)
 
+
+# === plumbing: append and pick_pair, train_bpe_gpu.py's own (taught there; a first read can skip
+# to the next # === banner)
 
 @triton.jit
 def append(length, buffer, values, keep):
@@ -186,6 +188,8 @@ def pick_pair(state, row_key, block_key, fresh_key, dirty_flag, dirty_rows, V, B
     best_row = tl.min(tl.where(count == best_count, rows, new), axis=0).to(tl.int64)
     return best_count, best_row
 
+
+# === the merge loop's kernels, on every rank
 
 @triton.jit
 def best_pair(state, row_key, block_key, fresh_key, dirty_flag, dirty_rows, V, best,
@@ -380,6 +384,8 @@ def refresh_rows(state, list_buffer, scratch, list_len, counts, fresh_key, dirty
             tl.atomic_max(fresh_key + row, key, mask=i < dirty, sem="relaxed")
 
 
+# === the merge loop on the host
+
 def chunks_to_arrays(blob, lengths, occurrences, count_dtype):
     """This rank's distinct chunks (from the cache) as the flat arrays above, built in numpy."""
     L = END = blob.size
@@ -497,7 +503,7 @@ def merge_on_device(arrays, vocab_size, total_pairs, device, show_progress):
     return merges, tokens_saved, loop_counts, seconds
 
 
-# ---------------------------------------------------------------- this rank's part of the text
+# === this rank's part of the text
 # Local files are laid end to end, and rank r gets bytes [r S / W, (r + 1) S / W). A document
 # belongs to the range that holds its first byte: a .jsonl line, a whole .txt file, a parquet row
 # group (placed at its share of the file's bytes). So each is read whole, by one rank, and a rank
@@ -531,8 +537,112 @@ def read_part(part_files, lo, hi, budget):
             yield from read_txt(path, budget)
 
 
-# ---------------------------------------------------------------- pre-tokenizing, on every core
-# (the same in both GPU trainers). The regex is the slow part, and it holds the GIL: the parent
+# === the run
+
+# torchrun sets them; LOCAL_RANK is this rank's GPU on its node
+RANK, WORLD = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+LOCAL_RANK = int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def say(*args, **kwargs):  # rank 0 alone speaks
+    if RANK == 0:
+        print(*args, **kwargs, flush=True)
+
+
+def run(argv):
+    args = parse_args(argv)
+    source, files, out_dir = validate(args)
+    t0 = time.time()
+    # --- this rank's part: n / W characters from its own byte range, counted before the process
+    # group exists (a fork copies none of gloo's or NCCL's locks), or loaded from the cache
+    share = args.num_chars * (RANK + 1) // WORLD - args.num_chars * RANK // WORLD
+    documents, byte_range = rank_documents(args.data or data, files, share)
+    cached, cache_status, prefix, error = count_part(args, source, files, documents, share,
+                                                     byte_range)
+
+    # --- the process group. Its timeout bounds each wait for the others, in joining (each counts
+    # its part first) and in every collective, which the host calls: a hung rank becomes an error
+    # on the others (a dead one sooner: its sockets close). On NCCL, its watchdog ends the process.
+    if args.device == "cuda":
+        torch.cuda.set_device(LOCAL_RANK)
+    # small ops: waking OpenMP threads for each costs more than it saves
+    elif "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(1)
+    if "RANK" in os.environ:  # torchrun's environment says where the others are
+        group_options = {}
+    else:  # plain python: a world of one
+        group_options = dict(store=dist.HashStore(), rank=0, world_size=1)
+    dist.init_process_group("nccl" if args.device == "cuda" else "gloo",
+                            timeout=datetime.timedelta(seconds=args.timeout), **group_options)
+    say(f"{WORLD} rank(s), backend {dist.get_backend()}, device {args.device}")
+    # A reading error happens on one rank (whose part holds the bad line): shared, every rank stops
+    # together, and rank 0 says it.
+    rank_stats = [None] * WORLD
+    dist.all_gather_object(rank_stats, error or {**cached[3], "cache": cache_status,
+                                                 "memory": device_memory(args.device)})
+    errors = [stats for stats in rank_stats if isinstance(stats, str)]
+    if errors:
+        raise UserError(errors[0])
+    total = {key: sum(stats[key] for stats in rank_stats)
+             for key in ("chunks", "total_bytes", "total_pairs", "bad_utf8", "matched")}
+    chars = sum(stats["part"]["chars"] for stats in rank_stats)
+    cache_statuses = [stats["cache"] for stats in rank_stats]
+    t1 = time.time()
+    check_text(args, source, total, chars, cache_statuses, prefix)
+    # no count exceeds the total: int32 below 2^31 pairs, else int64 (twice what validate() checked)
+    count_dtype = np.dtype(np.int32 if total["total_pairs"] < 2**31 else np.int64)
+    check_count_rows(args.vocab_size, count_dtype.itemsize,
+                     min(stats["memory"] for stats in rank_stats), args.device)
+    say(f"read {chars:,} characters, {total['chunks']:,} chunks; per-rank part (characters, "
+        "distinct chunks): "
+        + ", ".join(f"{stats['part']['chars']:,}/{stats['distinct']:,}" for stats in rank_stats))
+
+    # --- the merges, each rank in its own chunks and its own rows of the count matrix
+    arrays = chunks_to_arrays(*cached[:3], count_dtype)
+    t2 = time.time()
+    run_device = torch.device("cuda", LOCAL_RANK) if args.device == "cuda" else torch.device("cpu")
+    merges, tokens_saved, loop_counts, seconds = merge_on_device(
+        arrays, args.vocab_size, total["total_pairs"], run_device, show_progress=RANK == 0)
+    t3 = time.time()
+    if args.device == "cuda":
+        peak = torch.cuda.max_memory_allocated(run_device)
+    else:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    saved_and_peak = [None] * WORLD
+    dist.all_gather_object(saved_and_peak, (tokens_saved, peak / 2**20))
+    num_merges, eot_id = len(merges), 256 + len(merges)
+    stop_reason = "vocab_size reached" if eot_id == args.vocab_size else "no pairs left to merge"
+    if eot_id < args.vocab_size:
+        say(f"stopped early after {num_merges} merges: no pairs left to merge "
+            f"(vocab {eot_id} < {args.vocab_size})")
+    if RANK == 0:
+        save_tokenizer(out_dir, merges, {
+            "pattern": args.pattern, "special_tokens": {EOT: eot_id}, "vocab_size": eot_id + 1,
+            "num_merges": num_merges, "num_chars": chars, "source": source,
+            "trainer": "train_bpe_multigpu.py", "world_size": WORLD, "seconds": round(t3 - t0, 3),
+            "stop_reason": stop_reason, "read": [stats["part"] for stats in rank_stats]})
+    tokens_left = total["total_bytes"] - sum(saved for saved, _ in saved_and_peak)
+    all_reused = cache_statuses.count("reused") == WORLD
+    reading = "loading the cache" if all_reused else "reading + pre-tokenizing"
+    # merges/s is over the loop alone, as in train_bpe_gpu.py: the setup says nothing about merging
+    merges_per_second = num_merges / max(seconds["loop"], 1e-9)
+    say(f"{reading} {t1 - t0:.2f}s | "
+        f"layout {t2 - t1:.2f}s | setup {seconds['setup']:.2f}s | merging {seconds['loop']:.2f}s "
+        f"({merges_per_second:,.0f} merges/s) | total {t3 - t0:.2f}s")
+    per_merge = {key: count / max(num_merges, 1) for key, count in loop_counts.items()}
+    say(f"per merge: {per_merge.get('collectives', 0):.2f} collectives "
+        f"({per_merge.get('collective_bytes', 0) / 1024:,.1f} KiB), "
+        f"{per_merge.get('host_reads', 0):.2f} host reads")
+    peak_kind = "peak device memory" if args.device == "cuda" else "peak RSS"
+    say(f"{peak_kind} per rank: " + ", ".join(f"{peak:,.0f} MiB" for _, peak in saved_and_peak))
+    say(f"compression: {total['total_bytes'] / max(tokens_left, 1):.3f} bytes/token; wrote "
+        f"{out_dir}/tokenizer.tiktoken and tokenizer.json ({EOT} = {eot_id}, "
+        f"vocab_size {eot_id + 1})")
+    dist.barrier()  # nobody leaves (and tears the group down) while rank 0 still writes
+
+
+# === plumbing: pre-tokenizing on every core, train_bpe_gpu.py's own (taught there; a first read can
+# skip to the next # === banner). The regex is the slow part, and it holds the GIL: the parent
 # reads the documents, and worker processes count batches of them, at most two a worker queued.
 # BPE depends only on the multiset of chunks, so the order of adding up is free. A CPU-time alarm
 # per document (1 s + 10 s per million characters; GPT-4's pattern needs 0.3 s) turns a pattern
@@ -686,11 +796,43 @@ def document_pieces(document, pattern_text):
     yield document[start:]
 
 
-# ---------------------------------------------------------------- the cache of counted chunks
+# === plumbing: the cache of counted chunks (a rerun with other -v skips reading and
+# pre-tokenizing; a first read can skip to the next # === banner).
 # What the merge loop needs, as .npy files (no pickle: loading can't run code): the UTF-8 bytes of
 # this rank's distinct chunks of 2+ bytes, and each one's length and count. The .json, written
 # last, holds the statistics, what was read, and a sha256 of it all: a cache that fails it (or is
 # half written) is counted again.
+
+
+def count_part(args, source, files, documents, share, byte_range):
+    """This rank's part, pre-tokenized and counted, or the counts cached by an earlier run: (the
+    cache's arrays and stats, its status, its prefix, an error or None, shared in run())."""
+    prefix = Path(args.cache_dir) / cache_key(args, source, files, WORLD) / f"rank{RANK}"
+    cache_status, cached = ("missing", None) if args.no_cache else read_cache(prefix)
+    error = None
+    if cache_status != "reused":
+        cores = len(os.sched_getaffinity(0)) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        num_workers = 1 if share < PARALLEL_CHARS else max(cores, 1)
+        num_workers = args.workers or num_workers
+        label = "reading (rank 0's part)" if RANK == 0 else None
+        part = {"rank": RANK}  # what this rank read, for tokenizer.json
+        if byte_range:
+            part["bytes"] = byte_range
+        try:
+            chunk_counts, read = count_chunks(documents, share, args.pattern, num_workers, label)
+            write_cache(prefix, chunk_counts, {**part, **read})
+            _, cached = read_cache(prefix)
+        except UserError as user_error:
+            error = str(user_error)
+        # the cache's disk, or a file that went away while it was read
+        except OSError as os_error:
+            error = (f"{os_error.filename or prefix.parent}: {os_error.strerror or os_error}; "
+                     "check it (--cache_dir says where the cache goes)")
+    # an error shared in run(), as a reading error is
+    if error is None and cached[0].size + 2 > MAX_POSITIONS:
+        error = (f"rank {RANK}'s distinct chunks hold {cached[0].size:,} bytes, more than int32 "
+                 "positions can name (2^31 - 4); use more ranks, or a smaller -n")
+    return cached, cache_status, prefix, error
 
 
 def cache_key(args, source, files, world_size):
@@ -743,7 +885,110 @@ def read_cache(prefix):
     return "reused", (*arrays, stats)
 
 
-# ---------------------------------------------------------------- output
+# === plumbing: the command line, the settings' checks, the memory checks, the text's checks (a first
+# read can skip to the next # === banner)
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("-v", "--vocab_size", type=int, default=vocab_size)
+    parser.add_argument("-n", "--num_chars", type=int, default=num_chars, help="all ranks together")
+    parser.add_argument("--data", help=f"fineweb, fineweb-edu, or local files (default {data})")
+    parser.add_argument("--out", default=out, help="default tokenizers/<source>_v<vocab_size>")
+    parser.add_argument("--pattern", default=pattern, help="the split regex (default GPT-4's)")
+    parser.add_argument("--device", default=device, choices=["cuda", "cpu"],
+                        help="cuda (NCCL), or cpu (gloo; Triton's interpreter)")
+    parser.add_argument("--cache_dir", default=cache_dir, help="each rank's counted chunks")
+    parser.add_argument("--no_cache", action="store_true", help="count again, refresh the cache")
+    parser.add_argument("--workers", type=int, default=workers,
+                        help="pre-tokenizing processes per rank (0: automatic)")
+    parser.add_argument("--timeout", type=float, default=timeout, help="seconds to wait for ranks")
+    return parser.parse_args(argv)
+
+
+def validate(args):
+    """Every check that needs no text runs on every rank BEFORE the process group exists: each rank
+    reaches the same verdict on its own, exits, and nobody is left waiting in a collective. (--out,
+    which rank 0 alone writes, rank 0 alone checks: when it exits, torchrun stops the others.)"""
+    try:
+        matches_empty = regex.compile(args.pattern).fullmatch("") is not None
+    except regex.error as error:
+        raise UserError(f"--pattern does not compile ({error}); fix it, or leave it out")
+    problems = [
+        (not 256 <= args.vocab_size <= 65536,
+         f"-v {args.vocab_size}: vocab_size must be between 256 (the bytes) and 65536"),
+        (args.num_chars <= 0, f"-n {args.num_chars}: must be positive"),
+        (args.workers < 0 or args.timeout <= 0, f"--workers {args.workers} --timeout "
+         f"{args.timeout}: workers must be 0 (automatic) or more, and the timeout positive"),
+        (matches_empty, f"--pattern {args.pattern!r} matches the empty string; each match must "
+                        "take a character (x+, not x*)"),
+        # the interpreter is ~1,000x slower: never a silent default
+        (args.device == "cuda" and not torch.cuda.is_available(),
+         "--device cuda: no CUDA GPU here; --device cpu runs the kernels in Triton's "
+         "interpreter (slow, for tests), or use train_bpe_cpu.py"),
+        # the environment variable counts when triton is imported
+        ((args.device == "cpu") != bool(triton.knobs.runtime.interpret),
+         f"--device {args.device} with TRITON_INTERPRET={os.environ['TRITON_INTERPRET']}: the "
+         "kernels run compiled on cuda, in Triton's interpreter on cpu; set it to 1 for cpu, 0 "
+         "for cuda"),
+    ]
+    for failed, message in problems:
+        if failed:
+            raise UserError(message)
+    # int32 counts; int64 past 2^31 pairs of text: checked again in run()
+    check_count_rows(args.vocab_size, 4, device_memory(args.device), args.device)
+    # one warning (the Hub is off: the offline corpus instead), rank 0's
+    with contextlib.redirect_stderr(io.StringIO()) if RANK else contextlib.nullcontext():
+        source_name, source, files = find_source(args.data or data, args.data is not None)
+    out_dir = Path(args.out or f"tokenizers/{source_name}_v{args.vocab_size}")
+    if RANK == 0:  # the one writer; its lock is held while this process lives
+        check_out_dir(out_dir)
+    return source, files, out_dir
+
+
+def device_memory(device_name):
+    if device_name == "cuda":
+        return torch.cuda.get_device_properties(LOCAL_RANK).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def check_count_rows(V, itemsize, memory, device_name):
+    """Rank 0 holds the most rows, (V - 1) // W + 1: every rank checks that number, so that all
+    reach the same verdict (one refusing alone would leave the others waiting)."""
+    need = itemsize * V * ((V - 1) // WORLD + 1)
+    if need > 0.8 * memory:
+        raise UserError(f"-v {V} on {WORLD} rank(s) needs {need / 2**30:.1f} GiB of pair counts "
+                        f"per rank ({itemsize}-byte counts), more than its {device_name} can spare "
+                        f"({memory / 2**30:.1f} GiB); use more ranks or a smaller -v")
+
+
+def check_text(args, source, total, chars, cache_statuses, prefix):
+    """No text, or too much for a row key, is an error; bytes not UTF-8, text the pattern skips, a
+    cache not used, a warning (rank 0's)."""
+    if chars == 0:
+        raise UserError(f"the corpus {source} is empty; point --data at text")
+    if total["total_pairs"] >= 2**43:  # a row key holds a count in 43 bits
+        raise UserError(f"{total['total_pairs']:,} pairs of text: more than 2^43, the most the row "
+                        "keys hold; lower -n")
+    if "tampered" in cache_statuses:
+        say("warning: a cached part did not match its checksum (edited or half-copied): counted "
+            "again", file=sys.stderr)
+    if "reused" in cache_statuses:
+        say(f"cache: {cache_statuses.count('reused')} of {WORLD} ranks reused their counted chunks "
+            f"from {prefix.parent} (skipped reading and pre-tokenizing; --no_cache counts again)")
+    if total["bad_utf8"]:
+        say(f"warning: {total['bad_utf8']} invalid UTF-8 sequences were replaced with U+FFFD",
+            file=sys.stderr)
+    if total["matched"] < chars:
+        say(f"warning: the split pattern matched {total['matched']:,} of {chars:,} characters; the "
+            f"other {1 - total['matched'] / chars:.1%} are dropped (tiktoken drops them too)",
+            file=sys.stderr)
+    if chars < args.num_chars:
+        say(f"read {chars:,} characters, fewer than -n {args.num_chars:,}: each rank reads at most "
+            "n / W from its own part, and some parts ran out; training on those")
+
+
+# === plumbing: the output directory's checks and lock, and the files written there (the same in
+# every trainer; a first read can skip to the next # === banner)
 
 def token_bytes(merges):
     """Every token's bytes, in rank order: 0-255 are the bytes, a merge is its two halves glued."""
@@ -817,233 +1062,8 @@ def lock_directory(path):
     return descriptor  # the lock lasts while this descriptor is open: keep it
 
 
-# ---------------------------------------------------------------- the run
-
-# torchrun sets them; LOCAL_RANK is this rank's GPU on its node
-RANK, WORLD = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
-LOCAL_RANK = int(os.environ.get("LOCAL_RANK", "0"))
-
-
-def say(*args, **kwargs):  # rank 0 alone speaks
-    if RANK == 0:
-        print(*args, **kwargs, flush=True)
-
-
-def parse_args(argv):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("-v", "--vocab_size", type=int, default=vocab_size)
-    parser.add_argument("-n", "--num_chars", type=int, default=num_chars, help="all ranks together")
-    parser.add_argument("--data", help=f"fineweb, fineweb-edu, or local files (default {data})")
-    parser.add_argument("--out", default=out, help="default tokenizers/<source>_v<vocab_size>")
-    parser.add_argument("--pattern", default=pattern, help="the split regex (default GPT-4's)")
-    parser.add_argument("--device", default=device, choices=["cuda", "cpu"],
-                        help="cuda (NCCL), or cpu (gloo; Triton's interpreter)")
-    parser.add_argument("--cache_dir", default=cache_dir, help="each rank's counted chunks")
-    parser.add_argument("--no_cache", action="store_true", help="count again, refresh the cache")
-    parser.add_argument("--workers", type=int, default=workers,
-                        help="pre-tokenizing processes per rank (0: automatic)")
-    parser.add_argument("--timeout", type=float, default=timeout, help="seconds to wait for ranks")
-    return parser.parse_args(argv)
-
-
-def device_memory(device_name):
-    if device_name == "cuda":
-        return torch.cuda.get_device_properties(LOCAL_RANK).total_memory
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
-def check_count_rows(V, itemsize, memory, device_name):
-    """Rank 0 holds the most rows, (V - 1) // W + 1: every rank checks that number, so that all
-    reach the same verdict (one refusing alone would leave the others waiting)."""
-    need = itemsize * V * ((V - 1) // WORLD + 1)
-    if need > 0.8 * memory:
-        raise UserError(f"-v {V} on {WORLD} rank(s) needs {need / 2**30:.1f} GiB of pair counts "
-                        f"per rank ({itemsize}-byte counts), more than its {device_name} can spare "
-                        f"({memory / 2**30:.1f} GiB); use more ranks or a smaller -v")
-
-
-def validate(args):
-    """Every check that needs no text runs on every rank BEFORE the process group exists: each rank
-    reaches the same verdict on its own, exits, and nobody is left waiting in a collective. (--out,
-    which rank 0 alone writes, rank 0 alone checks: when it exits, torchrun stops the others.)"""
-    try:
-        matches_empty = regex.compile(args.pattern).fullmatch("") is not None
-    except regex.error as error:
-        raise UserError(f"--pattern does not compile ({error}); fix it, or leave it out")
-    problems = [
-        (not 256 <= args.vocab_size <= 65536,
-         f"-v {args.vocab_size}: vocab_size must be between 256 (the bytes) and 65536"),
-        (args.num_chars <= 0, f"-n {args.num_chars}: must be positive"),
-        (args.workers < 0 or args.timeout <= 0, f"--workers {args.workers} --timeout "
-         f"{args.timeout}: workers must be 0 (automatic) or more, and the timeout positive"),
-        (matches_empty, f"--pattern {args.pattern!r} matches the empty string; each match must "
-                        "take a character (x+, not x*)"),
-        # the interpreter is ~1,000x slower: never a silent default
-        (args.device == "cuda" and not torch.cuda.is_available(),
-         "--device cuda: no CUDA GPU here; --device cpu runs the kernels in Triton's "
-         "interpreter (slow, for tests), or use train_bpe_cpu.py"),
-        # the environment variable counts when triton is imported
-        ((args.device == "cpu") != bool(triton.knobs.runtime.interpret),
-         f"--device {args.device} with TRITON_INTERPRET={os.environ['TRITON_INTERPRET']}: the "
-         "kernels run compiled on cuda, in Triton's interpreter on cpu; set it to 1 for cpu, 0 "
-         "for cuda"),
-    ]
-    for failed, message in problems:
-        if failed:
-            raise UserError(message)
-    # int32 counts; int64 past 2^31 pairs of text: checked again in run()
-    check_count_rows(args.vocab_size, 4, device_memory(args.device), args.device)
-    # one warning (the Hub is off: the offline corpus instead), rank 0's
-    with contextlib.redirect_stderr(io.StringIO()) if RANK else contextlib.nullcontext():
-        source_name, source, files = find_source(args.data or data, args.data is not None)
-    out_dir = Path(args.out or f"tokenizers/{source_name}_v{args.vocab_size}")
-    if RANK == 0:  # the one writer; its lock is held while this process lives
-        check_out_dir(out_dir)
-    return source, files, out_dir
-
-
-def count_part(args, source, files):
-    """This rank's part, pre-tokenized and counted, or the counts cached by an earlier run: (the
-    cache's arrays and stats, its status, its prefix, an error or None). Counted before gloo's or
-    NCCL's threads start: a fork copies none of their locks."""
-    share = args.num_chars * (RANK + 1) // WORLD - args.num_chars * RANK // WORLD
-    documents, byte_range = rank_documents(args.data or data, files, share)
-    prefix = Path(args.cache_dir) / cache_key(args, source, files, WORLD) / f"rank{RANK}"
-    cache_status, cached = ("missing", None) if args.no_cache else read_cache(prefix)
-    error = None
-    if cache_status != "reused":
-        cores = len(os.sched_getaffinity(0)) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        num_workers = 1 if share < PARALLEL_CHARS else max(cores, 1)
-        num_workers = args.workers or num_workers
-        label = "reading (rank 0's part)" if RANK == 0 else None
-        part = {"rank": RANK}  # what this rank read, for tokenizer.json
-        if byte_range:
-            part["bytes"] = byte_range
-        try:
-            chunk_counts, read = count_chunks(documents, share, args.pattern, num_workers, label)
-            write_cache(prefix, chunk_counts, {**part, **read})
-            _, cached = read_cache(prefix)
-        except UserError as user_error:
-            error = str(user_error)
-        # the cache's disk, or a file that went away while it was read
-        except OSError as os_error:
-            error = (f"{os_error.filename or prefix.parent}: {os_error.strerror or os_error}; "
-                     "check it (--cache_dir says where the cache goes)")
-    # an error shared in run(), as a reading error is
-    if error is None and cached[0].size + 2 > MAX_POSITIONS:
-        error = (f"rank {RANK}'s distinct chunks hold {cached[0].size:,} bytes, more than int32 "
-                 "positions can name (2^31 - 4); use more ranks, or a smaller -n")
-    return cached, cache_status, prefix, error
-
-
-def run(argv):
-    args = parse_args(argv)
-    source, files, out_dir = validate(args)
-    t0 = time.time()
-    cached, cache_status, prefix, error = count_part(args, source, files)
-
-    # --- the process group. Its timeout bounds each wait for the others, in joining (each counts
-    # its part first) and in every collective, which the host calls: a hung rank becomes an error
-    # on the others (a dead one sooner: its sockets close). On NCCL, its watchdog ends the process.
-    if args.device == "cuda":
-        torch.cuda.set_device(LOCAL_RANK)
-    # small ops: waking OpenMP threads for each costs more than it saves
-    elif "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(1)
-    if "RANK" in os.environ:  # torchrun's environment says where the others are
-        group_options = {}
-    else:  # plain python: a world of one
-        group_options = dict(store=dist.HashStore(), rank=0, world_size=1)
-    dist.init_process_group("nccl" if args.device == "cuda" else "gloo",
-                            timeout=datetime.timedelta(seconds=args.timeout), **group_options)
-    say(f"{WORLD} rank(s), backend {dist.get_backend()}, device {args.device}")
-    # A reading error happens on one rank (whose part holds the bad line): shared, every rank stops
-    # together, and rank 0 says it.
-    rank_stats = [None] * WORLD
-    dist.all_gather_object(rank_stats, error or {**cached[3], "cache": cache_status,
-                                                 "memory": device_memory(args.device)})
-    errors = [stats for stats in rank_stats if isinstance(stats, str)]
-    if errors:
-        raise UserError(errors[0])
-    total = {key: sum(stats[key] for stats in rank_stats)
-             for key in ("chunks", "total_bytes", "total_pairs", "bad_utf8", "matched")}
-    chars = sum(stats["part"]["chars"] for stats in rank_stats)
-    cache_statuses = [stats["cache"] for stats in rank_stats]
-    t1 = time.time()
-    if chars == 0:
-        raise UserError(f"the corpus {source} is empty; point --data at text")
-    if total["total_pairs"] >= 2**43:  # a row key holds a count in 43 bits
-        raise UserError(f"{total['total_pairs']:,} pairs of text: more than 2^43, the most the row "
-                        "keys hold; lower -n")
-    # no count exceeds the total: int32 below 2^31 pairs, else int64 (twice what validate() checked)
-    count_dtype = np.dtype(np.int32 if total["total_pairs"] < 2**31 else np.int64)
-    check_count_rows(args.vocab_size, count_dtype.itemsize,
-                     min(stats["memory"] for stats in rank_stats), args.device)
-    if "tampered" in cache_statuses:
-        say("warning: a cached part did not match its checksum (edited or half-copied): counted "
-            "again", file=sys.stderr)
-    if "reused" in cache_statuses:
-        say(f"cache: {cache_statuses.count('reused')} of {WORLD} ranks reused their counted chunks "
-            f"from {prefix.parent} (skipped reading and pre-tokenizing; --no_cache counts again)")
-    if total["bad_utf8"]:
-        say(f"warning: {total['bad_utf8']} invalid UTF-8 sequences were replaced with U+FFFD",
-            file=sys.stderr)
-    if total["matched"] < chars:
-        say(f"warning: the split pattern matched {total['matched']:,} of {chars:,} characters; the "
-            f"other {1 - total['matched'] / chars:.1%} are dropped (tiktoken drops them too)",
-            file=sys.stderr)
-    if chars < args.num_chars:
-        say(f"read {chars:,} characters, fewer than -n {args.num_chars:,}: each rank reads at most "
-            "n / W from its own part, and some parts ran out; training on those")
-    say(f"read {chars:,} characters, {total['chunks']:,} chunks; per-rank part (characters, "
-        "distinct chunks): "
-        + ", ".join(f"{stats['part']['chars']:,}/{stats['distinct']:,}" for stats in rank_stats))
-
-    # --- the merges, each rank in its own chunks and its own rows of the count matrix
-    arrays = chunks_to_arrays(*cached[:3], count_dtype)
-    t2 = time.time()
-    run_device = torch.device("cuda", LOCAL_RANK) if args.device == "cuda" else torch.device("cpu")
-    merges, tokens_saved, loop_counts, seconds = merge_on_device(
-        arrays, args.vocab_size, total["total_pairs"], run_device, show_progress=RANK == 0)
-    t3 = time.time()
-    if args.device == "cuda":
-        peak = torch.cuda.max_memory_allocated(run_device)
-    else:
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
-    saved_and_peak = [None] * WORLD
-    dist.all_gather_object(saved_and_peak, (tokens_saved, peak / 2**20))
-    num_merges, eot_id = len(merges), 256 + len(merges)
-    stop_reason = "vocab_size reached" if eot_id == args.vocab_size else "no pairs left to merge"
-    if eot_id < args.vocab_size:
-        say(f"stopped early after {num_merges} merges: no pairs left to merge "
-            f"(vocab {eot_id} < {args.vocab_size})")
-    if RANK == 0:
-        save_tokenizer(out_dir, merges, {
-            "pattern": args.pattern, "special_tokens": {EOT: eot_id}, "vocab_size": eot_id + 1,
-            "num_merges": num_merges, "num_chars": chars, "source": source,
-            "trainer": "train_bpe_multigpu.py", "world_size": WORLD, "seconds": round(t3 - t0, 3),
-            "stop_reason": stop_reason, "read": [stats["part"] for stats in rank_stats]})
-    tokens_left = total["total_bytes"] - sum(saved for saved, _ in saved_and_peak)
-    all_reused = cache_statuses.count("reused") == WORLD
-    reading = "loading the cache" if all_reused else "reading + pre-tokenizing"
-    # merges/s is over the loop alone, as in train_bpe_gpu.py: the setup says nothing about merging
-    merges_per_second = num_merges / max(seconds["loop"], 1e-9)
-    say(f"{reading} {t1 - t0:.2f}s | "
-        f"layout {t2 - t1:.2f}s | setup {seconds['setup']:.2f}s | merging {seconds['loop']:.2f}s "
-        f"({merges_per_second:,.0f} merges/s) | total {t3 - t0:.2f}s")
-    per_merge = {key: count / max(num_merges, 1) for key, count in loop_counts.items()}
-    say(f"per merge: {per_merge.get('collectives', 0):.2f} collectives "
-        f"({per_merge.get('collective_bytes', 0) / 1024:,.1f} KiB), "
-        f"{per_merge.get('host_reads', 0):.2f} host reads")
-    peak_kind = "peak device memory" if args.device == "cuda" else "peak RSS"
-    say(f"{peak_kind} per rank: " + ", ".join(f"{peak:,.0f} MiB" for _, peak in saved_and_peak))
-    say(f"compression: {total['total_bytes'] / max(tokens_left, 1):.3f} bytes/token; wrote "
-        f"{out_dir}/tokenizer.tiktoken and tokenizer.json ({EOT} = {eot_id}, "
-        f"vocab_size {eot_id + 1})")
-    dist.barrier()  # nobody leaves (and tears the group down) while rank 0 still writes
-
-
-# ------------------------------ reading text (the same in every script; a first read can skip it)
+# === plumbing: reading text (a function that stands in several scripts is the same in each; byte
+# ranges and Hub shares are this file's own; a first read can skip to the next # === banner).
 # .txt and .jsonl are read with the standard library: `datasets` would turn CRLF into LF (no longer
 # rustbpe's bytes), stop at invalid UTF-8, and take seconds to start.
 
@@ -1150,7 +1170,8 @@ class BadUTF8:  # invalid UTF-8 and lone surrogates: each read as U+FFFD, and co
 BadUTF8.errors = f"replace and count {id(BadUTF8)}"  # its own name: a process may load two scripts
 codecs.register_error(BadUTF8.errors, BadUTF8.replace)
 
-# ---------------------------------------------------------------- the command line
+# === plumbing: error reporting: a user's mistake, or a lost rank, is one line and no traceback
+# (a first read can skip to the end)
 
 if __name__ == "__main__":
     try:
