@@ -641,23 +641,10 @@ def run(argv):
     dist.barrier()  # nobody leaves (and tears the group down) while rank 0 still writes
 
 
-# === plumbing: pre-tokenizing on every core, train_bpe_gpu.py's own (taught there; a first read can
-# skip to the next # === banner). The regex is the slow part, and it holds the GIL: the parent
-# reads the documents, and worker processes count batches of them, at most two a worker queued.
-# BPE depends only on the multiset of chunks, so the order of adding up is free. A CPU-time alarm
-# per document (1 s + 10 s per million characters; GPT-4's pattern needs 0.3 s) turns a pattern
-# that backtracks catastrophically, (a|a)+b on aaaa..., into one line.
-#
-# A document longer than a batch (a .txt file is one) is cut into pieces for the workers, but only
-# where the split pattern can't match across the cut: then the pieces' chunks are the document's.
-# For GPT-4's pattern that is just before a line break (\r or \n) that follows a letter or digit X:
-# - No match holds both X and the break. Letter and digit runs stop at it. The alternatives that
-#   take a break need whitespace before it (\s*[\r\n]) or punctuation (` ?[^\s\p{L}\p{N}]++[\r\n]*`:
-#   "end.\n" is one chunk, so a cut after punctuation, or after a combining mark, would be wrong).
-# - At the break, every alternative that began before the cut stops as it would at the end of the
-#   text, so the matches before the cut are the same with the text cut there; and the pattern has
-#   no lookbehind or anchor, so the scan from the break on doesn't see what came before.
-# A --pattern not in SAFE_CUTS is never cut: where it can match across, this file can't know.
+# === plumbing: pre-tokenizing on every core, train_bpe_gpu.py's own and taught there: worker
+# processes count batches of documents, a CPU-time alarm stops a pattern that backtracks, and a long
+# document is cut only where SAFE_CUTS says the pattern can't match across (a first read can skip
+# to the next # === banner)
 SAFE_CUTS = {pattern: regex.compile(r"[\p{L}\p{N}](?=[\r\n])")}  # the cut: the match's end
 
 

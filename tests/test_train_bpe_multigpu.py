@@ -211,6 +211,9 @@ def test_counts_past_2_to_the_31_and_past_one_int64_key(tmp_path):
     groups = -(-len(merges) // mg.MERGES_PER_READ)
     collectives = float(result.stdout.split("per merge: ")[1].split()[0])
     assert collectives == round(3 * mg.MERGES_PER_READ * groups / len(merges), 2), result.stdout
+    # the bytes: two 8-byte keys, and delta's prefix up to the id merge m can make, 256 + m (int64 counts)
+    sent = sum(16 + 8 * min(1 + 3 * (256 + m + 1), 3 * 2048 + 1) for m in range(mg.MERGES_PER_READ * groups))
+    assert f"collectives ({sent / len(merges) / 1024:,.1f} KiB)" in result.stdout, result.stdout
     expected = "".join(f"{base64.b64encode(token).decode()} {rank}\n" for rank, token in enumerate(cpu_bpe.token_bytes(merges)))
     assert (tmp_path / "tok" / "tokenizer.tiktoken").read_text() == expected
 
