@@ -54,6 +54,7 @@ try:
     import triton.language as tl
 except ImportError:
     sys.exit("error: train_bpe_multigpu.py needs triton (pip install triton)")
+
 # === plumbing: Triton 3.6's interpreter on NumPy 2.4, the same fix as train_bpe_gpu.py's (a first
 # read can skip to the next # === banner)
 if os.environ["TRITON_INTERPRET"] == "1":
@@ -1169,7 +1170,8 @@ if __name__ == "__main__":
         if RANK != 0:
             time.sleep(5)
         sys.exit(1)
-    # gloo says a timeout or a closed socket as a RuntimeError, NCCL as a DistError
+    # gloo says a timeout or a closed socket as a RuntimeError, NCCL (joining) as a DistError; on a
+    # NCCL collective that times out, NCCL's watchdog ends the process itself, in its own words
     except RuntimeError as error:
         transport = regex.search(r"gloo|nccl|timed? ?out|connection|peer", str(error), regex.I)
         if not isinstance(error, dist.DistError) and not transport:
