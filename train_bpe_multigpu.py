@@ -12,8 +12,9 @@ multiset of chunks. The output is train_bpe_gpu.py's; tokenizer.json also says w
 This is not data-parallel training: a merge chosen from one rank's counts would be wrong. The ranks
 split the text (each reads its own part, about n / W characters, documents whole), the distinct
 chunks (each merges its own, on its device) and the [V, V] pair-count matrix (each owns 1/W of its
-rows); collectives make every merge the same on every rank. --device cpu (gloo) runs the kernels in
-Triton's interpreter: exact, slow, for tests.
+rows); collectives make every merge the same on every rank. train_bpe_gpu.py teaches the merge loop
+on one GPU: read it first. This file teaches what changes on W of them. --device cpu (gloo) runs
+the kernels in Triton's interpreter: exact, slow, for tests.
 """
 
 import argparse
@@ -53,6 +54,9 @@ try:
     import triton.language as tl
 except ImportError:
     sys.exit("error: train_bpe_multigpu.py needs triton (pip install triton)")
+
+# === plumbing: Triton 3.6's interpreter on NumPy 2.4, the same fix as train_bpe_gpu.py's (a first
+# read can skip to the next # === banner)
 if os.environ["TRITON_INTERPRET"] == "1":
     # Triton 3.6's interpreter (CUDA torch 2.11 pins it) takes a loop bound as int() of a 1-element
     # array, which NumPy 2.4 refuses (triton-lang/triton#9171); later Tritons take the element.
@@ -63,8 +67,7 @@ if os.environ["TRITON_INTERPRET"] == "1":
         tensor.__index__ = lambda self: int(self.handle.data.squeeze())
     interpreter._patch_lang_tensor = patch_tensor
 
-# -----------------------------------------------------------------------------
-# defaults, each overridable from the command line
+# === defaults, each overridable from the command line
 vocab_size = 65534  # 256 bytes + merges; <|endoftext|> gets the next id (ids fit a uint16)
 num_chars = 2**27  # characters to train on, all ranks together (about n / W each)
 data = "fineweb"  # fineweb | fineweb-edu | a .txt/.jsonl/.parquet file | a directory of them
@@ -78,8 +81,8 @@ timeout = 1800  # seconds a rank waits for the others (reading a big part takes 
 # runs, and whitespace, so that merges never glue a word to the punctuation or the space after it.
 pattern = r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]++[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+"""
 EOT = "<|endoftext|>"
-HUB_DATASETS = {"fineweb": ("HuggingFaceFW/fineweb", "sample-10BT", None),
-                "fineweb-edu": ("HuggingFaceFW/fineweb-edu", "sample-10BT", None)}
+HUB_DATASETS = {"fineweb": ("HuggingFaceFW/fineweb", "sample-10BT"),
+                "fineweb-edu": ("HuggingFaceFW/fineweb-edu", "sample-10BT")}
 LOCAL_SUFFIXES = (".txt", ".jsonl", ".parquet")
 CACHE_VERSION = 3
 # programs; blocks of positions, dirty rows, keys to scan; rows a block key covers (CUDA's shape is
@@ -96,13 +99,12 @@ class UserError(Exception):
     """A mistake in the input: printed as one line, never as a traceback."""
 
 
-# ------------------------------------------------------------ the merge loop, split across ranks
-# train_bpe_gpu.py's layout and kernel bodies (read that file first), on this rank's distinct
-# chunks; choose_pair is best_pair here, start_merge's part lives in find_occurrences, and apply is
-# split in two around a collective: apply_merges, then apply_owned. No merge_small: a merge needs
-# collectives between its steps, which one program can't make. Rank r owns the rows l with
-# l % W == r, kept at l // W, and their row keys. A merge (a, b) -> new changes only pairs in
-# columns a and new, rows b and new:
+# === the merge loop, split across ranks
+# train_bpe_gpu.py's layout, row and block keys and kernel bodies (read that file first), on this
+# rank's distinct chunks. Its choose_pair and apply_merges are each split in two around a
+# collective: best_pair, then find_occurrences, which decodes the reduced pick and starts the merge;
+# apply_merges, then apply_owned. Rank r owns the rows l with l % W == r, kept at l // W, and
+# their row keys. A merge (a, b) -> new changes only pairs in columns a and new, rows b and new:
 #   (x, a) loses w and (x, new) gains w   where x is a merged occurrence's left neighbour
 #   (b, y) loses w, (new, y') gains w     where y is the right neighbour (y' = new if y merged too)
 # and (a, b) itself. Each rank sums its changes into `delta`: delta[0] is (a, b), delta[1 + 3j + k]
@@ -111,14 +113,12 @@ class UserError(Exception):
 # adds them over the ranks, and each owner applies the part in its rows. The next pair is one
 # all_reduce(MAX) of the ranks' best keys (two, when a count and both ids don't fit one int64).
 # Two collectives a merge is the least this split allows: the next pick needs the owners'
-# refreshed rows, which need every rank's changes, which need the pick. No deadlock, no
-# divergence: every rank launches the same collectives in the same order (a rank with no text
-# sends zeros), and decides (the pair, "done") from the REDUCED values, the same everywhere.
+# refreshed rows, which need every rank's changes, which need the pick. The host launches the five
+# kernels and calls the collectives between them, and reads the device once per 16 merges. No
+# deadlock, no divergence: every rank calls the same collectives in the same order (a rank with
+# no text sends zeros), and decides (the pair, "done") from the REDUCED values, the same everywhere.
 # Exact: counts are integers, each with one owner, who adds all its changes. No kernel needs a
-# lock; each docstring says why.
-# Every atomic is relaxed: each needs only atomicity, and what a kernel writes is seen by the next
-# (the stream orders kernels). The default, acq_rel, fences the whole device around each atomic
-# (MEMBAR.ALL.GPU on an H100), on apply's critical path.
+# lock; each docstring says why. Every atomic is relaxed, as in train_bpe_gpu.py.
 
 # The slots of `state`, the loop's scalars, kept on the device:
 #   NEXT       the next id to give out (256 + the merges made): ids below it are the columns in use
@@ -132,6 +132,9 @@ DEAD = tl.constexpr(-2)  # the token of an unlinked position (the right half of 
 ID_BITS = tl.constexpr(20)  # a row key's low bits hold 2^20 - 1 - right id
 LOW = tl.constexpr((1 << 20) - 1)
 
+
+# === plumbing: append and pick_pair, train_bpe_gpu.py's own (taught there; a first read can skip
+# to the next # === banner)
 
 @triton.jit
 def append(length, buffer, values, keep):
@@ -186,6 +189,8 @@ def pick_pair(state, row_key, block_key, fresh_key, dirty_flag, dirty_rows, V, B
     best_row = tl.min(tl.where(count == best_count, rows, new), axis=0).to(tl.int64)
     return best_count, best_row
 
+
+# === the merge loop's kernels, on every rank
 
 @triton.jit
 def best_pair(state, row_key, block_key, fresh_key, dirty_flag, dirty_rows, V, best,
@@ -380,6 +385,8 @@ def refresh_rows(state, list_buffer, scratch, list_len, counts, fresh_key, dirty
             tl.atomic_max(fresh_key + row, key, mask=i < dirty, sem="relaxed")
 
 
+# === the merge loop on the host
+
 def chunks_to_arrays(blob, lengths, occurrences, count_dtype):
     """This rank's distinct chunks (from the cache) as the flat arrays above, built in numpy."""
     L = END = blob.size
@@ -406,18 +413,9 @@ def chunks_to_arrays(blob, lengths, occurrences, count_dtype):
                 pair_weights=weight[left])
 
 
-def delta_prefix(group, V):
-    """How much of delta the merges of the group starting at merge `group` can write: their ids are
-    at most 256 + group + 15. Rounded up, so that a run has eight sizes at most (a CUDA graph is
-    recorded for each)."""
-    size_step = triton.cdiv(V - 256, 8)
-    ids = min(V, 256 + triton.cdiv(group + MERGES_PER_READ, size_step) * size_step)
-    return 1 + 3 * ids
-
-
-def merge_on_device(arrays, vocab_size, total_pairs, device, show_progress, timeout=60):
+def merge_on_device(arrays, vocab_size, total_pairs, device, show_progress):
     """The merges, this rank's tokens saved, the loop's counts of collectives and host reads, and
-    the seconds of the setup (uploads, zeros, compiling, recording) and of the loop alone."""
+    the seconds of the setup (uploads, zeros, compiling) and of the loop alone."""
     V, rank, W = vocab_size, dist.get_rank(), dist.get_world_size()
     started = time.time()
     upload = lambda name: torch.from_numpy(arrays[name]).to(device)  # noqa: E731
@@ -454,87 +452,48 @@ def merge_on_device(arrays, vocab_size, total_pairs, device, show_progress, time
         refresh_rows[grid](state, list_buffer, scratch, list_len, counts, fresh_key, dirty_rows, V,
                            W, ROWS=rows, BLOCK=block)
 
-    # past the last merge, find_occurrences sets DONE and every kernel does nothing. Returns what
-    # its collectives send, counted as they are called (in a graph: once, as it is recorded)
-    def merge_group(prefix):
-        sent = Counter()
-        for _ in range(MERGES_PER_READ):
-            best_pair[(1,)](state, row_key, block_key, fresh_key, dirty_flag, dirty_rows, V, best,
-                            BITS=bits, ONE_KEY=one_key, BLOCK=choose_block, KEY_BLOCK=key_block)
-            if W > 1:
-                dist.all_reduce(best[:1], op=dist.ReduceOp.MAX)
-                sent.update(collectives=1, collective_bytes=8)
-                # the count first, then the tie-break among the ranks that have that count
-                if not one_key:
-                    best[1:2] = torch.where(best[2:] == best[:1], best[1:2], -1)
-                    dist.all_reduce(best[1:2], op=dist.ReduceOp.MAX)
-                    sent.update(collectives=1, collective_bytes=8)
-            find_occurrences[grid](state, best, list_start, list_len, merge_log, list_buffer, tokens,
-                                   next_pos, prev_pos, mark, V, END, BITS=bits, ONE_KEY=one_key,
-                                   BLOCK=block)
-            apply_merges[grid](state, list_buffer, scratch, list_start, list_len, tokens, next_pos,
-                               prev_pos, mark, weight, delta, V, END, BLOCK=block)
-            if W > 1:
-                dist.all_reduce(delta[:prefix])
-                sent.update(collectives=1, collective_bytes=prefix * delta.itemsize)
-            apply_owned[grid](state, delta, counts, row_key, block_key, dirty_flag, dirty_rows, V,
-                              rank, W, BLOCK=block, KEY_BLOCK=key_block)
-            launch_refresh()
-        return sent
-
-    # The one host read of a group. On CUDA it polls (a core a rank spins while a group runs): with
-    # the collectives inside a graph, NCCL's watchdog no longer sees them, so this wait enforces
-    # --timeout on a rank that never arrives. This rank then says so itself and leaves at once:
-    # tearing NCCL down would wait for the graph's collective, which waits for the missing rank.
-    # Its exit ends the run: torchrun stops the others.
-    done_host = torch.zeros(1, dtype=torch.int64, pin_memory=device.type == "cuda")
-
-    def group_done():
-        done_host.copy_(state[DONE.value:DONE.value + 1], non_blocking=True)
-        if device.type == "cuda":
-            copied, deadline = torch.cuda.Event(), time.monotonic() + timeout
-            copied.record()
-            while not copied.query():
-                if time.monotonic() > deadline:
-                    print(f"error: rank {rank}: no merge in {timeout:.0f} s: another rank died or "
-                          "hangs (see its messages; --timeout sets the wait)", file=sys.stderr,
-                          flush=True)
-                    os._exit(1)
-        return bool(done_host[0])
+    # One merge: five kernels, and between them the host calls the collectives, every rank the same
+    # ones in the same order, each waiting at most the process group's --timeout for the others.
+    # Merge number m makes id 256 + m at most, so delta's prefix up to that id is all it sends.
+    # Past the last merge, find_occurrences sets DONE and every kernel does nothing.
+    def merge(m):
+        best_pair[(1,)](state, row_key, block_key, fresh_key, dirty_flag, dirty_rows, V, best,
+                        BITS=bits, ONE_KEY=one_key, BLOCK=choose_block, KEY_BLOCK=key_block)
+        dist.all_reduce(best[:1], op=dist.ReduceOp.MAX)
+        # the count first, then the tie-break among the ranks that have that count
+        if not one_key:
+            best[1:2] = torch.where(best[2:] == best[:1], best[1:2], -1)
+            dist.all_reduce(best[1:2], op=dist.ReduceOp.MAX)
+        find_occurrences[grid](state, best, list_start, list_len, merge_log, list_buffer, tokens,
+                               next_pos, prev_pos, mark, V, END, BITS=bits, ONE_KEY=one_key,
+                               BLOCK=block)
+        apply_merges[grid](state, list_buffer, scratch, list_start, list_len, tokens, next_pos,
+                           prev_pos, mark, weight, delta, V, END, BLOCK=block)
+        prefix = min(1 + 3 * (256 + m + 1), len(delta))
+        dist.all_reduce(delta[:prefix])
+        apply_owned[grid](state, delta, counts, row_key, block_key, dirty_flag, dirty_rows, V,
+                          rank, W, BLOCK=block, KEY_BLOCK=key_block)
+        launch_refresh()
+        loop_counts.update(collectives=2 + (not one_key), collective_bytes=(
+            8 * (1 + (not one_key)) + prefix * delta.itemsize))
 
     launch_refresh()
-    # The setup ends with every kernel compiled, by a group run with DONE set (the kernels do
-    # nothing, the collectives add zeros, in step on every rank), as in train_bpe_gpu.py: the loop's
-    # clock then times merges alone. On CUDA, 16 merges are recorded once as a CUDA graph,
-    # collectives included (NCCL allows it): one launch a group, not 5 Triton launches and 2 NCCL
-    # calls a merge. With W > 1, one graph for each size of the delta's prefix, every rank the same;
-    # each size is first sent once outside a graph, as NCCL may set up a size's connections on first
-    # use.
-    groups = range(0, V - 256, MERGES_PER_READ)
-    prefixes = [delta_prefix(group, V) if W > 1 else len(delta) for group in groups]
+    # The setup ends with every kernel compiled by a merge with DONE set (the kernels do nothing,
+    # the collectives add zeros), as in train_bpe_gpu.py: the loop's clock then times merges alone.
     state[DONE.value] = 1
-    for prefix in sorted(set(prefixes)) if device.type == "cuda" else [len(delta)]:
-        merge_group(prefix)
+    merge(0)
     state[DONE.value] = 0
-    graphs, graph_sent = {}, {}
-    if device.type == "cuda":
-        for prefix in sorted(set(prefixes)):
-            graphs[prefix] = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graphs[prefix], capture_error_mode="thread_local"):
-                graph_sent[prefix] = merge_group(prefix)
-        torch.cuda.synchronize(device)
+    loop_counts.clear()
     loop_started = time.time()
     with tqdm(total=V - 256, unit="merge", desc="merging", mininterval=0.5,
               disable=not show_progress) as progress:
-        for group, prefix in zip(groups, prefixes):
-            if graphs:
-                graphs[prefix].replay()
-                loop_counts.update(graph_sent[prefix])
-            else:
-                loop_counts.update(merge_group(prefix))
+        for group in range(0, V - 256, MERGES_PER_READ):
+            for m in range(group, group + MERGES_PER_READ):
+                merge(m)
             progress.update(min(MERGES_PER_READ, V - 256 - group))
+            # the one host read of a group: the host launches ahead, and waits only here
             loop_counts.update(host_reads=1)
-            if group_done():
+            if state[DONE.value].item():
                 break
     seconds = dict(setup=loop_started - started, loop=time.time() - loop_started)
     num_merges = int(state[NEXT.value]) - 256
@@ -545,25 +504,19 @@ def merge_on_device(arrays, vocab_size, total_pairs, device, show_progress, time
     return merges, tokens_saved, loop_counts, seconds
 
 
-# ---------------------------------------------------------------- this rank's part of the text
+# === this rank's part of the text
 # Local files are laid end to end, and rank r gets bytes [r S / W, (r + 1) S / W). A document
 # belongs to the range that holds its first byte: a .jsonl line, a whole .txt file, a parquet row
 # group (placed at its share of the file's bytes). So each is read whole, by one rank, and a rank
 # seeks straight to its range.
 
 
-def rank_documents(name, source, budget):
-    """This rank's documents (a generator: nothing is read yet), the files they come from, and the
-    byte range of its part (None from the Hub, whose stream `datasets` splits)."""
-    if name in HUB_DATASETS and not source.startswith("Python standard library"):
-        repository, config, _ = HUB_DATASETS[name]
-        documents = datasets_texts(repository, node=(RANK, WORLD), path=repository, name=config)
-        return documents, [], None
-    if name in HUB_DATASETS:  # the offline corpus, a .py file a document
-        stdlib = Path(sysconfig.get_paths()["stdlib"])
-        files = [path for path in sorted(stdlib.rglob("*.py")) if "site-packages" not in path.parts]
-    else:
-        files = local_files(name)
+def rank_documents(name, files, budget):
+    """This rank's documents (a generator: nothing is read yet), and the byte range of its part
+    (None from the Hub, whose stream `datasets` splits)."""
+    if not files:
+        repository, config = HUB_DATASETS[name]
+        return datasets_texts(repository, node=(RANK, WORLD), path=repository, name=config), None
     sizes = [path.stat().st_size for path in files]
     lo, hi = sum(sizes) * RANK // WORLD, sum(sizes) * (RANK + 1) // WORLD
     part_files = []
@@ -572,7 +525,7 @@ def rank_documents(name, source, budget):
         split_into_ours = first < lo < first + size and path.suffix in (".jsonl", ".parquet")
         if size and (lo <= first < hi or split_into_ours):
             part_files.append((path, first, size))
-    return read_part(part_files, lo, hi, budget), files, [lo, hi]
+    return read_part(part_files, lo, hi, budget), [lo, hi]
 
 
 def read_part(part_files, lo, hi, budget):
@@ -585,23 +538,114 @@ def read_part(part_files, lo, hi, budget):
             yield from read_txt(path, budget)
 
 
-# ---------------------------------------------------------------- pre-tokenizing, on every core
-# (the same in both GPU trainers). The regex is the slow part, and it holds the GIL: the parent
-# reads the documents, and worker processes count batches of them, at most two a worker queued.
-# BPE depends only on the multiset of chunks, so the order of adding up is free. A CPU-time alarm
-# per document (1 s + 10 s per million characters; GPT-4's pattern needs 0.3 s) turns a pattern
-# that backtracks catastrophically, (a|a)+b on aaaa..., into one line.
-#
-# A document longer than a batch (a .txt file is one) is cut into pieces for the workers, but only
-# where the split pattern can't match across the cut: then the pieces' chunks are the document's.
-# For GPT-4's pattern that is just before a line break (\r or \n) that follows a letter or digit X:
-# - No match holds both X and the break. Letter and digit runs stop at it. The alternatives that
-#   take a break need whitespace before it (\s*[\r\n]) or punctuation (` ?[^\s\p{L}\p{N}]++[\r\n]*`:
-#   "end.\n" is one chunk, so a cut after punctuation, or after a combining mark, would be wrong).
-# - At the break, every alternative that began before the cut stops as it would at the end of the
-#   text, so the matches before the cut are the same with the text cut there; and the pattern has
-#   no lookbehind or anchor, so the scan from the break on doesn't see what came before.
-# A --pattern not in SAFE_CUTS is never cut: where it can match across, this file can't know.
+# === the run
+
+# torchrun sets them; LOCAL_RANK is this rank's GPU on its node
+RANK, WORLD = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+LOCAL_RANK = int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def say(*args, **kwargs):  # rank 0 alone speaks
+    if RANK == 0:
+        print(*args, **kwargs, flush=True)
+
+
+def run(argv):
+    args = parse_args(argv)
+    source, files, out_dir = validate(args)
+    t0 = time.time()
+    # --- this rank's part: n / W characters from its own byte range, counted before the process
+    # group exists (a fork copies none of gloo's or NCCL's locks), or loaded from the cache
+    share = args.num_chars * (RANK + 1) // WORLD - args.num_chars * RANK // WORLD
+    documents, byte_range = rank_documents(args.data or data, files, share)
+    cached, cache_status, prefix, error = count_part(args, source, files, documents, share,
+                                                     byte_range)
+
+    # --- the process group. Its timeout bounds each wait for the others, in joining (each counts
+    # its part first) and in every collective, which the host calls: a hung rank becomes an error
+    # on the others (a dead one sooner: its sockets close). On NCCL, its watchdog ends the process.
+    if args.device == "cuda":
+        torch.cuda.set_device(LOCAL_RANK)
+    # small ops: waking OpenMP threads for each costs more than it saves
+    elif "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(1)
+    if "RANK" in os.environ:  # torchrun's environment says where the others are
+        group_options = {}
+    else:  # plain python: a world of one
+        group_options = dict(store=dist.HashStore(), rank=0, world_size=1)
+    dist.init_process_group("nccl" if args.device == "cuda" else "gloo",
+                            timeout=datetime.timedelta(seconds=args.timeout), **group_options)
+    say(f"{WORLD} rank(s), backend {dist.get_backend()}, device {args.device}")
+    # A reading error happens on one rank (whose part holds the bad line): shared, every rank stops
+    # together, and rank 0 says it.
+    rank_stats = [None] * WORLD
+    dist.all_gather_object(rank_stats, error or {**cached[3], "cache": cache_status,
+                                                 "memory": device_memory(args.device)})
+    errors = [stats for stats in rank_stats if isinstance(stats, str)]
+    if errors:
+        raise UserError(errors[0])
+    total = {key: sum(stats[key] for stats in rank_stats)
+             for key in ("chunks", "total_bytes", "total_pairs", "bad_utf8", "matched")}
+    chars = sum(stats["part"]["chars"] for stats in rank_stats)
+    cache_statuses = [stats["cache"] for stats in rank_stats]
+    t1 = time.time()
+    check_text(args, source, total, chars, cache_statuses, prefix)
+    # no count exceeds the total: int32 below 2^31 pairs, else int64 (twice what validate() checked)
+    count_dtype = np.dtype(np.int32 if total["total_pairs"] < 2**31 else np.int64)
+    check_count_rows(args.vocab_size, count_dtype.itemsize,
+                     min(stats["memory"] for stats in rank_stats), args.device)
+    say(f"read {chars:,} characters, {total['chunks']:,} chunks; per-rank part (characters, "
+        "distinct chunks): "
+        + ", ".join(f"{stats['part']['chars']:,}/{stats['distinct']:,}" for stats in rank_stats))
+
+    # --- the merges, each rank in its own chunks and its own rows of the count matrix
+    arrays = chunks_to_arrays(*cached[:3], count_dtype)
+    t2 = time.time()
+    run_device = torch.device("cuda", LOCAL_RANK) if args.device == "cuda" else torch.device("cpu")
+    merges, tokens_saved, loop_counts, seconds = merge_on_device(
+        arrays, args.vocab_size, total["total_pairs"], run_device, show_progress=RANK == 0)
+    t3 = time.time()
+    if args.device == "cuda":
+        peak = torch.cuda.max_memory_allocated(run_device)
+    else:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    saved_and_peak = [None] * WORLD
+    dist.all_gather_object(saved_and_peak, (tokens_saved, peak / 2**20))
+    num_merges, eot_id = len(merges), 256 + len(merges)
+    stop_reason = "vocab_size reached" if eot_id == args.vocab_size else "no pairs left to merge"
+    if eot_id < args.vocab_size:
+        say(f"stopped early after {num_merges} merges: no pairs left to merge "
+            f"(vocab {eot_id} < {args.vocab_size})")
+    if RANK == 0:
+        save_tokenizer(out_dir, merges, {
+            "pattern": args.pattern, "special_tokens": {EOT: eot_id}, "vocab_size": eot_id + 1,
+            "num_merges": num_merges, "num_chars": chars, "source": source,
+            "trainer": "train_bpe_multigpu.py", "world_size": WORLD, "seconds": round(t3 - t0, 3),
+            "stop_reason": stop_reason, "read": [stats["part"] for stats in rank_stats]})
+    tokens_left = total["total_bytes"] - sum(saved for saved, _ in saved_and_peak)
+    all_reused = cache_statuses.count("reused") == WORLD
+    reading = "loading the cache" if all_reused else "reading + pre-tokenizing"
+    # merges/s is over the loop alone, as in train_bpe_gpu.py: the setup says nothing about merging
+    merges_per_second = num_merges / max(seconds["loop"], 1e-9)
+    say(f"{reading} {t1 - t0:.2f}s | "
+        f"layout {t2 - t1:.2f}s | setup {seconds['setup']:.2f}s | merging {seconds['loop']:.2f}s "
+        f"({merges_per_second:,.0f} merges/s) | total {t3 - t0:.2f}s")
+    per_merge = {key: count / max(num_merges, 1) for key, count in loop_counts.items()}
+    say(f"per merge: {per_merge.get('collectives', 0):.2f} collectives "
+        f"({per_merge.get('collective_bytes', 0) / 1024:,.1f} KiB), "
+        f"{per_merge.get('host_reads', 0):.2f} host reads")
+    peak_kind = "peak device memory" if args.device == "cuda" else "peak RSS"
+    say(f"{peak_kind} per rank: " + ", ".join(f"{peak:,.0f} MiB" for _, peak in saved_and_peak))
+    say(f"compression: {total['total_bytes'] / max(tokens_left, 1):.3f} bytes/token; wrote "
+        f"{out_dir}/tokenizer.tiktoken and tokenizer.json ({EOT} = {eot_id}, "
+        f"vocab_size {eot_id + 1})")
+    dist.barrier()  # nobody leaves (and tears the group down) while rank 0 still writes
+
+
+# === plumbing: pre-tokenizing on every core, train_bpe_gpu.py's own and taught there: worker
+# processes count batches of documents, a CPU-time alarm stops a pattern that backtracks, and a long
+# document is cut only where SAFE_CUTS says the pattern can't match across (a first read can skip
+# to the next # === banner)
 SAFE_CUTS = {pattern: regex.compile(r"[\p{L}\p{N}](?=[\r\n])")}  # the cut: the match's end
 
 
@@ -740,11 +784,43 @@ def document_pieces(document, pattern_text):
     yield document[start:]
 
 
-# ---------------------------------------------------------------- the cache of counted chunks
+# === plumbing: the cache of counted chunks (a rerun with other -v skips reading and
+# pre-tokenizing; a first read can skip to the next # === banner).
 # What the merge loop needs, as .npy files (no pickle: loading can't run code): the UTF-8 bytes of
 # this rank's distinct chunks of 2+ bytes, and each one's length and count. The .json, written
 # last, holds the statistics, what was read, and a sha256 of it all: a cache that fails it (or is
 # half written) is counted again.
+
+
+def count_part(args, source, files, documents, share, byte_range):
+    """This rank's part, pre-tokenized and counted, or the counts cached by an earlier run: (the
+    cache's arrays and stats, its status, its prefix, an error or None, shared in run())."""
+    prefix = Path(args.cache_dir) / cache_key(args, source, files, WORLD) / f"rank{RANK}"
+    cache_status, cached = ("missing", None) if args.no_cache else read_cache(prefix)
+    error = None
+    if cache_status != "reused":
+        cores = len(os.sched_getaffinity(0)) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        num_workers = 1 if share < PARALLEL_CHARS else max(cores, 1)
+        num_workers = args.workers or num_workers
+        label = "reading (rank 0's part)" if RANK == 0 else None
+        part = {"rank": RANK}  # what this rank read, for tokenizer.json
+        if byte_range:
+            part["bytes"] = byte_range
+        try:
+            chunk_counts, read = count_chunks(documents, share, args.pattern, num_workers, label)
+            write_cache(prefix, chunk_counts, {**part, **read})
+            _, cached = read_cache(prefix)
+        except UserError as user_error:
+            error = str(user_error)
+        # the cache's disk, or a file that went away while it was read
+        except OSError as os_error:
+            error = (f"{os_error.filename or prefix.parent}: {os_error.strerror or os_error}; "
+                     "check it (--cache_dir says where the cache goes)")
+    # an error shared in run(), as a reading error is
+    if error is None and cached[0].size + 2 > MAX_POSITIONS:
+        error = (f"rank {RANK}'s distinct chunks hold {cached[0].size:,} bytes, more than int32 "
+                 "positions can name (2^31 - 4); use more ranks, or a smaller -n")
+    return cached, cache_status, prefix, error
 
 
 def cache_key(args, source, files, world_size):
@@ -797,7 +873,110 @@ def read_cache(prefix):
     return "reused", (*arrays, stats)
 
 
-# ---------------------------------------------------------------- output
+# === plumbing: the command line, the settings' checks, the memory checks, the text's checks (a first
+# read can skip to the next # === banner)
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("-v", "--vocab_size", type=int, default=vocab_size)
+    parser.add_argument("-n", "--num_chars", type=int, default=num_chars, help="all ranks together")
+    parser.add_argument("--data", help=f"fineweb, fineweb-edu, or local files (default {data})")
+    parser.add_argument("--out", default=out, help="default tokenizers/<source>_v<vocab_size>")
+    parser.add_argument("--pattern", default=pattern, help="the split regex (default GPT-4's)")
+    parser.add_argument("--device", default=device, choices=["cuda", "cpu"],
+                        help="cuda (NCCL), or cpu (gloo; Triton's interpreter)")
+    parser.add_argument("--cache_dir", default=cache_dir, help="each rank's counted chunks")
+    parser.add_argument("--no_cache", action="store_true", help="count again, refresh the cache")
+    parser.add_argument("--workers", type=int, default=workers,
+                        help="pre-tokenizing processes per rank (0: automatic)")
+    parser.add_argument("--timeout", type=float, default=timeout, help="seconds to wait for ranks")
+    return parser.parse_args(argv)
+
+
+def validate(args):
+    """Every check that needs no text runs on every rank BEFORE the process group exists: each rank
+    reaches the same verdict on its own, exits, and nobody is left waiting in a collective. (--out,
+    which rank 0 alone writes, rank 0 alone checks: when it exits, torchrun stops the others.)"""
+    try:
+        matches_empty = regex.compile(args.pattern).fullmatch("") is not None
+    except regex.error as error:
+        raise UserError(f"--pattern does not compile ({error}); fix it, or leave it out")
+    problems = [
+        (not 256 <= args.vocab_size <= 65536,
+         f"-v {args.vocab_size}: vocab_size must be between 256 (the bytes) and 65536"),
+        (args.num_chars <= 0, f"-n {args.num_chars}: must be positive"),
+        (args.workers < 0 or args.timeout <= 0, f"--workers {args.workers} --timeout "
+         f"{args.timeout}: workers must be 0 (automatic) or more, and the timeout positive"),
+        (matches_empty, f"--pattern {args.pattern!r} matches the empty string; each match must "
+                        "take a character (x+, not x*)"),
+        # the interpreter is ~1,000x slower: never a silent default
+        (args.device == "cuda" and not torch.cuda.is_available(),
+         "--device cuda: no CUDA GPU here; --device cpu runs the kernels in Triton's "
+         "interpreter (slow, for tests), or use train_bpe_cpu.py"),
+        # the environment variable counts when triton is imported
+        ((args.device == "cpu") != bool(triton.knobs.runtime.interpret),
+         f"--device {args.device} with TRITON_INTERPRET={os.environ['TRITON_INTERPRET']}: the "
+         "kernels run compiled on cuda, in Triton's interpreter on cpu; set it to 1 for cpu, 0 "
+         "for cuda"),
+    ]
+    for failed, message in problems:
+        if failed:
+            raise UserError(message)
+    # int32 counts; int64 past 2^31 pairs of text: checked again in run()
+    check_count_rows(args.vocab_size, 4, device_memory(args.device), args.device)
+    # one warning (the Hub is off: the offline corpus instead), rank 0's
+    with contextlib.redirect_stderr(io.StringIO()) if RANK else contextlib.nullcontext():
+        source_name, source, files = find_source(args.data or data, args.data is not None)
+    out_dir = Path(args.out or f"tokenizers/{source_name}_v{args.vocab_size}")
+    if RANK == 0:  # the one writer; its lock is held while this process lives
+        check_out_dir(out_dir)
+    return source, files, out_dir
+
+
+def device_memory(device_name):
+    if device_name == "cuda":
+        return torch.cuda.get_device_properties(LOCAL_RANK).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def check_count_rows(V, itemsize, memory, device_name):
+    """Rank 0 holds the most rows, (V - 1) // W + 1: every rank checks that number, so that all
+    reach the same verdict (one refusing alone would leave the others waiting)."""
+    need = itemsize * V * ((V - 1) // WORLD + 1)
+    if need > 0.8 * memory:
+        raise UserError(f"-v {V} on {WORLD} rank(s) needs {need / 2**30:.1f} GiB of pair counts "
+                        f"per rank ({itemsize}-byte counts), more than its {device_name} can spare "
+                        f"({memory / 2**30:.1f} GiB); use more ranks or a smaller -v")
+
+
+def check_text(args, source, total, chars, cache_statuses, prefix):
+    """No text, or too much for a row key, is an error; bytes not UTF-8, text the pattern skips, a
+    cache not used, a warning (rank 0's)."""
+    if chars == 0:
+        raise UserError(f"the corpus {source} is empty; point --data at text")
+    if total["total_pairs"] >= 2**43:  # a row key holds a count in 43 bits
+        raise UserError(f"{total['total_pairs']:,} pairs of text: more than 2^43, the most the row "
+                        "keys hold; lower -n")
+    if "tampered" in cache_statuses:
+        say("warning: a cached part did not match its checksum (edited or half-copied): counted "
+            "again", file=sys.stderr)
+    if "reused" in cache_statuses:
+        say(f"cache: {cache_statuses.count('reused')} of {WORLD} ranks reused their counted chunks "
+            f"from {prefix.parent} (skipped reading and pre-tokenizing; --no_cache counts again)")
+    if total["bad_utf8"]:
+        say(f"warning: {total['bad_utf8']} invalid UTF-8 sequences were replaced with U+FFFD",
+            file=sys.stderr)
+    if total["matched"] < chars:
+        say(f"warning: the split pattern matched {total['matched']:,} of {chars:,} characters; the "
+            f"other {1 - total['matched'] / chars:.1%} are dropped (tiktoken drops them too)",
+            file=sys.stderr)
+    if chars < args.num_chars:
+        say(f"read {chars:,} characters, fewer than -n {args.num_chars:,}: each rank reads at most "
+            "n / W from its own part, and some parts ran out; training on those")
+
+
+# === plumbing: the output directory's checks and lock, and the files written there (the same in
+# every trainer; a first read can skip to the next # === banner)
 
 def token_bytes(merges):
     """Every token's bytes, in rank order: 0-255 are the bytes, a merge is its two halves glued."""
@@ -871,253 +1050,23 @@ def lock_directory(path):
     return descriptor  # the lock lasts while this descriptor is open: keep it
 
 
-# ---------------------------------------------------------------- the run
-
-# torchrun sets them; LOCAL_RANK is this rank's GPU on its node
-RANK, WORLD = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
-LOCAL_RANK = int(os.environ.get("LOCAL_RANK", "0"))
-
-
-def say(*args, **kwargs):  # rank 0 alone speaks
-    if RANK == 0:
-        print(*args, **kwargs, flush=True)
-
-
-def parse_args(argv):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("-v", "--vocab_size", type=int, default=vocab_size)
-    parser.add_argument("-n", "--num_chars", type=int, default=num_chars, help="all ranks together")
-    parser.add_argument("--data", help=f"fineweb, fineweb-edu, or local files (default {data})")
-    parser.add_argument("--out", default=out, help="default tokenizers/<source>_v<vocab_size>")
-    parser.add_argument("--pattern", default=pattern, help="the split regex (default GPT-4's)")
-    parser.add_argument("--device", default=device, choices=["cuda", "cpu"],
-                        help="cuda (NCCL), or cpu (gloo; Triton's interpreter)")
-    parser.add_argument("--cache_dir", default=cache_dir, help="each rank's counted chunks")
-    parser.add_argument("--no_cache", action="store_true", help="count again, refresh the cache")
-    parser.add_argument("--workers", type=int, default=workers,
-                        help="pre-tokenizing processes per rank (0: automatic)")
-    parser.add_argument("--timeout", type=float, default=timeout, help="seconds to wait for ranks")
-    return parser.parse_args(argv)
-
-
-def device_memory(device_name):
-    if device_name == "cuda":
-        return torch.cuda.get_device_properties(LOCAL_RANK).total_memory
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
-def check_count_rows(V, itemsize, memory, device_name):
-    """Rank 0 holds the most rows, (V - 1) // W + 1: every rank checks that number, so that all
-    reach the same verdict (one refusing alone would leave the others waiting)."""
-    need = itemsize * V * ((V - 1) // WORLD + 1)
-    if need > 0.8 * memory:
-        raise UserError(f"-v {V} on {WORLD} rank(s) needs {need / 2**30:.1f} GiB of pair counts "
-                        f"per rank ({itemsize}-byte counts), more than its {device_name} can spare "
-                        f"({memory / 2**30:.1f} GiB); use more ranks or a smaller -v")
-
-
-def validate(args):
-    """Every check that needs no text runs on every rank BEFORE the process group exists: each rank
-    reaches the same verdict on its own, exits, and nobody is left waiting in a collective. (--out,
-    which rank 0 alone writes, rank 0 alone checks: when it exits, torchrun stops the others.)"""
-    try:
-        matches_empty = regex.compile(args.pattern).fullmatch("") is not None
-    except regex.error as error:
-        raise UserError(f"--pattern does not compile ({error}); fix it, or leave it out")
-    problems = [
-        (not 256 <= args.vocab_size <= 65536,
-         f"-v {args.vocab_size}: vocab_size must be between 256 (the bytes) and 65536"),
-        (args.num_chars <= 0, f"-n {args.num_chars}: must be positive"),
-        (args.workers < 0 or args.timeout <= 0, f"--workers {args.workers} --timeout "
-         f"{args.timeout}: workers must be 0 (automatic) or more, and the timeout positive"),
-        (matches_empty, f"--pattern {args.pattern!r} matches the empty string; each match must "
-                        "take a character (x+, not x*)"),
-        # the interpreter is ~1,000x slower: never a silent default
-        (args.device == "cuda" and not torch.cuda.is_available(),
-         "--device cuda: no CUDA GPU here; --device cpu runs the kernels in Triton's "
-         "interpreter (slow, for tests), or use train_bpe_cpu.py"),
-        # the environment variable counts when triton is imported
-        ((args.device == "cpu") != bool(triton.knobs.runtime.interpret),
-         f"--device {args.device} with TRITON_INTERPRET={os.environ['TRITON_INTERPRET']}: the "
-         "kernels run compiled on cuda, in Triton's interpreter on cpu; set it to 1 for cpu, 0 "
-         "for cuda"),
-    ]
-    for failed, message in problems:
-        if failed:
-            raise UserError(message)
-    # int32 counts; int64 past 2^31 pairs of text: checked again in run()
-    check_count_rows(args.vocab_size, 4, device_memory(args.device), args.device)
-    # one warning (the Hub is off: the offline corpus instead), rank 0's
-    with contextlib.redirect_stderr(io.StringIO()) if RANK else contextlib.nullcontext():
-        _, source_name, source = open_source(args.data or data, args.data is not None)
-    out_dir = Path(args.out or f"tokenizers/{source_name}_v{args.vocab_size}")
-    if RANK == 0:  # the one writer; its lock is held while this process lives
-        check_out_dir(out_dir)
-    return source, out_dir
-
-
-def count_part(args, source):
-    """This rank's part, pre-tokenized and counted, or the counts cached by an earlier run: (the
-    cache's arrays and stats, its status, its prefix, an error or None). Counted before gloo's or
-    NCCL's threads start: a fork copies none of their locks."""
-    share = args.num_chars * (RANK + 1) // WORLD - args.num_chars * RANK // WORLD
-    documents, files, byte_range = rank_documents(args.data or data, source, share)
-    prefix = Path(args.cache_dir) / cache_key(args, source, files, WORLD) / f"rank{RANK}"
-    cache_status, cached = ("missing", None) if args.no_cache else read_cache(prefix)
-    error = None
-    if cache_status != "reused":
-        cores = len(os.sched_getaffinity(0)) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        num_workers = 1 if share < PARALLEL_CHARS else max(cores, 1)
-        num_workers = args.workers or num_workers
-        label = "reading (rank 0's part)" if RANK == 0 else None
-        part = {"rank": RANK}  # what this rank read, for tokenizer.json
-        if byte_range:
-            part["bytes"] = byte_range
-        try:
-            chunk_counts, read = count_chunks(documents, share, args.pattern, num_workers, label)
-            write_cache(prefix, chunk_counts, {**part, **read})
-            _, cached = read_cache(prefix)
-        except UserError as user_error:
-            error = str(user_error)
-        # the cache's disk, or a file that went away while it was read
-        except OSError as os_error:
-            error = (f"{os_error.filename or prefix.parent}: {os_error.strerror or os_error}; "
-                     "check it (--cache_dir says where the cache goes)")
-    # an error shared in run(), as a reading error is
-    if error is None and cached[0].size + 2 > MAX_POSITIONS:
-        error = (f"rank {RANK}'s distinct chunks hold {cached[0].size:,} bytes, more than int32 "
-                 "positions can name (2^31 - 4); use more ranks, or a smaller -n")
-    return cached, cache_status, prefix, error
-
-
-def run(argv):
-    args = parse_args(argv)
-    source, out_dir = validate(args)
-    t0 = time.time()
-    cached, cache_status, prefix, error = count_part(args, source)
-
-    # --- the process group. Its timeout bounds each wait for the others, in joining (each counts
-    # its part first) and in collectives: a hung rank becomes an error on the others (a dead one
-    # sooner: its sockets close).
-    if args.device == "cuda":
-        torch.cuda.set_device(LOCAL_RANK)
-    # small ops: waking OpenMP threads for each costs more than it saves
-    elif "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(1)
-    if "RANK" in os.environ:  # torchrun's environment says where the others are
-        group_options = {}
-    else:  # plain python: a world of one
-        group_options = dict(store=dist.HashStore(), rank=0, world_size=1)
-    dist.init_process_group("nccl" if args.device == "cuda" else "gloo",
-                            timeout=datetime.timedelta(seconds=args.timeout), **group_options)
-    say(f"{WORLD} rank(s), backend {dist.get_backend()}, device {args.device}")
-    # A reading error happens on one rank (whose part holds the bad line): shared, every rank stops
-    # together, and rank 0 says it.
-    rank_stats = [None] * WORLD
-    dist.all_gather_object(rank_stats, error or {**cached[3], "cache": cache_status,
-                                                 "memory": device_memory(args.device)})
-    errors = [stats for stats in rank_stats if isinstance(stats, str)]
-    if errors:
-        raise UserError(errors[0])
-    total = {key: sum(stats[key] for stats in rank_stats)
-             for key in ("chunks", "total_bytes", "total_pairs", "bad_utf8", "matched")}
-    chars = sum(stats["part"]["chars"] for stats in rank_stats)
-    cache_statuses = [stats["cache"] for stats in rank_stats]
-    t1 = time.time()
-    if chars == 0:
-        raise UserError(f"the corpus {source} is empty; point --data at text")
-    if total["total_pairs"] >= 2**43:  # a row key holds a count in 43 bits
-        raise UserError(f"{total['total_pairs']:,} pairs of text: more than 2^43, the most the row "
-                        "keys hold; lower -n")
-    # no count exceeds the total: int32 below 2^31 pairs, else int64 (twice what validate() checked)
-    count_dtype = np.dtype(np.int32 if total["total_pairs"] < 2**31 else np.int64)
-    check_count_rows(args.vocab_size, count_dtype.itemsize,
-                     min(stats["memory"] for stats in rank_stats), args.device)
-    if "tampered" in cache_statuses:
-        say("warning: a cached part did not match its checksum (edited or half-copied): counted "
-            "again", file=sys.stderr)
-    if "reused" in cache_statuses:
-        say(f"cache: {cache_statuses.count('reused')} of {WORLD} ranks reused their counted chunks "
-            f"from {prefix.parent} (skipped reading and pre-tokenizing; --no_cache counts again)")
-    if total["bad_utf8"]:
-        say(f"warning: {total['bad_utf8']} invalid UTF-8 sequences were replaced with U+FFFD",
-            file=sys.stderr)
-    if total["matched"] < chars:
-        say(f"warning: the split pattern matched {total['matched']:,} of {chars:,} characters; the "
-            f"other {1 - total['matched'] / chars:.1%} are dropped (tiktoken drops them too)",
-            file=sys.stderr)
-    if chars < args.num_chars:
-        say(f"read {chars:,} characters, fewer than -n {args.num_chars:,}: each rank reads at most "
-            "n / W from its own part, and some parts ran out; training on those")
-    say(f"read {chars:,} characters, {total['chunks']:,} chunks; per-rank part (characters, "
-        "distinct chunks): "
-        + ", ".join(f"{stats['part']['chars']:,}/{stats['distinct']:,}" for stats in rank_stats))
-
-    # --- the merges, each rank in its own chunks and its own rows of the count matrix
-    arrays = chunks_to_arrays(*cached[:3], count_dtype)
-    t2 = time.time()
-    run_device = torch.device("cuda", LOCAL_RANK) if args.device == "cuda" else torch.device("cpu")
-    merges, tokens_saved, loop_counts, seconds = merge_on_device(
-        arrays, args.vocab_size, total["total_pairs"], run_device, show_progress=RANK == 0,
-        timeout=args.timeout)
-    t3 = time.time()
-    if args.device == "cuda":
-        peak = torch.cuda.max_memory_allocated(run_device)
-    else:
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
-    saved_and_peak = [None] * WORLD
-    dist.all_gather_object(saved_and_peak, (tokens_saved, peak / 2**20))
-    num_merges, eot_id = len(merges), 256 + len(merges)
-    stop_reason = "vocab_size reached" if eot_id == args.vocab_size else "no pairs left to merge"
-    if eot_id < args.vocab_size:
-        say(f"stopped early after {num_merges} merges: no pairs left to merge "
-            f"(vocab {eot_id} < {args.vocab_size})")
-    if RANK == 0:
-        save_tokenizer(out_dir, merges, {
-            "pattern": args.pattern, "special_tokens": {EOT: eot_id}, "vocab_size": eot_id + 1,
-            "num_merges": num_merges, "num_chars": chars, "source": source,
-            "trainer": "train_bpe_multigpu.py", "world_size": WORLD, "seconds": round(t3 - t0, 3),
-            "stop_reason": stop_reason, "read": [stats["part"] for stats in rank_stats]})
-    tokens_left = total["total_bytes"] - sum(saved for saved, _ in saved_and_peak)
-    all_reused = cache_statuses.count("reused") == WORLD
-    reading = "loading the cache" if all_reused else "reading + pre-tokenizing"
-    # merges/s is over the loop alone, as in train_bpe_gpu.py: the setup says nothing about merging
-    merges_per_second = num_merges / max(seconds["loop"], 1e-9)
-    say(f"{reading} {t1 - t0:.2f}s | "
-        f"layout {t2 - t1:.2f}s | setup {seconds['setup']:.2f}s | merging {seconds['loop']:.2f}s "
-        f"({merges_per_second:,.0f} merges/s) | total {t3 - t0:.2f}s")
-    per_merge = {key: count / max(num_merges, 1) for key, count in loop_counts.items()}
-    say(f"per merge: {per_merge.get('collectives', 0):.2f} collectives "
-        f"({per_merge.get('collective_bytes', 0) / 1024:,.1f} KiB), "
-        f"{per_merge.get('host_reads', 0):.2f} host reads")
-    peak_kind = "peak device memory" if args.device == "cuda" else "peak RSS"
-    say(f"{peak_kind} per rank: " + ", ".join(f"{peak:,.0f} MiB" for _, peak in saved_and_peak))
-    say(f"compression: {total['total_bytes'] / max(tokens_left, 1):.3f} bytes/token; wrote "
-        f"{out_dir}/tokenizer.tiktoken and tokenizer.json ({EOT} = {eot_id}, "
-        f"vocab_size {eot_id + 1})")
-    dist.barrier()  # nobody leaves (and tears the group down) while rank 0 still writes
-
-
-# ------------------------------ reading text (the same in every script; a first read can skip it)
+# === plumbing: reading text (a function that stands in several scripts is the same in each; byte
+# ranges and Hub shares are this file's own; a first read can skip to the next # === banner).
 # .txt and .jsonl are read with the standard library: `datasets` would turn CRLF into LF (no longer
 # rustbpe's bytes), stop at invalid UTF-8, and take seconds to start.
 
-def open_source(data, data_was_named):  # (documents, name, description); documents(budget) -> texts
+def find_source(data, data_was_named):  # (name, description, files); no files: a Hub dataset
     if data not in HUB_DATASETS:
-        files = local_files(data)
-        return (lambda budget: local_texts(files, budget)), Path(data).stem, str(data)
-    repository, config, parquet_files = HUB_DATASETS[data]
-    load = dict(path=repository, name=config)
-    if parquet_files:  # by path: `datasets` then never runs an old loading script
-        load = dict(path="parquet", data_files=f"hf://datasets/{repository}/{parquet_files}")
+        return Path(data).stem, str(data), local_files(data)
     problem = hub_problem()
     if problem is None:
-        description = f"{repository} {config}" if config else repository
-        return (lambda budget: datasets_texts(repository, **load)), data, description
+        return data, " ".join(HUB_DATASETS[data]), []
     if data_was_named:  # the default source falls back to the offline corpus; a named one refuses
         raise UserError(f"{problem}, needed for --data {data}; use --data path/to/files instead")
     print(f"warning: {problem}: using the offline corpus, Python's stdlib", file=sys.stderr)
-    return stdlib_documents, "stdlib", "Python standard library source (offline fallback)"
+    stdlib = Path(sysconfig.get_paths()["stdlib"])  # its .py files, a document each
+    files = [path for path in sorted(stdlib.rglob("*.py")) if "site-packages" not in path.parts]
+    return "stdlib", "Python standard library source (offline fallback)", files
 
 def hub_problem(timeout=3.0):  # None, or why the Hub can't be used: in 3 s (`datasets` takes ~25)
     for switch in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
@@ -1131,17 +1080,12 @@ def hub_problem(timeout=3.0):  # None, or why the Hub can't be used: in 3 s (`da
     except (OSError, ValueError):
         return f"can't reach the Hugging Face Hub at {endpoint}"
 
-def stdlib_documents(budget=None):  # the offline corpus: real code and prose, on every machine
-    files = sorted(Path(sysconfig.get_paths()["stdlib"]).rglob("*.py"))
-    files = [file for file in files if "site-packages" not in file.parts]
-    return (file.read_text("utf-8", "replace") for file in files)
-
-def datasets_texts(where, node=None, **load):  # rows' "text"; node=(rank, world_size) takes a share
+def datasets_texts(where, node, **load):  # rows' "text"; node=(rank, world_size): its share
     import datasets.distributed  # here: it takes seconds, and .txt and .jsonl never need it
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its errors reach the user as ours
     try:
         rows = datasets.load_dataset(split="train", streaming=True, **load)
-        rows = datasets.distributed.split_dataset_by_node(rows, *node) if node else rows
+        rows = datasets.distributed.split_dataset_by_node(rows, *node)
         for number, row in enumerate(rows, 1):
             if not isinstance(row.get("text"), str):
                 raise ValueError(f'row {number} has no string "text": {row!r:.50}')
@@ -1159,21 +1103,14 @@ def local_files(data):  # the file, or a directory's files in sorted order; regu
         raise UserError(f"--data {data} is none of: {kinds}")
     return files
 
-def local_texts(files, budget):  # a document is a .txt file, a .jsonl line, a .parquet row
-    for path in files:
-        if path.suffix == ".parquet":
-            yield from read_parquet(path)
-        else:
-            yield from read_txt(path, budget) if path.suffix == ".txt" else read_jsonl(path)
-
-def read_parquet(path, start=0, end=None):  # the "text" of each row group placed in bytes [start, end)
+def read_parquet(path, start, end):  # the "text" of each row group placed in bytes [start, end)
     import pyarrow.parquet  # here, as .txt and .jsonl never need it; 10x less CPU than `datasets`
     try:
         parquet = pyarrow.parquet.ParquetFile(path)
         if "text" not in parquet.schema_arrow.names:
             raise ValueError('no "text" column')
+        # a group sits at its share of the bytes: ranges tile them
         size, groups = os.path.getsize(path), parquet.num_row_groups
-        end = size if end is None else end  # a group sits at its share of the bytes: ranges tile them
         ours = [group for group in range(groups) if start <= size * group // groups < end]
         for batch in parquet.iter_batches(1024, ours, columns=["text"]):
             for text in batch.column(0).to_pylist():
@@ -1188,7 +1125,7 @@ def read_txt(path, budget):  # one document, CRLF kept, read only as far as the 
     with open(path, encoding="utf-8", errors=BadUTF8.errors, newline="") as f:
         yield f.read(budget if budget < os.path.getsize(path) else -1)  # N bytes: <= N characters
 
-def read_jsonl(path, start=0, end=None):  # the "text" of each line starting in bytes [start, end)
+def read_jsonl(path, start, end):  # the "text" of each line starting in bytes [start, end)
     with open(path, "rb") as f:
         if start > 0:  # the line holding byte start-1 is the range's before: ranges tile the file
             f.seek(start - 1)
@@ -1196,7 +1133,7 @@ def read_jsonl(path, start=0, end=None):  # the "text" of each line starting in 
         line_end = f.tell()
         for number, line in enumerate(f, 1):
             line_start, line_end = line_end, line_end + len(line)
-            if end is not None and line_start >= end:
+            if line_start >= end:
                 return
             if not line.strip():
                 continue
@@ -1221,14 +1158,8 @@ class BadUTF8:  # invalid UTF-8 and lone surrogates: each read as U+FFFD, and co
 BadUTF8.errors = f"replace and count {id(BadUTF8)}"  # its own name: a process may load two scripts
 codecs.register_error(BadUTF8.errors, BadUTF8.replace)
 
-def first_chars(documents, num_chars):  # the last document is cut to fit
-    for document in documents(num_chars):
-        yield document[:num_chars]
-        num_chars -= min(len(document), num_chars)
-        if num_chars == 0:
-            return  # before the source is asked for one more document: it may be slow, or malformed
-
-# ---------------------------------------------------------------- the command line
+# === plumbing: error reporting: a user's mistake, or a lost rank, is one line and no traceback
+# (a first read can skip to the end)
 
 if __name__ == "__main__":
     try:
@@ -1239,7 +1170,8 @@ if __name__ == "__main__":
         if RANK != 0:
             time.sleep(5)
         sys.exit(1)
-    # gloo says a timeout or a closed socket as a RuntimeError, NCCL as a DistError
+    # gloo says a timeout or a closed socket as a RuntimeError, NCCL (joining) as a DistError; on a
+    # NCCL collective that times out, NCCL's watchdog ends the process itself, in its own words
     except RuntimeError as error:
         transport = regex.search(r"gloo|nccl|timed? ?out|connection|peer", str(error), regex.I)
         if not isinstance(error, dist.DistError) and not transport:

@@ -6,8 +6,11 @@ bench/RESULTS.md.
     python bench/bench_bpe_multigpu.py                      # CPU + gloo at 1, 2, 4 ranks; enwiki, 2^11 chars, v 8192
     python bench/bench_bpe_multigpu.py --procs 1 2 -n 65536 -v 1000
     python bench/bench_bpe_multigpu.py --device cuda --procs 1 -n 1048576   # world size 1 (NCCL) vs train_bpe_gpu.py
+    python bench/bench_bpe_multigpu.py --rerun --procs 1 -n 16777216 -v 260 --repeats 3   # what the cache saves
 
-Each configuration runs --repeats times without the cache; the median is reported. The wall time includes
+Each configuration runs --repeats times without the cache; the median is reported. --rerun instead times a
+rerun that loads the counted chunks from the cache against one that counts them again (--no_cache), the two
+alternating after a first run that fills the cache: the script's own reading phase and the whole command. The wall time includes
 starting torchrun and importing torch. On the CPU the ranks share the machine's cores: with more ranks than
 free cores they take turns, so the CPU rows show the protocol's overhead and the memory split, not a speedup.
 On the CPU the merge loop's kernels run in Triton's interpreter (~10 ms a kernel): keep -n small there; the
@@ -39,6 +42,7 @@ parser.add_argument("-v", "--vocab_size", type=int, default=8192)
 parser.add_argument("--procs", type=int, nargs="+", default=[1, 2, 4])
 parser.add_argument("--repeats", type=int, default=1)
 parser.add_argument("--device", default="cpu")
+parser.add_argument("--rerun", action="store_true", help="a rerun with the cache against one without")
 args = parser.parse_args()
 if args.device == "cuda" and not torch.cuda.is_available():
     sys.exit("error: --device cuda: no CUDA GPU here")
@@ -73,11 +77,11 @@ def rustbpe_file(docs):
     return "".join(f"{base64.b64encode(token).decode()} {rank}\n" for rank, token in enumerate(vocab)).encode()
 
 
-def run(procs, name):
+def run(procs, name, cache=False):
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={procs}",
                str(REPO / "train_bpe_multigpu.py"), "--device", args.device, "--data", args.corpus, "-n",
                str(args.num_chars), "-v", str(args.vocab_size), "--out", str(work / name), "--cache_dir",
-               str(work / "cache"), "--no_cache"]
+               str(work / f"cache{procs}"), *([] if cache else ["--no_cache"])]
     start = time.perf_counter()
     result = subprocess.run(command, env=env, capture_output=True, text=True)
     wall = time.perf_counter() - start
@@ -86,6 +90,8 @@ def run(procs, name):
     out = result.stdout
     per_merge = re.search(r"per merge: ([\d.]+) collectives \(([\d,.]+) KiB\), ([\d.]+) host reads", out)
     return {"wall": wall, "merge": float(re.search(r"merging ([\d.]+)s", out).group(1)),
+            "read": float(re.search(r"(?:reading \+ pre-tokenizing|loading the cache) ([\d.]+)s", out).group(1)),
+            "total": float(re.search(r"\| total ([\d.]+)s", out).group(1)),
             "rate": re.search(r"\(([\d,]+) merges/s\)", out).group(1), "collectives": per_merge.group(1),
             "kib": per_merge.group(2), "reads": per_merge.group(3),
             "memory": re.findall(r"([\d,]+) MiB", out.split("per rank:")[-1].splitlines()[0]),
@@ -94,6 +100,22 @@ def run(procs, name):
 
 
 print(f"# {args.corpus}, -n {args.num_chars:,} -v {args.vocab_size}, {os.cpu_count()} CPU cores, device {args.device}")
+if args.rerun:
+    print("\n| ranks | rerun | reading s (median) | script total s | wall s | wall s of each run |")
+    print("|---|---|---|---|---|---|")
+    for procs in args.procs:
+        run(procs, f"fill{procs}", cache=True)  # a first run fills the cache
+        timed = {False: [], True: []}
+        for r in range(args.repeats):
+            for cache in (False, True):
+                timed[cache].append(run(procs, f"rerun{procs}", cache=cache))
+        for cache, label in ((False, "counts again (--no_cache)"), (True, "loads the cache")):
+            runs = timed[cache]
+            walls = " ".join(f"{r['wall']:.1f}" for r in runs)
+            print(f"| {procs} | {label} | {statistics.median(r['read'] for r in runs):.2f} | "
+                  f"{statistics.median(r['total'] for r in runs):.2f} | {statistics.median(r['wall'] for r in runs):.2f} "
+                  f"| {walls} |", flush=True)
+    sys.exit(0)
 print("\n| ranks | wall s | merge s | merges/s | collectives / merge | KiB sent / merge | host reads / merge "
       "| peak memory per rank (MiB) | same as rustbpe on the documents read |")
 print("|---|---|---|---|---|---|---|---|---|")
