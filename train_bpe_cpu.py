@@ -158,7 +158,7 @@ def train(chunk_counts, vocab_size):
 
 # ---------------------------------------------------------------- output
 
-def token_bytes(merges):
+def vocab_bytes(merges):
     """Every token's bytes, in rank order: 0-255 are the bytes, a merge is its two halves glued."""
     vocab = [bytes([byte]) for byte in range(256)]
     for (left, right), _ in merges:
@@ -170,7 +170,7 @@ def save_tokenizer(out_dir, merges, info):
     """tiktoken's rank file (each token's bytes in base64, and its rank), and `info` as
     tokenizer.json, each written under a temporary name, then renamed: never half a file."""
     ranks = "".join(f"{base64.b64encode(token).decode()} {rank}\n"
-                    for rank, token in enumerate(token_bytes(merges)))
+                    for rank, token in enumerate(vocab_bytes(merges)))
     settings = json.dumps(info, indent=2, ensure_ascii=False) + "\n"
     for name, text in [("tokenizer.tiktoken", ranks), ("tokenizer.json", settings)]:
         (out_dir / f"{name}.tmp").write_text(text, encoding="utf-8")

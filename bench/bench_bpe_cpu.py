@@ -46,7 +46,7 @@ def load_docs(path, num_chars):
 def ours(docs, vocab_size):
     chunk_counts, _ = bpe.count_chunks(iter(docs), regex.compile(bpe.pattern), sum(map(len, docs)))
     merges, _ = bpe.train(chunk_counts, vocab_size)
-    return bpe.token_bytes(merges)
+    return bpe.vocab_bytes(merges)
 
 
 def with_rustbpe(docs, vocab_size):

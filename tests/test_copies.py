@@ -15,7 +15,7 @@ READERS = ["train_bpe_cpu.py", "train_bpe_gpu.py", "prepare_data.py", "train_bpe
 COPIES = [("lock_directory", WRITERS),
           ("check_out_dir", TRAINERS),
           ("save_tokenizer", TRAINERS),
-          ("token_bytes", TRAINERS),
+          ("vocab_bytes", TRAINERS),
           ("time_is_up", GPU_TRAINERS),
           ("count_batch", GPU_TRAINERS),
           ("count_chunks", GPU_TRAINERS),

@@ -47,12 +47,12 @@ def train(chunk_counts, vocab_size):
 
 def our_vocab(docs, vocab_size, pattern=bpe.pattern):
     merges, _ = train(chunk_counts_of(docs, pattern), vocab_size)
-    return train_bpe_cpu.token_bytes(merges)
+    return train_bpe_cpu.vocab_bytes(merges)
 
 
 def cpu_trainer_vocab(docs, vocab_size, pattern=bpe.pattern):
     merges, _ = train_bpe_cpu.train(chunk_counts_of(docs, pattern), vocab_size)
-    return train_bpe_cpu.token_bytes(merges)
+    return train_bpe_cpu.vocab_bytes(merges)
 
 
 def rustbpe_vocab(docs, vocab_size, pattern=bpe.pattern):
@@ -439,7 +439,7 @@ def test_a_document_is_cut_only_where_gpt4s_pattern_cannot_match_across(text):
     assert [chunk for piece in pieces for chunk in regex.findall(bpe.pattern, piece)] == \
         regex.findall(bpe.pattern, text)
     merges, _ = train_bpe_cpu.train(chunk_counts_of(pieces), 270)
-    assert train_bpe_cpu.token_bytes(merges) == rustbpe_vocab([text], 270)
+    assert train_bpe_cpu.vocab_bytes(merges) == rustbpe_vocab([text], 270)
 
 
 def test_one_large_document_goes_to_the_workers_in_pieces_and_equals_rustbpe(corpus, monkeypatch):
@@ -451,7 +451,7 @@ def test_one_large_document_goes_to_the_workers_in_pieces_and_equals_rustbpe(cor
     counts, read = bpe.count_chunks(iter([text]), len(text), bpe.pattern, 2, None)
     assert counts == chunk_counts_of([text]) and read == dict(documents=1, chars=len(text), cut=False)
     merges, _ = train(counts, 264)
-    assert train_bpe_cpu.token_bytes(merges) == rustbpe_vocab([text], 264)
+    assert train_bpe_cpu.vocab_bytes(merges) == rustbpe_vocab([text], 264)
 
 
 def test_a_workers_error_stops_the_reading_and_no_worker_is_left(monkeypatch):
@@ -519,8 +519,9 @@ def test_an_error_mid_read_ends_the_process():
 
 def test_the_worker_and_the_document_cutter_are_the_same_in_both_gpu_trainers():
     # count_chunks is checked in test_copies.py; the worker and the cutter it calls, and the table it reads, here
+    # (the argument for the table's cut stands in train_bpe_gpu.py; the multigpu trainer points to it)
     sources = [(REPO / name).read_text(encoding="utf-8") for name in ("train_bpe_gpu.py", "train_bpe_multigpu.py")]
-    copies = [source[source.index("# A document longer than a batch"):source.index("\n\n\ndef time_is_up")]
+    copies = [source[source.index("SAFE_CUTS = "):].split("\n")[0]
               + source[source.index("def count_worker"):].split("\n\n\n")[0]
               + source[source.index("def document_pieces"):].split("\n\n\n")[0] for source in sources]
     assert copies[0] == copies[1] and "yield document[start:]" in copies[0] and "results.put(error)" in copies[0]

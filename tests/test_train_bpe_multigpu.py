@@ -214,7 +214,7 @@ def test_counts_past_2_to_the_31_and_past_one_int64_key(tmp_path):
     # the bytes: two 8-byte keys, and delta's prefix up to the id merge m can make, 256 + m (int64 counts)
     sent = sum(16 + 8 * min(1 + 3 * (256 + m + 1), 3 * 2048 + 1) for m in range(mg.MERGES_PER_READ * groups))
     assert f"collectives ({sent / len(merges) / 1024:,.1f} KiB)" in result.stdout, result.stdout
-    expected = "".join(f"{base64.b64encode(token).decode()} {rank}\n" for rank, token in enumerate(cpu_bpe.token_bytes(merges)))
+    expected = "".join(f"{base64.b64encode(token).decode()} {rank}\n" for rank, token in enumerate(cpu_bpe.vocab_bytes(merges)))
     assert (tmp_path / "tok" / "tokenizer.tiktoken").read_text() == expected
 
 
@@ -405,7 +405,10 @@ def test_a_rank_that_hangs_or_dies_stops_the_others_with_one_line(tmp_path, fate
     output = stdout + stderr
     assert launcher.returncode != 0 and seconds < 60, output
     errors = [line for line in output.splitlines() if line.startswith("error:")]
-    assert [line for line in errors if line.startswith("error: rank 0 lost contact with the other ranks")], output
+    # A dead rank: torchrun sees it die and may stop rank 0 before rank 0 sees the lost peer (seen on a loaded
+    # machine), so rank 0's line is asked for only of a rank that hangs, where torchrun sees nothing.
+    if fate == "hangs":
+        assert [line for line in errors if line.startswith("error: rank 0 lost contact with the other ranks")], output
     # torchrun adds its own failure summary after our line; no traceback comes from the script itself
     assert "train_bpe_multigpu.py\", line" not in output and not (tmp_path / "tok").exists()
 
