@@ -56,7 +56,7 @@ def main():
     weights = {llama_name(name): tensor.to(getattr(torch, dtype)).contiguous()
                for name, tensor in model.state_dict().items() if name != "lm_head.weight"}
 
-    # 3. The tokenizer, from tiktoken's definition of the encoding (private fields); config.json.
+    # 3. The tokenizer, from tiktoken's private fields; config.json.
     ranks, special_tokens = encoding._mergeable_ranks, encoding._special_tokens
     eot_id = special_tokens.get(EOT)  # bos and eos: every training document starts with it
     tokenizer_config = {
@@ -71,7 +71,7 @@ def main():
              "tokenizer.json": hf_tokenizer_json(ranks, encoding._pat_str, special_tokens),
              "tokenizer_config.json": tokenizer_config}
 
-    # 4. The files, all at once: a temporary directory, renamed to hf_dir when complete.
+    # 4. The files, all at once.
     write_directory(hf_path, weights, files)
     print(f"wrote {hf_path}: LlamaForCausalLM with {model.get_num_params():,} parameters "
           f"({dtype}), tokenizer of {len(ranks) + len(special_tokens):,} ids "
@@ -89,13 +89,12 @@ LAYER_NAMES = {"ln_1": "input_layernorm", "ln_2": "post_attention_layernorm",
 
 
 def llama_name(name):
-    """model.py's parameter name -> LlamaForCausalLM's, e.g. transformer.h.3.attn.c_q.weight ->
+    """model.py's parameter name -> Llama's: transformer.h.3.attn.c_q.weight ->
     model.layers.3.self_attn.q_proj.weight."""
     if name == "transformer.wte.weight":
         return "model.embed_tokens.weight"
     if name == "transformer.ln_f.weight":
         return "model.norm.weight"
-    # transformer . h . <layer> . <module path>.<weight|bias>
     _, _, layer, rest = name.split(".", 3)
     module, kind = rest.rsplit(".", 1)
     return f"model.layers.{layer}.{LAYER_NAMES[module]}.{kind}"
@@ -115,13 +114,13 @@ def byte_to_char():
 def hf_tokenizer_json(ranks, pattern, special_tokens):
     """The tokenizer.json that makes HF `tokenizers` encode exactly like tiktoken with these ranks.
 
-    tiktoken keeps no merge list: in each regex chunk it repeatedly joins the adjacent pair whose
-    bytes form the lowest-ranked token (the leftmost on a tie). HF's BPE joins listed pairs, lowest
-    in the list first. So the list holds every way to cut each token in two tokens, in the token's
-    rank order: any pair tiktoken would join is listed, at its token's place. And tiktoken takes a
-    chunk that is a token as it is; ignore_merges does the same in HF. (Where two cuts of one token
-    meet in a chunk, tiktoken joins the leftmost and HF the one listed first, as with transformers'
-    own converter: never in the test's 435 languages.)"""
+    tiktoken keeps no merge list: in each regex chunk it joins, again and again, the adjacent pair
+    whose bytes form the lowest-ranked token (the leftmost on a tie). HF's BPE joins listed pairs,
+    first listed first. So the list holds every cut of each token into two tokens, in rank order:
+    any pair tiktoken would join is listed, at its token's place. tiktoken takes a chunk that is a
+    token as it is; so does HF with ignore_merges. (Where two cuts of one token meet in a chunk,
+    tiktoken joins the leftmost, HF the one listed first, as with transformers' own converter:
+    never in the test's 435 languages.)"""
     table = byte_to_char()
 
     def text(token):
@@ -176,10 +175,10 @@ def llama_config(cfg, eot_id):
 # === plumbing: writing hf_dir, the settings' checks (a first read can skip to the end)
 
 def write_directory(hf_path, weights, files):
-    """model.safetensors and the JSON files into hf_path, all or nothing: hf_path is made (empty)
-    and locked first (one writer at a time), checked again, then replaced by a complete copy."""
+    """model.safetensors and the JSON files into hf_path, all or nothing: hf_path is made (empty),
+    locked (one writer at a time) and checked again, then replaced by a complete copy."""
     os.makedirs(hf_path, exist_ok=True)
-    lock = lock_directory(hf_path)  # noqa: F841 (the lock lasts while the process does)
+    lock_directory(hf_path)  # the lock lasts while the process does
     validate(hf_path)
     temp_dir = f"{hf_path}.tmp.{os.getpid()}"
     try:
@@ -189,7 +188,7 @@ def write_directory(hf_path, weights, files):
             with open(os.path.join(temp_dir, name), "w", encoding="utf-8") as f:
                 json.dump(content, f, indent=2, ensure_ascii=False)
                 f.write("\n")
-        os.rename(temp_dir, hf_path)  # replaces the empty, locked hf_dir
+        os.rename(temp_dir, hf_path)  # replaces the empty, locked one
     except (OSError, SafetensorError) as err:  # safetensors reports a full disk as its own error
         if os.path.isdir(hf_path) and not os.listdir(hf_path):
             os.rmdir(hf_path)  # a failed export leaves nothing
@@ -203,8 +202,8 @@ class UserError(Exception):
 
 
 def parse_settings(arguments, defaults, extra_types):
-    """--key=value overrides, as {key: value}: a Python literal of the default's type (or of
-    extra_types[key]); a str setting takes the text as it is."""
+    """--key=value overrides as {key: value}: a Python literal of the default's type (or
+    extra_types[key]'s); a str setting takes the text as is."""
     settings = {}
     for arg in arguments:
         if arg in ("-h", "--help"):

@@ -51,10 +51,10 @@ def main():
     prompt = read_prompt(start)
     device_name, device_type = check_device(device)
     precision = dtype
-    if dtype == "auto":  # bfloat16 on a GPU that has it, else float16; float32 elsewhere
+    if dtype == "auto":
         bf16 = device_type == "cuda" and torch.cuda.is_bf16_supported()
         precision = "bfloat16" if bf16 else "float16" if device_type == "cuda" else "float32"
-    # Weights stay float32; autocast runs the matmuls in the lower precision, as in training.
+    # Weights stay float32; autocast runs the matmuls in the lower precision, as training does.
     ctx = torch.autocast(device_type, getattr(torch, precision), enabled=precision != "float32")
 
     # The checkpoint: the model, and the tokenizer it was trained with.
@@ -63,17 +63,16 @@ def main():
     encoding = encoding_from_checkpoint(checkpoint)
     model.eval().to(device_name)
     if compile:
-        model.compile()  # in place: generate_tokens() calls self(...), not a wrapper
+        model.compile()  # in place: generate_tokens calls self(...), not a wrapper
     prompt_ids = encode_prompt(encoding, prompt, model.config.block_size)
     idx = torch.tensor([prompt_ids], device=device_name)
 
-    # Generate, printing each token as soon as it is complete text.
+    # Generate, printing each token once it is complete text.
     torch.manual_seed(seed)
     sys.stdout.reconfigure(errors="replace")  # a character the terminal lacks becomes '?'
     seconds = 0.0
     for _ in range(num_samples):
-        # A BPE token can end inside a multi-byte character: the incremental decoder keeps such
-        # bytes until the character is whole.
+        # A BPE token can end inside a multi-byte character: the decoder holds it until whole.
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         print(prompt, end="")
         started = time.perf_counter()
@@ -114,8 +113,8 @@ class UserError(Exception):
 
 
 def parse_settings(arguments, defaults, extra_types):
-    """--key=value overrides, as {key: value}: a Python literal of the default's type (or of
-    extra_types[key]); a str setting takes the text as it is."""
+    """--key=value overrides as {key: value}: a Python literal of the default's type (or
+    extra_types[key]'s); a str setting takes the text as is."""
     settings = {}
     for arg in arguments:
         if arg in ("-h", "--help"):
@@ -176,7 +175,7 @@ def read_prompt(text):
 
 
 def check_device(name):
-    """(device, its type), checked before use: cpu, cuda or mps, one that this machine has."""
+    """(device, its type), checked: cpu, cuda or mps, one that this machine has."""
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     device_type = name.split(":")[0]
@@ -190,7 +189,7 @@ def check_device(name):
 
 
 if __name__ == "__main__":
-    # Ctrl-C, or a reader that closed the pipe (`| head`), ends it at once and quietly.
+    # Ctrl-C, or a reader closing the pipe (`| head`), ends it at once, quietly.
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     if hasattr(signal, "SIGPIPE"):  # not on Windows
         signal.signal(signal.SIGPIPE, signal.SIG_DFL)
