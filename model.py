@@ -35,11 +35,11 @@ class GPTConfig:
     norm_eps: float = 1e-5
     ffn_ratio: float = 8 / 3     # SwiGLU hidden size: ffn_ratio * n_embd, up to a multiple of:
     ffn_multiple_of: int = 128
-    dropout: float = 0.0         # pretraining on lots of data does not need it
+    dropout: float = 0.0         # pretraining on lots of data doesn't need it
     bias: bool = False           # biases in the Linear layers; off, like Llama
 
     def __post_init__(self):
-        check_config(self)  # a config that can't be a model fails here in one line, not in a layer
+        check_config(self)  # a bad config fails here, in one line, not deep in a layer
 
     @property
     def ffn_hidden_size(self):
@@ -64,18 +64,18 @@ class RMSNorm(nn.Module):
 
 
 def rope_tables(head_dim, length, theta):
-    """The rotation of every (position, channel) as apply_rope wants it: cos for both halves, sin
-    with the first half negated."""
+    """Each (position, channel)'s rotation for apply_rope: cos for both halves, sin with the first
+    half negated."""
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
     angles = torch.outer(torch.arange(length, dtype=torch.float32), inv_freq)  # (length, head_dim/2)
     return torch.cat([angles.cos()] * 2, dim=-1), torch.cat([-angles.sin(), angles.sin()], dim=-1)
 
 
 def apply_rope(x, cos, sin):
-    # Why rotary embeddings over GPT-2's learned absolute ones: rotating query and key channel pairs
-    # by an angle proportional to the position makes q.k depend only on the tokens' distance, with
-    # no parameters. The pair (x1, x2) = (i, i + head_dim/2) becomes (x1 cos - x2 sin,
-    # x2 cos + x1 sin) = x * cos + (x2, x1) * sin (the sign is in the sin table).
+    # Why rotary over GPT-2's learned absolute positions: rotating query and key channel pairs by an
+    # angle proportional to the position makes q.k depend only on the tokens' distance, with no
+    # parameters. Pair (x1, x2) = (i, i + head_dim/2) becomes (x1 cos - x2 sin, x2 cos + x1 sin)
+    # = x * cos + (x2, x1) * sin (the sin table holds the sign).
     x_float = x.float()
     x1, x2 = x_float.chunk(2, dim=-1)
     return (x_float * cos + torch.cat([x2, x1], dim=-1) * sin).type_as(x)
@@ -83,8 +83,7 @@ def apply_rope(x, cos, sin):
 
 class CausalSelfAttention(nn.Module):
     # Why grouped-query attention: the KV cache, not the weights, limits generation speed and batch
-    # size; sharing each key/value head among n_head/n_kv_head query heads shrinks it that much, at a
-    # small cost in quality.
+    # size; n_head/n_kv_head query heads per key/value head shrink it that much, for a little quality.
     def __init__(self, config):
         super().__init__()
         self.n_head, self.n_kv_head = config.n_head, config.n_kv_head
@@ -95,7 +94,7 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.dropout = config.dropout
         self.resid_dropout = nn.Dropout(config.dropout)
-        self.kv_cache = None  # while generating: (keys, values), (B, n_kv_head, block_size, head_dim)
+        self.kv_cache = None  # generating: (keys, values), each (B, n_kv_head, block_size, head_dim)
 
     def forward(self, x, cos, sin, start_pos=0):
         B, T, C = x.size()
@@ -120,8 +119,8 @@ class CausalSelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    # Why SwiGLU over GELU: a gated unit (silu(x W_gate) * x W_up) trains to a lower loss at the
-    # same parameters and compute (Shazeer 2020, "GLU Variants Improve Transformer"); Llama uses it.
+    # Why SwiGLU over GELU: a gated unit (silu(x W_gate) * x W_up) trains to a lower loss at equal
+    # parameters and compute (Shazeer 2020, "GLU Variants Improve Transformer"); Llama uses it.
     def __init__(self, config):
         super().__init__()
         hidden = config.ffn_hidden_size
@@ -160,9 +159,9 @@ class GPT(nn.Module):
             ln_f=RMSNorm(config.n_embd, config.norm_eps),
         ))
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
-        # Tied embeddings: one matrix maps tokens to vectors and back (lilLM: 10% fewer parameters).
+        # Tied embeddings: one matrix maps tokens to vectors and back (lilLM: 10% fewer params).
         self.transformer.wte.weight = self.lm_head.weight
-        # RoPE tables are computed, not learned: non-persistent buffers, out of the checkpoints.
+        # RoPE tables are computed, not learned: non-persistent buffers, not in checkpoints.
         cos, sin = rope_tables(config.n_embd // config.n_head, config.block_size, config.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -171,11 +170,11 @@ class GPT(nn.Module):
         self.apply(self._init_weights)
         for name, param in self.named_parameters():
             if name.endswith("c_proj.weight"):
-                nn.init.normal_(param, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+                nn.init.normal_(param, std=0.02 / math.sqrt(2 * config.n_layer))
 
     def _init_weights(self, module):
         if isinstance(module, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            nn.init.normal_(module.weight, std=0.02)
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
 
@@ -205,8 +204,8 @@ class GPT(nn.Module):
 
     def configure_optimizers(self, weight_decay, learning_rate, betas, device_type,
                              optimizer="adamw", verbose=True):
-        """"adamw": AdamW, decaying the matrices but not the 1-D gains and biases (decaying a gain
-        only fights the norm). "muon": Muon for the matrices in the blocks, AdamW for the rest."""
+        """"adamw": AdamW, decaying the matrices, not the 1-D gains and biases (decaying a gain only
+        fights the norm). "muon": Muon for the blocks' matrices, AdamW for the rest."""
         log = print if verbose else (lambda *args, **kwargs: None)
         if optimizer not in ("adamw", "muon"):
             raise ValueError(f"optimizer must be 'adamw' or 'muon', got {optimizer!r}")
@@ -223,7 +222,7 @@ class GPT(nn.Module):
                 f"({sum(p.numel() for p in block_matrices):,} params), AdamW for {len(others)} "
                 f"other tensors ({sum(p.numel() for p in others):,} params)")
             # Newton-Schulz is ~1% of a GPU step (bf16), up to half a CPU one (float32): there, every
-            # step for the first 250 (the momentum turns fast), then every 2nd (CPU recipe: 1.584).
+            # step for the first 250 (the momentum turns fast), then every 2nd (CPU val loss 1.584).
             schedule = {} if device_type == "cuda" else {"ns_every": 2, "ns_warmup": 250}
             muon = {"params": block_matrices, "weight_decay": weight_decay, "use_muon": True, **schedule}
             return MuonAdamW([muon] + groups, lr=learning_rate, betas=betas)
@@ -249,17 +248,16 @@ class GPT(nn.Module):
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None, use_cache=True,
                  generator=None):
         """idx (B, T) -> (B, T + max_new_tokens), with generate_tokens's sampling settings."""
-        new_tokens = self.generate_tokens(idx, max_new_tokens, temperature, top_k, top_p, use_cache,
-                                          generator)
-        return torch.cat([idx, *new_tokens], dim=1)
+        return torch.cat([idx, *self.generate_tokens(idx, max_new_tokens, temperature, top_k, top_p,
+                                                      use_cache, generator)], dim=1)
 
     @torch.no_grad()
     def generate_tokens(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None,
                         use_cache=True, generator=None):
         """Yields the new tokens, each (B, 1). With the cache the prompt runs once (prefill), then
-        each step runs only the newest token against the cached keys/values; a full cache is
-        refilled from the last block_size//2 tokens. use_cache=False recomputes the whole context
-        every step: slower, the same tokens while it fits."""
+        each step only the newest token, against the cached keys/values; a full cache is refilled
+        from the last block_size//2 tokens. use_cache=False recomputes the whole context each
+        step: slower, the same tokens while it fits."""
         block_size = self.config.block_size
         if idx.size(1) > block_size:
             warnings.warn(f"the prompt has {idx.size(1)} tokens, more than "
@@ -270,7 +268,7 @@ class GPT(nn.Module):
         if use_cache:
             self._allocate_kv_cache(idx.size(0), idx.device)
         try:
-            window = idx  # the context: with the cache, the tokens whose keys/values it holds
+            window = idx  # the context; with the cache, the tokens it holds
             logits, _ = self(window)
             for step in range(max_new_tokens):
                 next_token = sample_next_token(logits[:, -1], temperature, top_k, top_p, generator)
@@ -289,11 +287,11 @@ class GPT(nn.Module):
                 block.attn.kv_cache = None
 
     def _allocate_kv_cache(self, batch_size, device):
-        # One preallocated buffer per layer: writing into it costs nothing per step, where growing
-        # a tensor with torch.cat would copy the whole cache every token.
+        # One preallocated buffer per layer: writing into it is free, where torch.cat would copy
+        # the whole cache every token.
         cfg = self.config
         dtype = self.lm_head.weight.dtype
-        if torch.is_autocast_enabled(device.type):  # keys/values then come out in autocast's dtype
+        if torch.is_autocast_enabled(device.type):  # then keys/values come out in its dtype
             dtype = torch.get_autocast_dtype(device.type)
         shape = (batch_size, cfg.n_kv_head, cfg.block_size, cfg.n_embd // cfg.n_head)
         for block in self.transformer.h:
@@ -313,7 +311,7 @@ class GPT(nn.Module):
                 raise ValueError("a context and a continuation of at least one token each")
             ids = (context + continuation)[-(self.config.block_size + 1):]
             pairs.append((ids, min(len(continuation), len(ids) - 1)))
-        # right-padded rows: a causal model's positions never see the padding after them
+        # right-padded rows: causal positions never see the padding after them
         width = max(len(ids) for ids, _ in pairs) - 1
         inputs = torch.zeros(len(pairs), width, dtype=torch.long)
         targets = torch.full((len(pairs), width), -1, dtype=torch.long)
@@ -348,13 +346,13 @@ def top_p_filter(logits, p):
     return logits.masked_fill(remove, float("-inf"))
 
 
-# Below this temperature, greedy: a tinier one overflows the logits to inf and the softmax to NaN,
-# while at 1e-4 a lead of 0.01 in logit already takes all the probability.
+# Below it, greedy: a tinier temperature overflows the logits to inf (the softmax to NaN), while
+# at 1e-4 a 0.01 lead in logit already takes all the probability.
 GREEDY_BELOW = 1e-4
 
 
 def sample_next_token(logits, temperature=1.0, top_k=None, top_p=None, generator=None):
-    """logits (B, vocab) -> next token ids (B, 1). A temperature near 0, or below, or None: greedy."""
+    """logits (B, vocab) -> next token ids (B, 1). A temperature near 0 or below, or None: greedy."""
     if temperature is None or temperature < GREEDY_BELOW:
         return torch.argmax(logits, dim=-1, keepdim=True)
     logits = logits.float() / temperature
@@ -368,15 +366,15 @@ def sample_next_token(logits, temperature=1.0, top_k=None, top_p=None, generator
 # ---- the Muon optimizer ----
 
 def orthogonalize(matrices, steps=5):
-    """Roughly the nearest orthogonal matrix to each of a stack (n, rows, cols): U V^T of each
-    one's SVD U S V^T. A Newton-Schulz step maps X to a X + b (X X^T) X + c (X X^T)^2 X, so each
-    singular value s to a s + b s^3 + c s^5; Keller Jordan's coefficients make that steep at 0 and
-    near 1 beyond: five steps take singular values from 0.003 to 1 into about 0.7..1.2. Only
-    matmuls: bfloat16 on a GPU; float32 on a CPU, which emulates bf16 ~27x slower."""
+    """Roughly the nearest orthogonal matrix to each of a stack (n, rows, cols): U V^T of its SVD
+    U S V^T. A Newton-Schulz step maps X to a X + b (X X^T) X + c (X X^T)^2 X, each singular value
+    s to a s + b s^3 + c s^5; Keller Jordan's coefficients make that steep at 0 and near 1 beyond:
+    five steps take singular values 0.003..1 to about 0.7..1.2. Only matmuls: bfloat16 on a GPU;
+    float32 on a CPU, which emulates bf16 ~27x slower."""
     a, b, c = 3.4445, -4.7750, 2.0315
     x = matrices.bfloat16() if matrices.is_cuda else matrices.float()
     wide = x.size(-2) <= x.size(-1)
-    if not wide:  # work on the wide orientation: X X^T is then the smaller square
+    if not wide:  # wide, X X^T is the smaller square
         x = x.mT.contiguous()
     x = x / (x.norm(dim=(-2, -1), keepdim=True) + 1e-7)  # singular values <= the Frobenius norm = 1
     for _ in range(steps):
@@ -393,9 +391,9 @@ class MuonAdamW(torch.optim.Optimizer):
     AdamW's step follows them. Muon replaces each matrix's momentum with its nearest orthogonal
     matrix: the same directions, all moved alike (CPU Shakespeare recipe: val loss 1.59, AdamW
     1.68). Its entries are ~1/sqrt(max(rows, cols)): scaled by 0.2 * sqrt(max(rows, cols)), the
-    step's RMS is 0.2, about an AdamW step's (Liu et al. 2025), so one learning rate drives both.
-    ns_every=k orthogonalizes every k-th step after the first ns_warmup steps and reuses the
-    direction in between (the momentum moves ~5% a step)."""
+    step's RMS is 0.2, about AdamW's (Liu et al. 2025), so one learning rate drives both.
+    ns_every=k orthogonalizes every k-th step after ns_warmup steps, reusing the direction in
+    between (the momentum moves ~5% a step)."""
 
     def __init__(self, param_groups, lr, betas=(0.9, 0.95), eps=1e-8, momentum=0.95, ns_steps=5,
                  ns_every=1, ns_warmup=0):
@@ -419,12 +417,12 @@ class MuonAdamW(torch.optim.Optimizer):
             step = state.get("step", 0)
             fresh = step % every == 0 or step < group.get("ns_warmup", 0)
             if fresh or "direction" not in state:
-                # Nesterov: step along the gradient plus the buffer, where the momentum will go.
+                # Nesterov: step along the gradient plus the buffer, where the momentum goes.
                 nesterov = p.grad.lerp(buffer, momentum)
                 direction = orthogonalize(nesterov[None], group["ns_steps"])[0].to(p.dtype)
             else:
                 direction = state["direction"]
-            if every > 1:  # kept in the state, so that a resumed run takes the same steps
+            if every > 1:  # in the state, so that a resumed run takes the same steps
                 state.update(step=step + 1, direction=direction)
             p.mul_(1 - lr * group["weight_decay"])
             p.add_(direction, alpha=-lr * 0.2 * max(p.shape) ** 0.5)
@@ -439,16 +437,15 @@ class MuonAdamW(torch.optim.Optimizer):
             step, exp_avg, exp_avg_sq = state["step"], state["exp_avg"], state["exp_avg_sq"]
             exp_avg.lerp_(p.grad, 1 - beta1)  # running means of the gradient and its square
             exp_avg_sq.mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
-            # Both averages start at 0, biased to it for ~1/(1 - beta) steps: divide the bias out.
+            # Both averages start at 0, biased to it for ~1/(1 - beta) steps: divide that out.
             denominator = (exp_avg_sq / (1 - beta2 ** step)).sqrt_().add_(eps)
             p.mul_(1 - lr * group["weight_decay"])
             p.addcdiv_(exp_avg, denominator, value=-lr / (1 - beta1 ** step))
 
 
-# === plumbing: config checks, GPU peak FLOP/s (a first read can skip to the next # === banner)
+# === plumbing: config checks, GPU peak FLOP/s (a first read skips to the next # ===)
 
 def check_config(config):
-    """ValueError, one line, for a GPTConfig that can't be a model."""
     for name in ("vocab_size", "n_embd", "n_layer", "block_size", "n_head", "n_kv_head",
                  "ffn_multiple_of"):
         value = getattr(config, name)
@@ -486,13 +483,13 @@ def peak_flops(device):
     return flops, f"{name}: {flops / 1e12:.0f} TFLOP/s peak"
 
 
-# === plumbing: checkpoints and their tokenizer (a first read can skip to the end of the file)
+# === plumbing: checkpoints and their tokenizer (a first read skips to the end)
 
 CHECKPOINT_VERSION = 1
 
 
 class CheckpointError(Exception):
-    """A checkpoint that can't be used; str(error) is one line that says why and what to do."""
+    """A checkpoint that can't be used; str(error): one line, why and what to do."""
 
 
 def save_checkpoint(path, checkpoint):
@@ -510,7 +507,7 @@ def save_checkpoint(path, checkpoint):
             try:
                 torch.save(checkpoint, file)
             except RuntimeError as err:
-                # How torch's zip writer reports a failed write: the OSError is its __context__.
+                # torch's zip writer wraps a failed write's OSError (its __context__).
                 if not isinstance(err.__context__, OSError):
                     raise
                 raise err.__context__ from None
@@ -548,7 +545,7 @@ def load_checkpoint(path, map_location="cpu"):
 
 
 def first_line(error):
-    """An exception as one short line, for a CheckpointError's message."""
+    """An exception as one short line."""
     return f"{type(error).__name__}: {str(error)[:100]}".splitlines()[0]
 
 
@@ -568,7 +565,7 @@ def model_from_checkpoint(checkpoint):
 
 
 class CharTokenizer:
-    """One id per character of `chars`, with the methods of tiktoken.Encoding the scripts use."""
+    """One id per character of `chars`, with the tiktoken.Encoding methods the scripts use."""
     special_tokens_set = frozenset()  # no <|endoftext|>: a char-level dataset is one text
 
     def __init__(self, chars):
@@ -602,7 +599,7 @@ def tokenizer_problem(ranks, special_tokens):
 def encoding_from_checkpoint(checkpoint):
     """A checkpoint's tokenizer: a tiktoken.Encoding (our BPE, or a tiktoken name) or a
     CharTokenizer. CheckpointError, one line, if it can't be one or outgrows the model's vocab."""
-    import tiktoken  # here: the model alone (training, a benchmark) never needs it
+    import tiktoken  # here: training or a benchmark needs only the model
 
     tokenizer = checkpoint.get("tokenizer")
     kind = tokenizer.get("kind") if isinstance(tokenizer, dict) else None
@@ -631,7 +628,7 @@ def encoding_from_checkpoint(checkpoint):
             if problem is None:
                 encoding = tiktoken.Encoding("lillm", pat_str=tokenizer["pattern"],
                                              mergeable_ranks=ranks, special_tokens=special_tokens)
-        except Exception as err:  # a missing key, a bad line or pattern: not what train.py writes
+        except Exception as err:  # a missing key, a bad line or pattern: not train.py's
             problem = first_line(err)
         if problem:
             raise CheckpointError(f"the BPE tokenizer is malformed: {problem}")

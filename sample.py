@@ -33,12 +33,12 @@ start = ""             # the prompt, or "FILE:path" to read it from a file
 num_samples = 3        # samples, one after the other
 max_new_tokens = 256   # tokens to generate per sample
 temperature = 0.8      # < 1 sharpens the distribution, > 1 flattens it
-top_k = 200            # sample among the k most likely tokens only (None or 0: all)
+top_k = 200            # sample among the k most likely tokens (None or 0: all)
 top_p = 1.0            # nucleus: the fewest tokens that hold this much probability (1.0: off)
-seed = 1337            # the same seed, checkpoint, device and settings give the same samples
+seed = 1337            # same seed, checkpoint, device and settings: same samples
 device = "auto"        # "auto" (cuda if there is a GPU, else cpu), "cpu", "cuda", "cuda:1", "mps"
-dtype = "auto"         # "auto": bfloat16 on a GPU that has it, else float16; float32 on the CPU
-                       # (most CPUs emulate bfloat16); or "float32", "bfloat16", "float16"
+dtype = "auto"         # "auto": bfloat16 on a GPU that has it, else float16; float32 on a CPU
+                       # (most emulate bfloat16); or "float32", "bfloat16", "float16"
 compile = False        # torch.compile the model: slow to start, faster per token on a GPU
 # -----------------------------------------------------------------------------
 defaults = {k: v for k, v in globals().items() if k not in _names_before_settings and k[0] != "_"}
@@ -54,10 +54,9 @@ def main():
     if dtype == "auto":
         bf16 = device_type == "cuda" and torch.cuda.is_bf16_supported()
         precision = "bfloat16" if bf16 else "float16" if device_type == "cuda" else "float32"
-    # Weights stay float32; autocast runs the matmuls in the lower precision, as training does.
+    # Weights stay float32; autocast runs the matmuls in the lower precision, as in training.
     ctx = torch.autocast(device_type, getattr(torch, precision), enabled=precision != "float32")
 
-    # The checkpoint: the model, and the tokenizer it was trained with.
     checkpoint = load_checkpoint(os.path.join(out_dir, ckpt))
     model = model_from_checkpoint(checkpoint)
     encoding = encoding_from_checkpoint(checkpoint)
@@ -88,11 +87,11 @@ def main():
 
 
 def encode_prompt(encoding, prompt, block_size):
-    """The prompt's token ids, its last block_size."""
+    """The prompt's last block_size token ids."""
     if prompt:
         try:
             prompt_ids = encoding.encode(prompt, allowed_special="all")
-        except ValueError as err:  # a character that a char-level vocabulary lacks
+        except ValueError as err:  # a character the char-level vocabulary lacks
             raise UserError(f"the prompt has {err}; remove or replace them") from None
     elif EOT in encoding.special_tokens_set:
         prompt_ids = [encoding.encode_single_token(EOT)]
@@ -106,7 +105,7 @@ def encode_prompt(encoding, prompt, block_size):
     return prompt_ids[-block_size:]
 
 
-# === plumbing: the settings' checks, the prompt file, the device (a first read can skip to the end)
+# === plumbing: the settings' checks, the prompt file, the device (a first read skips to the end)
 
 class UserError(Exception):
     """A mistake in the input: printed as one line, never as a traceback."""
@@ -151,7 +150,7 @@ def validate():
         ("top_k", top_k is None or top_k >= 0, "must be 0 (no limit) or more"),
         ("top_p", 0.0 < top_p <= 1.0, "must be in (0, 1]; 1.0 turns it off"),
         ("temperature", math.isfinite(temperature), "must be a finite number"),
-        ("seed", 0 <= seed < 2**64, "a seed is a number from 0 to 2^64-1"),
+        ("seed", 0 <= seed < 2**64, "must be from 0 to 2^64-1"),
         ("dtype", dtype in ("auto", "float32", "bfloat16", "float16"),
          "use float32, bfloat16 or float16"),
     ]:
@@ -175,7 +174,7 @@ def read_prompt(text):
 
 
 def check_device(name):
-    """(device, its type), checked: cpu, cuda or mps, one that this machine has."""
+    """(device, its type), checked: cpu, cuda or mps, one this machine has."""
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     device_type = name.split(":")[0]
