@@ -52,18 +52,18 @@ def main():
     if isinstance(encoding, CharTokenizer):
         raise UserError("a char-level model's tokens are not bytes: export a BPE or tiktoken model")
 
-    # 2. The weights under Llama's names; the output head is the embedding (tied), stored once.
+    # 2. The weights under Llama's names; the output head is the tied embedding, stored once.
     weights = {llama_name(name): tensor.to(getattr(torch, dtype)).contiguous()
                for name, tensor in model.state_dict().items() if name != "lm_head.weight"}
 
-    # 3. The tokenizer, from tiktoken's definition of the encoding (private fields); config.json.
+    # 3. The tokenizer, from tiktoken's private fields; config.json.
     ranks, special_tokens = encoding._mergeable_ranks, encoding._special_tokens
     eot_id = special_tokens.get(EOT)  # bos and eos: every training document starts with it
     tokenizer_config = {
-        # The class that reads tokenizer.json on its own: loading it runs no Python code of ours.
+        # This class reads tokenizer.json itself: loading runs no Python code of ours.
         "tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": model.config.block_size,
         "clean_up_tokenization_spaces": False,  # decode gives back the exact text
-        "add_bos_token": False, "add_eos_token": False,  # as tiktoken's encode and sample.py
+        "add_bos_token": False, "add_eos_token": False,  # as tiktoken's encode, sample.py
     }
     if eot_id is not None:
         tokenizer_config.update(bos_token=EOT, eos_token=EOT)
@@ -71,7 +71,7 @@ def main():
              "tokenizer.json": hf_tokenizer_json(ranks, encoding._pat_str, special_tokens),
              "tokenizer_config.json": tokenizer_config}
 
-    # 4. The files, all at once: a temporary directory, renamed to hf_dir when complete.
+    # 4. The files, all at once.
     write_directory(hf_path, weights, files)
     print(f"wrote {hf_path}: LlamaForCausalLM with {model.get_num_params():,} parameters "
           f"({dtype}), tokenizer of {len(ranks) + len(special_tokens):,} ids "
@@ -79,9 +79,9 @@ def main():
           f"AutoModelForCausalLM.from_pretrained({hf_path!r})", file=sys.stderr)
 
 
-# The matrices are [out, in] in both models. HF's own Llama converter permutes the rows of q and k:
-# Meta's checkpoints rotate channel pairs (2i, 2i+1), HF's (i, i + head_dim/2). apply_rope pairs
-# the latter too, so q and k are copied as they are (the test compares both models' logits).
+# The matrices are [out, in] in both models. HF's Llama converter permutes q's and k's rows: Meta's
+# checkpoints rotate channel pairs (2i, 2i+1), HF's (i, i + head_dim/2), as apply_rope does, so q
+# and k are copied as is (the test compares both models' logits).
 LAYER_NAMES = {"ln_1": "input_layernorm", "ln_2": "post_attention_layernorm",
                "attn.c_q": "self_attn.q_proj", "attn.c_k": "self_attn.k_proj",
                "attn.c_v": "self_attn.v_proj", "attn.c_proj": "self_attn.o_proj",
@@ -89,13 +89,12 @@ LAYER_NAMES = {"ln_1": "input_layernorm", "ln_2": "post_attention_layernorm",
 
 
 def llama_name(name):
-    """model.py's parameter name -> LlamaForCausalLM's, e.g. transformer.h.3.attn.c_q.weight ->
+    """model.py's parameter name -> Llama's: transformer.h.3.attn.c_q.weight ->
     model.layers.3.self_attn.q_proj.weight."""
     if name == "transformer.wte.weight":
         return "model.embed_tokens.weight"
     if name == "transformer.ln_f.weight":
         return "model.norm.weight"
-    # transformer . h . <layer> . <module path>.<weight|bias>
     _, _, layer, rest = name.split(".", 3)
     module, kind = rest.rsplit(".", 1)
     return f"model.layers.{layer}.{LAYER_NAMES[module]}.{kind}"
@@ -103,7 +102,7 @@ def llama_name(name):
 
 def byte_to_char():
     """GPT-2's printable stand-in for each byte (a space is 'Ġ'): HF's ByteLevel pre-tokenizer and
-    decoder use this table, so the vocabulary and merges are written in it."""
+    decoder use it, so the vocabulary and merges are written in it."""
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), 256)]
     # The others (control characters, space, ...) move past 255, in order.
     others = [byte for byte in range(256) if byte not in printable]
@@ -115,13 +114,13 @@ def byte_to_char():
 def hf_tokenizer_json(ranks, pattern, special_tokens):
     """The tokenizer.json that makes HF `tokenizers` encode exactly like tiktoken with these ranks.
 
-    tiktoken keeps no merge list: in each regex chunk it repeatedly joins the adjacent pair whose
-    bytes form the lowest-ranked token (the leftmost on a tie). HF's BPE joins listed pairs, lowest
-    in the list first. So the list holds every way to cut each token in two tokens, in the token's
-    rank order: any pair tiktoken would join is listed, at its token's place. And tiktoken takes a
-    chunk that is a token as it is; ignore_merges does the same in HF. (Where two cuts of one token
-    meet in a chunk, tiktoken joins the leftmost and HF the one listed first, as with transformers'
-    own converter: never in the test's 435 languages.)"""
+    tiktoken keeps no merge list: in each regex chunk it keeps joining the adjacent pair whose bytes
+    form the lowest-ranked token (the leftmost on a tie). HF's BPE joins listed pairs, first listed
+    first. So the list holds every cut of each token into two tokens, in rank order: any pair
+    tiktoken would join is listed, at its token's place. tiktoken takes a chunk that is a token as
+    it is; so does HF with ignore_merges. (Where two cuts of one token meet in a chunk, tiktoken
+    joins the leftmost, HF the first listed, as transformers' converter does: never in the test's
+    435 languages.)"""
     table = byte_to_char()
 
     def text(token):
@@ -144,7 +143,7 @@ def hf_tokenizer_json(ranks, pattern, special_tokens):
                          for content, token_id in special_tokens.items()],
         # First the split regex (chunks never merge across it), then bytes -> characters.
         "pre_tokenizer": {"type": "Sequence", "pretokenizers": [split, byte_level]},
-        "post_processor": None,  # nothing added around the text, as in tiktoken's encode
+        "post_processor": None,  # nothing added around the text, as tiktoken's encode
         "decoder": byte_level,
         "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
                   "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False,
@@ -165,7 +164,7 @@ def llama_config(cfg, eot_id):
         "head_dim": cfg.n_embd // cfg.n_head, "hidden_act": "silu", "rms_norm_eps": cfg.norm_eps,
         "rope_theta": cfg.rope_theta,
         "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta}, "rope_scaling": None,
-        # our `bias` switches on the biases of q, k, v, o and the MLP, as Llama's two switches do
+        # our `bias` switches on q's, k's, v's, o's and the MLP's biases, as Llama's two switches do
         "attention_bias": cfg.bias, "mlp_bias": cfg.bias, "attention_dropout": 0.0,
         "tie_word_embeddings": True, "bos_token_id": eot_id, "eos_token_id": eot_id,
         "torch_dtype": dtype, "dtype": dtype,  # transformers 4's name and 5's
@@ -173,13 +172,13 @@ def llama_config(cfg, eot_id):
     }
 
 
-# === plumbing: writing hf_dir, the settings' checks (a first read can skip to the end)
+# === plumbing: writing hf_dir, the settings' checks (a first read skips to the end)
 
 def write_directory(hf_path, weights, files):
-    """model.safetensors and the JSON files into hf_path, all or nothing: hf_path is made (empty)
-    and locked first (one writer at a time), checked again, then replaced by a complete copy."""
+    """model.safetensors and the JSON files into hf_path, all or nothing: hf_path is made (empty),
+    locked (one writer at a time), checked again, then replaced by a complete copy."""
     os.makedirs(hf_path, exist_ok=True)
-    lock = lock_directory(hf_path)  # noqa: F841 (the lock lasts while the process does)
+    lock_directory(hf_path)  # held while the process lives
     validate(hf_path)
     temp_dir = f"{hf_path}.tmp.{os.getpid()}"
     try:
@@ -189,8 +188,8 @@ def write_directory(hf_path, weights, files):
             with open(os.path.join(temp_dir, name), "w", encoding="utf-8") as f:
                 json.dump(content, f, indent=2, ensure_ascii=False)
                 f.write("\n")
-        os.rename(temp_dir, hf_path)  # replaces the empty, locked hf_dir
-    except (OSError, SafetensorError) as err:  # safetensors reports a full disk as its own error
+        os.rename(temp_dir, hf_path)  # replaces the empty, locked one
+    except (OSError, SafetensorError) as err:  # safetensors' own error for a full disk
         if os.path.isdir(hf_path) and not os.listdir(hf_path):
             os.rmdir(hf_path)  # a failed export leaves nothing
         raise UserError(f"can't write {hf_path}: {getattr(err, 'strerror', None) or err}") from None
@@ -203,8 +202,8 @@ class UserError(Exception):
 
 
 def parse_settings(arguments, defaults, extra_types):
-    """--key=value overrides, as {key: value}: a Python literal of the default's type (or of
-    extra_types[key]); a str setting takes the text as it is."""
+    """--key=value overrides as {key: value}: a Python literal of the default's type (or
+    extra_types[key]'s); a str setting takes the text as is."""
     settings = {}
     for arg in arguments:
         if arg in ("-h", "--help"):
@@ -235,14 +234,10 @@ def parse_settings(arguments, defaults, extra_types):
 
 
 def validate(hf_path):
-    taken = os.path.exists(hf_path) and (not os.path.isdir(hf_path) or os.listdir(hf_path))
-    for bad, message in [
-        (dtype not in ("float32", "bfloat16", "float16"),
-         f"--dtype={dtype}: use float32, bfloat16 or float16"),
-        (taken, f"--hf_dir={hf_path} already exists and is not an empty directory: choose another"),
-    ]:
-        if bad:
-            raise UserError(message)
+    if dtype not in ("float32", "bfloat16", "float16"):
+        raise UserError(f"--dtype={dtype}: use float32, bfloat16 or float16")
+    if os.path.exists(hf_path) and (not os.path.isdir(hf_path) or os.listdir(hf_path)):
+        raise UserError(f"--hf_dir={hf_path} already exists and is not an empty directory: choose another")
 
 
 def lock_directory(path):

@@ -2,9 +2,9 @@
 lilLM's model: a Llama-3-style GPT in one file, shared by train.py, sample.py and export_hf.py.
 
 Compared with GPT-2 (nanoGPT), it swaps in what later models settled on: RMSNorm, rotary position
-embeddings, a SwiGLU MLP and grouped-query attention, with tied embeddings and no biases. After the
-model: generation with a KV cache and the Muon optimizer (train.py's --muon=True). At the end, in
-plumbing blocks a first read skips: the config's checks, and the checkpoints with their tokenizer.
+embeddings, a SwiGLU MLP and grouped-query attention, with tied embeddings and no biases. Then:
+generation with a KV cache, the Muon optimizer (train.py's --muon=True), and plumbing a first read
+skips (config checks, checkpoints and their tokenizer).
 
     from model import GPTConfig, GPT
     model = GPT(GPTConfig())             # the lilLM preset, 39,596,544 parameters
@@ -35,11 +35,11 @@ class GPTConfig:
     norm_eps: float = 1e-5
     ffn_ratio: float = 8 / 3     # SwiGLU hidden size: ffn_ratio * n_embd, up to a multiple of:
     ffn_multiple_of: int = 128
-    dropout: float = 0.0         # pretraining on lots of data does not need it
+    dropout: float = 0.0         # pretraining on lots of data doesn't need it
     bias: bool = False           # biases in the Linear layers; off, like Llama
 
     def __post_init__(self):
-        check_config(self)  # a config that can't be a model fails here in one line, not in a layer
+        check_config(self)  # a bad config fails here, in one line, not deep in a layer
 
     @property
     def ffn_hidden_size(self):
@@ -49,33 +49,33 @@ class GPTConfig:
 
 
 class RMSNorm(nn.Module):
-    # Why not LayerNorm: re-centering (subtracting the mean) and the bias add nothing measurable to
-    # quality, and dropping them makes the norm cheaper; Llama, Mistral and Gemma all use RMSNorm.
+    # Why not LayerNorm: re-centering (subtracting the mean) and the bias add no measurable quality,
+    # and dropping them makes the norm cheaper; Llama, Mistral and Gemma all use RMSNorm.
     def __init__(self, dim, eps):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
-        # The mean of squares is taken in float32: in bf16 it loses too many bits.
+        # The mean of squares in float32: bf16 loses too many bits.
         x_float = x.float()
         normed = x_float * torch.rsqrt(x_float.pow(2).mean(-1, keepdim=True) + self.eps)
         return normed.type_as(x) * self.weight
 
 
 def rope_tables(head_dim, length, theta):
-    """The rotation of every (position, channel) as apply_rope wants it: cos for both halves, sin
-    with the first half negated."""
+    """Each (position, channel)'s rotation for apply_rope: cos for both halves, sin with the first
+    half negated."""
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
     angles = torch.outer(torch.arange(length, dtype=torch.float32), inv_freq)  # (length, head_dim/2)
     return torch.cat([angles.cos()] * 2, dim=-1), torch.cat([-angles.sin(), angles.sin()], dim=-1)
 
 
 def apply_rope(x, cos, sin):
-    # Why rotary embeddings over GPT-2's learned absolute ones: rotating query and key channel pairs
-    # by an angle proportional to the position makes q.k depend only on the tokens' distance, with
-    # no parameters. The pair (x1, x2) = (i, i + head_dim/2) becomes (x1 cos - x2 sin,
-    # x2 cos + x1 sin) = x * cos + (x2, x1) * sin (the sign is in the sin table).
+    # Why rotary over GPT-2's learned absolute positions: rotating query and key channel pairs by an
+    # angle proportional to the position makes q.k depend only on the tokens' distance, with no
+    # parameters. Pair (x1, x2) = (i, i + head_dim/2) becomes (x1 cos - x2 sin, x2 cos + x1 sin)
+    # = x * cos + (x2, x1) * sin (the sin table holds the sign).
     x_float = x.float()
     x1, x2 = x_float.chunk(2, dim=-1)
     return (x_float * cos + torch.cat([x2, x1], dim=-1) * sin).type_as(x)
@@ -83,8 +83,7 @@ def apply_rope(x, cos, sin):
 
 class CausalSelfAttention(nn.Module):
     # Why grouped-query attention: the KV cache, not the weights, limits generation speed and batch
-    # size; sharing each key/value head among n_head/n_kv_head query heads shrinks it that much, for
-    # a small loss in quality.
+    # size; n_head/n_kv_head query heads per key/value head shrink it that much, for a little quality.
     def __init__(self, config):
         super().__init__()
         self.n_head, self.n_kv_head = config.n_head, config.n_kv_head
@@ -95,7 +94,7 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.dropout = config.dropout
         self.resid_dropout = nn.Dropout(config.dropout)
-        self.kv_cache = None  # while generating: (keys, values), (B, n_kv_head, block_size, head_dim)
+        self.kv_cache = None  # generating: (keys, values), each (B, n_kv_head, block_size, head_dim)
 
     def forward(self, x, cos, sin, start_pos=0):
         B, T, C = x.size()
@@ -105,12 +104,11 @@ class CausalSelfAttention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         mask, is_causal = None, True  # training, or no cache: the whole sequence at once
         if self.kv_cache is not None:
-            # Store this step's keys/values at their positions, then attend over all cached so far.
             (cached_keys, cached_values), end = self.kv_cache, start_pos + T
             cached_keys[:, :, start_pos:end], cached_values[:, :, start_pos:end] = k, v
             k, v = cached_keys[:, :, :end], cached_values[:, :, :end]
             is_causal = start_pos == 0 and T > 1  # the prefill; one new token sees all the cache
-            if start_pos > 0 and T > 1:  # a chunk after earlier tokens: query i sees keys 0..start_pos+i
+            if start_pos > 0 and T > 1:  # a chunk after a prefix: query i sees keys 0..start_pos+i
                 query_positions = start_pos + torch.arange(T, device=x.device)
                 mask = torch.arange(end, device=x.device) <= query_positions[:, None]
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal,
@@ -121,8 +119,8 @@ class CausalSelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    # Why SwiGLU over GELU: a gated unit (silu(x W_gate) * x W_up) trains to a lower loss at the
-    # same parameters and compute (Shazeer 2020, "GLU Variants Improve Transformer"); Llama uses it.
+    # Why SwiGLU over GELU: a gated unit (silu(x W_gate) * x W_up) trains to a lower loss at equal
+    # parameters and compute (Shazeer 2020, "GLU Variants Improve Transformer"); Llama uses it.
     def __init__(self, config):
         super().__init__()
         hidden = config.ffn_hidden_size
@@ -136,8 +134,8 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    # Pre-norm residual block, as in GPT-2: normalizing the input of each branch (not the sum) keeps
-    # the residual stream an identity path, which lets deep stacks train without warmup tricks.
+    # Pre-norm, as in GPT-2: normalizing each branch's input (not the sum) keeps the residual
+    # stream an identity path, which lets deep stacks train without warmup tricks.
     def __init__(self, config):
         super().__init__()
         self.ln_1 = RMSNorm(config.n_embd, config.norm_eps)
@@ -161,22 +159,22 @@ class GPT(nn.Module):
             ln_f=RMSNorm(config.n_embd, config.norm_eps),
         ))
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
-        # Tied embeddings: one matrix maps tokens to vectors and back (lilLM: 10% fewer parameters).
+        # Tied embeddings: one matrix maps tokens to vectors and back (lilLM: 10% fewer params).
         self.transformer.wte.weight = self.lm_head.weight
-        # RoPE tables are computed, not learned: non-persistent buffers, out of the checkpoints.
+        # RoPE tables are computed, not learned: non-persistent buffers, not in checkpoints.
         cos, sin = rope_tables(config.n_embd // config.n_head, config.block_size, config.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
-        # GPT-2 init: N(0, 0.02); the 2 writes per layer into the residual stream 0.02/sqrt(2*n_layer),
-        # so depth does not grow its variance.
+        # GPT-2 init: N(0, 0.02); the 2 writes per layer into the residual stream 0.02/sqrt(2*n_layer)
+        # so that depth does not grow its variance.
         self.apply(self._init_weights)
         for name, param in self.named_parameters():
             if name.endswith("c_proj.weight"):
-                nn.init.normal_(param, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+                nn.init.normal_(param, std=0.02 / math.sqrt(2 * config.n_layer))
 
     def _init_weights(self, module):
         if isinstance(module, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            nn.init.normal_(module.weight, std=0.02)
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
 
@@ -185,8 +183,8 @@ class GPT(nn.Module):
 
     def forward(self, idx, targets=None, start_pos=0):
         """idx: (B, T) token ids. With targets (B, T) (-1 = ignore): logits (B, T, vocab) and the
-        mean cross-entropy. Without: logits (B, 1, vocab) for the last position only (all that
-        generation needs), and None. start_pos, idx[:, 0]'s position, is > 0 only with a KV cache."""
+        mean cross-entropy. Without: the last position's logits (B, 1, vocab), all generation needs,
+        and None. start_pos, idx[:, 0]'s position, is > 0 only with a KV cache."""
         B, T = idx.size()
         if start_pos + T > self.config.block_size:
             raise ValueError(f"sequence of {start_pos + T} tokens is longer than "
@@ -199,15 +197,15 @@ class GPT(nn.Module):
         if targets is None:
             return self.lm_head(x[:, [-1], :]), None
         logits = self.lm_head(x)
-        # float32 for the softmax: bf16 logits round the loss visibly at vocab sizes like ours.
+        # float32 softmax: bf16 logits visibly round the loss at vocab sizes like ours.
         loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1),
                                ignore_index=-1)
         return logits, loss
 
     def configure_optimizers(self, weight_decay, learning_rate, betas, device_type,
                              optimizer="adamw", verbose=True):
-        """"adamw": AdamW, decaying the matrices but not the 1-D gains and biases (decaying a gain
-        only fights the norm). "muon": Muon for the matrices in the blocks, AdamW for the rest."""
+        """"adamw": AdamW, decaying the matrices, not the 1-D gains and biases (decaying a gain only
+        fights the norm). "muon": Muon for the blocks' matrices, AdamW for the rest."""
         log = print if verbose else (lambda *args, **kwargs: None)
         if optimizer not in ("adamw", "muon"):
             raise ValueError(f"optimizer must be 'adamw' or 'muon', got {optimizer!r}")
@@ -223,21 +221,20 @@ class GPT(nn.Module):
             log(f"optimizer: Muon for {len(block_matrices)} matrices in the blocks "
                 f"({sum(p.numel() for p in block_matrices):,} params), AdamW for {len(others)} "
                 f"other tensors ({sum(p.numel() for p in others):,} params)")
-            # Newton-Schulz is ~1% of a step on a GPU (bf16), up to half of one on a CPU (float32):
-            # there, every step for the first 250 (the momentum turns fast), then every 2nd (CPU
-            # recipe: val loss 1.584).
+            # Newton-Schulz is ~1% of a GPU step (bf16), up to half a CPU one (float32): there, every
+            # step for the first 250 (the momentum turns fast), then every 2nd (CPU val loss 1.584).
             schedule = {} if device_type == "cuda" else {"ns_every": 2, "ns_warmup": 250}
             muon = {"params": block_matrices, "weight_decay": weight_decay, "use_muon": True, **schedule}
             return MuonAdamW([muon] + groups, lr=learning_rate, betas=betas)
-        fused = device_type in ("cuda", "cpu")  # the whole update in one kernel
+        fused = device_type in ("cuda", "cpu")  # the update in one kernel
         log(f"optimizer: {len(decay)} decayed tensors ({sum(p.numel() for p in decay):,} params), "
             f"{len(no_decay)} not decayed ({sum(p.numel() for p in no_decay):,} params)\n"
             f"optimizer: using fused AdamW: {fused}")
         return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=fused)
 
     def estimate_mfu(self, fwdbwd_per_iter, dt):
-        """Model FLOPs utilization: 0.4 = 40% of the device's bf16 peak (NaN on the CPU). FLOPs per
-        token as in PaLM: 6N (matmuls) plus 12*L*H*Q*T (attention, not halved for causality)."""
+        """Model FLOPs utilization: 0.4 = 40% of the device's bf16 peak (NaN on a CPU). FLOPs per
+        token as in PaLM: 6N (matmuls) + 12*L*H*Q*T (attention, not halved for causality)."""
         cfg = self.config
         flops_per_token = 6 * self.get_num_params() + 12 * cfg.n_layer * cfg.n_embd * cfg.block_size
         peak, _ = peak_flops(self.lm_head.weight.device)
@@ -251,17 +248,16 @@ class GPT(nn.Module):
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None, use_cache=True,
                  generator=None):
         """idx (B, T) -> (B, T + max_new_tokens), with generate_tokens's sampling settings."""
-        new_tokens = self.generate_tokens(idx, max_new_tokens, temperature, top_k, top_p, use_cache,
-                                          generator)
-        return torch.cat([idx, *new_tokens], dim=1)
+        return torch.cat([idx, *self.generate_tokens(idx, max_new_tokens, temperature, top_k, top_p,
+                                                      use_cache, generator)], dim=1)
 
     @torch.no_grad()
     def generate_tokens(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None,
                         use_cache=True, generator=None):
-        """Yields the new tokens, each (B, 1), one step at a time. With the cache the prompt runs
-        once (prefill), then each step runs only the newest token against the cached keys/values; a
-        full cache is refilled from the last block_size//2 tokens. use_cache=False recomputes the
-        whole context every step: slower, the same tokens while it fits."""
+        """Yields the new tokens, each (B, 1). With the cache the prompt runs once (prefill), then
+        each step only the newest token, against the cached keys/values; a full cache is refilled
+        from the last block_size//2 tokens. use_cache=False recomputes the whole context each
+        step: slower, the same tokens while it fits."""
         block_size = self.config.block_size
         if idx.size(1) > block_size:
             warnings.warn(f"the prompt has {idx.size(1)} tokens, more than "
@@ -272,7 +268,7 @@ class GPT(nn.Module):
         if use_cache:
             self._allocate_kv_cache(idx.size(0), idx.device)
         try:
-            window = idx  # the context: with the cache, the tokens whose keys/values it holds
+            window = idx  # the context; with the cache, the tokens it holds
             logits, _ = self(window)
             for step in range(max_new_tokens):
                 next_token = sample_next_token(logits[:, -1], temperature, top_k, top_p, generator)
@@ -291,11 +287,11 @@ class GPT(nn.Module):
                 block.attn.kv_cache = None
 
     def _allocate_kv_cache(self, batch_size, device):
-        # One preallocated buffer per layer for (batch, block_size): writing into it costs nothing
-        # per step, where growing a tensor with torch.cat would copy the whole cache every token.
+        # One preallocated buffer per layer: writing into it is free, where torch.cat would copy
+        # the whole cache every token.
         cfg = self.config
         dtype = self.lm_head.weight.dtype
-        if torch.is_autocast_enabled(device.type):  # keys/values come out of autocast in its dtype
+        if torch.is_autocast_enabled(device.type):  # then keys/values come out in its dtype
             dtype = torch.get_autocast_dtype(device.type)
         shape = (batch_size, cfg.n_kv_head, cfg.block_size, cfg.n_embd // cfg.n_head)
         for block in self.transformer.h:
@@ -308,21 +304,21 @@ class GPT(nn.Module):
     def continuation_losses(self, contexts, continuations):
         """For each pair of token-id lists (context, continuation): the continuation's summed and
         mean cross-entropy given the context, two (B,) float32 tensors. A pair keeps its last
-        block_size + 1 tokens: the context is cut from the left to fit."""
+        block_size + 1 tokens (the context is cut from the left)."""
         pairs = []
         for context, continuation in zip(contexts, continuations):
             if not context or not continuation:
                 raise ValueError("a context and a continuation of at least one token each")
             ids = (context + continuation)[-(self.config.block_size + 1):]
             pairs.append((ids, min(len(continuation), len(ids) - 1)))
-        # right-padded rows: a causal model's positions never see the padding after them
+        # right-padded rows: causal positions never see the padding after them
         width = max(len(ids) for ids, _ in pairs) - 1
         inputs = torch.zeros(len(pairs), width, dtype=torch.long)
         targets = torch.full((len(pairs), width), -1, dtype=torch.long)
         for row, (ids, scored) in enumerate(pairs):
             inputs[row, :len(ids) - 1] = torch.tensor(ids[:-1])
             targets[row, len(ids) - 1 - scored:len(ids) - 1] = torch.tensor(ids[-scored:])
-        device = self.lm_head.weight.device  # built on the host, then one copy each: no per-row syncs
+        device = self.lm_head.weight.device  # built on the host, copied once: no per-row syncs
         inputs, targets = inputs.to(device), targets.to(device)
         logits, _ = self(inputs, targets)
         losses = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-1,
@@ -344,19 +340,19 @@ def top_p_filter(logits, p):
     sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
     sorted_probs = F.softmax(sorted_logits.float(), dim=-1)
     mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs  # of the tokens ranked above
-    remove_sorted = mass_before >= p  # the set already reached p without this token
+    remove_sorted = mass_before >= p  # they reached p without this token
     remove_sorted[..., 0] = False
     remove = torch.zeros_like(remove_sorted).scatter(-1, order, remove_sorted)
     return logits.masked_fill(remove, float("-inf"))
 
 
-# Below this temperature, greedy: a tinier one overflows the logits to inf and the softmax to NaN,
-# while at 1e-4 a lead of 0.01 in logit already takes all the probability.
+# Below it, greedy: a tinier temperature overflows the logits to inf (the softmax to NaN), while
+# at 1e-4 a 0.01 lead in logit already takes all the probability.
 GREEDY_BELOW = 1e-4
 
 
 def sample_next_token(logits, temperature=1.0, top_k=None, top_p=None, generator=None):
-    """logits (B, vocab) -> next token ids (B, 1). A temperature near 0, or below, or None: greedy."""
+    """logits (B, vocab) -> next token ids (B, 1). A temperature near 0 or below, or None: greedy."""
     if temperature is None or temperature < GREEDY_BELOW:
         return torch.argmax(logits, dim=-1, keepdim=True)
     logits = logits.float() / temperature
@@ -370,34 +366,34 @@ def sample_next_token(logits, temperature=1.0, top_k=None, top_p=None, generator
 # ---- the Muon optimizer ----
 
 def orthogonalize(matrices, steps=5):
-    """The nearest orthogonal matrix to each of a stack of matrices (n, rows, cols), approximately:
-    U V^T of each one's SVD U S V^T. A Newton-Schulz step maps X to a X + b (X X^T) X + c (X X^T)^2 X,
-    so each singular value s to p(s) = a s + b s^3 + c s^5; Keller Jordan's coefficients make p
-    steep at 0 and keep it near 1 beyond: five steps take singular values from 0.003 to 1 into about
-    0.7..1.2. Only matmuls: bfloat16 on a GPU; float32 on a CPU, which emulates bf16 ~27x slower."""
+    """Roughly the nearest orthogonal matrix to each of a stack (n, rows, cols): U V^T of its SVD
+    U S V^T. A Newton-Schulz step maps X to a X + b (X X^T) X + c (X X^T)^2 X, each singular value
+    s to a s + b s^3 + c s^5; Keller Jordan's coefficients make that steep at 0 and near 1 beyond:
+    five steps take singular values 0.003..1 to about 0.7..1.2. Only matmuls: bfloat16 on a GPU;
+    float32 on a CPU, which emulates bf16 ~27x slower."""
     a, b, c = 3.4445, -4.7750, 2.0315
     x = matrices.bfloat16() if matrices.is_cuda else matrices.float()
     wide = x.size(-2) <= x.size(-1)
-    if not wide:  # work on the wide orientation: X X^T is then the smaller square
+    if not wide:  # wide, X X^T is the smaller square
         x = x.mT.contiguous()
     x = x / (x.norm(dim=(-2, -1), keepdim=True) + 1e-7)  # singular values <= the Frobenius norm = 1
     for _ in range(steps):
         gram = x @ x.mT
         poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)  # b X X^T + c (X X^T)^2
-        x = torch.baddbmm(x, poly, x, beta=a)                    # a X + (b X X^T + c (X X^T)^2) X
+        x = torch.baddbmm(x, poly, x, beta=a)                    # a X + poly X
     return x if wide else x.mT
 
 
 class MuonAdamW(torch.optim.Optimizer):
-    """Muon for the groups marked use_muon (2-D weight matrices), AdamW for the other groups.
+    """Muon for the groups marked use_muon (2-D weight matrices), AdamW for the others.
 
-    Why Muon (Jordan et al. 2024): the gradient of a weight matrix is dominated by a few directions,
-    and AdamW's step follows them. Muon replaces the momentum of each matrix with its nearest
-    orthogonal matrix: the same directions, all moved by the same amount (CPU Shakespeare recipe:
-    val loss 1.59 where AdamW gets 1.68). Its entries are ~1/sqrt(max(rows, cols)): scaled by
-    0.2 * sqrt(max(rows, cols)), the step has an RMS of 0.2, about an AdamW step's (Liu et al.
-    2025), so one learning rate drives both. ns_every=k orthogonalizes every k-th step after the
-    first ns_warmup steps and reuses the direction in between (the momentum moves ~5% a step)."""
+    Why Muon (Jordan et al. 2024): a few directions dominate a weight matrix's gradient, and
+    AdamW's step follows them. Muon replaces each matrix's momentum with its nearest orthogonal
+    matrix: the same directions, all moved alike (CPU Shakespeare recipe: val loss 1.59, AdamW
+    1.68). Its entries are ~1/sqrt(max(rows, cols)): scaled by 0.2 * sqrt(max(rows, cols)), the
+    step's RMS is 0.2, about AdamW's (Liu et al. 2025), so one learning rate drives both.
+    ns_every=k orthogonalizes every k-th step after ns_warmup steps, reusing the direction in
+    between (the momentum moves ~5% a step)."""
 
     def __init__(self, param_groups, lr, betas=(0.9, 0.95), eps=1e-8, momentum=0.95, ns_steps=5,
                  ns_every=1, ns_warmup=0):
@@ -419,14 +415,14 @@ class MuonAdamW(torch.optim.Optimizer):
             buffer = state.setdefault("momentum_buffer", torch.zeros_like(p))
             buffer.lerp_(p.grad, 1 - momentum)  # a momentum-weighted mean of the gradients
             step = state.get("step", 0)
-            fresh = every == 1 or step % every == 0 or step < group.get("ns_warmup", 0)
+            fresh = step % every == 0 or step < group.get("ns_warmup", 0)
             if fresh or "direction" not in state:
-                # Nesterov: step along the gradient plus the buffer, where the momentum will go.
+                # Nesterov: step along the gradient plus the buffer, where the momentum goes.
                 nesterov = p.grad.lerp(buffer, momentum)
                 direction = orthogonalize(nesterov[None], group["ns_steps"])[0].to(p.dtype)
             else:
                 direction = state["direction"]
-            if every > 1:  # kept in the state, so that a resumed run takes the same steps
+            if every > 1:  # in the state, so that a resumed run takes the same steps
                 state.update(step=step + 1, direction=direction)
             p.mul_(1 - lr * group["weight_decay"])
             p.add_(direction, alpha=-lr * 0.2 * max(p.shape) ** 0.5)
@@ -441,16 +437,15 @@ class MuonAdamW(torch.optim.Optimizer):
             step, exp_avg, exp_avg_sq = state["step"], state["exp_avg"], state["exp_avg_sq"]
             exp_avg.lerp_(p.grad, 1 - beta1)  # running means of the gradient and its square
             exp_avg_sq.mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
-            # Both averages start at 0, biased toward it for ~1/(1 - beta) steps: divide the bias out.
+            # Both averages start at 0, biased to it for ~1/(1 - beta) steps: divide that out.
             denominator = (exp_avg_sq / (1 - beta2 ** step)).sqrt_().add_(eps)
             p.mul_(1 - lr * group["weight_decay"])
             p.addcdiv_(exp_avg, denominator, value=-lr / (1 - beta1 ** step))
 
 
-# === plumbing: config checks, GPU peak FLOP/s (a first read can skip to the next # === banner)
+# === plumbing: config checks, GPU peak FLOP/s (a first read skips to the next # ===)
 
 def check_config(config):
-    """ValueError, one line, for a GPTConfig that can't be a model."""
     for name in ("vocab_size", "n_embd", "n_layer", "block_size", "n_head", "n_kv_head",
                  "ffn_multiple_of"):
         value = getattr(config, name)
@@ -476,8 +471,8 @@ PEAK_FLOPS = {"GB200": 2.5e15, "B200": 2.25e15, "GH200": 989e12, "H200": 989e12,
 
 
 def peak_flops(device):
-    """(peak FLOP/s, label) for a device: None on the CPU (its peak depends on cores and SIMD width,
-    not its name); an unknown GPU counts as an A100, and says so."""
+    """(peak FLOP/s, label): None on a CPU (its peak depends on cores and SIMD width, not its
+    name); an unknown GPU counts as an A100, and says so."""
     device = torch.device(device)
     if device.type != "cuda":
         return None, f"n/a on {device.type}"
@@ -488,19 +483,19 @@ def peak_flops(device):
     return flops, f"{name}: {flops / 1e12:.0f} TFLOP/s peak"
 
 
-# === plumbing: checkpoints and their tokenizer (a first read can skip to the end of the file)
+# === plumbing: checkpoints and their tokenizer (a first read skips to the end)
 
 CHECKPOINT_VERSION = 1
 
 
 class CheckpointError(Exception):
-    """A checkpoint that can't be used; str(error) is one line that says why and what to do."""
+    """A checkpoint that can't be used; str(error): one line, why and what to do."""
 
 
 def save_checkpoint(path, checkpoint):
-    """Write the checkpoint, without torch.compile's "_orig_mod." and DDP's "module." prefixes, to
-    a temporary file, then rename it: a crash never leaves half a ckpt.pt, and a failed write
-    (OSError: no space left) keeps the old one."""
+    """Write the checkpoint, less torch.compile's "_orig_mod." and DDP's "module." prefixes, to a
+    temporary file, then rename it: a crash never leaves half a ckpt.pt, and a failed write (no
+    space left) keeps the old one."""
     checkpoint = {"version": CHECKPOINT_VERSION, **checkpoint}
     if "model" in checkpoint:
         checkpoint["model"] = {re.sub(r"^(_orig_mod\.|module\.)+", "", key): value
@@ -512,7 +507,7 @@ def save_checkpoint(path, checkpoint):
             try:
                 torch.save(checkpoint, file)
             except RuntimeError as err:
-                # How torch's zip writer reports a failed write: the OSError is its __context__.
+                # torch's zip writer wraps a failed write's OSError (its __context__).
                 if not isinstance(err.__context__, OSError):
                     raise
                 raise err.__context__ from None
@@ -523,8 +518,8 @@ def save_checkpoint(path, checkpoint):
 
 
 def load_checkpoint(path, map_location="cpu"):
-    """Read a checkpoint written by save_checkpoint, with weights_only=True (loading never runs
-    code); CheckpointError, one line, if it can't be used."""
+    """Read a save_checkpoint file with weights_only=True (loading never runs code);
+    CheckpointError, one line, if it can't be used."""
     if not os.path.isfile(path):
         raise CheckpointError(f"no checkpoint at {path}: train one with train.py, or point "
                               f"--out_dir at the directory that holds it")
@@ -550,13 +545,13 @@ def load_checkpoint(path, map_location="cpu"):
 
 
 def first_line(error):
-    """An exception as one short line, for a CheckpointError's message."""
+    """An exception as one short line."""
     return f"{type(error).__name__}: {str(error)[:100]}".splitlines()[0]
 
 
 def model_from_checkpoint(checkpoint):
-    """Rebuild the GPT a checkpoint describes (GPTConfig checks its model_config) and load its
-    weights; CheckpointError, one line, if they don't fit."""
+    """The GPT a checkpoint describes (GPTConfig checks its model_config), with its weights;
+    CheckpointError, one line, if they don't fit."""
     try:
         settings = dict(checkpoint["model_config"])
         for retired in ("max_batch_size", "ffn_hidden"):  # older checkpoints' settings, now gone
@@ -570,7 +565,7 @@ def model_from_checkpoint(checkpoint):
 
 
 class CharTokenizer:
-    """One id per character of `chars`, with the methods of tiktoken.Encoding the scripts use."""
+    """One id per character of `chars`, with the tiktoken.Encoding methods the scripts use."""
     special_tokens_set = frozenset()  # no <|endoftext|>: a char-level dataset is one text
 
     def __init__(self, chars):
@@ -602,9 +597,9 @@ def tokenizer_problem(ranks, special_tokens):
 
 
 def encoding_from_checkpoint(checkpoint):
-    """The tokenizer a checkpoint carries: a tiktoken.Encoding (our BPE, or a tiktoken name) or a
+    """A checkpoint's tokenizer: a tiktoken.Encoding (our BPE, or a tiktoken name) or a
     CharTokenizer. CheckpointError, one line, if it can't be one or outgrows the model's vocab."""
-    import tiktoken  # here: the model alone (training, a benchmark) never needs it
+    import tiktoken  # here: training or a benchmark needs only the model
 
     tokenizer = checkpoint.get("tokenizer")
     kind = tokenizer.get("kind") if isinstance(tokenizer, dict) else None
@@ -633,7 +628,7 @@ def encoding_from_checkpoint(checkpoint):
             if problem is None:
                 encoding = tiktoken.Encoding("lillm", pat_str=tokenizer["pattern"],
                                              mergeable_ranks=ranks, special_tokens=special_tokens)
-        except Exception as err:  # a missing key, a bad line or pattern: not what train.py writes
+        except Exception as err:  # a missing key, a bad line or pattern: not train.py's
             problem = first_line(err)
         if problem:
             raise CheckpointError(f"the BPE tokenizer is malformed: {problem}")
@@ -646,6 +641,6 @@ def encoding_from_checkpoint(checkpoint):
 
 
 def bytes_of_id(encoding, token_id):
-    """A token's bytes. An id past the tokenizer, in a vocabulary padded to a multiple of 64 for
-    speed, is never trained on, but sampling can draw it: it stands for no bytes."""
+    """A token's bytes. An id past the tokenizer (the vocab is padded to a multiple of 64 for
+    speed) is never trained on, but sampling can draw it: it stands for no bytes."""
     return encoding.decode_single_token_bytes(token_id) if token_id < encoding.n_vocab else b""

@@ -33,12 +33,12 @@ start = ""             # the prompt, or "FILE:path" to read it from a file
 num_samples = 3        # samples, one after the other
 max_new_tokens = 256   # tokens to generate per sample
 temperature = 0.8      # < 1 sharpens the distribution, > 1 flattens it
-top_k = 200            # sample among the k most likely tokens only (None or 0: all)
+top_k = 200            # sample among the k most likely tokens (None or 0: all)
 top_p = 1.0            # nucleus: the fewest tokens that hold this much probability (1.0: off)
-seed = 1337            # the same seed, checkpoint, device and settings give the same samples
+seed = 1337            # same seed, checkpoint, device and settings: same samples
 device = "auto"        # "auto" (cuda if there is a GPU, else cpu), "cpu", "cuda", "cuda:1", "mps"
-dtype = "auto"         # "auto": bfloat16 on a GPU that has it, else float16; float32 on the CPU
-                       # (most CPUs emulate bfloat16); or "float32", "bfloat16", "float16"
+dtype = "auto"         # "auto": bfloat16 on a GPU that has it, else float16; float32 on a CPU
+                       # (most emulate bfloat16); or "float32", "bfloat16", "float16"
 compile = False        # torch.compile the model: slow to start, faster per token on a GPU
 # -----------------------------------------------------------------------------
 defaults = {k: v for k, v in globals().items() if k not in _names_before_settings and k[0] != "_"}
@@ -51,29 +51,27 @@ def main():
     prompt = read_prompt(start)
     device_name, device_type = check_device(device)
     precision = dtype
-    if dtype == "auto":  # bfloat16 on a GPU that has it, else float16; float32 elsewhere
+    if dtype == "auto":
         bf16 = device_type == "cuda" and torch.cuda.is_bf16_supported()
         precision = "bfloat16" if bf16 else "float16" if device_type == "cuda" else "float32"
     # Weights stay float32; autocast runs the matmuls in the lower precision, as in training.
     ctx = torch.autocast(device_type, getattr(torch, precision), enabled=precision != "float32")
 
-    # The checkpoint: the model, and the tokenizer it was trained with.
     checkpoint = load_checkpoint(os.path.join(out_dir, ckpt))
     model = model_from_checkpoint(checkpoint)
     encoding = encoding_from_checkpoint(checkpoint)
     model.eval().to(device_name)
     if compile:
-        model.compile()  # in place: generate_tokens() calls self(...), not a wrapper
+        model.compile()  # in place: generate_tokens calls self(...), not a wrapper
     prompt_ids = encode_prompt(encoding, prompt, model.config.block_size)
     idx = torch.tensor([prompt_ids], device=device_name)
 
-    # Generate, printing each token as soon as it is complete text.
+    # Generate, printing each token once it is complete text.
     torch.manual_seed(seed)
     sys.stdout.reconfigure(errors="replace")  # a character the terminal lacks becomes '?'
     seconds = 0.0
     for _ in range(num_samples):
-        # A BPE token can end inside a multi-byte character: the incremental decoder keeps such
-        # bytes until the character is whole.
+        # A BPE token can end inside a multi-byte character: the decoder holds it until whole.
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         print(prompt, end="")
         started = time.perf_counter()
@@ -89,11 +87,11 @@ def main():
 
 
 def encode_prompt(encoding, prompt, block_size):
-    """The prompt's token ids, its last block_size."""
+    """The prompt's last block_size token ids."""
     if prompt:
         try:
             prompt_ids = encoding.encode(prompt, allowed_special="all")
-        except ValueError as err:  # a character that a char-level vocabulary lacks
+        except ValueError as err:  # a character the char-level vocabulary lacks
             raise UserError(f"the prompt has {err}; remove or replace them") from None
     elif EOT in encoding.special_tokens_set:
         prompt_ids = [encoding.encode_single_token(EOT)]
@@ -107,15 +105,15 @@ def encode_prompt(encoding, prompt, block_size):
     return prompt_ids[-block_size:]
 
 
-# === plumbing: the settings' checks, the prompt file, the device (a first read can skip to the end)
+# === plumbing: the settings' checks, the prompt file, the device (a first read skips to the end)
 
 class UserError(Exception):
     """A mistake in the input: printed as one line, never as a traceback."""
 
 
 def parse_settings(arguments, defaults, extra_types):
-    """--key=value overrides, as {key: value}: a Python literal of the default's type (or of
-    extra_types[key]); a str setting takes the text as it is."""
+    """--key=value overrides as {key: value}: a Python literal of the default's type (or
+    extra_types[key]'s); a str setting takes the text as is."""
     settings = {}
     for arg in arguments:
         if arg in ("-h", "--help"):
@@ -152,7 +150,7 @@ def validate():
         ("top_k", top_k is None or top_k >= 0, "must be 0 (no limit) or more"),
         ("top_p", 0.0 < top_p <= 1.0, "must be in (0, 1]; 1.0 turns it off"),
         ("temperature", math.isfinite(temperature), "must be a finite number"),
-        ("seed", 0 <= seed < 2**64, "a seed is a number from 0 to 2^64-1"),
+        ("seed", 0 <= seed < 2**64, "must be from 0 to 2^64-1"),
         ("dtype", dtype in ("auto", "float32", "bfloat16", "float16"),
          "use float32, bfloat16 or float16"),
     ]:
@@ -176,7 +174,7 @@ def read_prompt(text):
 
 
 def check_device(name):
-    """(device, its type), checked before use: cpu, cuda or mps, one that this machine has."""
+    """(device, its type), checked: cpu, cuda or mps, one this machine has."""
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     device_type = name.split(":")[0]
@@ -190,7 +188,7 @@ def check_device(name):
 
 
 if __name__ == "__main__":
-    # Ctrl-C, or a reader that closed the pipe (`| head`), ends it at once and quietly.
+    # Ctrl-C, or a reader closing the pipe (`| head`), ends it at once, quietly.
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     if hasattr(signal, "SIGPIPE"):  # not on Windows
         signal.signal(signal.SIGPIPE, signal.SIG_DFL)
