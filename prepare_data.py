@@ -32,8 +32,7 @@ import regex
 import tiktoken
 from tqdm import tqdm
 
-# -----------------------------------------------------------------------------
-# defaults, each overridable from the command line
+# === the settings: defaults, each overridable from the command line
 data = "fineweb"  # fineweb(-edu) | openwebtext | tinystories | a .txt/.jsonl/.parquet file or dir
 tokenizer = None  # a directory from train_bpe_*.py | a tiktoken name (gpt2) | char
 out = None  # data/<source>_<tokenizer>, or data/<tokenizer> if that is named after its source
@@ -49,7 +48,6 @@ HUB_DATASETS = {  # name: (repository, config, parquet files)
     "openwebtext": ("Skylion007/openwebtext", None, "data/train-*.parquet"),
     "tinystories": ("roneneldan/TinyStories", None, None)}
 LOCAL_SUFFIXES = (".txt", ".jsonl", ".parquet")
-# -----------------------------------------------------------------------------
 
 
 # === step 1: tokenize the documents, in threads
@@ -202,7 +200,8 @@ def run(argv):
         return (text for text in first_chars(documents, budget) if text)
 
     out_dir = output_dir(args, source_name)
-    # the state: meta.json to be (saved as progress.json after each shard) and where to resume
+    # the state: meta.json to be (step 2 saves it as progress.json), and where to resume
+
     state = {"version": 1, "max_token_id": -1, "tokenizer": tokenizer_meta, "source": source,
              "num_chars": 0, "tokens": {"val": 0, "train": 0}, "shards": {"val": [], "train": []},
              "args": run_args(args, source, tokenizer_meta), "resume": {"document": 0, "offset": 0}}
@@ -270,8 +269,7 @@ def run(argv):
     print(f"tokenizing {t2 - t1:.2f}s ({tokens_per_second:,.0f} tokens/s) | total {t2 - t0:.2f}s")
 
 
-# === plumbing: the command line and its checks, the warnings at the end (a first read can skip
-# to the next # === banner)
+# === plumbing: the command line, its checks, the warnings (a first read skips to the next # ===)
 class UserError(Exception):
     """A mistake in the input: printed as one line, never as a traceback."""
 
@@ -316,7 +314,7 @@ def warn(args, state, bytes_read, bytes_kept):  # at the end of a run
               f"(asked for {args.num_chars:,})")
 
 
-# === plumbing: the tokenizer and its checks (a first read can skip to the next # === banner)
+# === plumbing: the tokenizer and its checks (a first read skips to the next # ===)
 def load_tokenizer(name):
     """--tokenizer -> (tiktoken's encoder, None at char level; meta.json's entry; its files)."""
     if name == "char":  # the vocabulary comes later, from the data
@@ -378,8 +376,7 @@ def token_byte_lengths(encoder):  # each id's bytes; 0 for special tokens, never
     return lengths
 
 
-# === plumbing: resuming, and the lock that lets one run at a time write to an --out
-# (a first read can skip to the next # === banner)
+# === plumbing: resuming; one run at a time writes to an --out (a first read skips to the next # ===)
 def run_args(args, source, tokenizer_meta):  # what decides the shards: a rerun with others refuses
     files = None  # a local source is known by its files: a rerun on edited ones must not resume
     if (args.data or data) not in HUB_DATASETS:

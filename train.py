@@ -17,9 +17,8 @@ from datetime import timedelta
 
 import numpy as np  # torch comes after the checks: mistakes show at once
 
-# === the settings. The defaults are lilLM's recipe, config/lillm.py, but for six that the preset
-# sets for its own run: out_dir, dataset, hellaswag_interval, sample_prompt, always_save_checkpoint
-# and milestones
+# === the settings: lilLM's recipe (config/lillm.py), but for six that its preset sets for its run:
+# out_dir, dataset, hellaswag_interval, sample_prompt, always_save_checkpoint and milestones
 out_dir = "out"                 # ckpt.pt, milestone copies ckpt_<iter>.pt and log.jsonl go here
 dataset = "data/fineweb"        # a directory written by prepare_data.py: shards and meta.json
 init_from = "scratch"           # "scratch" (not over a checkpoint), "resume" (ckpt.pt), "auto"
@@ -105,8 +104,7 @@ def report(error_type, error, traceback):
 
 sys.excepthook = report
 
-# the command line: presets (Python files, run as code) and --key=value, in order.
-# A value must have its default's type; these settings take one more type.
+# the command line: a value must have its default's type; these settings take one more type
 extra_types = {"vocab_size": int, "total_batch_size": type(None), "n_kv_head": type(None),
                "compile": bool}
 
@@ -157,7 +155,7 @@ for arg in sys.argv[1:]:
                 set_setting(arg, key, value)
 
 # each setting's range, then the rules across settings (GPTConfig checks the model's settings)
-for names, test, what in [  # (settings, test, what the test asks)
+for names, test, what in [
     ([k for k, v in defaults.items() if type(v) is float], math.isfinite, "finite"),
     (["batch_size", "block_size", "learning_rate", "eval_interval", "eval_iters", "log_interval",
       "timeout"], lambda value: value > 0, "positive"),
@@ -179,7 +177,7 @@ for names, test, what in [  # (settings, test, what the test asks)
     for name in names:
         if not test(globals()[name]):
             raise UserError(f"{name}={globals()[name]!r}: must be {what}")
-for ok, message in [  # the rules across settings
+for ok, message in [
     (min_lr <= learning_rate, f"min_lr={min_lr} is above learning_rate={learning_rate}"),
     (hellaswag_interval % eval_interval == 0, f"hellaswag_interval={hellaswag_interval} is not a "
      f"multiple of eval_interval={eval_interval} (HellaSwag is scored at evals)"),
@@ -191,7 +189,7 @@ for ok, message in [  # the rules across settings
 ]:
     if not ok:
         raise UserError(message)
-n_kv_head = n_head if n_kv_head is None else n_kv_head  # None: plain multi-head attention
+n_kv_head = n_head if n_kv_head is None else n_kv_head
 
 # === plumbing: the dataset: meta.json, tokenizer, shards (a first read skips to the next # ===)
 # They give meta (meta.json), tokenizer (the checkpoint carries it), shard_sizes (path -> tokens).
@@ -233,7 +231,7 @@ elif kind == "tiktoken":
     tokenizer = {"kind": "tiktoken", "name": meta["tokenizer"]["name"]}
 else:
     tokenizer = {"kind": "char", "chars": meta["chars"]}
-shard_sizes = {}  # path -> number of tokens
+shard_sizes = {}
 for name in shard_names:
     path = os.path.join(dataset, name)
     if name != os.path.basename(name) or name in ("", ".", ".."):
@@ -272,9 +270,9 @@ def hub_problem(timeout=3.0):  # None, or why the Hub can't be used: in 3 s (`da
         return f"can't reach the Hugging Face Hub at {endpoint}"
 
 def hellaswag_examples(source):
-    """HellaSwag's validation set as (context, endings, label) triples: the Hub's Rowan/hellaswag, or
-    a local .jsonl in its own format (ctx, endings, label a line). None, after a note, if the Hub
-    can't be reached: the run goes on without the figures."""
+    """HellaSwag's validation set as (context, endings, label) triples, from the Hub or a .jsonl (ctx,
+    endings, label a line). None, after a note, if the Hub can't be reached: the run goes on."""
+
     if source == "hub":
         problem = hub_problem()
         if problem:  # offline, a copy in datasets' cache still serves
@@ -339,9 +337,8 @@ if init_from == "auto":
     init_from = "resume" if os.path.exists(ckpt_path) else "scratch"
 
 # === plumbing: the tokenizer's check; a checkpoint's checks (a first read skips to the next # ===)
-# It checks the tokenizer, and turns HellaSwag's examples and the sample's prompt into token ids
-# (encoding; hellaswag_set: (context ids, 4 endings' ids, label); sample_ids). load_for_resume
-# loads a checkpoint and its model, and says in one line why it can't resume here.
+# It sets encoding, hellaswag_set (context ids, 4 endings' ids, label) and sample_ids;
+# load_for_resume loads a checkpoint and its model, or says in one line why it can't resume here.
 from model import CheckpointError, encoding_from_checkpoint, load_checkpoint, model_from_checkpoint
 
 if kind != "tiktoken":  # (a tiktoken name may need the internet to load)
@@ -352,8 +349,6 @@ if kind != "tiktoken":  # (a tiktoken name may need the internet to load)
     if tokenizer_size != meta["vocab_size"]:
         raise UserError(f"{meta_path} says vocab_size {meta['vocab_size']:,}, but its tokenizer "
                         f"has {tokenizer_size:,} ids: {fix_dataset}")
-# HellaSwag's examples and the sample's prompt as token ids (an example with a character that a
-# char-level vocabulary lacks is left out); the tokenizer of a tiktoken name may need the internet
 encoding = None
 if hellaswag_set or sample_prompt:
     try:
@@ -409,7 +404,7 @@ if init_from == "resume":
         if globals()[key] not in (None, value) and master:
             print(f"note: resuming keeps the checkpoint's {key}={value!r} (not {globals()[key]!r})")
         globals()[key] = value
-vocab_size = meta["vocab_size"] if vocab_size is None else vocab_size  # the dataset's, by default
+vocab_size = meta["vocab_size"] if vocab_size is None else vocab_size
 if vocab_size < meta["vocab_size"]:
     raise UserError(f"vocab_size={vocab_size} but the dataset's vocabulary has "
                     f"{meta['vocab_size']} ids: leave vocab_size unset, or set it that large")
@@ -441,7 +436,6 @@ for split in ("train", "val"):
     windows[split] = paths, counts, np.cumsum(counts)
 
 def get_batch(split, generator):
-    """batch_size random windows of the split, drawn uniformly over all of its shards."""
     paths, counts, window_ends = windows[split]
     starts = torch.randint(int(window_ends[-1]), (batch_size,), generator=generator).numpy()
     shard_of = np.searchsorted(window_ends, starts, side="right")
@@ -452,7 +446,7 @@ def get_batch(split, generator):
         tokens = np.load(paths[shard], mmap_mode="r")
         for row in np.flatnonzero(shard_of == shard):
             rows[row] = tokens[offsets[row]:offsets[row] + block_size + 1]
-        check_ids(rows[shard_of == shard], paths[shard])  # ids past the vocabulary: one line
+        check_ids(rows[shard_of == shard], paths[shard])
     x, y = torch.from_numpy(rows[:, :-1].copy()), torch.from_numpy(rows[:, 1:].copy())
     if device_type == "cuda":  # pinned memory: the copy runs while the GPU works on the last batch
         x, y = x.pin_memory(), y.pin_memory()
@@ -569,8 +563,9 @@ if checkpoint is not None:
               f"{num_slots}")
 
 # === plumbing: the ranks' HellaSwag; SIGTERM and Ctrl-C (a first read skips to the next # ===)
-# A rank that couldn't load the examples would shrink every count. A signal sets stop_signal: the
-# loop finishes the step or eval batch in flight, saves and stops.
+# A rank that couldn't load the examples would shrink every count. SIGTERM (SLURM preemption,
+# torchrun stopping) or Ctrl-C sets stop_signal: the loop finishes the step or eval batch in
+# flight, saves and stops.
 import signal
 
 if ddp and hellaswag_interval:
@@ -583,7 +578,6 @@ if ddp and hellaswag_interval:
             print(f"note: no HellaSwag figures: the ranks loaded {fewest:,} to {most:,} examples")
 
 def request_stop(signum, frame):
-    """SIGTERM (SLURM preemption, torchrun stopping) or Ctrl-C: stop after this step, and save."""
     global stop_signal
     if stop_signal == "SIGINT" and signum == signal.SIGINT:
         raise KeyboardInterrupt  # Ctrl-C twice: stop now, without saving (report() says so)
@@ -606,7 +600,7 @@ if master:
         wandb.init(project=wandb_project, name=wandb_run_name, config=config)
 checkpoint = None  # free its memory: everything is loaded
 step_seconds = []  # each step's time since the last eval: the speed the log lines report
-stop_votes = 0  # how many ranks had a signal when the last step ended: then all stop together
+stop_votes = 0  # ranks that had a signal when the last step ended
 while True:
     lr = get_lr(iter_num)
     for group in optimizer.param_groups:
@@ -617,8 +611,8 @@ while True:
     # the same seed at every eval: evals compare like with like, whatever the number of processes.
     if (iter_num % eval_interval == 0 or last_iter or eval_only) and not stopping:
         model.eval()
-        # slots: train losses' sum, val losses' sum, ranks stopped (by stop_signal: SIGTERM or
-        # Ctrl-C); HellaSwag's examples, right by mean loss, right by summed loss
+        # slots: train and val losses' sums, ranks stopped by a signal; HellaSwag's examples,
+        # right by mean loss, right by summed loss
         totals = torch.zeros(6, device=device)
         for k in range(rank, eval_iters, world_size):
             if stop_signal:  # a long eval must not outlast a preemption's grace period
