@@ -9,18 +9,7 @@ It writes DIR/val_000000.npy, ..., DIR/train_000000.npy, ... and, last, DIR/meta
 or data/<source>_<tokenizer>), as the README says. Killed and rerun, it resumes where it stopped.
 """
 
-import argparse
-import base64
-import codecs
-import fcntl
-import hashlib
-import itertools
-import json
-import os
-import socket
-import sys
-import sysconfig
-import time
+import argparse, base64, codecs, fcntl, hashlib, itertools, json, os, socket, sys, sysconfig, time
 import urllib.parse
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -269,7 +258,8 @@ def run(argv):
     print(f"tokenizing {t2 - t1:.2f}s ({tokens_per_second:,.0f} tokens/s) | total {t2 - t0:.2f}s")
 
 
-# === plumbing: the command line, its checks, the warnings (a first read skips to the next # ===)
+# === plumbing: the command line, its checks, the warnings. A first read skips each plumbing block,
+# to the next # === line
 class UserError(Exception):
     """A mistake in the input: printed as one line, never as a traceback."""
 
@@ -314,7 +304,7 @@ def warn(args, state, bytes_read, bytes_kept):  # at the end of a run
               f"(asked for {args.num_chars:,})")
 
 
-# === plumbing: the tokenizer and its checks (a first read skips to the next # ===)
+# === plumbing: the tokenizer and its checks
 def load_tokenizer(name):
     """--tokenizer -> (tiktoken's encoder, None at char level; meta.json's entry; its files)."""
     if name == "char":  # the vocabulary comes later, from the data
@@ -376,7 +366,7 @@ def token_byte_lengths(encoder):  # each id's bytes; 0 for special tokens, never
     return lengths
 
 
-# === plumbing: resuming; one run at a time writes to an --out (a first read skips to the next # ===)
+# === plumbing: resuming, and the lock that lets one run at a time write to an --out
 def run_args(args, source, tokenizer_meta):  # what decides the shards: a rerun with others refuses
     files = None  # a local source is known by its files: a rerun on edited ones must not resume
     if (args.data or data) not in HUB_DATASETS:
@@ -480,10 +470,9 @@ def lock_directory(path):
     return descriptor  # the lock lasts while this descriptor is open: keep it
 
 
-# === plumbing: reading text (a function that stands in several scripts is the same in each; a
-# first read can skip to the next # === banner). .txt and .jsonl are read with the standard library:
-# `datasets` would turn CRLF into LF (no longer rustbpe's bytes), stop at invalid UTF-8, and take
-# seconds to start.
+# === plumbing: reading text (a function that stands in several scripts is the same in each). .txt
+# and .jsonl are read with the standard library: `datasets` would turn CRLF into LF (no longer
+# rustbpe's bytes), stop at invalid UTF-8, and take seconds to start.
 
 def open_source(data, data_was_named):  # (documents, name, description); documents(budget) -> texts
     if data not in HUB_DATASETS:

@@ -44,7 +44,7 @@ n_kv_head = 8                   # key/value heads shared by the query heads; Non
 n_embd = 512
 ffn_ratio = 8 / 3               # SwiGLU hidden / n_embd, rounded up to 128s: GPT-2's MLP params
 dropout = 0.0
-# optimizer: AdamW; learning rate warms up linearly, then a cosine down to min_lr, then flat
+# optimizer: AdamW; get_lr schedules the learning rate
 muon = False                    # Muon for the blocks' matrices, AdamW for the rest (MuonAdamW)
 learning_rate = 1e-3
 min_lr = 1e-4
@@ -60,7 +60,7 @@ dtype = "auto"                  # "auto": bfloat16 (float16 on old GPUs); float3
 compile = "auto"                # torch.compile; "auto": on CUDA only (a CPU loses by it)
 timeout = 600                   # seconds a rank waits for the others before it gives up
 seed = 1337
-defaults = {k: v for k, v in globals().items()  # the globals above are the settings
+defaults = {k: v for k, v in globals().items()
             if not k.startswith("_") and isinstance(v, (int, float, str, list, type(None)))}
 
 # === the processes: torchrun sets RANK, WORLD_SIZE and LOCAL_RANK; srun sets SLURM's own variables
@@ -69,7 +69,8 @@ names = "SLURM_PROCID SLURM_NTASKS SLURM_LOCALID" if slurm else "RANK WORLD_SIZE
 rank, world_size, local_rank = [int(os.environ.get(n, d)) for n, d in zip(names.split(), (0, 1, 0))]
 ddp, master = world_size > 1, rank == 0  # the master is the only rank that prints, logs and writes
 
-# === plumbing: errors, the command line, settings' checks (a first read skips to the next # ===)
+# === plumbing: errors, the command line, settings' checks. A first read skips each plumbing block,
+# to the next # === line
 import ast, difflib, importlib.util, re, sys
 
 class UserError(Exception):
@@ -191,8 +192,7 @@ for ok, message in [
         raise UserError(message)
 n_kv_head = n_head if n_kv_head is None else n_kv_head
 
-# === plumbing: the dataset: meta.json, tokenizer, shards (a first read skips to the next # ===)
-# They give meta (meta.json), tokenizer (the checkpoint carries it), shard_sizes (path -> tokens).
+# === plumbing: the dataset: meta (meta.json), tokenizer (the checkpoint carries it), shard_sizes
 import hashlib
 
 fix_dataset = f"run prepare_data.py again, or delete {dataset} and rerun it"
@@ -254,7 +254,7 @@ def check_ids(rows, path):
         raise BatchError(f"{path} holds token id {largest}, past the vocabulary of meta.json "
                          f"(0..{meta['vocab_size'] - 1}): {fix_dataset}")
 
-# === plumbing: HellaSwag's examples: the Hub's, or a .jsonl (a first read skips to the next # ===)
+# === plumbing: HellaSwag's examples: the Hub's, or a .jsonl
 import socket, urllib.parse
 
 def hub_problem(timeout=3.0):  # None, or why the Hub can't be used: in 3 s (`datasets` takes ~25)
@@ -336,7 +336,7 @@ ckpt_path = os.path.join(out_dir, "ckpt.pt")
 if init_from == "auto":
     init_from = "resume" if os.path.exists(ckpt_path) else "scratch"
 
-# === plumbing: the tokenizer's check; a checkpoint's checks (a first read skips to the next # ===)
+# === plumbing: the tokenizer's check; a checkpoint's checks
 # It sets encoding, hellaswag_set (context ids, 4 endings' ids, label) and sample_ids;
 # load_for_resume loads a checkpoint and its model, or says in one line why it can't resume here.
 from model import CheckpointError, encoding_from_checkpoint, load_checkpoint, model_from_checkpoint
@@ -425,7 +425,7 @@ except ValueError as e:
     raise UserError(e)
 
 # === the data: a batch is batch_size windows of block_size+1 tokens, drawn from all shards alike
-# (meta is the dataset's meta.json, shard_sizes each shard's tokens: the dataset's checks read them)
+# (the dataset's checks read meta, its meta.json, and shard_sizes, each shard's tokens)
 windows = {}  # split -> its shard paths, each one's block_size+1 token windows, their running sum
 for split in ("train", "val"):
     paths = [os.path.join(dataset, name) for name in meta["shards"][split]]
@@ -479,7 +479,7 @@ if master:
           f"{total_batch_size} = batch_size {batch_size} x block_size {block_size} x world_size "
           f"{world_size} x accumulation {grad_accum_steps}")
 
-# === plumbing: out_dir: writable, locked, not overwritten (a first read skips to the next # ===)
+# === plumbing: out_dir: writable, locked, not overwritten
 import fcntl, glob, tempfile
 
 def lock_directory(path):
@@ -562,10 +562,9 @@ if checkpoint is not None:
         print(f"note: the checkpoint has {len(saved_states['data'])} data streams, this run "
               f"{num_slots}")
 
-# === plumbing: the ranks' HellaSwag; SIGTERM and Ctrl-C (a first read skips to the next # ===)
-# A rank that couldn't load the examples would shrink every count. SIGTERM (SLURM preemption,
-# torchrun stopping) or Ctrl-C sets stop_signal: the loop finishes the step or eval batch in
-# flight, saves and stops.
+# === plumbing: the ranks' HellaSwag; SIGTERM and Ctrl-C
+# A rank that couldn't load the examples would shrink every count. On SIGTERM (SLURM preemption,
+# torchrun stopping) or Ctrl-C the loop finishes the step or eval batch in flight, saves, stops.
 import signal
 
 if ddp and hellaswag_interval:
@@ -654,7 +653,7 @@ while True:
             hellaswag_fields = {"hellaswag_acc": right_by_sum / examples, "hellaswag_examples":
                                 int(examples), "hellaswag_acc_norm": right_by_mean / examples}
             hellaswag_text = f", hellaswag acc_norm {right_by_mean / examples:.4f}"
-        seconds = np.mean(step_seconds) if step_seconds else None  # None before the first step
+        seconds = np.mean(step_seconds) if step_seconds else None
         mfu = raw_model.estimate_mfu(batch_size * grad_accum_steps, seconds) if seconds else None
         tokens_per_sec = total_batch_size / seconds if seconds else None
         if not stopping:
