@@ -21,7 +21,7 @@ import regex
 import tiktoken
 from tqdm import tqdm
 
-# === the settings: defaults, each overridable from the command line
+# === the settings, each overridable from the command line
 data = "fineweb"  # fineweb(-edu) | openwebtext | tinystories | a .txt/.jsonl/.parquet file or dir
 tokenizer = None  # a directory from train_bpe_*.py | a tiktoken name (gpt2) | char
 out = None  # data/<source>_<tokenizer>, or data/<tokenizer> if that is named after its source
@@ -189,8 +189,7 @@ def run(argv):
         return (text for text in first_chars(documents, budget) if text)
 
     out_dir = output_dir(args, source_name)
-    # the state: meta.json to be (step 2 saves it as progress.json), and where to resume
-
+    # the state: meta.json to be, and where to resume
     state = {"version": 1, "max_token_id": -1, "tokenizer": tokenizer_meta, "source": source,
              "num_chars": 0, "tokens": {"val": 0, "train": 0}, "shards": {"val": [], "train": []},
              "args": run_args(args, source, tokenizer_meta), "resume": {"document": 0, "offset": 0}}
@@ -204,7 +203,7 @@ def run(argv):
             if "chars" not in state:
                 state["chars"] = sorted(set(itertools.chain.from_iterable(
                     tqdm(texts(), unit=" docs", desc="pass 1: characters"))))
-                BadUTF8.count = 0  # pass 2 reads the same text again, and counts it again
+                BadUTF8.count = 0  # pass 2 reads (and counts) the same text again
             encoder = CharEncoder(state["chars"])
         # uint16 holds ids up to 65535: half the disk and memory bandwidth of uint32
         dtype = np.uint16 if encoder.n_vocab <= 1 << 16 else np.uint32
@@ -289,7 +288,7 @@ def output_dir(args, source_name):
     return Path(args.out or Path("data", name))
 
 
-def warn(args, state, bytes_read, bytes_kept):  # at the end of a run
+def warn(args, state, bytes_read, bytes_kept):
     tokens, unmatched = state["tokens"], 1 - bytes_kept / max(bytes_read, 1)
     for failed, warning in [
             (BadUTF8.count, f"{BadUTF8.count} invalid UTF-8 sequences were replaced with U+FFFD"),
@@ -318,7 +317,7 @@ def load_tokenizer(name):
         except Exception as error:  # requests' connection errors and friends
             raise UserError(f"--tokenizer {name}: tiktoken could not download its ranks "
                             f"({type(error).__name__}); it needs internet once")
-    try:  # a directory from train_bpe_*.py: its files are checked here, once
+    try:  # a directory from train_bpe_*.py, checked here once
         files = {f: Path(name, f).read_bytes() for f in ("tokenizer.tiktoken", "tokenizer.json")}
         info = json.loads(files["tokenizer.json"])
         lines = [line.split() for line in files["tokenizer.tiktoken"].splitlines() if line.strip()]
@@ -366,7 +365,7 @@ def token_byte_lengths(encoder):  # each id's bytes; 0 for special tokens, never
     return lengths
 
 
-# === plumbing: resuming, and the lock that lets one run at a time write to an --out
+# === plumbing: resuming, and the lock on --out
 def run_args(args, source, tokenizer_meta):  # what decides the shards: a rerun with others refuses
     files = None  # a local source is known by its files: a rerun on edited ones must not resume
     if (args.data or data) not in HUB_DATASETS:
@@ -398,7 +397,7 @@ def resume_state(out_dir, state, encoder):
     now = shard_settings(state["args"], vocabulary)
     changed = next((key for key in now if now[key] != before.get(key)), None)
     why = f"other arguments ({changed}: {before.get(changed)!r}, now {now.get(changed)!r})"
-    if changed == "files":  # their sizes or times differ
+    if changed == "files":
         why = "other source files, or edited ones"
     checks = [(changed is not None, f"made with {why}; use another --out, or {start_over}"),
               (saved_path.name == "progress.json" and "resume" not in saved,
@@ -415,7 +414,7 @@ def resume_state(out_dir, state, encoder):
     return {**saved, "tokenizer": state["tokenizer"], "args": state["args"]}  # today's path
 
 
-def shard_settings(run_args, vocabulary):  # what decides the shards: all but the tokenizer's path
+def shard_settings(run_args, vocabulary):  # all but the tokenizer's path
     tokenizer_meta = {key: value for key, value in run_args["tokenizer"].items() if key != "path"}
     return {**run_args, "tokenizer": tokenizer_meta, **vocabulary}
 

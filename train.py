@@ -67,7 +67,7 @@ defaults = {k: v for k, v in globals().items()
 slurm = "RANK" not in os.environ and int(os.environ.get("SLURM_NTASKS", 1)) > 1
 names = "SLURM_PROCID SLURM_NTASKS SLURM_LOCALID" if slurm else "RANK WORLD_SIZE LOCAL_RANK"
 rank, world_size, local_rank = [int(os.environ.get(n, d)) for n, d in zip(names.split(), (0, 1, 0))]
-ddp, master = world_size > 1, rank == 0  # the master is the only rank that prints, logs and writes
+ddp, master = world_size > 1, rank == 0  # only the master prints, logs and writes
 
 # === plumbing: errors, the command line, settings' checks. A first read skips each plumbing block,
 # to the next # === line
@@ -101,7 +101,7 @@ def report(error_type, error, traceback):
     if master or not issubclass(error_type, UserError) or issubclass(error_type, BatchError):
         print(f"error: {error}", file=sys.stderr, flush=True)
     else:
-        time.sleep(3)  # so that torchrun doesn't stop the master before it has printed
+        time.sleep(3)  # torchrun must not stop the master before it has printed
 
 sys.excepthook = report
 
@@ -155,25 +155,23 @@ for arg in sys.argv[1:]:
             if not key.startswith("_") and not callable(value) and type(value).__name__ != "module":
                 set_setting(arg, key, value)
 
-# each setting's range, then the rules across settings (GPTConfig checks the model's settings)
+# each setting's range, then the rules across settings (GPTConfig checks the model's)
 for names, test, what in [
     ([k for k, v in defaults.items() if type(v) is float], math.isfinite, "finite"),
     (["batch_size", "block_size", "learning_rate", "eval_interval", "eval_iters", "log_interval",
-      "timeout"], lambda value: value > 0, "positive"),
-    (["total_batch_size"], lambda value: value is None or value > 0, "positive, or None"),
+      "timeout"], lambda v: v > 0, "positive"),
+    (["total_batch_size"], lambda v: v is None or v > 0, "positive, or None"),
     (["max_iters", "warmup_iters", "lr_decay_iters", "min_lr", "weight_decay", "grad_clip",
-      "hellaswag_interval"], lambda value: value >= 0, "0 or more"),
-    (["beta1", "beta2"], lambda value: 0 <= value < 1, "in [0, 1)"),
-    (["seed"], lambda value: 0 <= value < 2**64, "in 0..2**64-1"),
-    (["init_from"], lambda value: value in ("scratch", "resume", "auto"),
-     "'scratch', 'resume' or 'auto'"),
-    (["dtype"], lambda value: value in ("auto", "float32", "bfloat16", "float16"),
+      "hellaswag_interval"], lambda v: v >= 0, "0 or more"),
+    (["beta1", "beta2"], lambda v: 0 <= v < 1, "in [0, 1)"),
+    (["seed"], lambda v: 0 <= v < 2**64, "in 0..2**64-1"),
+    (["init_from"], lambda v: v in ("scratch", "resume", "auto"), "'scratch', 'resume' or 'auto'"),
+    (["dtype"], lambda v: v in ("auto", "float32", "bfloat16", "float16"),
      "'auto', 'float32', 'bfloat16' or 'float16'"),
-    (["compile"], lambda value: value in ("auto", True, False), "'auto', True or False"),
-    (["device"], lambda value: re.fullmatch(r"auto|cpu|cuda(:\d+)?|mps", value),
+    (["compile"], lambda v: v in ("auto", True, False), "'auto', True or False"),
+    (["device"], lambda v: re.fullmatch(r"auto|cpu|cuda(:\d+)?|mps", v),
      "'auto', 'cpu', 'cuda', 'cuda:N' or 'mps'"),
-    (["milestones"], lambda value: all(type(m) is int for m in value),
-     "a list of iteration numbers"),
+    (["milestones"], lambda v: all(type(m) is int for m in v), "a list of iteration numbers"),
 ]:
     for name in names:
         if not test(globals()[name]):
@@ -215,7 +213,7 @@ except (OSError, ValueError, KeyError, TypeError):
 if not meta_ok:
     raise UserError(f"{meta_path} is not the meta.json of a finished prepare_data.py run; "
                     f"{fix_dataset}")
-if kind == "bpe":  # the tokenizer's files, which prepare_data.py copies beside the shards
+if kind == "bpe":  # prepare_data.py copies the tokenizer's files beside the shards
     try:
         ranks_file = open(os.path.join(dataset, "tokenizer.tiktoken"), "rb").read()
         info = json.load(open(os.path.join(dataset, "tokenizer.json")))
@@ -254,7 +252,7 @@ def check_ids(rows, path):
         raise BatchError(f"{path} holds token id {largest}, past the vocabulary of meta.json "
                          f"(0..{meta['vocab_size'] - 1}): {fix_dataset}")
 
-# === plumbing: HellaSwag's examples: the Hub's, or a .jsonl
+# === plumbing: HellaSwag's examples
 import socket, urllib.parse
 
 def hub_problem(timeout=3.0):  # None, or why the Hub can't be used: in 3 s (`datasets` takes ~25)
@@ -272,7 +270,6 @@ def hub_problem(timeout=3.0):  # None, or why the Hub can't be used: in 3 s (`da
 def hellaswag_examples(source):
     """HellaSwag's validation set as (context, endings, label) triples, from the Hub or a .jsonl (ctx,
     endings, label a line). None, after a note, if the Hub can't be reached: the run goes on."""
-
     if source == "hub":
         problem = hub_problem()
         if problem:  # offline, a copy in datasets' cache still serves
@@ -338,19 +335,19 @@ if init_from == "auto":
 
 # === plumbing: the tokenizer's check; a checkpoint's checks
 # It sets encoding, hellaswag_set (context ids, 4 endings' ids, label) and sample_ids;
-# load_for_resume loads a checkpoint and its model, or says in one line why it can't resume here.
+# load_for_resume(path) gives (checkpoint, model), or says in one line why it can't resume.
 from model import CheckpointError, encoding_from_checkpoint, load_checkpoint, model_from_checkpoint
 
-if kind != "tiktoken":  # (a tiktoken name may need the internet to load)
+encoding = None
+if kind != "tiktoken":  # (a tiktoken name may need the internet)
     try:
-        tokenizer_size = encoding_from_checkpoint({"tokenizer": tokenizer}).n_vocab
+        encoding = encoding_from_checkpoint({"tokenizer": tokenizer})
     except CheckpointError as e:
         raise UserError(f"{dataset}'s tokenizer can't be used ({e}): {fix_dataset}")
-    if tokenizer_size != meta["vocab_size"]:
+    if encoding.n_vocab != meta["vocab_size"]:
         raise UserError(f"{meta_path} says vocab_size {meta['vocab_size']:,}, but its tokenizer "
-                        f"has {tokenizer_size:,} ids: {fix_dataset}")
-encoding = None
-if hellaswag_set or sample_prompt:
+                        f"has {encoding.n_vocab:,} ids: {fix_dataset}")
+if (hellaswag_set or sample_prompt) and encoding is None:
     try:
         encoding = encoding_from_checkpoint({"tokenizer": tokenizer})
     except CheckpointError as e:
@@ -426,7 +423,7 @@ except ValueError as e:
 
 # === the data: a batch is batch_size windows of block_size+1 tokens, drawn from all shards alike
 # (the dataset's checks read meta, its meta.json, and shard_sizes, each shard's tokens)
-windows = {}  # split -> its shard paths, each one's block_size+1 token windows, their running sum
+windows = {}  # split -> its shard paths, each one's count of windows, their running sum
 for split in ("train", "val"):
     paths = [os.path.join(dataset, name) for name in meta["shards"][split]]
     counts = np.array([max(0, shard_sizes[path] - block_size) for path in paths], dtype=np.int64)
@@ -585,7 +582,7 @@ def request_stop(signum, frame):
         then = "stopping" if eval_only else "saving"
         print(f"{stop_signal}: finishing this step or eval batch, then {then}", flush=True)
 
-stop_signal = None  # the name of the first signal that asked to stop
+stop_signal = None  # the first stop signal's name
 signal.signal(signal.SIGTERM, request_stop)
 signal.signal(signal.SIGINT, request_stop)
 
@@ -598,7 +595,7 @@ if master:
         import wandb
         wandb.init(project=wandb_project, name=wandb_run_name, config=config)
 checkpoint = None  # free its memory: everything is loaded
-step_seconds = []  # each step's time since the last eval: the speed the log lines report
+step_seconds = []  # step times since the last eval: the speed the log lines report
 stop_votes = 0  # ranks that had a signal when the last step ended
 while True:
     lr = get_lr(iter_num)
@@ -610,8 +607,7 @@ while True:
     # the same seed at every eval: evals compare like with like, whatever the number of processes.
     if (iter_num % eval_interval == 0 or last_iter or eval_only) and not stopping:
         model.eval()
-        # slots: train and val losses' sums, ranks stopped by a signal; HellaSwag's examples,
-        # right by mean loss, right by summed loss
+        # train and val loss sums, ranks stopped, HellaSwag examples, right by mean, right by sum
         totals = torch.zeros(6, device=device)
         for k in range(rank, eval_iters, world_size):
             if stop_signal:  # a long eval must not outlast a preemption's grace period
@@ -678,7 +674,7 @@ while True:
     elif iter_num in milestones and iter_num > 0:  # again after a resume here: the same state
         save_paths.append(os.path.join(out_dir, f"ckpt_{iter_num}.pt"))
 
-    # checkpoints: the random states of every rank are gathered, and the master writes the file
+    # checkpoints: every rank's random states are gathered; the master writes the file
     if save_paths:
         cuda_state = torch.cuda.get_rng_state() if device_type == "cuda" else None
         rank_states = {"rng": {"torch": torch.get_rng_state(), "cuda": cuda_state},
@@ -731,9 +727,8 @@ while True:
     step_seconds.append(time.time() - step_start)
     if not math.isfinite(step_loss_value):
         raise UserError(f"the loss is {step_loss_value} at iter {iter_num}: training diverged. "
-                        f"Lower learning_rate, lengthen warmup_iters, keep grad_clip on, or use "
-                        f"bfloat16 or float32 over float16; --init_from=resume restarts from the "
-                        f"last checkpoint")
+                        f"Lower learning_rate, lengthen warmup_iters, keep grad_clip on, or avoid "
+                        f"float16; --init_from=resume restarts from the last checkpoint")
     if iter_num % log_interval == 0:
         seconds = np.mean(step_seconds[-log_interval:])
         mfu = raw_model.estimate_mfu(batch_size * grad_accum_steps, seconds)
