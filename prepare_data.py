@@ -9,18 +9,7 @@ It writes DIR/val_000000.npy, ..., DIR/train_000000.npy, ... and, last, DIR/meta
 or data/<source>_<tokenizer>), as the README says. Killed and rerun, it resumes where it stopped.
 """
 
-import argparse
-import base64
-import codecs
-import fcntl
-import hashlib
-import itertools
-import json
-import os
-import socket
-import sys
-import sysconfig
-import time
+import argparse, base64, codecs, fcntl, hashlib, itertools, json, os, socket, sys, sysconfig, time
 import urllib.parse
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -32,8 +21,7 @@ import regex
 import tiktoken
 from tqdm import tqdm
 
-# -----------------------------------------------------------------------------
-# defaults, each overridable from the command line
+# === the settings, each overridable from the command line
 data = "fineweb"  # fineweb(-edu) | openwebtext | tinystories | a .txt/.jsonl/.parquet file or dir
 tokenizer = None  # a directory from train_bpe_*.py | a tiktoken name (gpt2) | char
 out = None  # data/<source>_<tokenizer>, or data/<tokenizer> if that is named after its source
@@ -49,7 +37,6 @@ HUB_DATASETS = {  # name: (repository, config, parquet files)
     "openwebtext": ("Skylion007/openwebtext", None, "data/train-*.parquet"),
     "tinystories": ("roneneldan/TinyStories", None, None)}
 LOCAL_SUFFIXES = (".txt", ".jsonl", ".parquet")
-# -----------------------------------------------------------------------------
 
 
 # === step 1: tokenize the documents, in threads
@@ -202,7 +189,7 @@ def run(argv):
         return (text for text in first_chars(documents, budget) if text)
 
     out_dir = output_dir(args, source_name)
-    # the state: meta.json to be (saved as progress.json after each shard) and where to resume
+    # the state: meta.json to be, and where to resume
     state = {"version": 1, "max_token_id": -1, "tokenizer": tokenizer_meta, "source": source,
              "num_chars": 0, "tokens": {"val": 0, "train": 0}, "shards": {"val": [], "train": []},
              "args": run_args(args, source, tokenizer_meta), "resume": {"document": 0, "offset": 0}}
@@ -216,7 +203,7 @@ def run(argv):
             if "chars" not in state:
                 state["chars"] = sorted(set(itertools.chain.from_iterable(
                     tqdm(texts(), unit=" docs", desc="pass 1: characters"))))
-                BadUTF8.count = 0  # pass 2 reads the same text again, and counts it again
+                BadUTF8.count = 0  # pass 2 reads (and counts) the same text again
             encoder = CharEncoder(state["chars"])
         # uint16 holds ids up to 65535: half the disk and memory bandwidth of uint32
         dtype = np.uint16 if encoder.n_vocab <= 1 << 16 else np.uint32
@@ -270,8 +257,8 @@ def run(argv):
     print(f"tokenizing {t2 - t1:.2f}s ({tokens_per_second:,.0f} tokens/s) | total {t2 - t0:.2f}s")
 
 
-# === plumbing: the command line and its checks, the warnings at the end (a first read can skip
-# to the next # === banner)
+# === plumbing: the command line, its checks, the warnings. A first read skips each plumbing block,
+# to the next # === line
 class UserError(Exception):
     """A mistake in the input: printed as one line, never as a traceback."""
 
@@ -301,7 +288,7 @@ def output_dir(args, source_name):
     return Path(args.out or Path("data", name))
 
 
-def warn(args, state, bytes_read, bytes_kept):  # at the end of a run
+def warn(args, state, bytes_read, bytes_kept):
     tokens, unmatched = state["tokens"], 1 - bytes_kept / max(bytes_read, 1)
     for failed, warning in [
             (BadUTF8.count, f"{BadUTF8.count} invalid UTF-8 sequences were replaced with U+FFFD"),
@@ -316,7 +303,7 @@ def warn(args, state, bytes_read, bytes_kept):  # at the end of a run
               f"(asked for {args.num_chars:,})")
 
 
-# === plumbing: the tokenizer and its checks (a first read can skip to the next # === banner)
+# === plumbing: the tokenizer and its checks
 def load_tokenizer(name):
     """--tokenizer -> (tiktoken's encoder, None at char level; meta.json's entry; its files)."""
     if name == "char":  # the vocabulary comes later, from the data
@@ -330,7 +317,7 @@ def load_tokenizer(name):
         except Exception as error:  # requests' connection errors and friends
             raise UserError(f"--tokenizer {name}: tiktoken could not download its ranks "
                             f"({type(error).__name__}); it needs internet once")
-    try:  # a directory from train_bpe_*.py: its files are checked here, once
+    try:  # a directory from train_bpe_*.py, checked here once
         files = {f: Path(name, f).read_bytes() for f in ("tokenizer.tiktoken", "tokenizer.json")}
         info = json.loads(files["tokenizer.json"])
         lines = [line.split() for line in files["tokenizer.tiktoken"].splitlines() if line.strip()]
@@ -378,8 +365,7 @@ def token_byte_lengths(encoder):  # each id's bytes; 0 for special tokens, never
     return lengths
 
 
-# === plumbing: resuming, and the lock that lets one run at a time write to an --out
-# (a first read can skip to the next # === banner)
+# === plumbing: resuming, and the lock on --out
 def run_args(args, source, tokenizer_meta):  # what decides the shards: a rerun with others refuses
     files = None  # a local source is known by its files: a rerun on edited ones must not resume
     if (args.data or data) not in HUB_DATASETS:
@@ -411,7 +397,7 @@ def resume_state(out_dir, state, encoder):
     now = shard_settings(state["args"], vocabulary)
     changed = next((key for key in now if now[key] != before.get(key)), None)
     why = f"other arguments ({changed}: {before.get(changed)!r}, now {now.get(changed)!r})"
-    if changed == "files":  # their sizes or times differ
+    if changed == "files":
         why = "other source files, or edited ones"
     checks = [(changed is not None, f"made with {why}; use another --out, or {start_over}"),
               (saved_path.name == "progress.json" and "resume" not in saved,
@@ -428,7 +414,7 @@ def resume_state(out_dir, state, encoder):
     return {**saved, "tokenizer": state["tokenizer"], "args": state["args"]}  # today's path
 
 
-def shard_settings(run_args, vocabulary):  # what decides the shards: all but the tokenizer's path
+def shard_settings(run_args, vocabulary):  # all but the tokenizer's path
     tokenizer_meta = {key: value for key, value in run_args["tokenizer"].items() if key != "path"}
     return {**run_args, "tokenizer": tokenizer_meta, **vocabulary}
 
@@ -483,10 +469,9 @@ def lock_directory(path):
     return descriptor  # the lock lasts while this descriptor is open: keep it
 
 
-# === plumbing: reading text (a function that stands in several scripts is the same in each; a
-# first read can skip to the next # === banner). .txt and .jsonl are read with the standard library:
-# `datasets` would turn CRLF into LF (no longer rustbpe's bytes), stop at invalid UTF-8, and take
-# seconds to start.
+# === plumbing: reading text (a function that stands in several scripts is the same in each). .txt
+# and .jsonl are read with the standard library: `datasets` would turn CRLF into LF (no longer
+# rustbpe's bytes), stop at invalid UTF-8, and take seconds to start.
 
 def open_source(data, data_was_named):  # (documents, name, description); documents(budget) -> texts
     if data not in HUB_DATASETS:

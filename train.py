@@ -17,9 +17,8 @@ from datetime import timedelta
 
 import numpy as np  # torch comes after the checks: mistakes show at once
 
-# === the settings. The defaults are lilLM's recipe, config/lillm.py, but for six that the preset
-# sets for its own run: out_dir, dataset, hellaswag_interval, sample_prompt, always_save_checkpoint
-# and milestones
+# === the settings: lilLM's recipe (config/lillm.py), but for six that its preset sets for its run:
+# out_dir, dataset, hellaswag_interval, sample_prompt, always_save_checkpoint and milestones
 out_dir = "out"                 # ckpt.pt, milestone copies ckpt_<iter>.pt and log.jsonl go here
 dataset = "data/fineweb"        # a directory written by prepare_data.py: shards and meta.json
 init_from = "scratch"           # "scratch" (not over a checkpoint), "resume" (ckpt.pt), "auto"
@@ -45,7 +44,7 @@ n_kv_head = 8                   # key/value heads shared by the query heads; Non
 n_embd = 512
 ffn_ratio = 8 / 3               # SwiGLU hidden / n_embd, rounded up to 128s: GPT-2's MLP params
 dropout = 0.0
-# optimizer: AdamW; learning rate warms up linearly, then a cosine down to min_lr, then flat
+# optimizer: AdamW; get_lr schedules the learning rate
 muon = False                    # Muon for the blocks' matrices, AdamW for the rest (MuonAdamW)
 learning_rate = 1e-3
 min_lr = 1e-4
@@ -61,16 +60,17 @@ dtype = "auto"                  # "auto": bfloat16 (float16 on old GPUs); float3
 compile = "auto"                # torch.compile; "auto": on CUDA only (a CPU loses by it)
 timeout = 600                   # seconds a rank waits for the others before it gives up
 seed = 1337
-defaults = {k: v for k, v in globals().items()  # the globals above are the settings
+defaults = {k: v for k, v in globals().items()
             if not k.startswith("_") and isinstance(v, (int, float, str, list, type(None)))}
 
 # === the processes: torchrun sets RANK, WORLD_SIZE and LOCAL_RANK; srun sets SLURM's own variables
 slurm = "RANK" not in os.environ and int(os.environ.get("SLURM_NTASKS", 1)) > 1
 names = "SLURM_PROCID SLURM_NTASKS SLURM_LOCALID" if slurm else "RANK WORLD_SIZE LOCAL_RANK"
 rank, world_size, local_rank = [int(os.environ.get(n, d)) for n, d in zip(names.split(), (0, 1, 0))]
-ddp, master = world_size > 1, rank == 0  # the master is the only rank that prints, logs and writes
+ddp, master = world_size > 1, rank == 0  # only the master prints, logs and writes
 
-# === plumbing: errors, the command line, settings' checks (a first read skips to the next # ===)
+# === plumbing: errors, the command line, settings' checks. A first read skips each plumbing block,
+# to the next # === line
 import ast, difflib, importlib.util, re, sys
 
 class UserError(Exception):
@@ -101,12 +101,11 @@ def report(error_type, error, traceback):
     if master or not issubclass(error_type, UserError) or issubclass(error_type, BatchError):
         print(f"error: {error}", file=sys.stderr, flush=True)
     else:
-        time.sleep(3)  # so that torchrun doesn't stop the master before it has printed
+        time.sleep(3)  # torchrun must not stop the master before it has printed
 
 sys.excepthook = report
 
-# the command line: presets (Python files, run as code) and --key=value, in order.
-# A value must have its default's type; these settings take one more type.
+# the command line: a value must have its default's type; these settings take one more type
 extra_types = {"vocab_size": int, "total_batch_size": type(None), "n_kv_head": type(None),
                "compile": bool}
 
@@ -156,30 +155,28 @@ for arg in sys.argv[1:]:
             if not key.startswith("_") and not callable(value) and type(value).__name__ != "module":
                 set_setting(arg, key, value)
 
-# each setting's range, then the rules across settings (GPTConfig checks the model's settings)
-for names, test, what in [  # (settings, test, what the test asks)
+# each setting's range, then the rules across settings (GPTConfig checks the model's)
+for names, test, what in [
     ([k for k, v in defaults.items() if type(v) is float], math.isfinite, "finite"),
     (["batch_size", "block_size", "learning_rate", "eval_interval", "eval_iters", "log_interval",
-      "timeout"], lambda value: value > 0, "positive"),
-    (["total_batch_size"], lambda value: value is None or value > 0, "positive, or None"),
+      "timeout"], lambda v: v > 0, "positive"),
+    (["total_batch_size"], lambda v: v is None or v > 0, "positive, or None"),
     (["max_iters", "warmup_iters", "lr_decay_iters", "min_lr", "weight_decay", "grad_clip",
-      "hellaswag_interval"], lambda value: value >= 0, "0 or more"),
-    (["beta1", "beta2"], lambda value: 0 <= value < 1, "in [0, 1)"),
-    (["seed"], lambda value: 0 <= value < 2**64, "in 0..2**64-1"),
-    (["init_from"], lambda value: value in ("scratch", "resume", "auto"),
-     "'scratch', 'resume' or 'auto'"),
-    (["dtype"], lambda value: value in ("auto", "float32", "bfloat16", "float16"),
+      "hellaswag_interval"], lambda v: v >= 0, "0 or more"),
+    (["beta1", "beta2"], lambda v: 0 <= v < 1, "in [0, 1)"),
+    (["seed"], lambda v: 0 <= v < 2**64, "in 0..2**64-1"),
+    (["init_from"], lambda v: v in ("scratch", "resume", "auto"), "'scratch', 'resume' or 'auto'"),
+    (["dtype"], lambda v: v in ("auto", "float32", "bfloat16", "float16"),
      "'auto', 'float32', 'bfloat16' or 'float16'"),
-    (["compile"], lambda value: value in ("auto", True, False), "'auto', True or False"),
-    (["device"], lambda value: re.fullmatch(r"auto|cpu|cuda(:\d+)?|mps", value),
+    (["compile"], lambda v: v in ("auto", True, False), "'auto', True or False"),
+    (["device"], lambda v: re.fullmatch(r"auto|cpu|cuda(:\d+)?|mps", v),
      "'auto', 'cpu', 'cuda', 'cuda:N' or 'mps'"),
-    (["milestones"], lambda value: all(type(m) is int for m in value),
-     "a list of iteration numbers"),
+    (["milestones"], lambda v: all(type(m) is int for m in v), "a list of iteration numbers"),
 ]:
     for name in names:
         if not test(globals()[name]):
             raise UserError(f"{name}={globals()[name]!r}: must be {what}")
-for ok, message in [  # the rules across settings
+for ok, message in [
     (min_lr <= learning_rate, f"min_lr={min_lr} is above learning_rate={learning_rate}"),
     (hellaswag_interval % eval_interval == 0, f"hellaswag_interval={hellaswag_interval} is not a "
      f"multiple of eval_interval={eval_interval} (HellaSwag is scored at evals)"),
@@ -191,10 +188,9 @@ for ok, message in [  # the rules across settings
 ]:
     if not ok:
         raise UserError(message)
-n_kv_head = n_head if n_kv_head is None else n_kv_head  # None: plain multi-head attention
+n_kv_head = n_head if n_kv_head is None else n_kv_head
 
-# === plumbing: the dataset: meta.json, tokenizer, shards (a first read skips to the next # ===)
-# They give meta (meta.json), tokenizer (the checkpoint carries it), shard_sizes (path -> tokens).
+# === plumbing: the dataset: meta (meta.json), tokenizer (the checkpoint carries it), shard_sizes
 import hashlib
 
 fix_dataset = f"run prepare_data.py again, or delete {dataset} and rerun it"
@@ -217,7 +213,7 @@ except (OSError, ValueError, KeyError, TypeError):
 if not meta_ok:
     raise UserError(f"{meta_path} is not the meta.json of a finished prepare_data.py run; "
                     f"{fix_dataset}")
-if kind == "bpe":  # the tokenizer's files, which prepare_data.py copies beside the shards
+if kind == "bpe":  # prepare_data.py copies the tokenizer's files beside the shards
     try:
         ranks_file = open(os.path.join(dataset, "tokenizer.tiktoken"), "rb").read()
         info = json.load(open(os.path.join(dataset, "tokenizer.json")))
@@ -233,7 +229,7 @@ elif kind == "tiktoken":
     tokenizer = {"kind": "tiktoken", "name": meta["tokenizer"]["name"]}
 else:
     tokenizer = {"kind": "char", "chars": meta["chars"]}
-shard_sizes = {}  # path -> number of tokens
+shard_sizes = {}
 for name in shard_names:
     path = os.path.join(dataset, name)
     if name != os.path.basename(name) or name in ("", ".", ".."):
@@ -256,7 +252,7 @@ def check_ids(rows, path):
         raise BatchError(f"{path} holds token id {largest}, past the vocabulary of meta.json "
                          f"(0..{meta['vocab_size'] - 1}): {fix_dataset}")
 
-# === plumbing: HellaSwag's examples: the Hub's, or a .jsonl (a first read skips to the next # ===)
+# === plumbing: HellaSwag's examples
 import socket, urllib.parse
 
 def hub_problem(timeout=3.0):  # None, or why the Hub can't be used: in 3 s (`datasets` takes ~25)
@@ -272,9 +268,8 @@ def hub_problem(timeout=3.0):  # None, or why the Hub can't be used: in 3 s (`da
         return f"can't reach the Hugging Face Hub at {endpoint}"
 
 def hellaswag_examples(source):
-    """HellaSwag's validation set as (context, endings, label) triples: the Hub's Rowan/hellaswag, or
-    a local .jsonl in its own format (ctx, endings, label a line). None, after a note, if the Hub
-    can't be reached: the run goes on without the figures."""
+    """HellaSwag's validation set as (context, endings, label) triples, from the Hub or a .jsonl (ctx,
+    endings, label a line). None, after a note, if the Hub can't be reached: the run goes on."""
     if source == "hub":
         problem = hub_problem()
         if problem:  # offline, a copy in datasets' cache still serves
@@ -338,24 +333,21 @@ ckpt_path = os.path.join(out_dir, "ckpt.pt")
 if init_from == "auto":
     init_from = "resume" if os.path.exists(ckpt_path) else "scratch"
 
-# === plumbing: the tokenizer's check; a checkpoint's checks (a first read skips to the next # ===)
-# It checks the tokenizer, and turns HellaSwag's examples and the sample's prompt into token ids
-# (encoding; hellaswag_set: (context ids, 4 endings' ids, label); sample_ids). load_for_resume
-# loads a checkpoint and its model, and says in one line why it can't resume here.
+# === plumbing: the tokenizer's check; a checkpoint's checks
+# It sets encoding, hellaswag_set (context ids, 4 endings' ids, label) and sample_ids;
+# load_for_resume(path) gives (checkpoint, model), or says in one line why it can't resume.
 from model import CheckpointError, encoding_from_checkpoint, load_checkpoint, model_from_checkpoint
 
-if kind != "tiktoken":  # (a tiktoken name may need the internet to load)
+encoding = None
+if kind != "tiktoken":  # (a tiktoken name may need the internet)
     try:
-        tokenizer_size = encoding_from_checkpoint({"tokenizer": tokenizer}).n_vocab
+        encoding = encoding_from_checkpoint({"tokenizer": tokenizer})
     except CheckpointError as e:
         raise UserError(f"{dataset}'s tokenizer can't be used ({e}): {fix_dataset}")
-    if tokenizer_size != meta["vocab_size"]:
+    if encoding.n_vocab != meta["vocab_size"]:
         raise UserError(f"{meta_path} says vocab_size {meta['vocab_size']:,}, but its tokenizer "
-                        f"has {tokenizer_size:,} ids: {fix_dataset}")
-# HellaSwag's examples and the sample's prompt as token ids (an example with a character that a
-# char-level vocabulary lacks is left out); the tokenizer of a tiktoken name may need the internet
-encoding = None
-if hellaswag_set or sample_prompt:
+                        f"has {encoding.n_vocab:,} ids: {fix_dataset}")
+if (hellaswag_set or sample_prompt) and encoding is None:
     try:
         encoding = encoding_from_checkpoint({"tokenizer": tokenizer})
     except CheckpointError as e:
@@ -409,7 +401,7 @@ if init_from == "resume":
         if globals()[key] not in (None, value) and master:
             print(f"note: resuming keeps the checkpoint's {key}={value!r} (not {globals()[key]!r})")
         globals()[key] = value
-vocab_size = meta["vocab_size"] if vocab_size is None else vocab_size  # the dataset's, by default
+vocab_size = meta["vocab_size"] if vocab_size is None else vocab_size
 if vocab_size < meta["vocab_size"]:
     raise UserError(f"vocab_size={vocab_size} but the dataset's vocabulary has "
                     f"{meta['vocab_size']} ids: leave vocab_size unset, or set it that large")
@@ -430,8 +422,8 @@ except ValueError as e:
     raise UserError(e)
 
 # === the data: a batch is batch_size windows of block_size+1 tokens, drawn from all shards alike
-# (meta is the dataset's meta.json, shard_sizes each shard's tokens: the dataset's checks read them)
-windows = {}  # split -> its shard paths, each one's block_size+1 token windows, their running sum
+# (the dataset's checks read meta, its meta.json, and shard_sizes, each shard's tokens)
+windows = {}  # split -> its shard paths, each one's count of windows, their running sum
 for split in ("train", "val"):
     paths = [os.path.join(dataset, name) for name in meta["shards"][split]]
     counts = np.array([max(0, shard_sizes[path] - block_size) for path in paths], dtype=np.int64)
@@ -441,7 +433,6 @@ for split in ("train", "val"):
     windows[split] = paths, counts, np.cumsum(counts)
 
 def get_batch(split, generator):
-    """batch_size random windows of the split, drawn uniformly over all of its shards."""
     paths, counts, window_ends = windows[split]
     starts = torch.randint(int(window_ends[-1]), (batch_size,), generator=generator).numpy()
     shard_of = np.searchsorted(window_ends, starts, side="right")
@@ -452,7 +443,7 @@ def get_batch(split, generator):
         tokens = np.load(paths[shard], mmap_mode="r")
         for row in np.flatnonzero(shard_of == shard):
             rows[row] = tokens[offsets[row]:offsets[row] + block_size + 1]
-        check_ids(rows[shard_of == shard], paths[shard])  # ids past the vocabulary: one line
+        check_ids(rows[shard_of == shard], paths[shard])
     x, y = torch.from_numpy(rows[:, :-1].copy()), torch.from_numpy(rows[:, 1:].copy())
     if device_type == "cuda":  # pinned memory: the copy runs while the GPU works on the last batch
         x, y = x.pin_memory(), y.pin_memory()
@@ -485,7 +476,7 @@ if master:
           f"{total_batch_size} = batch_size {batch_size} x block_size {block_size} x world_size "
           f"{world_size} x accumulation {grad_accum_steps}")
 
-# === plumbing: out_dir: writable, locked, not overwritten (a first read skips to the next # ===)
+# === plumbing: out_dir: writable, locked, not overwritten
 import fcntl, glob, tempfile
 
 def lock_directory(path):
@@ -568,9 +559,9 @@ if checkpoint is not None:
         print(f"note: the checkpoint has {len(saved_states['data'])} data streams, this run "
               f"{num_slots}")
 
-# === plumbing: the ranks' HellaSwag; SIGTERM and Ctrl-C (a first read skips to the next # ===)
-# A rank that couldn't load the examples would shrink every count. A signal sets stop_signal: the
-# loop finishes the step or eval batch in flight, saves and stops.
+# === plumbing: the ranks' HellaSwag; SIGTERM and Ctrl-C
+# A rank that couldn't load the examples would shrink every count. On SIGTERM (SLURM preemption,
+# torchrun stopping) or Ctrl-C the loop finishes the step or eval batch in flight, saves, stops.
 import signal
 
 if ddp and hellaswag_interval:
@@ -583,7 +574,6 @@ if ddp and hellaswag_interval:
             print(f"note: no HellaSwag figures: the ranks loaded {fewest:,} to {most:,} examples")
 
 def request_stop(signum, frame):
-    """SIGTERM (SLURM preemption, torchrun stopping) or Ctrl-C: stop after this step, and save."""
     global stop_signal
     if stop_signal == "SIGINT" and signum == signal.SIGINT:
         raise KeyboardInterrupt  # Ctrl-C twice: stop now, without saving (report() says so)
@@ -592,7 +582,7 @@ def request_stop(signum, frame):
         then = "stopping" if eval_only else "saving"
         print(f"{stop_signal}: finishing this step or eval batch, then {then}", flush=True)
 
-stop_signal = None  # the name of the first signal that asked to stop
+stop_signal = None  # the first stop signal's name
 signal.signal(signal.SIGTERM, request_stop)
 signal.signal(signal.SIGINT, request_stop)
 
@@ -605,8 +595,8 @@ if master:
         import wandb
         wandb.init(project=wandb_project, name=wandb_run_name, config=config)
 checkpoint = None  # free its memory: everything is loaded
-step_seconds = []  # each step's time since the last eval: the speed the log lines report
-stop_votes = 0  # how many ranks had a signal when the last step ended: then all stop together
+step_seconds = []  # step times since the last eval: the speed the log lines report
+stop_votes = 0  # ranks that had a signal when the last step ended
 while True:
     lr = get_lr(iter_num)
     for group in optimizer.param_groups:
@@ -617,8 +607,7 @@ while True:
     # the same seed at every eval: evals compare like with like, whatever the number of processes.
     if (iter_num % eval_interval == 0 or last_iter or eval_only) and not stopping:
         model.eval()
-        # slots: train losses' sum, val losses' sum, ranks stopped (by stop_signal: SIGTERM or
-        # Ctrl-C); HellaSwag's examples, right by mean loss, right by summed loss
+        # train and val loss sums, ranks stopped, HellaSwag examples, right by mean, right by sum
         totals = torch.zeros(6, device=device)
         for k in range(rank, eval_iters, world_size):
             if stop_signal:  # a long eval must not outlast a preemption's grace period
@@ -660,7 +649,7 @@ while True:
             hellaswag_fields = {"hellaswag_acc": right_by_sum / examples, "hellaswag_examples":
                                 int(examples), "hellaswag_acc_norm": right_by_mean / examples}
             hellaswag_text = f", hellaswag acc_norm {right_by_mean / examples:.4f}"
-        seconds = np.mean(step_seconds) if step_seconds else None  # None before the first step
+        seconds = np.mean(step_seconds) if step_seconds else None
         mfu = raw_model.estimate_mfu(batch_size * grad_accum_steps, seconds) if seconds else None
         tokens_per_sec = total_batch_size / seconds if seconds else None
         if not stopping:
@@ -685,7 +674,7 @@ while True:
     elif iter_num in milestones and iter_num > 0:  # again after a resume here: the same state
         save_paths.append(os.path.join(out_dir, f"ckpt_{iter_num}.pt"))
 
-    # checkpoints: the random states of every rank are gathered, and the master writes the file
+    # checkpoints: every rank's random states are gathered; the master writes the file
     if save_paths:
         cuda_state = torch.cuda.get_rng_state() if device_type == "cuda" else None
         rank_states = {"rng": {"torch": torch.get_rng_state(), "cuda": cuda_state},
@@ -738,9 +727,8 @@ while True:
     step_seconds.append(time.time() - step_start)
     if not math.isfinite(step_loss_value):
         raise UserError(f"the loss is {step_loss_value} at iter {iter_num}: training diverged. "
-                        f"Lower learning_rate, lengthen warmup_iters, keep grad_clip on, or use "
-                        f"bfloat16 or float32 over float16; --init_from=resume restarts from the "
-                        f"last checkpoint")
+                        f"Lower learning_rate, lengthen warmup_iters, keep grad_clip on, or avoid "
+                        f"float16; --init_from=resume restarts from the last checkpoint")
     if iter_num % log_interval == 0:
         seconds = np.mean(step_seconds[-log_interval:])
         mfu = raw_model.estimate_mfu(batch_size * grad_accum_steps, seconds)
