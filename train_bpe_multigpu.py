@@ -148,8 +148,8 @@ def append(length, buffer, values, keep):
 def pick_pair(state, row_key, block_key, fresh_key, dirty_flag, dirty_rows, V, BLOCK: tl.constexpr,
               KEY_BLOCK: tl.constexpr):
     """The pair with the largest count (ties: the smallest left id, then right id), as (count, left
-    row); 0 counts: none. Makes the dirty rows' keys exact first, so a second pick, with no merge
-    between, picks the same. One program, with its threads: it may read and write anything."""
+    row); count 0: none. Makes the dirty rows' keys exact first: a second pick with no merge
+    between picks the same. One program, with its threads: it may read and write anything."""
     # the rows that refresh recomputed into fresh_key become exact again
     dirty = tl.load(state + DIRTY)
     for first in range(0, dirty, BLOCK):
@@ -158,13 +158,12 @@ def pick_pair(state, row_key, block_key, fresh_key, dirty_flag, dirty_rows, V, B
         tl.store(row_key + rows, tl.load(fresh_key + rows, mask=i < dirty), mask=i < dirty)
         tl.store(fresh_key + rows, 0, mask=i < dirty)
         tl.store(dirty_flag + rows, 0, mask=i < dirty)
-    # A row copied by one thread may be read below by another, and Triton orders global memory
-    # only within a thread: a barrier, or a thread could scan a dirty row's stale key (or read
-    # DIRTY after it is reset).
+    # Triton orders global memory only within a thread: without a barrier, a thread could scan a
+    # dirty row's key before another's copy (or read DIRTY after it is reset).
     tl.debug_barrier()
     tl.store(state + DIRTY, 0)
-    # A dirty row's key may have dropped: its block's key is recomputed (a block holding two
-    # dirty rows is written twice, with the same value). A barrier again before the scan.
+    # A dirty row's key may have dropped: its block key is recomputed (a block with two dirty rows
+    # is written twice, alike). A barrier again before the scan.
     tl.static_assert(BLOCK >= KEY_BLOCK)
     for first in range(0, dirty, BLOCK // KEY_BLOCK):
         i = first + tl.arange(0, BLOCK // KEY_BLOCK)
@@ -173,8 +172,8 @@ def pick_pair(state, row_key, block_key, fresh_key, dirty_flag, dirty_rows, V, B
         keys = tl.load(row_key + rows, mask=(i < dirty)[:, None] & (rows < V), other=0)
         tl.store(block_key + blocks, tl.max(keys, axis=1), mask=i < dirty)
     tl.debug_barrier()
-    # The largest count over all blocks, the first block on a tie; then the first row of that
-    # block with that count: the first row with the largest count of all.
+    # The largest count over all blocks (the first block on a tie), then that block's first row
+    # with it: the first row with the largest count of all.
     new = tl.load(state + NEXT)
     best_count, best_block = tl.full((), 0, tl.int64), tl.full((), 0, tl.int64)
     for first in range(0, tl.cdiv(new, KEY_BLOCK), BLOCK):
@@ -673,13 +672,12 @@ def count_batch(documents, pattern_text, chunk_counts):
 
 
 def count_worker(number, batches, inboxes, results, pattern_text):
-    """A worker process: counts the batches it takes, until None, into one Counter. Then the workers
-    add up their Counters together: worker i keeps the chunks with hash(chunk) % workers == i, sends
-    every other worker its share (forked, they hash strings alike), adds up the shares it gets, and
-    puts the sum on `results`. The parent only joins sums that have no chunk in common: adding up a
-    Counter is a Python loop (~0.5 us a chunk), which in the parent alone would grow with the cores.
-    An error goes to `results` at once; the worker then only drains the queue, so the parent never
-    blocks, and still sends its shares, so no worker waits forever."""
+    """A worker process: counts the batches it takes, until None, into one Counter. The workers then
+    add up together: worker i keeps the chunks with hash(chunk) % workers == i, sends each other its
+    share (forked, they hash strings alike), adds up those it gets, puts the sum on `results`. The
+    parent joins disjoint sums: adding up Counters is a Python loop (~0.5 us a chunk), which in the
+    parent alone would grow with the cores. An error goes to `results` at once; the worker then
+    only drains the queue (the parent never blocks), and sends its shares (no worker waits)."""
     chunk_counts, error = Counter(), None
     for batch in iter(batches.get, None):
         try:
@@ -1035,8 +1033,8 @@ def check_out_dir(out_dir):
 
 
 def lock_directory(path):
-    """Hold an OS lock on the directory `path` while this process lives: one writer per directory. The
-    kernel drops a flock when its process dies, kill -9 included, so no stale lock is ever left behind."""
+    """One writer per directory: an OS lock on `path`, held while this process lives. The kernel
+    drops a flock when its process dies, kill -9 included: no stale lock is ever left behind."""
     descriptor = os.open(path, os.O_RDONLY)
     try:
         fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
