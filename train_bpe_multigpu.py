@@ -100,33 +100,26 @@ class UserError(Exception):
 
 
 # === the merge loop, split across ranks
-# train_bpe_gpu.py's layout, row and block keys and kernel bodies (read that file first), on this
-# rank's distinct chunks. Its choose_pair and apply_merges are each split in two around a
-# collective: best_pair, then find_occurrences, which decodes the reduced pick and starts the merge;
-# apply_merges, then apply_owned. Rank r owns the rows l with l % W == r, kept at l // W, and
-# their row keys. A merge (a, b) -> new changes only pairs in columns a and new, rows b and new:
+# train_bpe_gpu.py's layout, keys and kernel bodies (read it first), on this rank's distinct chunks.
+# Its choose_pair and apply_merges are each split in two around a collective: best_pair, then
+# find_occurrences (decodes the reduced pick, starts the merge); apply_merges, then apply_owned.
+# Rank r owns the rows l with l % W == r, kept at l // W, and their row keys. A merge (a, b) -> new
+# changes only (a, b) and pairs in columns a and new, rows b and new:
 #   (x, a) loses w and (x, new) gains w   where x is a merged occurrence's left neighbour
 #   (b, y) loses w, (new, y') gains w     where y is the right neighbour (y' = new if y merged too)
-# and (a, b) itself. Each rank sums its changes into `delta`: delta[0] is (a, b), delta[1 + 3j + k]
-# is id j in part k = 0, 1, 2 (x, y, y'). No id past `new` has a pair yet, so only the first
-# 1 + 3 (new + 1) numbers can be non-zero: half of 3V on average. One all_reduce(SUM) of that prefix
-# adds them over the ranks, and each owner applies the part in its rows. The next pair is one
-# all_reduce(MAX) of the ranks' best keys (two, when a count and both ids don't fit one int64).
-# Two collectives a merge is the least this split allows: the next pick needs the owners'
-# refreshed rows, which need every rank's changes, which need the pick. The host launches the five
-# kernels and calls the collectives between them, and reads the device once per 16 merges. No
-# deadlock, no divergence: every rank calls the same collectives in the same order (a rank with
-# no text sends zeros), and decides (the pair, "done") from the REDUCED values, the same everywhere.
-# Exact: counts are integers, each with one owner, who adds all its changes. No kernel needs a
-# lock; each docstring says why. Every atomic is relaxed, as in train_bpe_gpu.py.
+# Each rank sums its changes into `delta`: delta[0] is (a, b), delta[1 + 3j + k] id j in part
+# k = 0, 1, 2 (x, y, y'). No id past `new` has a pair yet: only the first 1 + 3 (new + 1) can be
+# non-zero, half of 3V on average. One all_reduce(SUM) of that prefix adds them over the ranks;
+# each owner applies the part in its rows. The next pair is one all_reduce(MAX) of the ranks' best
+# keys (two, when a count and both ids don't fit one int64). Two collectives a merge is the least:
+# the next pick needs the owners' refreshed rows, which need every rank's changes, which need the
+# pick. The host launches the five kernels, calls the collectives between them, and reads the
+# device once per 16 merges. No deadlock, no divergence: every rank calls the same collectives in
+# the same order (a rank with no text sends zeros), and decides (the pair, "done") from the REDUCED
+# values. Exact: counts are integers, each with one owner, who adds all its changes. No kernel needs
+# a lock (each docstring says why); every atomic is relaxed, as in train_bpe_gpu.py.
 
-# The slots of `state`, the loop's scalars, kept on the device:
-#   NEXT       the next id to give out (256 + the merges made): ids below it are the columns in use
-#   NEW, A, B  the merge being made, (a, b) -> new
-#   DONE       1 once no pair is left or V is reached: every kernel then does nothing
-#   START      where a's list lies in list_buffer; LENGTH, how long it is
-#   SURVIVORS  how many of a's positions stay a (they wait in scratch); DIRTY, how many rows
-#              dirty_rows holds
+# the slots of `state`, the loop's scalars on the device, as in train_bpe_gpu.py
 NEXT, NEW, A, B, DONE, START, LENGTH, SURVIVORS, DIRTY = (tl.constexpr(i) for i in range(9))
 DEAD = tl.constexpr(-2)  # the token of an unlinked position (the right half of a merged pair)
 ID_BITS = tl.constexpr(20)  # a row key's low bits hold 2^20 - 1 - right id
@@ -217,10 +210,9 @@ def find_occurrences(state, best, list_start, list_len, merge_log, list_buffer, 
                      prev_pos, mark, V, END, BITS: tl.constexpr, ONE_KEY: tl.constexpr,
                      BLOCK: tl.constexpr):
     """Decodes the reduced key, the same on every rank: the pair to merge. Each program decodes it
-    for itself, and program 0 writes the merge's state for the kernels that follow: NEXT moves on in
-    apply_owned, and DONE is set only when every program finds the end itself, so no program depends
-    on what program 0 writes. Then marks this rank's occurrences that merge, as train_bpe_gpu.py
-    does: mark[p] = 2 new, mark[next_pos[p]] = 2 new + 1."""
+    for itself; program 0 writes the merge's state for the kernels that follow (NEXT moves on in
+    apply_owned, and every program finds the end itself), so no program depends on what program 0
+    writes. Then marks this rank's occurrences that merge, as train_bpe_gpu.py does."""
     # best[0] is the packed key (ONE_KEY) or the count; best[1] the tie-break
     count, tie, new = tl.load(best), tl.load(best + 1), tl.load(state + NEXT)
     if ONE_KEY:
@@ -354,9 +346,9 @@ def apply_owned(state, delta, counts, row_key, block_key, dirty_flag, dirty_rows
 @triton.jit
 def refresh_rows(state, list_buffer, scratch, list_len, counts, fresh_key, dirty_rows, V, WORLD,
                  ROWS: tl.constexpr, BLOCK: tl.constexpr):
-    """Copies a's surviving positions back from scratch, one slot per lane; then recomputes the
-    dirty rows' maxima into fresh_key, in items of ROWS rows x BLOCK columns over the programs.
-    Nothing writes counts now, and atomic_max makes the order free."""
+    """train_bpe_gpu.py's refresh_rows, on this rank's rows: copies a's survivors back, then
+    recomputes the dirty rows' maxima into fresh_key. Nothing writes counts now; atomic_max makes
+    the order free."""
     if tl.load(state + DONE) == 0:
         if tl.load(state + NEW) >= 256:
             a, survivors = tl.load(state + A), tl.load(state + SURVIVORS)
@@ -368,8 +360,6 @@ def refresh_rows(state, list_buffer, scratch, list_len, counts, fresh_key, dirty
                 tl.store(list_len + a, survivors)
         columns, dirty = tl.load(state + NEXT), tl.load(state + DIRTY)
         slices = tl.cdiv(columns, BLOCK)
-        # as in train_bpe_gpu.py: the next items' loads in flight, each item's key from its
-        # largest count and first column
         for item in tl.range(tl.program_id(0), tl.cdiv(dirty, ROWS) * slices, tl.num_programs(0),
                              num_stages=3):
             i = (item // slices) * ROWS + tl.arange(0, ROWS)
@@ -387,7 +377,7 @@ def refresh_rows(state, list_buffer, scratch, list_len, counts, fresh_key, dirty
 # === the merge loop on the host
 
 def chunks_to_arrays(blob, lengths, occurrences, count_dtype):
-    """This rank's distinct chunks (from the cache) as the flat arrays above, built in numpy."""
+    """This rank's distinct chunks (from the cache) as the flat arrays above."""
     L = END = blob.size
     tokens = np.full(L + 2, -1, np.int32)
     tokens[:L] = blob
@@ -451,10 +441,9 @@ def merge_on_device(arrays, vocab_size, total_pairs, device, show_progress):
         refresh_rows[grid](state, list_buffer, scratch, list_len, counts, fresh_key, dirty_rows, V,
                            W, ROWS=rows, BLOCK=block)
 
-    # One merge: five kernels, and between them the host calls the collectives, every rank the same
-    # ones in the same order, each waiting at most the process group's --timeout for the others.
-    # Merge number m makes id 256 + m at most, so delta's prefix up to that id is all it sends.
-    # Past the last merge, find_occurrences sets DONE and every kernel does nothing.
+    # One merge: five kernels, the host's collectives between them (each waits at most --timeout).
+    # Merge m makes id 256 + m at most: delta's prefix up to that id is all it sends. Past the last
+    # merge, find_occurrences sets DONE and every kernel does nothing.
     def merge(m):
         best_pair[(1,)](state, row_key, block_key, fresh_key, dirty_flag, dirty_rows, V, best,
                         BITS=bits, ONE_KEY=one_key, BLOCK=choose_block, KEY_BLOCK=key_block)
@@ -613,7 +602,7 @@ def run(argv):
     num_merges, eot_id = len(merges), 256 + len(merges)
     stop_reason = "vocab_size reached" if eot_id == args.vocab_size else "no pairs left to merge"
     if eot_id < args.vocab_size:
-        say(f"stopped early after {num_merges} merges: no pairs left to merge "
+        say(f"stopped early after {num_merges} merges: {stop_reason} "
             f"(vocab {eot_id} < {args.vocab_size})")
     if RANK == 0:
         save_tokenizer(out_dir, merges, {
@@ -641,10 +630,8 @@ def run(argv):
     dist.barrier()  # nobody leaves (and tears the group down) while rank 0 still writes
 
 
-# === plumbing: pre-tokenizing on every core, train_bpe_gpu.py's own and taught there: worker
-# processes count batches of documents, a CPU-time alarm stops a pattern that backtracks, and a long
-# document is cut only where SAFE_CUTS says the pattern can't match across (a first read can skip
-# to the next # === banner)
+# === plumbing: pre-tokenizing on every core, train_bpe_gpu.py's own and taught there (a first
+# read can skip to the next # === banner)
 SAFE_CUTS = {pattern: regex.compile(r"[\p{L}\p{N}](?=[\r\n])")}  # the cut: the match's end
 
 
@@ -814,7 +801,6 @@ def count_part(args, source, files, documents, share, byte_range):
         except OSError as os_error:
             error = (f"{os_error.filename or prefix.parent}: {os_error.strerror or os_error}; "
                      "check it (--cache_dir says where the cache goes)")
-    # an error shared in run(), as a reading error is
     if error is None and cached[0].size + 2 > MAX_POSITIONS:
         error = (f"rank {RANK}'s distinct chunks hold {cached[0].size:,} bytes, more than int32 "
                  "positions can name (2^31 - 4); use more ranks, or a smaller -n")
