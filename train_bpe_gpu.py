@@ -267,8 +267,8 @@ def apply_merges(state, list_buffer, scratch, list_start, list_len, tokens, next
         tl.store(prev_pos + after, p, mask=has_y & ~after_merged)
         tl.store(prev_pos + p, tl.load(prev_pos + before, mask=before_merged, other=END),
                  mask=before_merged)
-        # the counts: a, b and new are scalars, broadcast to the block by adding a zero block; int64,
-        # as row * V + col passes 2^31 at V = 65534
+        # a, b and new are scalars, broadcast by adding a zero block; int64, as row * V + col
+        # passes 2^31 at V = 65534
         x, y, y_new = x.to(tl.int64), y.to(tl.int64), y_new.to(tl.int64)
         zero = 0 * x
         lose_pair(state, counts, row_key, dirty_flag, dirty_rows, V, a + zero, b + zero, w, merged)
@@ -340,7 +340,7 @@ def refresh_rows(state, list_buffer, scratch, list_len, counts, fresh_key, dirty
 
 
 def chunks_to_arrays(chunk_counts, vocab_size):
-    """The distinct chunks (2+ bytes: a single byte has no pair) as the arrays above, in numpy."""
+    """The distinct chunks (2+ bytes: a single byte has no pair) as the arrays above."""
     chunks = [chunk.encode("utf-8") for chunk in chunk_counts]
     lengths = np.fromiter(map(len, chunks), np.int64, len(chunks))
     occurrences = np.fromiter(chunk_counts.values(), np.int64, len(chunks))
@@ -405,7 +405,7 @@ def merge_on_device(arrays, vocab_size, device):
     row_key, fresh_key, state, merge_log = zeros(V), zeros(V), zeros(9), zeros(2 * V)
     block_key = zeros(triton.cdiv(V, key_block))
     dirty_flag, dirty_rows = zeros(V, torch.int32), zeros(V, torch.int32)
-    # the first refresh, before any merge, makes all rows' keys
+    # the first refresh makes all rows' keys
     dirty_flag[:256], dirty_rows[:256] = 1, torch.arange(256, device=device)
     state[NEXT.value], state[DIRTY.value] = 256, 256
     grid = (programs,)
@@ -428,7 +428,7 @@ def merge_on_device(arrays, vocab_size, device):
 
     launch_refresh()
     # The setup ends with every kernel compiled (a group run with DONE set does nothing else) and,
-    # on CUDA, a group recorded as a graph: the loop's clock then times merges, and only merges.
+    # on CUDA, a group recorded as a graph: the loop's clock then times merges alone.
     state[DONE.value] = 1
     merge_group()
     state[DONE.value] = 0
@@ -458,18 +458,17 @@ def merge_on_device(arrays, vocab_size, device):
 
 
 def merges_done(state):
-    """Whether the merges are done, and how many: the one host read of a group, the host's one
-    wait."""
+    """Whether the merges are done, and how many: a group's one host read, the host's one wait."""
     slots = state[:DONE.value + 1].tolist()
     return bool(slots[DONE.value]), slots[NEXT.value] - 256
 
 
 # === plumbing: pre-tokenizing on every core (train_bpe_cpu.py teaches counting chunks; this is the
 # same in both GPU trainers; a first read can skip to the next # === banner). The regex is the slow
-# part, and holds the GIL: the parent reads the documents, worker processes count batches of them
-# (at most two a worker queued). BPE depends only on the multiset of chunks: the order of adding
-# up is free. A CPU-time alarm per document (1 s + 10 s per million characters; GPT-4's pattern
-# needs 0.3 s) turns a pattern that backtracks catastrophically, (a|a)+b on aaaa..., into one line.
+# part, and holds the GIL: the parent reads the documents, worker processes count batches of them.
+# BPE depends only on the multiset of chunks: the order of adding up is free. A CPU-time alarm per
+# document (1 s + 10 s per million characters; GPT-4's pattern needs 0.3 s) turns a pattern that
+# backtracks catastrophically, (a|a)+b on aaaa..., into one line.
 BATCH_CHARS = 1 << 20  # characters of documents per batch sent to a pre-tokenizing worker
 # A longer document (a .txt file) is cut into pieces only where the split pattern can't match
 # across the cut: then the pieces' chunks are the document's. For GPT-4's pattern, that is just
@@ -509,11 +508,12 @@ def count_batch(documents, pattern_text, chunk_counts):
 
 def count_worker(number, batches, inboxes, results, pattern_text):
     """A worker process: counts the batches it takes, until None, into one Counter. The workers then
-    add up together: worker i keeps the chunks with hash(chunk) % workers == i, sends each other its
-    share (forked, they hash strings alike), adds up those it gets, puts the sum on `results`. The
-    parent joins disjoint sums: adding up Counters is a Python loop (~0.5 us a chunk), which in the
-    parent alone would grow with the cores. An error goes to `results` at once; the worker then
-    only drains the queue (the parent never blocks), and sends its shares (no worker waits)."""
+    add up together: worker i keeps the chunks with hash(chunk) % workers == i, sends every other
+    worker its share (forked, they hash strings alike), adds up those it gets, puts the sum on
+    `results`. The parent joins disjoint sums: adding up Counters is a Python loop (~0.5 us a
+    chunk), which in the parent alone would grow with the cores. An error goes to `results` at
+    once; it then only drains the queue (the parent never blocks), and still sends its shares (no
+    worker waits forever)."""
     chunk_counts, error = Counter(), None
     for batch in iter(batches.get, None):
         try:
@@ -595,8 +595,8 @@ def count_chunks(documents, budget, pattern_text, workers, label):
                 # no chunk is in two workers' sums: joining them, in C, is all that is left
                 dict.update(chunk_counts, chunk_sums)
     finally:
-        # Done by now, or stopped by an error: then a batch may still be on its way into a pipe that
-        # no worker will read, and at exit Python would wait for it forever.
+        # After an error, a batch may still be on its way into a pipe no worker reads: at exit,
+        # Python would wait for it forever.
         batches.cancel_join_thread()
         for process in processes:
             process.kill()
@@ -630,8 +630,8 @@ def vocab_bytes(merges):
 
 
 def save_tokenizer(out_dir, merges, info):
-    """tiktoken's rank file (each token's bytes in base64, and its rank), and `info` as
-    tokenizer.json, each written under a temporary name, then renamed: never half a file."""
+    """tiktoken's rank file (each token's bytes in base64, and its rank) and `info` as
+    tokenizer.json, each written to a .tmp, then renamed: never half a file."""
     ranks = "".join(f"{base64.b64encode(token).decode()} {rank}\n"
                     for rank, token in enumerate(vocab_bytes(merges)))
     settings = json.dumps(info, indent=2, ensure_ascii=False) + "\n"
@@ -851,10 +851,9 @@ def run(argv):
     os.close(out_lock)
 
 
-# === plumbing: reading text (a function that stands in several scripts is the same in each; a
-# first read can skip to the next # === banner). .txt and .jsonl are read with the standard library:
-# `datasets` would turn CRLF into LF (no longer rustbpe's bytes), stop at invalid UTF-8, and take
-# seconds to start.
+# === plumbing: reading text (each function the same in every script it stands in; a first read
+# can skip to the next # === banner). .txt and .jsonl are read with the standard library: `datasets`
+# would turn CRLF into LF (no longer rustbpe's bytes), stop at invalid UTF-8, and start slowly.
 HUB_DATASETS = {"fineweb": ("HuggingFaceFW/fineweb", "sample-10BT"),  # (repository, config)
                 "fineweb-edu": ("HuggingFaceFW/fineweb-edu", "sample-10BT")}
 LOCAL_SUFFIXES = (".txt", ".jsonl", ".parquet")

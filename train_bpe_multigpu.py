@@ -55,8 +55,8 @@ try:
 except ImportError:
     sys.exit("error: train_bpe_multigpu.py needs triton (pip install triton)")
 
-# === plumbing: Triton 3.6's interpreter on NumPy 2.4, the same fix as train_bpe_gpu.py's (a first
-# read can skip to the next # === banner)
+# === plumbing: train_bpe_gpu.py's fix for Triton's interpreter (a first read can skip to the
+# next # === banner)
 if os.environ["TRITON_INTERPRET"] == "1":
     # Triton 3.6's interpreter (CUDA torch 2.11 pins it) takes a loop bound as int() of a 1-element
     # array, which NumPy 2.4 refuses (triton-lang/triton#9171); later Tritons take the element.
@@ -85,8 +85,7 @@ HUB_DATASETS = {"fineweb": ("HuggingFaceFW/fineweb", "sample-10BT"),
                 "fineweb-edu": ("HuggingFaceFW/fineweb-edu", "sample-10BT")}
 LOCAL_SUFFIXES = (".txt", ".jsonl", ".parquet")
 CACHE_VERSION = 3
-# programs; blocks of positions, dirty rows, keys to scan; rows a block key covers (CUDA's shape is
-# in merge_on_device)
+# train_bpe_gpu.py's shapes (CUDA's is in merge_on_device)
 INTERPRETER_SHAPE = dict(programs=1, block=1024, rows=64, choose_block=1024, key_block=16)
 MERGES_PER_READ = 16  # merges launched per host read of the "done" flag
 MAX_POSITIONS = 2**31 - 2  # positions are int32: a rank's distinct chunks' bytes + 2 spare slots
@@ -377,7 +376,7 @@ def refresh_rows(state, list_buffer, scratch, list_len, counts, fresh_key, dirty
 # === the merge loop on the host
 
 def chunks_to_arrays(blob, lengths, occurrences, count_dtype):
-    """This rank's distinct chunks (from the cache) as the flat arrays above."""
+    """This rank's distinct chunks (from the cache) as train_bpe_gpu.py's flat arrays."""
     L = END = blob.size
     tokens = np.full(L + 2, -1, np.int32)
     tokens[:L] = blob
@@ -387,11 +386,8 @@ def chunks_to_arrays(blob, lengths, occurrences, count_dtype):
     next_pos[L:], prev_pos[L:] = END, END
     weight = np.zeros(L + 2, count_dtype)
     weight[:L] = np.repeat(occurrences, lengths)
-    # every position with a right neighbour starts a pair
     left = np.flatnonzero(next_pos[:L] != END)
-    # the 256 byte lists, one after another: as uint8, numpy's stable sort is a radix sort, linear
     order = np.argsort(tokens[left].astype(np.uint8), kind="stable")
-    # each merge appends as many positions as it kills
     list_buffer = np.zeros(2 * len(left) + 1, np.int32)
     list_buffer[:len(left)] = left[order]
     list_len = np.bincount(tokens[left], minlength=256).astype(np.int64)
@@ -613,7 +609,7 @@ def run(argv):
     tokens_left = total["total_bytes"] - sum(saved for saved, _ in saved_and_peak)
     all_reused = cache_statuses.count("reused") == WORLD
     reading = "loading the cache" if all_reused else "reading + pre-tokenizing"
-    # merges/s is over the loop alone, as in train_bpe_gpu.py: the setup says nothing about merging
+    # merges/s over the loop alone, as in train_bpe_gpu.py
     merges_per_second = num_merges / max(seconds["loop"], 1e-9)
     say(f"{reading} {t1 - t0:.2f}s | "
         f"layout {t2 - t1:.2f}s | setup {seconds['setup']:.2f}s | merging {seconds['loop']:.2f}s "
@@ -660,11 +656,12 @@ def count_batch(documents, pattern_text, chunk_counts):
 
 def count_worker(number, batches, inboxes, results, pattern_text):
     """A worker process: counts the batches it takes, until None, into one Counter. The workers then
-    add up together: worker i keeps the chunks with hash(chunk) % workers == i, sends each other its
-    share (forked, they hash strings alike), adds up those it gets, puts the sum on `results`. The
-    parent joins disjoint sums: adding up Counters is a Python loop (~0.5 us a chunk), which in the
-    parent alone would grow with the cores. An error goes to `results` at once; the worker then
-    only drains the queue (the parent never blocks), and sends its shares (no worker waits)."""
+    add up together: worker i keeps the chunks with hash(chunk) % workers == i, sends every other
+    worker its share (forked, they hash strings alike), adds up those it gets, puts the sum on
+    `results`. The parent joins disjoint sums: adding up Counters is a Python loop (~0.5 us a
+    chunk), which in the parent alone would grow with the cores. An error goes to `results` at
+    once; it then only drains the queue (the parent never blocks), and still sends its shares (no
+    worker waits forever)."""
     chunk_counts, error = Counter(), None
     for batch in iter(batches.get, None):
         try:
@@ -746,8 +743,8 @@ def count_chunks(documents, budget, pattern_text, workers, label):
                 # no chunk is in two workers' sums: joining them, in C, is all that is left
                 dict.update(chunk_counts, chunk_sums)
     finally:
-        # Done by now, or stopped by an error: then a batch may still be on its way into a pipe that
-        # no worker will read, and at exit Python would wait for it forever.
+        # After an error, a batch may still be on its way into a pipe no worker reads: at exit,
+        # Python would wait for it forever.
         batches.cancel_join_thread()
         for process in processes:
             process.kill()
@@ -785,8 +782,7 @@ def count_part(args, source, files, documents, share, byte_range):
     error = None
     if cache_status != "reused":
         cores = len(os.sched_getaffinity(0)) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        num_workers = 1 if share < PARALLEL_CHARS else max(cores, 1)
-        num_workers = args.workers or num_workers
+        num_workers = args.workers or (1 if share < PARALLEL_CHARS else max(cores, 1))
         label = "reading (rank 0's part)" if RANK == 0 else None
         part = {"rank": RANK}  # what this rank read, for tokenizer.json
         if byte_range:
@@ -971,8 +967,8 @@ def vocab_bytes(merges):
 
 
 def save_tokenizer(out_dir, merges, info):
-    """tiktoken's rank file (each token's bytes in base64, and its rank), and `info` as
-    tokenizer.json, each written under a temporary name, then renamed: never half a file."""
+    """tiktoken's rank file (each token's bytes in base64, and its rank) and `info` as
+    tokenizer.json, each written to a .tmp, then renamed: never half a file."""
     ranks = "".join(f"{base64.b64encode(token).decode()} {rank}\n"
                     for rank, token in enumerate(vocab_bytes(merges)))
     settings = json.dumps(info, indent=2, ensure_ascii=False) + "\n"
