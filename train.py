@@ -480,8 +480,8 @@ if master:
 import fcntl, glob, tempfile
 
 def lock_directory(path):
-    """Hold an OS lock on the directory `path` while this process lives: one writer per directory. The
-    kernel drops a flock when its process dies, kill -9 included, so no stale lock is ever left behind."""
+    """One writer per directory: an OS lock on `path`, held while this process lives. The kernel
+    drops a flock when its process dies, kill -9 included: no stale lock is ever left behind."""
     descriptor = os.open(path, os.O_RDONLY)
     try:
         fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -167,8 +167,8 @@ def vocab_bytes(merges):
 
 
 def save_tokenizer(out_dir, merges, info):
-    """tiktoken's rank file (each token's bytes in base64, and its rank), and `info` as
-    tokenizer.json, each written under a temporary name, then renamed: never half a file."""
+    """tiktoken's rank file (each token's bytes in base64, and its rank) and `info` as
+    tokenizer.json, each written to a .tmp, then renamed: never half a file."""
     ranks = "".join(f"{base64.b64encode(token).decode()} {rank}\n"
                     for rank, token in enumerate(vocab_bytes(merges)))
     settings = json.dumps(info, indent=2, ensure_ascii=False) + "\n"
@@ -329,8 +329,8 @@ def check_out_dir(out_dir):
 
 
 def lock_directory(path):
-    """Hold an OS lock on the directory `path` while this process lives: one writer per directory. The
-    kernel drops a flock when its process dies, kill -9 included, so no stale lock is ever left behind."""
+    """One writer per directory: an OS lock on `path`, held while this process lives. The kernel
+    drops a flock when its process dies, kill -9 included: no stale lock is ever left behind."""
     descriptor = os.open(path, os.O_RDONLY)
     try:
         fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -344,10 +344,9 @@ def lock_directory(path):
     return descriptor  # the lock lasts while this descriptor is open: keep it
 
 
-# === plumbing: reading text (a function that stands in several scripts is the same in each; a
-# first read can skip to the next # === banner). .txt and .jsonl are read with the standard library:
-# `datasets` would turn CRLF into LF (no longer rustbpe's bytes), stop at invalid UTF-8, and take
-# seconds to start.
+# === plumbing: reading text (each function the same in every script it stands in; a first read
+# can skip to the next # === banner). .txt and .jsonl are read with the standard library: `datasets`
+# would turn CRLF into LF (no longer rustbpe's bytes), stop at invalid UTF-8, and start slowly.
 HUB_DATASETS = {"fineweb": ("HuggingFaceFW/fineweb", "sample-10BT"),  # (repository, config)
                 "fineweb-edu": ("HuggingFaceFW/fineweb-edu", "sample-10BT")}
 LOCAL_SUFFIXES = (".txt", ".jsonl", ".parquet")

@@ -10,8 +10,6 @@ how a sequential algorithm gets fast on a GPU: merge k needs the counts left by 
 can't run in parallel, but the work inside a merge can, and the host must stay out of the way. A
 merge is four small Triton kernels, one per step; the host launches them (on CUDA, 16 merges'
 kernels as one CUDA graph) and reads once per 16 merges: "done?".
---device cpu runs the same kernels in Triton's interpreter (TRITON_INTERPRET=1): exact, slow, for
-the tests.
 """
 
 import argparse
@@ -63,7 +61,7 @@ vocab_size = 1000  # byte tokens (256) + merges; <|endoftext|> gets the next id
 num_chars = 1048576  # train on the first 2^20 characters of the stream
 data = "fineweb"  # fineweb | fineweb-edu | a .txt/.jsonl/.parquet file | a directory of them
 out = None  # output directory; default tokenizers/<source>_v<vocab_size>
-device = None  # cuda; without a GPU, --device cpu (Triton's interpreter: exact, slow, for testing)
+device = None  # cuda; without a GPU, --device cpu: Triton's interpreter (exact, slow, for tests)
 # GPT-4's split pattern: letters with their leading space, numbers in groups of up to 3, punctuation
 # runs, and whitespace, so that merges never glue a word to the punctuation or the space after it.
 pattern = r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]++[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+"""
@@ -79,32 +77,30 @@ PARALLEL_CHARS = 1 << 24  # from this many characters on, all cores pre-tokenize
 # -------------------------------------------------------- the lesson: one BPE merge as four steps
 # The distinct chunks lie in flat arrays, one slot per byte (a "position"), as in train_bpe_cpu.py:
 #   tokens[p]      the token at p; DEAD once merged away; -1 on the spare slots END and END+1
-#                  (END is real, so a lane may read the token after any position unmasked)
+#                  (END is real: a lane may read the token after any position unmasked)
 #   next_pos[p]    the next live position of p's chunk, or END; prev_pos[p] likewise. A merge
-#                  unlinks a pair's right half: tokens never move, so positions stay valid names.
+#                  unlinks a pair's right half: tokens never move, positions stay valid names.
 #   weight[p]      how often p's chunk occurs in the corpus
 #   counts[l*V+r]  the weighted count of pair (l, r): a dense V x V matrix
 #   list_buffer[list_start[t]:list_start[t] + list_len[t]]   the positions holding token t:
 #                  merging (a, b) visits only a's positions.
-# Choosing must not scan V^2 counts. A pair's key is count << 20 | (2^20 - 1 - r), and row_key[l] is
-# row l's largest key: its largest count, ties to the smallest r (across rows, to the smallest l).
-# Per-row keys keep counts exact to 2^43 (a key naming both ids would leave 23 bits). Only pairs
-# with the new token grow: atomic_max raises their row's key. A shrinking count leaves its row's key
-# too high only if it was the row's maximum: that row is "dirty" (rare) and recomputed from the
-# matrix, into a zeroed fresh_key (atomic_max can't lower a key), which the next pick copies over.
-# One level up, block_key[k] is the largest key of rows k*KEY_BLOCK.. (k+1)*KEY_BLOCK-1, raised with
-# the rows' and recomputed for a dirty row's block: choosing reads the V/KEY_BLOCK block keys, one
-# block's row keys and the dirty rows' blocks (one or two a merge), not all V row keys.
+# Choosing must not scan V^2 counts. A pair's key is count << 20 | (2^20 - 1 - r); row_key[l] is
+# row l's largest: its largest count, ties to the smallest r (across rows, to the smallest l). Per
+# row, keys hold counts to 2^43 (a key naming both ids would leave 23 bits). Only pairs with the
+# new token grow: atomic_max raises their row's key. A shrinking count leaves a key too high only
+# if it was the row's maximum: that row is "dirty" (rare), recomputed into a zeroed fresh_key
+# (atomic_max can't lower a key), which the next pick copies over. block_key[k], the largest key
+# of rows k*KEY_BLOCK.. (k+1)*KEY_BLOCK-1, rises with theirs and is recomputed for a dirty row:
+# choosing reads V/KEY_BLOCK block keys, one block's row keys and the dirty rows' blocks.
 # The loop's state (a, b, list bounds) stays on the device, in `state`. Programs stride over blocks,
-# so every grid's size is known before the data: CUDA can record 16 rounds as one graph. No kernel
+# so every grid's size is known before the data: CUDA records 16 rounds as one graph. No kernel
 # needs a lock; each docstring says why, from who writes what.
-# Most merges are small (on enwiki at V=65534 the median one visits 132 positions), so a merge
-# costs its kernels' latency more than their work: ~25 us on an H100, the four kernels and the gaps
-# between them inside a CUDA graph. (An earlier merge_small ran many small merges in one program,
-# barriers for kernel ends: 1.6x the loop's time on an H100, one SM's chain of dependent loads.)
-# Every atomic is relaxed: each needs only atomicity, and what a step writes is seen by the next
-# (the stream orders kernels). The default, acq_rel, fences the whole device around each atomic
-# (MEMBAR.ALL.GPU on an H100), on apply's critical path.
+# A merge costs its kernels' latency more than their work (on enwiki at V=65534 the median one
+# visits 132 positions): ~25 us on an H100, four kernels and their gaps in a CUDA graph. (Many
+# small merges in one program, barriers for kernel ends, took 1.6x as long: one SM's chain of
+# dependent loads.) Every atomic is relaxed: each needs only atomicity, and the stream orders
+# kernels, so a step sees what the last wrote. The default, acq_rel, fences the whole device
+# around each atomic (MEMBAR.ALL.GPU on an H100), on apply's critical path.
 
 # The slots of `state`, the loop's scalars, kept on the device:
 #   NEXT       the next id to give out (256 + the merges made): ids below it are the columns in use
@@ -131,8 +127,8 @@ def append(length, buffer, values, keep):
 def pick_pair(state, row_key, block_key, fresh_key, dirty_flag, dirty_rows, V, BLOCK: tl.constexpr,
               KEY_BLOCK: tl.constexpr):
     """The pair with the largest count (ties: the smallest left id, then right id), as (count, left
-    row); 0 counts: none. Makes the dirty rows' keys exact first, so a second pick, with no merge
-    between, picks the same. One program, with its threads: it may read and write anything."""
+    row); count 0: none. Makes the dirty rows' keys exact first: a second pick with no merge
+    between picks the same. One program, with its threads: it may read and write anything."""
     # the rows that refresh recomputed into fresh_key become exact again
     dirty = tl.load(state + DIRTY)
     for first in range(0, dirty, BLOCK):
@@ -141,13 +137,12 @@ def pick_pair(state, row_key, block_key, fresh_key, dirty_flag, dirty_rows, V, B
         tl.store(row_key + rows, tl.load(fresh_key + rows, mask=i < dirty), mask=i < dirty)
         tl.store(fresh_key + rows, 0, mask=i < dirty)
         tl.store(dirty_flag + rows, 0, mask=i < dirty)
-    # A row copied by one thread may be read below by another, and Triton orders global memory
-    # only within a thread: a barrier, or a thread could scan a dirty row's stale key (or read
-    # DIRTY after it is reset).
+    # Triton orders global memory only within a thread: without a barrier, a thread could scan a
+    # dirty row's key before another's copy (or read DIRTY after it is reset).
     tl.debug_barrier()
     tl.store(state + DIRTY, 0)
-    # A dirty row's key may have dropped: its block's key is recomputed (a block holding two
-    # dirty rows is written twice, with the same value). A barrier again before the scan.
+    # A dirty row's key may have dropped: its block key is recomputed (a block with two dirty rows
+    # is written twice, alike). A barrier again before the scan.
     tl.static_assert(BLOCK >= KEY_BLOCK)
     for first in range(0, dirty, BLOCK // KEY_BLOCK):
         i = first + tl.arange(0, BLOCK // KEY_BLOCK)
@@ -156,8 +151,8 @@ def pick_pair(state, row_key, block_key, fresh_key, dirty_flag, dirty_rows, V, B
         keys = tl.load(row_key + rows, mask=(i < dirty)[:, None] & (rows < V), other=0)
         tl.store(block_key + blocks, tl.max(keys, axis=1), mask=i < dirty)
     tl.debug_barrier()
-    # The largest count over all blocks, the first block on a tie; then the first row of that
-    # block with that count: the first row with the largest count of all.
+    # The largest count over all blocks (the first block on a tie), then that block's first row
+    # with it: the first row with the largest count of all.
     new = tl.load(state + NEXT)
     best_count, best_block = tl.full((), 0, tl.int64), tl.full((), 0, tl.int64)
     for first in range(0, tl.cdiv(new, KEY_BLOCK), BLOCK):
@@ -204,9 +199,8 @@ def choose_pair(state, row_key, block_key, fresh_key, dirty_flag, dirty_rows, li
 def find_occurrences(state, list_buffer, tokens, next_pos, prev_pos, mark, END,
                      BLOCK: tl.constexpr):
     """Step 2: marks the occurrences that merge: mark[p] = 2 new, mark[next_pos[p]] = 2 new + 1 (an
-    earlier merge's marks never match: none is cleared). Reads only, except these two marks of its
-    own merging p, which differ for different p: merged occurrences never share a position (no
-    overlap), and next_pos is one-to-one."""
+    earlier merge's marks never match: none is cleared). Writes only these two marks of its own
+    merging p, distinct for distinct p: merged occurrences don't overlap, next_pos is one-to-one."""
     if tl.load(state + DONE) != 0:
         return
     a, b, new = tl.load(state + A), tl.load(state + B), tl.load(state + NEW)
@@ -238,8 +232,7 @@ def apply_merges(state, list_buffer, scratch, list_start, list_len, tokens, next
     """Step 3: merges the marked occurrences. The lane of (p, second) writes only what it owns:
     tokens, next_pos and prev_pos of p and second, and prev_pos of the position after second unless
     that one merges too (its own lane links it then). It reads a neighbour's token only where the
-    marks say no lane writes it. Counts change by atomic adds, which commute, so their order can't
-    matter."""
+    marks say no lane writes it. Counts change by atomic adds, which commute."""
     if tl.load(state + DONE) != 0:
         return
     a, b, new = tl.load(state + A), tl.load(state + B), tl.load(state + NEW)
@@ -274,8 +267,8 @@ def apply_merges(state, list_buffer, scratch, list_start, list_len, tokens, next
         tl.store(prev_pos + after, p, mask=has_y & ~after_merged)
         tl.store(prev_pos + p, tl.load(prev_pos + before, mask=before_merged, other=END),
                  mask=before_merged)
-        # the counts: a, b and new are scalars, broadcast to the block by adding a zero block; int64,
-        # as row * V + col passes 2^31 at V = 65534
+        # a, b and new are scalars, broadcast by adding a zero block; int64, as row * V + col
+        # passes 2^31 at V = 65534
         x, y, y_new = x.to(tl.int64), y.to(tl.int64), y_new.to(tl.int64)
         zero = 0 * x
         lose_pair(state, counts, row_key, dirty_flag, dirty_rows, V, a + zero, b + zero, w, merged)
@@ -315,8 +308,8 @@ def refresh_rows(state, list_buffer, scratch, list_len, counts, fresh_key, dirty
                  ROWS: tl.constexpr, BLOCK: tl.constexpr):
     """Step 4: copies a's surviving positions back from scratch, one slot per lane. Then recomputes
     the dirty rows' maxima into fresh_key, in items of ROWS rows x BLOCK columns over the programs
-    (one dirty row of 65534 columns is 256 items of 256 columns). Nothing writes counts now, and atomic_max
-    makes the order free. (The first launch, before any merge, makes all rows' keys.)"""
+    (a dirty row of 65534 columns: 256 items). Nothing writes counts now; atomic_max makes the
+    order free."""
     if tl.load(state + DONE) != 0:
         return
     program, programs = tl.program_id(0), tl.num_programs(0)
@@ -338,8 +331,8 @@ def refresh_rows(state, list_buffer, scratch, list_len, counts, fresh_key, dirty
         col = (item % slices) * BLOCK + tl.arange(0, BLOCK)
         inside = (i < dirty)[:, None] & (col < columns)[None, :]
         count = tl.load(counts + row[:, None] * V + col[None, :], mask=inside, other=0)
-        # the item's largest count and its first column, as a key: in the counts' own type until
-        # the key, which halves the registers of a wide item
+        # the item's largest count and first column, as a key; int64 only for the key: half the
+        # registers of a wide item
         most = tl.max(count, axis=1)
         first_col = tl.min(tl.where(count == most[:, None], col[None, :], columns), axis=1)
         key = tl.where(most > 0, (most.to(tl.int64) << ID_BITS) | (LOW - first_col), 0)
@@ -347,7 +340,7 @@ def refresh_rows(state, list_buffer, scratch, list_len, counts, fresh_key, dirty
 
 
 def chunks_to_arrays(chunk_counts, vocab_size):
-    """The distinct chunks (2+ bytes: a single byte has no pair) as the arrays above, in numpy."""
+    """The distinct chunks (2+ bytes: a single byte has no pair) as the arrays above."""
     chunks = [chunk.encode("utf-8") for chunk in chunk_counts]
     lengths = np.fromiter(map(len, chunks), np.int64, len(chunks))
     occurrences = np.fromiter(chunk_counts.values(), np.int64, len(chunks))
@@ -391,8 +384,7 @@ def merge_on_device(arrays, vocab_size, device):
     V, device = vocab_size, torch.device(device)
     started = time.time()
     if device.type == "cuda":
-        # kernels launch, and a graph records, on the current GPU: make it this one (set_device
-        # wants an index: plain "cuda" is the current GPU)
+        # kernels launch, and a graph records, on the current GPU: make it this one, by index
         if device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(device)
@@ -422,8 +414,7 @@ def merge_on_device(arrays, vocab_size, device):
         refresh_rows[grid](state, list_buffer, scratch, list_len, counts, fresh_key, dirty_rows, V,
                            ROWS=rows, BLOCK=block)
 
-    # past the last merge, choose_pair sets DONE and every kernel does nothing
-    def merge_group():
+    def merge_group():  # past the last merge, choose_pair sets DONE: every kernel does nothing
         for _ in range(ROUNDS_PER_READ):
             choose_pair[(1,)](state, row_key, block_key, fresh_key, dirty_flag, dirty_rows,
                               list_start, list_len, merge_log, V, BLOCK=choose_block,
@@ -437,7 +428,7 @@ def merge_on_device(arrays, vocab_size, device):
 
     launch_refresh()
     # The setup ends with every kernel compiled (a group run with DONE set does nothing else) and,
-    # on CUDA, a group recorded as a graph: the loop's clock then times merges, and only merges.
+    # on CUDA, a group recorded as a graph: the loop's clock then times merges alone.
     state[DONE.value] = 1
     merge_group()
     state[DONE.value] = 0
@@ -467,30 +458,27 @@ def merge_on_device(arrays, vocab_size, device):
 
 
 def merges_done(state):
-    """The one host read of a group of rounds, here and only here the host waits: whether the
-    merges are done, and how many there are."""
+    """Whether the merges are done, and how many: a group's one host read, the host's one wait."""
     slots = state[:DONE.value + 1].tolist()
     return bool(slots[DONE.value]), slots[NEXT.value] - 256
 
 
-# === plumbing: pre-tokenizing on every core, the pool's bookkeeping (train_bpe_cpu.py teaches
-# the counting of chunks; this is the same in both GPU trainers; a first read can skip to the next
-# # === banner). The regex is the slow part, and it holds the GIL: the parent
-# reads the documents, and worker processes count batches of them, at most two a worker queued.
-# BPE depends only on the multiset of chunks, so the order of adding up is free. A CPU-time alarm
-# per document (1 s + 10 s per million characters; GPT-4's pattern needs 0.3 s) turns a pattern
-# that backtracks catastrophically, (a|a)+b on aaaa..., into one line.
+# === plumbing: pre-tokenizing on every core (train_bpe_cpu.py teaches counting chunks; this is the
+# same in both GPU trainers; a first read can skip to the next # === banner). The regex is the slow
+# part, and holds the GIL: the parent reads the documents, worker processes count batches of them.
+# BPE depends only on the multiset of chunks: the order of adding up is free. A CPU-time alarm per
+# document (1 s + 10 s per million characters; GPT-4's pattern needs 0.3 s) turns a pattern that
+# backtracks catastrophically, (a|a)+b on aaaa..., into one line.
 BATCH_CHARS = 1 << 20  # characters of documents per batch sent to a pre-tokenizing worker
-#
-# A document longer than a batch (a .txt file is one) is cut into pieces for the workers, but only
-# where the split pattern can't match across the cut: then the pieces' chunks are the document's.
-# For GPT-4's pattern that is just before a line break (\r or \n) that follows a letter or digit X:
-# - No match holds both X and the break. Letter and digit runs stop at it. The alternatives that
-#   take a break need whitespace before it (\s*[\r\n]) or punctuation (` ?[^\s\p{L}\p{N}]++[\r\n]*`:
-#   "end.\n" is one chunk, so a cut after punctuation, or after a combining mark, would be wrong).
-# - At the break, every alternative that began before the cut stops as it would at the end of the
-#   text, so the matches before the cut are the same with the text cut there; and the pattern has
-#   no lookbehind or anchor, so the scan from the break on doesn't see what came before.
+# A longer document (a .txt file) is cut into pieces only where the split pattern can't match
+# across the cut: then the pieces' chunks are the document's. For GPT-4's pattern, that is just
+# before a line break (\r or \n) that follows a letter or digit X:
+# - No match holds both X and the break: letter and digit runs stop at it, and the alternatives
+#   that take a break need whitespace (\s*[\r\n]) or punctuation (` ?[^\s\p{L}\p{N}]++[\r\n]*`)
+#   before it ("end.\n" is one chunk: a cut after punctuation, or a combining mark, would be wrong).
+# - At the break, every alternative begun before it stops as at the text's end: the matches before
+#   the cut are unchanged. With no lookbehind or anchor, the scan from the break on sees nothing
+#   before it.
 # A --pattern not in SAFE_CUTS is never cut: where it can match across, this file can't know.
 SAFE_CUTS = {pattern: regex.compile(r"[\p{L}\p{N}](?=[\r\n])")}  # the cut: the match's end
 
@@ -519,13 +507,13 @@ def count_batch(documents, pattern_text, chunk_counts):
 
 
 def count_worker(number, batches, inboxes, results, pattern_text):
-    """A worker process: counts the batches it takes, until None, into one Counter. Then the workers
-    add up their Counters together: worker i keeps the chunks with hash(chunk) % workers == i, sends
-    every other worker its share (forked, they hash strings alike), adds up the shares it gets, and
-    puts the sum on `results`. The parent only joins sums that have no chunk in common: adding up a
-    Counter is a Python loop (~0.5 us a chunk), which in the parent alone would grow with the cores.
-    An error goes to `results` at once; the worker then only drains the queue, so the parent never
-    blocks, and still sends its shares, so no worker waits forever."""
+    """A worker process: counts the batches it takes, until None, into one Counter. The workers then
+    add up together: worker i keeps the chunks with hash(chunk) % workers == i, sends every other
+    worker its share (forked, they hash strings alike), adds up those it gets, puts the sum on
+    `results`. The parent joins disjoint sums: adding up Counters is a Python loop (~0.5 us a
+    chunk), which in the parent alone would grow with the cores. An error goes to `results` at
+    once; it then only drains the queue (the parent never blocks), and still sends its shares (no
+    worker waits forever)."""
     chunk_counts, error = Counter(), None
     for batch in iter(batches.get, None):
         try:
@@ -607,8 +595,8 @@ def count_chunks(documents, budget, pattern_text, workers, label):
                 # no chunk is in two workers' sums: joining them, in C, is all that is left
                 dict.update(chunk_counts, chunk_sums)
     finally:
-        # Done by now, or stopped by an error: then a batch may still be on its way into a pipe that
-        # no worker will read, and at exit Python would wait for it forever.
+        # After an error, a batch may still be on its way into a pipe no worker reads: at exit,
+        # Python would wait for it forever.
         batches.cancel_join_thread()
         for process in processes:
             process.kill()
@@ -642,8 +630,8 @@ def vocab_bytes(merges):
 
 
 def save_tokenizer(out_dir, merges, info):
-    """tiktoken's rank file (each token's bytes in base64, and its rank), and `info` as
-    tokenizer.json, each written under a temporary name, then renamed: never half a file."""
+    """tiktoken's rank file (each token's bytes in base64, and its rank) and `info` as
+    tokenizer.json, each written to a .tmp, then renamed: never half a file."""
     ranks = "".join(f"{base64.b64encode(token).decode()} {rank}\n"
                     for rank, token in enumerate(vocab_bytes(merges)))
     settings = json.dumps(info, indent=2, ensure_ascii=False) + "\n"
@@ -698,8 +686,8 @@ def check_out_dir(out_dir):
 
 
 def lock_directory(path):
-    """Hold an OS lock on the directory `path` while this process lives: one writer per directory. The
-    kernel drops a flock when its process dies, kill -9 included, so no stale lock is ever left behind."""
+    """One writer per directory: an OS lock on `path`, held while this process lives. The kernel
+    drops a flock when its process dies, kill -9 included: no stale lock is ever left behind."""
     descriptor = os.open(path, os.O_RDONLY)
     try:
         fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -849,8 +837,7 @@ def run(argv):
         "num_merges": num_merges, "num_chars": chars_read, "source": source,
         "trainer": "train_bpe_gpu.py", "device": str(train_device), "seconds": round(t2 - t0, 3),
         "stop_reason": stop_reason})
-    # merges/s is over the loop alone: the setup (uploads, the V x V zeros, compiling the kernels
-    # on a machine's first run, recording the graph) says nothing about how fast merging is
+    # merges/s over the loop alone: the setup (compiling on a machine's first run) isn't merging
     merges_per_second = num_merges / max(seconds["loop"], 1e-9)
     print(f"reading + pre-tokenizing {t1 - t0:.2f}s | layout {t_layout - t1:.2f}s | setup "
           f"{seconds['setup']:.2f}s | merging {seconds['loop']:.2f}s ({merges_per_second:,.0f} "
@@ -864,10 +851,9 @@ def run(argv):
     os.close(out_lock)
 
 
-# === plumbing: reading text (a function that stands in several scripts is the same in each; a
-# first read can skip to the next # === banner). .txt and .jsonl are read with the standard library:
-# `datasets` would turn CRLF into LF (no longer rustbpe's bytes), stop at invalid UTF-8, and take
-# seconds to start.
+# === plumbing: reading text (each function the same in every script it stands in; a first read
+# can skip to the next # === banner). .txt and .jsonl are read with the standard library: `datasets`
+# would turn CRLF into LF (no longer rustbpe's bytes), stop at invalid UTF-8, and start slowly.
 HUB_DATASETS = {"fineweb": ("HuggingFaceFW/fineweb", "sample-10BT"),  # (repository, config)
                 "fineweb-edu": ("HuggingFaceFW/fineweb-edu", "sample-10BT")}
 LOCAL_SUFFIXES = (".txt", ".jsonl", ".parquet")

@@ -55,8 +55,8 @@ try:
 except ImportError:
     sys.exit("error: train_bpe_multigpu.py needs triton (pip install triton)")
 
-# === plumbing: Triton 3.6's interpreter on NumPy 2.4, the same fix as train_bpe_gpu.py's (a first
-# read can skip to the next # === banner)
+# === plumbing: train_bpe_gpu.py's fix for Triton's interpreter (a first read can skip to the
+# next # === banner)
 if os.environ["TRITON_INTERPRET"] == "1":
     # Triton 3.6's interpreter (CUDA torch 2.11 pins it) takes a loop bound as int() of a 1-element
     # array, which NumPy 2.4 refuses (triton-lang/triton#9171); later Tritons take the element.
@@ -85,8 +85,7 @@ HUB_DATASETS = {"fineweb": ("HuggingFaceFW/fineweb", "sample-10BT"),
                 "fineweb-edu": ("HuggingFaceFW/fineweb-edu", "sample-10BT")}
 LOCAL_SUFFIXES = (".txt", ".jsonl", ".parquet")
 CACHE_VERSION = 3
-# programs; blocks of positions, dirty rows, keys to scan; rows a block key covers (CUDA's shape is
-# in merge_on_device)
+# train_bpe_gpu.py's shapes (CUDA's is in merge_on_device)
 INTERPRETER_SHAPE = dict(programs=1, block=1024, rows=64, choose_block=1024, key_block=16)
 MERGES_PER_READ = 16  # merges launched per host read of the "done" flag
 MAX_POSITIONS = 2**31 - 2  # positions are int32: a rank's distinct chunks' bytes + 2 spare slots
@@ -100,33 +99,26 @@ class UserError(Exception):
 
 
 # === the merge loop, split across ranks
-# train_bpe_gpu.py's layout, row and block keys and kernel bodies (read that file first), on this
-# rank's distinct chunks. Its choose_pair and apply_merges are each split in two around a
-# collective: best_pair, then find_occurrences, which decodes the reduced pick and starts the merge;
-# apply_merges, then apply_owned. Rank r owns the rows l with l % W == r, kept at l // W, and
-# their row keys. A merge (a, b) -> new changes only pairs in columns a and new, rows b and new:
+# train_bpe_gpu.py's layout, keys and kernel bodies (read it first), on this rank's distinct chunks.
+# Its choose_pair and apply_merges are each split in two around a collective: best_pair, then
+# find_occurrences (decodes the reduced pick, starts the merge); apply_merges, then apply_owned.
+# Rank r owns the rows l with l % W == r, kept at l // W, and their row keys. A merge (a, b) -> new
+# changes only (a, b) and pairs in columns a and new, rows b and new:
 #   (x, a) loses w and (x, new) gains w   where x is a merged occurrence's left neighbour
 #   (b, y) loses w, (new, y') gains w     where y is the right neighbour (y' = new if y merged too)
-# and (a, b) itself. Each rank sums its changes into `delta`: delta[0] is (a, b), delta[1 + 3j + k]
-# is id j in part k = 0, 1, 2 (x, y, y'). No id past `new` has a pair yet, so only the first
-# 1 + 3 (new + 1) numbers can be non-zero: half of 3V on average. One all_reduce(SUM) of that prefix
-# adds them over the ranks, and each owner applies the part in its rows. The next pair is one
-# all_reduce(MAX) of the ranks' best keys (two, when a count and both ids don't fit one int64).
-# Two collectives a merge is the least this split allows: the next pick needs the owners'
-# refreshed rows, which need every rank's changes, which need the pick. The host launches the five
-# kernels and calls the collectives between them, and reads the device once per 16 merges. No
-# deadlock, no divergence: every rank calls the same collectives in the same order (a rank with
-# no text sends zeros), and decides (the pair, "done") from the REDUCED values, the same everywhere.
-# Exact: counts are integers, each with one owner, who adds all its changes. No kernel needs a
-# lock; each docstring says why. Every atomic is relaxed, as in train_bpe_gpu.py.
+# Each rank sums its changes into `delta`: delta[0] is (a, b), delta[1 + 3j + k] id j in part
+# k = 0, 1, 2 (x, y, y'). No id past `new` has a pair yet: only the first 1 + 3 (new + 1) can be
+# non-zero, half of 3V on average. One all_reduce(SUM) of that prefix adds them over the ranks;
+# each owner applies the part in its rows. The next pair is one all_reduce(MAX) of the ranks' best
+# keys (two, when a count and both ids don't fit one int64). Two collectives a merge is the least:
+# the next pick needs the owners' refreshed rows, which need every rank's changes, which need the
+# pick. The host launches the five kernels, calls the collectives between them, and reads the
+# device once per 16 merges. No deadlock, no divergence: every rank calls the same collectives in
+# the same order (a rank with no text sends zeros), and decides (the pair, "done") from the REDUCED
+# values. Exact: counts are integers, each with one owner, who adds all its changes. No kernel needs
+# a lock (each docstring says why); every atomic is relaxed, as in train_bpe_gpu.py.
 
-# The slots of `state`, the loop's scalars, kept on the device:
-#   NEXT       the next id to give out (256 + the merges made): ids below it are the columns in use
-#   NEW, A, B  the merge being made, (a, b) -> new
-#   DONE       1 once no pair is left or V is reached: every kernel then does nothing
-#   START      where a's list lies in list_buffer; LENGTH, how long it is
-#   SURVIVORS  how many of a's positions stay a (they wait in scratch); DIRTY, how many rows
-#              dirty_rows holds
+# the slots of `state`, the loop's scalars on the device, as in train_bpe_gpu.py
 NEXT, NEW, A, B, DONE, START, LENGTH, SURVIVORS, DIRTY = (tl.constexpr(i) for i in range(9))
 DEAD = tl.constexpr(-2)  # the token of an unlinked position (the right half of a merged pair)
 ID_BITS = tl.constexpr(20)  # a row key's low bits hold 2^20 - 1 - right id
@@ -148,8 +140,8 @@ def append(length, buffer, values, keep):
 def pick_pair(state, row_key, block_key, fresh_key, dirty_flag, dirty_rows, V, BLOCK: tl.constexpr,
               KEY_BLOCK: tl.constexpr):
     """The pair with the largest count (ties: the smallest left id, then right id), as (count, left
-    row); 0 counts: none. Makes the dirty rows' keys exact first, so a second pick, with no merge
-    between, picks the same. One program, with its threads: it may read and write anything."""
+    row); count 0: none. Makes the dirty rows' keys exact first: a second pick with no merge
+    between picks the same. One program, with its threads: it may read and write anything."""
     # the rows that refresh recomputed into fresh_key become exact again
     dirty = tl.load(state + DIRTY)
     for first in range(0, dirty, BLOCK):
@@ -158,13 +150,12 @@ def pick_pair(state, row_key, block_key, fresh_key, dirty_flag, dirty_rows, V, B
         tl.store(row_key + rows, tl.load(fresh_key + rows, mask=i < dirty), mask=i < dirty)
         tl.store(fresh_key + rows, 0, mask=i < dirty)
         tl.store(dirty_flag + rows, 0, mask=i < dirty)
-    # A row copied by one thread may be read below by another, and Triton orders global memory
-    # only within a thread: a barrier, or a thread could scan a dirty row's stale key (or read
-    # DIRTY after it is reset).
+    # Triton orders global memory only within a thread: without a barrier, a thread could scan a
+    # dirty row's key before another's copy (or read DIRTY after it is reset).
     tl.debug_barrier()
     tl.store(state + DIRTY, 0)
-    # A dirty row's key may have dropped: its block's key is recomputed (a block holding two
-    # dirty rows is written twice, with the same value). A barrier again before the scan.
+    # A dirty row's key may have dropped: its block key is recomputed (a block with two dirty rows
+    # is written twice, alike). A barrier again before the scan.
     tl.static_assert(BLOCK >= KEY_BLOCK)
     for first in range(0, dirty, BLOCK // KEY_BLOCK):
         i = first + tl.arange(0, BLOCK // KEY_BLOCK)
@@ -173,8 +164,8 @@ def pick_pair(state, row_key, block_key, fresh_key, dirty_flag, dirty_rows, V, B
         keys = tl.load(row_key + rows, mask=(i < dirty)[:, None] & (rows < V), other=0)
         tl.store(block_key + blocks, tl.max(keys, axis=1), mask=i < dirty)
     tl.debug_barrier()
-    # The largest count over all blocks, the first block on a tie; then the first row of that
-    # block with that count: the first row with the largest count of all.
+    # The largest count over all blocks (the first block on a tie), then that block's first row
+    # with it: the first row with the largest count of all.
     new = tl.load(state + NEXT)
     best_count, best_block = tl.full((), 0, tl.int64), tl.full((), 0, tl.int64)
     for first in range(0, tl.cdiv(new, KEY_BLOCK), BLOCK):
@@ -218,10 +209,9 @@ def find_occurrences(state, best, list_start, list_len, merge_log, list_buffer, 
                      prev_pos, mark, V, END, BITS: tl.constexpr, ONE_KEY: tl.constexpr,
                      BLOCK: tl.constexpr):
     """Decodes the reduced key, the same on every rank: the pair to merge. Each program decodes it
-    for itself, and program 0 writes the merge's state for the kernels that follow: NEXT moves on in
-    apply_owned, and DONE is set only when every program finds the end itself, so no program depends
-    on what program 0 writes. Then marks this rank's occurrences that merge, as train_bpe_gpu.py
-    does: mark[p] = 2 new, mark[next_pos[p]] = 2 new + 1."""
+    for itself; program 0 writes the merge's state for the kernels that follow (NEXT moves on in
+    apply_owned, and every program finds the end itself), so no program depends on what program 0
+    writes. Then marks this rank's occurrences that merge, as train_bpe_gpu.py does."""
     # best[0] is the packed key (ONE_KEY) or the count; best[1] the tie-break
     count, tie, new = tl.load(best), tl.load(best + 1), tl.load(state + NEXT)
     if ONE_KEY:
@@ -355,9 +345,9 @@ def apply_owned(state, delta, counts, row_key, block_key, dirty_flag, dirty_rows
 @triton.jit
 def refresh_rows(state, list_buffer, scratch, list_len, counts, fresh_key, dirty_rows, V, WORLD,
                  ROWS: tl.constexpr, BLOCK: tl.constexpr):
-    """Copies a's surviving positions back from scratch, one slot per lane; then recomputes the
-    dirty rows' maxima into fresh_key, in items of ROWS rows x BLOCK columns over the programs.
-    Nothing writes counts now, and atomic_max makes the order free."""
+    """train_bpe_gpu.py's refresh_rows, on this rank's rows: copies a's survivors back, then
+    recomputes the dirty rows' maxima into fresh_key. Nothing writes counts now; atomic_max makes
+    the order free."""
     if tl.load(state + DONE) == 0:
         if tl.load(state + NEW) >= 256:
             a, survivors = tl.load(state + A), tl.load(state + SURVIVORS)
@@ -369,8 +359,6 @@ def refresh_rows(state, list_buffer, scratch, list_len, counts, fresh_key, dirty
                 tl.store(list_len + a, survivors)
         columns, dirty = tl.load(state + NEXT), tl.load(state + DIRTY)
         slices = tl.cdiv(columns, BLOCK)
-        # as in train_bpe_gpu.py: the next items' loads in flight, each item's key from its
-        # largest count and first column
         for item in tl.range(tl.program_id(0), tl.cdiv(dirty, ROWS) * slices, tl.num_programs(0),
                              num_stages=3):
             i = (item // slices) * ROWS + tl.arange(0, ROWS)
@@ -388,7 +376,7 @@ def refresh_rows(state, list_buffer, scratch, list_len, counts, fresh_key, dirty
 # === the merge loop on the host
 
 def chunks_to_arrays(blob, lengths, occurrences, count_dtype):
-    """This rank's distinct chunks (from the cache) as the flat arrays above, built in numpy."""
+    """This rank's distinct chunks (from the cache) as train_bpe_gpu.py's flat arrays."""
     L = END = blob.size
     tokens = np.full(L + 2, -1, np.int32)
     tokens[:L] = blob
@@ -398,11 +386,8 @@ def chunks_to_arrays(blob, lengths, occurrences, count_dtype):
     next_pos[L:], prev_pos[L:] = END, END
     weight = np.zeros(L + 2, count_dtype)
     weight[:L] = np.repeat(occurrences, lengths)
-    # every position with a right neighbour starts a pair
     left = np.flatnonzero(next_pos[:L] != END)
-    # the 256 byte lists, one after another: as uint8, numpy's stable sort is a radix sort, linear
     order = np.argsort(tokens[left].astype(np.uint8), kind="stable")
-    # each merge appends as many positions as it kills
     list_buffer = np.zeros(2 * len(left) + 1, np.int32)
     list_buffer[:len(left)] = left[order]
     list_len = np.bincount(tokens[left], minlength=256).astype(np.int64)
@@ -452,10 +437,9 @@ def merge_on_device(arrays, vocab_size, total_pairs, device, show_progress):
         refresh_rows[grid](state, list_buffer, scratch, list_len, counts, fresh_key, dirty_rows, V,
                            W, ROWS=rows, BLOCK=block)
 
-    # One merge: five kernels, and between them the host calls the collectives, every rank the same
-    # ones in the same order, each waiting at most the process group's --timeout for the others.
-    # Merge number m makes id 256 + m at most, so delta's prefix up to that id is all it sends.
-    # Past the last merge, find_occurrences sets DONE and every kernel does nothing.
+    # One merge: five kernels, the host's collectives between them (each waits at most --timeout).
+    # Merge m makes id 256 + m at most: delta's prefix up to that id is all it sends. Past the last
+    # merge, find_occurrences sets DONE and every kernel does nothing.
     def merge(m):
         best_pair[(1,)](state, row_key, block_key, fresh_key, dirty_flag, dirty_rows, V, best,
                         BITS=bits, ONE_KEY=one_key, BLOCK=choose_block, KEY_BLOCK=key_block)
@@ -614,7 +598,7 @@ def run(argv):
     num_merges, eot_id = len(merges), 256 + len(merges)
     stop_reason = "vocab_size reached" if eot_id == args.vocab_size else "no pairs left to merge"
     if eot_id < args.vocab_size:
-        say(f"stopped early after {num_merges} merges: no pairs left to merge "
+        say(f"stopped early after {num_merges} merges: {stop_reason} "
             f"(vocab {eot_id} < {args.vocab_size})")
     if RANK == 0:
         save_tokenizer(out_dir, merges, {
@@ -625,7 +609,7 @@ def run(argv):
     tokens_left = total["total_bytes"] - sum(saved for saved, _ in saved_and_peak)
     all_reused = cache_statuses.count("reused") == WORLD
     reading = "loading the cache" if all_reused else "reading + pre-tokenizing"
-    # merges/s is over the loop alone, as in train_bpe_gpu.py: the setup says nothing about merging
+    # merges/s over the loop alone, as in train_bpe_gpu.py
     merges_per_second = num_merges / max(seconds["loop"], 1e-9)
     say(f"{reading} {t1 - t0:.2f}s | "
         f"layout {t2 - t1:.2f}s | setup {seconds['setup']:.2f}s | merging {seconds['loop']:.2f}s "
@@ -642,10 +626,8 @@ def run(argv):
     dist.barrier()  # nobody leaves (and tears the group down) while rank 0 still writes
 
 
-# === plumbing: pre-tokenizing on every core, train_bpe_gpu.py's own and taught there: worker
-# processes count batches of documents, a CPU-time alarm stops a pattern that backtracks, and a long
-# document is cut only where SAFE_CUTS says the pattern can't match across (a first read can skip
-# to the next # === banner)
+# === plumbing: pre-tokenizing on every core, train_bpe_gpu.py's own and taught there (a first
+# read can skip to the next # === banner)
 SAFE_CUTS = {pattern: regex.compile(r"[\p{L}\p{N}](?=[\r\n])")}  # the cut: the match's end
 
 
@@ -673,13 +655,13 @@ def count_batch(documents, pattern_text, chunk_counts):
 
 
 def count_worker(number, batches, inboxes, results, pattern_text):
-    """A worker process: counts the batches it takes, until None, into one Counter. Then the workers
-    add up their Counters together: worker i keeps the chunks with hash(chunk) % workers == i, sends
-    every other worker its share (forked, they hash strings alike), adds up the shares it gets, and
-    puts the sum on `results`. The parent only joins sums that have no chunk in common: adding up a
-    Counter is a Python loop (~0.5 us a chunk), which in the parent alone would grow with the cores.
-    An error goes to `results` at once; the worker then only drains the queue, so the parent never
-    blocks, and still sends its shares, so no worker waits forever."""
+    """A worker process: counts the batches it takes, until None, into one Counter. The workers then
+    add up together: worker i keeps the chunks with hash(chunk) % workers == i, sends every other
+    worker its share (forked, they hash strings alike), adds up those it gets, puts the sum on
+    `results`. The parent joins disjoint sums: adding up Counters is a Python loop (~0.5 us a
+    chunk), which in the parent alone would grow with the cores. An error goes to `results` at
+    once; it then only drains the queue (the parent never blocks), and still sends its shares (no
+    worker waits forever)."""
     chunk_counts, error = Counter(), None
     for batch in iter(batches.get, None):
         try:
@@ -761,8 +743,8 @@ def count_chunks(documents, budget, pattern_text, workers, label):
                 # no chunk is in two workers' sums: joining them, in C, is all that is left
                 dict.update(chunk_counts, chunk_sums)
     finally:
-        # Done by now, or stopped by an error: then a batch may still be on its way into a pipe that
-        # no worker will read, and at exit Python would wait for it forever.
+        # After an error, a batch may still be on its way into a pipe no worker reads: at exit,
+        # Python would wait for it forever.
         batches.cancel_join_thread()
         for process in processes:
             process.kill()
@@ -800,8 +782,7 @@ def count_part(args, source, files, documents, share, byte_range):
     error = None
     if cache_status != "reused":
         cores = len(os.sched_getaffinity(0)) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        num_workers = 1 if share < PARALLEL_CHARS else max(cores, 1)
-        num_workers = args.workers or num_workers
+        num_workers = args.workers or (1 if share < PARALLEL_CHARS else max(cores, 1))
         label = "reading (rank 0's part)" if RANK == 0 else None
         part = {"rank": RANK}  # what this rank read, for tokenizer.json
         if byte_range:
@@ -816,7 +797,6 @@ def count_part(args, source, files, documents, share, byte_range):
         except OSError as os_error:
             error = (f"{os_error.filename or prefix.parent}: {os_error.strerror or os_error}; "
                      "check it (--cache_dir says where the cache goes)")
-    # an error shared in run(), as a reading error is
     if error is None and cached[0].size + 2 > MAX_POSITIONS:
         error = (f"rank {RANK}'s distinct chunks hold {cached[0].size:,} bytes, more than int32 "
                  "positions can name (2^31 - 4); use more ranks, or a smaller -n")
@@ -987,8 +967,8 @@ def vocab_bytes(merges):
 
 
 def save_tokenizer(out_dir, merges, info):
-    """tiktoken's rank file (each token's bytes in base64, and its rank), and `info` as
-    tokenizer.json, each written under a temporary name, then renamed: never half a file."""
+    """tiktoken's rank file (each token's bytes in base64, and its rank) and `info` as
+    tokenizer.json, each written to a .tmp, then renamed: never half a file."""
     ranks = "".join(f"{base64.b64encode(token).decode()} {rank}\n"
                     for rank, token in enumerate(vocab_bytes(merges)))
     settings = json.dumps(info, indent=2, ensure_ascii=False) + "\n"
@@ -1035,8 +1015,8 @@ def check_out_dir(out_dir):
 
 
 def lock_directory(path):
-    """Hold an OS lock on the directory `path` while this process lives: one writer per directory. The
-    kernel drops a flock when its process dies, kill -9 included, so no stale lock is ever left behind."""
+    """One writer per directory: an OS lock on `path`, held while this process lives. The kernel
+    drops a flock when its process dies, kill -9 included: no stale lock is ever left behind."""
     descriptor = os.open(path, os.O_RDONLY)
     try:
         fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
