@@ -410,22 +410,32 @@ class MuonAdamW(torch.optim.Optimizer):
 
     def _muon_step(self, group, params):
         lr, momentum, every = group["lr"], group["momentum"], group.get("ns_every", 1)
+        # Matrices of one shape are orthogonalized together, in batched matmuls (a tall one joins
+        # the wide ones of its transposed shape): CPU steps 1.05-1.15x faster (bench/bench_muon.py).
+        by_shape = {}
         for p in params:
-            state = self.state[p]
-            buffer = state.setdefault("momentum_buffer", torch.zeros_like(p))
-            buffer.lerp_(p.grad, 1 - momentum)  # a momentum-weighted mean of the gradients
-            step = state.get("step", 0)
+            by_shape.setdefault((min(p.shape), max(p.shape)), []).append(p)
+        for (rows, cols), same_shape in by_shape.items():
+            states = [self.state[p] for p in same_shape]
+            grads = [p.grad for p in same_shape]
+            buffers = [state.setdefault("momentum_buffer", torch.zeros_like(p))
+                       for state, p in zip(states, same_shape)]
+            torch._foreach_lerp_(buffers, grads, 1 - momentum)  # a momentum-weighted mean of grads
+            step = states[0].get("step", 0)
             fresh = step % every == 0 or step < group.get("ns_warmup", 0)
-            if fresh or "direction" not in state:
+            if fresh or "direction" not in states[0]:
                 # Nesterov: step along the gradient plus the buffer, where the momentum goes.
-                nesterov = p.grad.lerp(buffer, momentum)
-                direction = orthogonalize(nesterov[None], group["ns_steps"])[0].to(p.dtype)
+                nesterov = torch._foreach_lerp(grads, buffers, momentum)
+                wide = torch.stack([g if g.size(0) == rows else g.mT for g in nesterov])
+                directions = orthogonalize(wide, group["ns_steps"]).to(same_shape[0].dtype)
+                directions = [d if p.size(0) == rows else d.mT for d, p in zip(directions, same_shape)]
             else:
-                direction = state["direction"]
+                directions = [state["direction"] for state in states]
             if every > 1:  # in the state, so that a resumed run takes the same steps
-                state.update(step=step + 1, direction=direction)
-            p.mul_(1 - lr * group["weight_decay"])
-            p.add_(direction, alpha=-lr * 0.2 * max(p.shape) ** 0.5)
+                for state, direction in zip(states, directions):
+                    state.update(step=step + 1, direction=direction)
+            torch._foreach_mul_(same_shape, 1 - lr * group["weight_decay"])
+            torch._foreach_add_(same_shape, directions, alpha=-lr * 0.2 * cols ** 0.5)
 
     def _adamw_step(self, group, params):
         lr, (beta1, beta2), eps = group["lr"], group["betas"], group["eps"]
