@@ -125,8 +125,7 @@ ID_BITS = tl.constexpr(20)  # a row key's low bits hold 2^20 - 1 - right id
 LOW = tl.constexpr((1 << 20) - 1)
 
 
-# === plumbing: append and pick_pair, train_bpe_gpu.py's own (taught there; a first read can skip
-# to the next # === banner)
+# === plumbing: append and pick_pair, train_bpe_gpu.py's own (taught there)
 
 @triton.jit
 def append(length, buffer, values, keep):
@@ -626,8 +625,7 @@ def run(argv):
     dist.barrier()  # nobody leaves (and tears the group down) while rank 0 still writes
 
 
-# === plumbing: pre-tokenizing on every core, train_bpe_gpu.py's own and taught there (a first
-# read can skip to the next # === banner)
+# === plumbing: pre-tokenizing on every core, train_bpe_gpu.py's own and taught there
 SAFE_CUTS = {pattern: regex.compile(r"[\p{L}\p{N}](?=[\r\n])")}  # the cut: the match's end
 
 
@@ -767,7 +765,7 @@ def document_pieces(document, pattern_text):
 
 
 # === plumbing: the cache of counted chunks (a rerun with other -v skips reading and
-# pre-tokenizing; a first read can skip to the next # === banner).
+# pre-tokenizing).
 # What the merge loop needs, as .npy files (no pickle: loading can't run code): the UTF-8 bytes of
 # this rank's distinct chunks of 2+ bytes, and each one's length and count. The .json, written
 # last, holds the statistics, what was read, and a sha256 of it all: a cache that fails it (or is
@@ -853,8 +851,7 @@ def read_cache(prefix):
     return "reused", (*arrays, stats)
 
 
-# === plumbing: the command line, the settings' checks, the memory checks, the text's checks (a first
-# read can skip to the next # === banner)
+# === plumbing: the command line, the settings' checks, the memory checks, the text's checks
 
 def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -956,7 +953,7 @@ def check_text(args, source, total, chars, cache_statuses, prefix):
 
 
 # === plumbing: the output directory's checks and lock, and the files written there (the same in
-# every trainer; a first read can skip to the next # === banner)
+# every trainer)
 
 def vocab_bytes(merges):
     """Every token's bytes, in rank order: 0-255 are the bytes, a merge is its two halves glued."""
@@ -1141,7 +1138,13 @@ codecs.register_error(BadUTF8.errors, BadUTF8.replace)
 # === plumbing: error reporting: a user's mistake, or a lost rank, is one line and no traceback
 # (a first read can skip to the end)
 
+def stopped(signum, frame):  # torchrun stops the other ranks so when one fails, SLURM at its limit
+    say(f"\nerror: stopped by {signal.Signals(signum).name}", file=sys.stderr)
+    sys.exit(1)  # as on an error: atexit removes a half-made --out
+
+
 if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, stopped)
     try:
         run(sys.argv[1:])
     except (UserError, OSError) as error:  # OSError: an unreadable file, a full disk
@@ -1160,7 +1163,8 @@ if __name__ == "__main__":
         print(f"\nerror: rank {RANK} lost contact with the other ranks ({text}); one died, hangs "
               "or never started (see above; --timeout sets the wait)", file=sys.stderr, flush=True)
         sys.exit(1)
-    finally:
+    finally:  # leaving: a SIGTERM from now on would be a traceback in a __del__ or atexit
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         if dist.is_initialized():
             try:
                 dist.destroy_process_group()

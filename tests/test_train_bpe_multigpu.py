@@ -410,7 +410,7 @@ def test_a_rank_that_hangs_or_dies_stops_the_others_with_one_line(tmp_path, fate
     if fate == "hangs":
         assert [line for line in errors if line.startswith("error: rank 0 lost contact with the other ranks")], output
     # torchrun adds its own failure summary after our line; no traceback comes from the script itself
-    assert "train_bpe_multigpu.py\", line" not in output and not (tmp_path / "tok").exists()
+    assert "train_bpe_multigpu.py\", line" not in output and not (tmp_path / "tok").exists(), output
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU here: the NCCL path runs on GPU machines only")
