@@ -197,9 +197,8 @@ def run(argv):
     t2 = time.time()
 
     num_merges, eot_id = len(merges), 256 + len(merges)  # <|endoftext|>: the first id after them
-    stop_reason = "vocab_size reached"
+    stop_reason = "vocab_size reached" if eot_id == args.vocab_size else "no pairs left to merge"
     if eot_id < args.vocab_size:
-        stop_reason = "no pairs left to merge"
         print(f"stopped early after {num_merges} merges: {stop_reason} "
               f"(vocab {eot_id} < {args.vocab_size})")
     save_tokenizer(out_dir, merges, {
@@ -344,9 +343,9 @@ def lock_directory(path):
     return descriptor  # the lock lasts while this descriptor is open: keep it
 
 
-# === plumbing: reading text (each function the same in every script it stands in; a first read
-# can skip to the next # === banner). .txt and .jsonl are read with the standard library: `datasets`
-# would turn CRLF into LF (no longer rustbpe's bytes), stop at invalid UTF-8, and start slowly.
+# === plumbing: reading text (each function the same in every script it stands in). .txt and
+# .jsonl are read with the standard library: `datasets` would turn CRLF into LF (no longer
+# rustbpe's bytes), stop at invalid UTF-8, and start slowly.
 HUB_DATASETS = {"fineweb": ("HuggingFaceFW/fineweb", "sample-10BT"),  # (repository, config)
                 "fineweb-edu": ("HuggingFaceFW/fineweb-edu", "sample-10BT")}
 LOCAL_SUFFIXES = (".txt", ".jsonl", ".parquet")
@@ -356,11 +355,10 @@ def open_source(data, data_was_named):  # (documents, name, description); docume
         files = local_files(data)
         return (lambda budget: local_texts(files, budget)), Path(data).stem, str(data)
     repository, config = HUB_DATASETS[data]
-    load = dict(path=repository, name=config)
     problem = hub_problem()
     if problem is None:
-        description = f"{repository} {config}" if config else repository
-        return (lambda budget: datasets_texts(repository, **load)), data, description
+        texts = lambda budget: datasets_texts(repository, path=repository, name=config)  # noqa
+        return texts, data, f"{repository} {config}"
     if data_was_named:  # the default source falls back to the offline corpus; a named one refuses
         raise UserError(f"{problem}, needed for --data {data}; use --data path/to/files instead")
     print(f"warning: {problem}: using the offline corpus, Python's stdlib", file=sys.stderr)
@@ -463,7 +461,7 @@ def first_chars(documents, num_chars):  # the last document is cut to fit
         if num_chars == 0:
             return  # before the source is asked for one more document: it may be slow, or malformed
 
-# === the command line: run, and each mistake in one line --------------------------------------
+# === the command line: run, and each mistake in one line
 if __name__ == "__main__":
     try:
         run(sys.argv[1:])

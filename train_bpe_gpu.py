@@ -5,11 +5,11 @@ Train a byte-level BPE tokenizer, merging on a GPU: the same merges as train_bpe
     python train_bpe_gpu.py --data ../shared/corpora/enwiki.jsonl -v 65534 -n 134217728
     python train_bpe_gpu.py -v 300 -n 65536 --device cpu    # no GPU: Triton's interpreter (tests)
 
-Flags and outputs are train_bpe_cpu.py's, the readable reference of the algorithm. This file shows
-how a sequential algorithm gets fast on a GPU: merge k needs the counts left by merge k-1, so merges
-can't run in parallel, but the work inside a merge can, and the host must stay out of the way. A
-merge is four small Triton kernels, one per step; the host launches them (on CUDA, 16 merges'
-kernels as one CUDA graph) and reads once per 16 merges: "done?".
+Flags and outputs are train_bpe_cpu.py's, the readable reference. This file shows how a sequential
+algorithm gets fast on a GPU: merge k needs the counts left by merge k-1, so merges can't run in
+parallel, but the work inside a merge can, and the host must stay out of the way. A merge is four
+small Triton kernels, one per step; the host launches them (on CUDA, 16 merges as one CUDA graph)
+and reads once per 16 merges: "done?".
 """
 
 import argparse
@@ -55,15 +55,14 @@ if os.environ["TRITON_INTERPRET"] == "1":
         tensor.__index__ = lambda self: int(self.handle.data.squeeze())
     interpreter._patch_lang_tensor = patch_tensor
 
-# === settings ----------------------------------------------------------------
+# === settings
 # defaults, each overridable from the command line
 vocab_size = 1000  # byte tokens (256) + merges; <|endoftext|> gets the next id
 num_chars = 1048576  # train on the first 2^20 characters of the stream
 data = "fineweb"  # fineweb | fineweb-edu | a .txt/.jsonl/.parquet file | a directory of them
 out = None  # output directory; default tokenizers/<source>_v<vocab_size>
 device = None  # cuda; without a GPU, --device cpu: Triton's interpreter (exact, slow, for tests)
-# GPT-4's split pattern: letters with their leading space, numbers in groups of up to 3, punctuation
-# runs, and whitespace, so that merges never glue a word to the punctuation or the space after it.
+# GPT-4's split pattern (train_bpe_cpu.py says what it keeps apart)
 pattern = r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]++[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+"""
 EOT = "<|endoftext|>"
 # programs; positions per block; dirty rows per refresh item; keys choose_pair scans at once; rows
@@ -77,7 +76,7 @@ PARALLEL_CHARS = 1 << 24  # from this many characters on, all cores pre-tokenize
 # -------------------------------------------------------- the lesson: one BPE merge as four steps
 # The distinct chunks lie in flat arrays, one slot per byte (a "position"), as in train_bpe_cpu.py:
 #   tokens[p]      the token at p; DEAD once merged away; -1 on the spare slots END and END+1
-#                  (END is real: a lane may read the token after any position unmasked)
+#                  (real: a lane may read the token after any position unmasked)
 #   next_pos[p]    the next live position of p's chunk, or END; prev_pos[p] likewise. A merge
 #                  unlinks a pair's right half: tokens never move, positions stay valid names.
 #   weight[p]      how often p's chunk occurs in the corpus
@@ -94,21 +93,18 @@ PARALLEL_CHARS = 1 << 24  # from this many characters on, all cores pre-tokenize
 # choosing reads V/KEY_BLOCK block keys, one block's row keys and the dirty rows' blocks.
 # The loop's state (a, b, list bounds) stays on the device, in `state`. Programs stride over blocks,
 # so every grid's size is known before the data: CUDA records 16 rounds as one graph. No kernel
-# needs a lock; each docstring says why, from who writes what.
-# A merge costs its kernels' latency more than their work (on enwiki at V=65534 the median one
-# visits 132 positions): ~25 us on an H100, four kernels and their gaps in a CUDA graph. (Many
-# small merges in one program, barriers for kernel ends, took 1.6x as long: one SM's chain of
-# dependent loads.) Every atomic is relaxed: each needs only atomicity, and the stream orders
-# kernels, so a step sees what the last wrote. The default, acq_rel, fences the whole device
-# around each atomic (MEMBAR.ALL.GPU on an H100), on apply's critical path.
+# needs a lock; each docstring says why.
+# A merge costs its kernels' latency more than their work (the median one visits 132 positions, on
+# enwiki at V=65534): ~25 us on an H100. Every atomic is relaxed: each needs only atomicity, and
+# the stream orders the kernels. The default, acq_rel, fences the whole device around each atomic
+# (MEMBAR.ALL.GPU on an H100), on apply's critical path.
 
-# The slots of `state`, the loop's scalars, kept on the device:
+# `state`, the loop's scalars on the device:
 #   NEXT       the next id to give out (256 + the merges made): ids below it are the columns in use
 #   NEW, A, B  the merge being made, (a, b) -> new
 #   DONE       1 once no pair is left or V is reached: every kernel then does nothing
 #   START      where a's list lies in list_buffer; LENGTH, how long it is
-#   SURVIVORS  how many of a's positions stay a (they wait in scratch); DIRTY, how many rows
-#              dirty_rows holds
+#   SURVIVORS  how many of a's positions stay a (they wait in scratch); DIRTY, dirty_rows' length
 NEXT, NEW, A, B, DONE, START, LENGTH, SURVIVORS, DIRTY = (tl.constexpr(i) for i in range(9))
 DEAD = tl.constexpr(-2)  # the token of an unlinked position (the right half of a merged pair)
 ID_BITS = tl.constexpr(20)  # a key's low bits hold 2^20 - 1 - right id: V is at most 2^20
@@ -129,7 +125,7 @@ def pick_pair(state, row_key, block_key, fresh_key, dirty_flag, dirty_rows, V, B
     """The pair with the largest count (ties: the smallest left id, then right id), as (count, left
     row); count 0: none. Makes the dirty rows' keys exact first: a second pick with no merge
     between picks the same. One program, with its threads: it may read and write anything."""
-    # the rows that refresh recomputed into fresh_key become exact again
+    # the dirty rows take the keys refresh recomputed
     dirty = tl.load(state + DIRTY)
     for first in range(0, dirty, BLOCK):
         i = first + tl.arange(0, BLOCK)
@@ -151,8 +147,7 @@ def pick_pair(state, row_key, block_key, fresh_key, dirty_flag, dirty_rows, V, B
         keys = tl.load(row_key + rows, mask=(i < dirty)[:, None] & (rows < V), other=0)
         tl.store(block_key + blocks, tl.max(keys, axis=1), mask=i < dirty)
     tl.debug_barrier()
-    # The largest count over all blocks (the first block on a tie), then that block's first row
-    # with it: the first row with the largest count of all.
+    # the first block with the largest count, then its first row with it: the first row of all
     new = tl.load(state + NEXT)
     best_count, best_block = tl.full((), 0, tl.int64), tl.full((), 0, tl.int64)
     for first in range(0, tl.cdiv(new, KEY_BLOCK), BLOCK):
@@ -199,8 +194,8 @@ def choose_pair(state, row_key, block_key, fresh_key, dirty_flag, dirty_rows, li
 def find_occurrences(state, list_buffer, tokens, next_pos, prev_pos, mark, END,
                      BLOCK: tl.constexpr):
     """Step 2: marks the occurrences that merge: mark[p] = 2 new, mark[next_pos[p]] = 2 new + 1 (an
-    earlier merge's marks never match: none is cleared). Writes only these two marks of its own
-    merging p, distinct for distinct p: merged occurrences don't overlap, next_pos is one-to-one."""
+    earlier merge's marks never match: none is cleared). A lane writes only its p's two marks,
+    distinct for distinct p: merged occurrences don't overlap, next_pos is one-to-one."""
     if tl.load(state + DONE) != 0:
         return
     a, b, new = tl.load(state + A), tl.load(state + B), tl.load(state + NEW)
@@ -229,10 +224,10 @@ def find_occurrences(state, list_buffer, tokens, next_pos, prev_pos, mark, END,
 def apply_merges(state, list_buffer, scratch, list_start, list_len, tokens, next_pos, prev_pos,
                  mark, weight, counts, row_key, block_key, dirty_flag, dirty_rows, V, END,
                  BLOCK: tl.constexpr, KEY_BLOCK: tl.constexpr):
-    """Step 3: merges the marked occurrences. The lane of (p, second) writes only what it owns:
-    tokens, next_pos and prev_pos of p and second, and prev_pos of the position after second unless
-    that one merges too (its own lane links it then). It reads a neighbour's token only where the
-    marks say no lane writes it. Counts change by atomic adds, which commute."""
+    """Step 3: merges the marked occurrences. The lane of (p, second) writes only what it owns: the
+    tokens and links of p and second, and prev_pos of the position after second unless that one
+    merges too (its lane links it then). It reads a neighbour's token only where the marks say no
+    lane writes it. Counts change by atomic adds, which commute."""
     if tl.load(state + DONE) != 0:
         return
     a, b, new = tl.load(state + A), tl.load(state + B), tl.load(state + NEW)
@@ -306,10 +301,9 @@ def gain_pair(counts, row_key, block_key, V, row, col, w, gain, KEY_BLOCK: tl.co
 @triton.jit
 def refresh_rows(state, list_buffer, scratch, list_len, counts, fresh_key, dirty_rows, V,
                  ROWS: tl.constexpr, BLOCK: tl.constexpr):
-    """Step 4: copies a's surviving positions back from scratch, one slot per lane. Then recomputes
-    the dirty rows' maxima into fresh_key, in items of ROWS rows x BLOCK columns over the programs
-    (a dirty row of 65534 columns: 256 items). Nothing writes counts now; atomic_max makes the
-    order free."""
+    """Step 4: copies a's surviving positions back from scratch, then recomputes the dirty rows'
+    maxima into fresh_key, in items of ROWS rows x BLOCK columns over the programs (a dirty row of
+    65534 columns: 256 items). Nothing writes counts now; atomic_max makes the order free."""
     if tl.load(state + DONE) != 0:
         return
     program, programs = tl.program_id(0), tl.num_programs(0)
@@ -361,7 +355,6 @@ def chunks_to_arrays(chunk_counts, vocab_size):
     count_dtype = np.int32 if total_pairs < 2**31 else np.int64
     weight = np.zeros(L + 2, count_dtype)
     weight[:L] = np.repeat(occurrences, lengths)
-    # every position with a right neighbour starts a pair
     left = np.flatnonzero(next_pos[:L] != END)
     # the 256 byte lists, one after another: as uint8, numpy's stable sort is a radix sort, linear
     order = np.argsort(tokens[left].astype(np.uint8), kind="stable")
@@ -463,22 +456,22 @@ def merges_done(state):
     return bool(slots[DONE.value]), slots[NEXT.value] - 256
 
 
-# === plumbing: pre-tokenizing on every core (train_bpe_cpu.py teaches counting chunks; this is the
-# same in both GPU trainers; a first read can skip to the next # === banner). The regex is the slow
-# part, and holds the GIL: the parent reads the documents, worker processes count batches of them.
-# BPE depends only on the multiset of chunks: the order of adding up is free. A CPU-time alarm per
-# document (1 s + 10 s per million characters; GPT-4's pattern needs 0.3 s) turns a pattern that
-# backtracks catastrophically, (a|a)+b on aaaa..., into one line.
+# === plumbing: pre-tokenizing on every core, the same in both GPU trainers (counting chunks is
+# train_bpe_cpu.py's lesson). The regex is the slow part, and holds the GIL: the parent reads the
+# documents, worker processes count batches of them, in any order (BPE depends only on the multiset
+# of chunks), then add up together: worker i sums the chunks with hash(chunk) % workers == i, sent
+# by all (forked, they hash alike), and the parent only joins disjoint sums (adding Counters, ~0.5
+# us a chunk, in the parent alone would grow with the cores). A CPU-time alarm per document, as in
+# train_bpe_cpu.py's split_in_time, turns a pattern that backtracks catastrophically into one line.
 BATCH_CHARS = 1 << 20  # characters of documents per batch sent to a pre-tokenizing worker
 # A longer document (a .txt file) is cut into pieces only where the split pattern can't match
-# across the cut: then the pieces' chunks are the document's. For GPT-4's pattern, that is just
-# before a line break (\r or \n) that follows a letter or digit X:
+# across, so that the pieces' chunks are the document's. For GPT-4's pattern, that is just before
+# a line break (\r or \n) after a letter or digit X:
 # - No match holds both X and the break: letter and digit runs stop at it, and the alternatives
 #   that take a break need whitespace (\s*[\r\n]) or punctuation (` ?[^\s\p{L}\p{N}]++[\r\n]*`)
 #   before it ("end.\n" is one chunk: a cut after punctuation, or a combining mark, would be wrong).
 # - At the break, every alternative begun before it stops as at the text's end: the matches before
-#   the cut are unchanged. With no lookbehind or anchor, the scan from the break on sees nothing
-#   before it.
+#   the cut are unchanged; with no lookbehind or anchor, the ones after it see nothing before it.
 # A --pattern not in SAFE_CUTS is never cut: where it can match across, this file can't know.
 SAFE_CUTS = {pattern: regex.compile(r"[\p{L}\p{N}](?=[\r\n])")}  # the cut: the match's end
 
@@ -507,13 +500,9 @@ def count_batch(documents, pattern_text, chunk_counts):
 
 
 def count_worker(number, batches, inboxes, results, pattern_text):
-    """A worker process: counts the batches it takes, until None, into one Counter. The workers then
-    add up together: worker i keeps the chunks with hash(chunk) % workers == i, sends every other
-    worker its share (forked, they hash strings alike), adds up those it gets, puts the sum on
-    `results`. The parent joins disjoint sums: adding up Counters is a Python loop (~0.5 us a
-    chunk), which in the parent alone would grow with the cores. An error goes to `results` at
-    once; it then only drains the queue (the parent never blocks), and still sends its shares (no
-    worker waits forever)."""
+    """A worker process: counts the batches it takes, until None, then sums its share of all the
+    workers' counts onto `results`. After an error, put there at once, it only drains the queue (the
+    parent never blocks) and still sends its shares (no worker waits forever)."""
     chunk_counts, error = Counter(), None
     for batch in iter(batches.get, None):
         try:
@@ -592,7 +581,7 @@ def count_chunks(documents, budget, pattern_text, workers, label):
             for chunk_sums in [waiting(results.get) for _ in processes]:
                 if isinstance(chunk_sums, UserError):
                     raise chunk_sums
-                # no chunk is in two workers' sums: joining them, in C, is all that is left
+                # disjoint sums: joining them, in C, is all that is left
                 dict.update(chunk_counts, chunk_sums)
     finally:
         # After an error, a batch may still be on its way into a pipe no worker reads: at exit,
@@ -618,7 +607,7 @@ def document_pieces(document, pattern_text):
     yield document[start:]
 
 
-# === output: the tokenizer's files ---------------------------------------------------------
+# === output: the tokenizer's files
 
 
 def vocab_bytes(merges):
@@ -640,8 +629,7 @@ def save_tokenizer(out_dir, merges, info):
         os.replace(out_dir / f"{name}.tmp", out_dir / name)
 
 
-# === plumbing: the settings' and the output directory's checks (a first read can skip to the
-# next # === banner)
+# === plumbing: the settings' and the output directory's checks
 
 
 class UserError(Exception):
@@ -798,7 +786,7 @@ def parse_args(argv):
     return parser.parse_args(argv)
 
 
-# === the run: read, pre-tokenize, lay out, merge on the device, write ----------------------
+# === the run: read, pre-tokenize, lay out, merge on the device, write
 
 
 def run(argv):
@@ -827,9 +815,8 @@ def run(argv):
     t2 = time.time()
 
     num_merges, eot_id = len(merges), 256 + len(merges)  # <|endoftext|>: the first id after them
-    stop_reason = "vocab_size reached"
+    stop_reason = "vocab_size reached" if eot_id == args.vocab_size else "no pairs left to merge"
     if eot_id < args.vocab_size:
-        stop_reason = "no pairs left to merge"
         print(f"stopped early after {num_merges} merges: {stop_reason} "
               f"(vocab {eot_id} < {args.vocab_size})")
     save_tokenizer(out_dir, merges, {
@@ -851,9 +838,7 @@ def run(argv):
     os.close(out_lock)
 
 
-# === plumbing: reading text (each function the same in every script it stands in; a first read
-# can skip to the next # === banner). .txt and .jsonl are read with the standard library: `datasets`
-# would turn CRLF into LF (no longer rustbpe's bytes), stop at invalid UTF-8, and start slowly.
+# === plumbing: reading text, as in train_bpe_cpu.py (each function the same in every script)
 HUB_DATASETS = {"fineweb": ("HuggingFaceFW/fineweb", "sample-10BT"),  # (repository, config)
                 "fineweb-edu": ("HuggingFaceFW/fineweb-edu", "sample-10BT")}
 LOCAL_SUFFIXES = (".txt", ".jsonl", ".parquet")
@@ -863,11 +848,10 @@ def open_source(data, data_was_named):  # (documents, name, description); docume
         files = local_files(data)
         return (lambda budget: local_texts(files, budget)), Path(data).stem, str(data)
     repository, config = HUB_DATASETS[data]
-    load = dict(path=repository, name=config)
     problem = hub_problem()
     if problem is None:
-        description = f"{repository} {config}" if config else repository
-        return (lambda budget: datasets_texts(repository, **load)), data, description
+        texts = lambda budget: datasets_texts(repository, path=repository, name=config)  # noqa
+        return texts, data, f"{repository} {config}"
     if data_was_named:  # the default source falls back to the offline corpus; a named one refuses
         raise UserError(f"{problem}, needed for --data {data}; use --data path/to/files instead")
     print(f"warning: {problem}: using the offline corpus, Python's stdlib", file=sys.stderr)
@@ -963,7 +947,7 @@ class BadUTF8:  # invalid UTF-8 and lone surrogates: each read as U+FFFD, and co
 BadUTF8.errors = f"replace and count {id(BadUTF8)}"  # its own name: a process may load two scripts
 codecs.register_error(BadUTF8.errors, BadUTF8.replace)
 
-# === the command line: run, and each mistake in one line --------------------------------------
+# === the command line: run, and each mistake in one line
 if __name__ == "__main__":
     try:
         run(sys.argv[1:])

@@ -5,16 +5,15 @@ Train a byte-level BPE tokenizer on many GPUs (or CPU processes) at once: one to
     torchrun --standalone --nproc_per_node=2 train_bpe_multigpu.py --device cpu -v 300 -n 65536
     python train_bpe_multigpu.py --device cpu -v 300 -n 65536   # world size 1, no torchrun needed
 
-The tokenizer is rustbpe's (and train_bpe_gpu.py's), byte for byte, on the documents the ranks read
-together (with -n past the data's end, all of it, at any world size): BPE depends only on the
-multiset of chunks. The output is train_bpe_gpu.py's; tokenizer.json also says what each rank read.
+The tokenizer is rustbpe's and train_bpe_gpu.py's, byte for byte, on the text the ranks read
+together (all of it, at any world size, if -n is past its end): BPE depends only on the multiset of
+chunks. tokenizer.json also says what each rank read.
 
-This is not data-parallel training: a merge chosen from one rank's counts would be wrong. The ranks
-split the text (each reads its own part, about n / W characters, documents whole), the distinct
-chunks (each merges its own, on its device) and the [V, V] pair-count matrix (each owns 1/W of its
-rows); collectives make every merge the same on every rank. train_bpe_gpu.py teaches the merge loop
-on one GPU: read it first. This file teaches what changes on W of them. --device cpu (gloo) runs
-the kernels in Triton's interpreter: exact, slow, for tests.
+Not data-parallel training: a merge chosen from one rank's counts would be wrong. The ranks split
+the text (about n / W characters each, documents whole), the distinct chunks (each merges its own)
+and the [V, V] pair-count matrix (each owns 1/W of its rows); collectives make every merge the same
+on every rank. Read train_bpe_gpu.py first: this file teaches what changes on W GPUs. --device cpu
+(gloo) runs the kernels in Triton's interpreter: exact, slow, for tests.
 """
 
 import argparse
@@ -55,8 +54,7 @@ try:
 except ImportError:
     sys.exit("error: train_bpe_multigpu.py needs triton (pip install triton)")
 
-# === plumbing: train_bpe_gpu.py's fix for Triton's interpreter (a first read can skip to the
-# next # === banner)
+# === plumbing: train_bpe_gpu.py's interpreter fix (a first read can skip to the next # === banner)
 if os.environ["TRITON_INTERPRET"] == "1":
     # Triton 3.6's interpreter (CUDA torch 2.11 pins it) takes a loop bound as int() of a 1-element
     # array, which NumPy 2.4 refuses (triton-lang/triton#9171); later Tritons take the element.
@@ -74,11 +72,9 @@ data = "fineweb"  # fineweb | fineweb-edu | a .txt/.jsonl/.parquet file | a dire
 out = None  # output directory; default tokenizers/<source>_v<vocab_size>
 device = "cuda"  # cuda: NCCL; cpu: gloo, the kernels in Triton's interpreter (slow: for testing)
 cache_dir = "tokenizers/.cache"  # per-rank counted chunks, keyed by data/n/pattern/world size
-# pre-tokenizing processes per rank; 0: its share of the node's cores for a part of 2^24+ chars
-workers = 0
+workers = 0  # pre-tokenizing processes per rank; 0: its share of the node's cores (2^24+ chars)
 timeout = 1800  # seconds a rank waits for the others (reading a big part takes a while)
-# GPT-4's split pattern: letters with their leading space, numbers in groups of up to 3, punctuation
-# runs, and whitespace, so that merges never glue a word to the punctuation or the space after it.
+# GPT-4's split pattern (train_bpe_cpu.py says what it keeps apart)
 pattern = r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]++[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+"""
 EOT = "<|endoftext|>"
 HUB_DATASETS = {"fineweb": ("HuggingFaceFW/fineweb", "sample-10BT"),
@@ -107,20 +103,18 @@ class UserError(Exception):
 #   (x, a) loses w and (x, new) gains w   where x is a merged occurrence's left neighbour
 #   (b, y) loses w, (new, y') gains w     where y is the right neighbour (y' = new if y merged too)
 # Each rank sums its changes into `delta`: delta[0] is (a, b), delta[1 + 3j + k] id j in part
-# k = 0, 1, 2 (x, y, y'). No id past `new` has a pair yet: only the first 1 + 3 (new + 1) can be
-# non-zero, half of 3V on average. One all_reduce(SUM) of that prefix adds them over the ranks;
-# each owner applies the part in its rows. The next pair is one all_reduce(MAX) of the ranks' best
-# keys (two, when a count and both ids don't fit one int64). Two collectives a merge is the least:
-# the next pick needs the owners' refreshed rows, which need every rank's changes, which need the
-# pick. The host launches the five kernels, calls the collectives between them, and reads the
-# device once per 16 merges. No deadlock, no divergence: every rank calls the same collectives in
-# the same order (a rank with no text sends zeros), and decides (the pair, "done") from the REDUCED
-# values. Exact: counts are integers, each with one owner, who adds all its changes. No kernel needs
-# a lock (each docstring says why); every atomic is relaxed, as in train_bpe_gpu.py.
+# k = 0, 1, 2 (x, y, y'); no id past `new` has a pair yet, so only the first 1 + 3 (new + 1) can be
+# non-zero. One all_reduce(SUM) of that prefix adds them up; each owner applies the part in its
+# rows. The next pair is one all_reduce(MAX) of the ranks' best keys (two, when a count and both ids
+# don't fit one int64). Two collectives a merge is the least: the next pick needs the owners'
+# refreshed rows, which need every rank's changes, which need the pick. No deadlock, no divergence:
+# every rank calls the same collectives in the same order (a rank with no text sends zeros), and
+# decides (the pair, "done") from the REDUCED values. Exact: counts are integers, each with one
+# owner. No kernel needs a lock (each docstring says why); every atomic is relaxed.
 
-# the slots of `state`, the loop's scalars on the device, as in train_bpe_gpu.py
+# `state`'s slots and the constants, as in train_bpe_gpu.py
 NEXT, NEW, A, B, DONE, START, LENGTH, SURVIVORS, DIRTY = (tl.constexpr(i) for i in range(9))
-DEAD = tl.constexpr(-2)  # the token of an unlinked position (the right half of a merged pair)
+DEAD = tl.constexpr(-2)
 ID_BITS = tl.constexpr(20)  # a row key's low bits hold 2^20 - 1 - right id
 LOW = tl.constexpr((1 << 20) - 1)
 
@@ -141,7 +135,7 @@ def pick_pair(state, row_key, block_key, fresh_key, dirty_flag, dirty_rows, V, B
     """The pair with the largest count (ties: the smallest left id, then right id), as (count, left
     row); count 0: none. Makes the dirty rows' keys exact first: a second pick with no merge
     between picks the same. One program, with its threads: it may read and write anything."""
-    # the rows that refresh recomputed into fresh_key become exact again
+    # the dirty rows take the keys refresh recomputed
     dirty = tl.load(state + DIRTY)
     for first in range(0, dirty, BLOCK):
         i = first + tl.arange(0, BLOCK)
@@ -163,8 +157,7 @@ def pick_pair(state, row_key, block_key, fresh_key, dirty_flag, dirty_rows, V, B
         keys = tl.load(row_key + rows, mask=(i < dirty)[:, None] & (rows < V), other=0)
         tl.store(block_key + blocks, tl.max(keys, axis=1), mask=i < dirty)
     tl.debug_barrier()
-    # The largest count over all blocks (the first block on a tie), then that block's first row
-    # with it: the first row with the largest count of all.
+    # the first block with the largest count, then its first row with it: the first row of all
     new = tl.load(state + NEXT)
     best_count, best_block = tl.full((), 0, tl.int64), tl.full((), 0, tl.int64)
     for first in range(0, tl.cdiv(new, KEY_BLOCK), BLOCK):
@@ -208,9 +201,8 @@ def find_occurrences(state, best, list_start, list_len, merge_log, list_buffer, 
                      prev_pos, mark, V, END, BITS: tl.constexpr, ONE_KEY: tl.constexpr,
                      BLOCK: tl.constexpr):
     """Decodes the reduced key, the same on every rank: the pair to merge. Each program decodes it
-    for itself; program 0 writes the merge's state for the kernels that follow (NEXT moves on in
-    apply_owned, and every program finds the end itself), so no program depends on what program 0
-    writes. Then marks this rank's occurrences that merge, as train_bpe_gpu.py does."""
+    itself, so none depends on program 0, which writes the merge's state for the next kernels (NEXT
+    moves on in apply_owned). Then marks this rank's occurrences, as train_bpe_gpu.py does."""
     # best[0] is the packed key (ONE_KEY) or the count; best[1] the tie-break
     count, tie, new = tl.load(best), tl.load(best + 1), tl.load(state + NEXT)
     if ONE_KEY:
@@ -236,7 +228,6 @@ def find_occurrences(state, best, list_start, list_len, merge_log, list_buffer, 
             p = tl.load(list_buffer + start + i, mask=i < length, other=END)
             second = tl.load(next_pos + p)
             merge = (tl.load(tokens + p) == a) & (tl.load(tokens + second) == b)
-            # in a run "aaaa", p merges when an even number of a's come before it in the run
             if a == b:
                 odd = merge & False
                 q = tl.load(prev_pos + p)
@@ -256,8 +247,7 @@ def find_occurrences(state, best, list_start, list_len, merge_log, list_buffer, 
 @triton.jit
 def apply_merges(state, list_buffer, scratch, list_start, list_len, tokens, next_pos, prev_pos,
                  mark, weight, delta, V, END, BLOCK: tl.constexpr):
-    """Merges this rank's marked occurrences, as in train_bpe_gpu.py: the lane of (p, second) writes
-    only the links it owns. The count changes go to `delta` by atomic adds, which commute."""
+    """As train_bpe_gpu.py's apply_merges, on this rank's occurrences; count changes go to delta."""
     if tl.load(state + DONE) == 0:
         a, new = tl.load(state + A), tl.load(state + NEW)
         start, length = tl.load(state + START), tl.load(state + LENGTH)
@@ -299,11 +289,10 @@ def apply_merges(state, list_buffer, scratch, list_start, list_len, tokens, next
 def apply_owned(state, delta, counts, row_key, block_key, dirty_flag, dirty_rows, V, RANK, WORLD,
                 BLOCK: tl.constexpr, KEY_BLOCK: tl.constexpr):
     """Adds every rank's summed changes (delta, after the all_reduce) to this rank's rows, and
-    zeroes delta for the next merge. Lane i owns delta[i]. Each gained count, (x, new) or (new, y'),
-    has one lane: its atomic add returns the final count. Only row new's key can rise (its lanes'
-    atomic_max make it): (x, new) gains what (x, a) loses, so it stays below the key row x had. A
-    loss of the pair a row key names lists the row as dirty, once (the lane that flips dirty_flag);
-    no key of a row that loses is written here, so the test is stable."""
+    zeroes delta for the next merge. Lane i owns delta[i]; a gained count has one lane, whose atomic
+    add returns the final count. Only row new's key can rise: (x, new) gains what (x, a) loses, and
+    stays below row x's key. A lost pair that a row key names makes the row dirty, once (the lane
+    that flips dirty_flag); no key of a row that loses is written here, so the test is stable."""
     if tl.load(state + DONE) == 0:
         a, b, new = tl.load(state + A), tl.load(state + B), tl.load(state + NEW)
         if tl.program_id(0) == 0:
@@ -344,9 +333,7 @@ def apply_owned(state, delta, counts, row_key, block_key, dirty_flag, dirty_rows
 @triton.jit
 def refresh_rows(state, list_buffer, scratch, list_len, counts, fresh_key, dirty_rows, V, WORLD,
                  ROWS: tl.constexpr, BLOCK: tl.constexpr):
-    """train_bpe_gpu.py's refresh_rows, on this rank's rows: copies a's survivors back, then
-    recomputes the dirty rows' maxima into fresh_key. Nothing writes counts now; atomic_max makes
-    the order free."""
+    """train_bpe_gpu.py's refresh_rows, on this rank's rows (row l at l // WORLD)."""
     if tl.load(state + DONE) == 0:
         if tl.load(state + NEW) >= 256:
             a, survivors = tl.load(state + A), tl.load(state + SURVIVORS)
@@ -423,7 +410,6 @@ def merge_on_device(arrays, vocab_size, total_pairs, device, show_progress):
     owned_bytes = torch.arange(rank, 256, W, device=device)  # the first refresh makes their keys
     dirty_flag[owned_bytes], dirty_rows[:len(owned_bytes)] = 1, owned_bytes.int()
     state[NEXT.value], state[DIRTY.value] = 256, len(owned_bytes)
-    # a GPU runs a few programs per SM; the interpreter runs them in turn: one, wide, is fastest
     shape = INTERPRETER_SHAPE
     if device.type == "cuda":
         shape = dict(programs=4 * torch.cuda.get_device_properties(device).multi_processor_count,
@@ -461,8 +447,7 @@ def merge_on_device(arrays, vocab_size, total_pairs, device, show_progress):
             8 * (1 + (not one_key)) + prefix * delta.itemsize))
 
     launch_refresh()
-    # The setup ends with every kernel compiled by a merge with DONE set (the kernels do nothing,
-    # the collectives add zeros), as in train_bpe_gpu.py: the loop's clock then times merges alone.
+    # as in train_bpe_gpu.py, the setup compiles every kernel: a merge with DONE set (adding zeros)
     state[DONE.value] = 1
     merge(0)
     state[DONE.value] = 0
@@ -481,7 +466,6 @@ def merge_on_device(arrays, vocab_size, total_pairs, device, show_progress):
     seconds = dict(setup=loop_started - started, loop=time.time() - loop_started)
     num_merges = int(state[NEXT.value]) - 256
     merged_pairs = merge_log[:2 * num_merges].view(-1, 2).tolist()
-    # a merged occurrence saves one token per use of its chunk
     tokens_saved = int(weight[tokens == DEAD.value].sum())
     merges = [((left, right), 256 + i) for i, (left, right) in enumerate(merged_pairs)]
     return merges, tokens_saved, loop_counts, seconds
@@ -581,7 +565,7 @@ def run(argv):
         "distinct chunks): "
         + ", ".join(f"{stats['part']['chars']:,}/{stats['distinct']:,}" for stats in rank_stats))
 
-    # --- the merges, each rank in its own chunks and its own rows of the count matrix
+    # --- the merges, each rank in its own chunks and rows
     arrays = chunks_to_arrays(*cached[:3], count_dtype)
     t2 = time.time()
     run_device = torch.device("cuda", LOCAL_RANK) if args.device == "cuda" else torch.device("cpu")
@@ -608,11 +592,10 @@ def run(argv):
     tokens_left = total["total_bytes"] - sum(saved for saved, _ in saved_and_peak)
     all_reused = cache_statuses.count("reused") == WORLD
     reading = "loading the cache" if all_reused else "reading + pre-tokenizing"
-    # merges/s over the loop alone, as in train_bpe_gpu.py
     merges_per_second = num_merges / max(seconds["loop"], 1e-9)
-    say(f"{reading} {t1 - t0:.2f}s | "
-        f"layout {t2 - t1:.2f}s | setup {seconds['setup']:.2f}s | merging {seconds['loop']:.2f}s "
-        f"({merges_per_second:,.0f} merges/s) | total {t3 - t0:.2f}s")
+    say(f"{reading} {t1 - t0:.2f}s | layout {t2 - t1:.2f}s | setup {seconds['setup']:.2f}s | "
+        f"merging {seconds['loop']:.2f}s ({merges_per_second:,.0f} merges/s) | total "
+        f"{t3 - t0:.2f}s")
     per_merge = {key: count / max(num_merges, 1) for key, count in loop_counts.items()}
     say(f"per merge: {per_merge.get('collectives', 0):.2f} collectives "
         f"({per_merge.get('collective_bytes', 0) / 1024:,.1f} KiB), "
@@ -653,13 +636,9 @@ def count_batch(documents, pattern_text, chunk_counts):
 
 
 def count_worker(number, batches, inboxes, results, pattern_text):
-    """A worker process: counts the batches it takes, until None, into one Counter. The workers then
-    add up together: worker i keeps the chunks with hash(chunk) % workers == i, sends every other
-    worker its share (forked, they hash strings alike), adds up those it gets, puts the sum on
-    `results`. The parent joins disjoint sums: adding up Counters is a Python loop (~0.5 us a
-    chunk), which in the parent alone would grow with the cores. An error goes to `results` at
-    once; it then only drains the queue (the parent never blocks), and still sends its shares (no
-    worker waits forever)."""
+    """A worker process: counts the batches it takes, until None, then sums its share of all the
+    workers' counts onto `results`. After an error, put there at once, it only drains the queue (the
+    parent never blocks) and still sends its shares (no worker waits forever)."""
     chunk_counts, error = Counter(), None
     for batch in iter(batches.get, None):
         try:
@@ -738,7 +717,7 @@ def count_chunks(documents, budget, pattern_text, workers, label):
             for chunk_sums in [waiting(results.get) for _ in processes]:
                 if isinstance(chunk_sums, UserError):
                     raise chunk_sums
-                # no chunk is in two workers' sums: joining them, in C, is all that is left
+                # disjoint sums: joining them, in C, is all that is left
                 dict.update(chunk_counts, chunk_sums)
     finally:
         # After an error, a batch may still be on its way into a pipe no worker reads: at exit,
@@ -764,12 +743,10 @@ def document_pieces(document, pattern_text):
     yield document[start:]
 
 
-# === plumbing: the cache of counted chunks (a rerun with other -v skips reading and
-# pre-tokenizing).
-# What the merge loop needs, as .npy files (no pickle: loading can't run code): the UTF-8 bytes of
-# this rank's distinct chunks of 2+ bytes, and each one's length and count. The .json, written
-# last, holds the statistics, what was read, and a sha256 of it all: a cache that fails it (or is
-# half written) is counted again.
+# === plumbing: the cache of counted chunks: a rerun with other -v skips reading and pre-tokenizing.
+# As .npy files (no pickle: loading can't run code), the bytes of this rank's distinct chunks of 2+
+# bytes, each one's length and count; the .json, written last, holds the statistics, what was read
+# and a sha256 of it all: a cache that fails it (or is half written) is counted again.
 
 
 def count_part(args, source, files, documents, share, byte_range):
@@ -886,11 +863,9 @@ def validate(args):
          f"{args.timeout}: workers must be 0 (automatic) or more, and the timeout positive"),
         (matches_empty, f"--pattern {args.pattern!r} matches the empty string; each match must "
                         "take a character (x+, not x*)"),
-        # the interpreter is ~1,000x slower: never a silent default
         (args.device == "cuda" and not torch.cuda.is_available(),
          "--device cuda: no CUDA GPU here; --device cpu runs the kernels in Triton's "
          "interpreter (slow, for tests), or use train_bpe_cpu.py"),
-        # the environment variable counts when triton is imported
         ((args.device == "cpu") != bool(triton.knobs.runtime.interpret),
          f"--device {args.device} with TRITON_INTERPRET={os.environ['TRITON_INTERPRET']}: the "
          "kernels run compiled on cuda, in Triton's interpreter on cpu; set it to 1 for cpu, 0 "
@@ -917,8 +892,8 @@ def device_memory(device_name):
 
 
 def check_count_rows(V, itemsize, memory, device_name):
-    """Rank 0 holds the most rows, (V - 1) // W + 1: every rank checks that number, so that all
-    reach the same verdict (one refusing alone would leave the others waiting)."""
+    """Rank 0 holds the most rows, (V - 1) // W + 1: every rank checks that number, for one
+    verdict (one refusing alone would leave the others waiting)."""
     need = itemsize * V * ((V - 1) // WORLD + 1)
     if need > 0.8 * memory:
         raise UserError(f"-v {V} on {WORLD} rank(s) needs {need / 2**30:.1f} GiB of pair counts "
@@ -952,8 +927,7 @@ def check_text(args, source, total, chars, cache_statuses, prefix):
             "n / W from its own part, and some parts ran out; training on those")
 
 
-# === plumbing: the output directory's checks and lock, and the files written there (the same in
-# every trainer)
+# === plumbing: the output directory and the files written there (as in every trainer)
 
 def vocab_bytes(merges):
     """Every token's bytes, in rank order: 0-255 are the bytes, a merge is its two halves glued."""
@@ -1027,10 +1001,8 @@ def lock_directory(path):
     return descriptor  # the lock lasts while this descriptor is open: keep it
 
 
-# === plumbing: reading text (a function that stands in several scripts is the same in each; byte
-# ranges and Hub shares are this file's own; a first read can skip to the next # === banner).
-# .txt and .jsonl are read with the standard library: `datasets` would turn CRLF into LF (no longer
-# rustbpe's bytes), stop at invalid UTF-8, and take seconds to start.
+# === plumbing: reading text, as in train_bpe_cpu.py (a function that stands in several scripts is
+# the same in each); byte ranges and Hub shares are this file's own.
 
 def find_source(data, data_was_named):  # (name, description, files); no files: a Hub dataset
     if data not in HUB_DATASETS:
@@ -1038,7 +1010,7 @@ def find_source(data, data_was_named):  # (name, description, files); no files: 
     problem = hub_problem()
     if problem is None:
         return data, " ".join(HUB_DATASETS[data]), []
-    if data_was_named:  # the default source falls back to the offline corpus; a named one refuses
+    if data_was_named:
         raise UserError(f"{problem}, needed for --data {data}; use --data path/to/files instead")
     print(f"warning: {problem}: using the offline corpus, Python's stdlib", file=sys.stderr)
     stdlib = Path(sysconfig.get_paths()["stdlib"])  # its .py files, a document each
@@ -1058,8 +1030,8 @@ def hub_problem(timeout=3.0):  # None, or why the Hub can't be used: in 3 s (`da
         return f"can't reach the Hugging Face Hub at {endpoint}"
 
 def datasets_texts(where, node, **load):  # rows' "text"; node=(rank, world_size): its share
-    import datasets.distributed  # here: it takes seconds, and .txt and .jsonl never need it
-    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its errors reach the user as ours
+    import datasets.distributed
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)
     try:
         rows = datasets.load_dataset(split="train", streaming=True, **load)
         rows = datasets.distributed.split_dataset_by_node(rows, *node)
@@ -1067,7 +1039,7 @@ def datasets_texts(where, node, **load):  # rows' "text"; node=(rank, world_size
             if not isinstance(row.get("text"), str):
                 raise ValueError(f'row {number} has no string "text": {row!r:.50}')
             yield row["text"]
-    except Exception as error:  # a bad row, no such dataset, a corrupt file, a lost connection
+    except Exception as error:
         reason = f"{type(error).__name__}: {error}".splitlines()[0]
         raise UserError(f"can't read {where} ({reason}); check it, or use other files")
 
@@ -1081,7 +1053,7 @@ def local_files(data):  # the file, or a directory's files in sorted order; regu
     return files
 
 def read_parquet(path, start, end):  # the "text" of each row group placed in bytes [start, end)
-    import pyarrow.parquet  # here, as .txt and .jsonl never need it; 10x less CPU than `datasets`
+    import pyarrow.parquet
     try:
         parquet = pyarrow.parquet.ParquetFile(path)
         if "text" not in parquet.schema_arrow.names:
@@ -1094,7 +1066,7 @@ def read_parquet(path, start, end):  # the "text" of each row group placed in by
                 if not isinstance(text, str):
                     raise ValueError(f'a row\'s "text" is {text!r:.50}, not a string')
                 yield text
-    except Exception as error:  # not parquet, corrupt, no "text" column, a "text" not a string
+    except Exception as error:
         reason = f"{type(error).__name__}: {error}".splitlines()[0]
         raise UserError(f"can't read {path} ({reason}); check it, or use other files")
 
@@ -1114,14 +1086,14 @@ def read_jsonl(path, start, end):  # the "text" of each line starting in bytes [
                 return
             if not line.strip():
                 continue
-            try:  # a BOM, as Windows tools write it, is no part of the JSON
+            try:
                 text = json.loads(line.decode("utf-8", BadUTF8.errors).lstrip("\ufeff"))["text"]
             except (ValueError, KeyError, TypeError, RecursionError):
                 text = None
             if not isinstance(text, str):
                 where = f"{path} (the line at byte {line_start})" if start else f"{path}:{number}"
                 raise UserError(f'{where} is not a JSON object with a string "text" field')
-            if not text.isascii():  # "\ud800" is valid JSON, but a lone surrogate has no UTF-8
+            if not text.isascii():
                 text = text.encode("utf-16-le", "surrogatepass").decode("utf-16-le", BadUTF8.errors)
             yield text
 
@@ -1136,7 +1108,6 @@ BadUTF8.errors = f"replace and count {id(BadUTF8)}"  # its own name: a process m
 codecs.register_error(BadUTF8.errors, BadUTF8.replace)
 
 # === plumbing: error reporting: a user's mistake, or a lost rank, is one line and no traceback
-# (a first read can skip to the end)
 
 def stopped(signum, frame):  # torchrun stops the other ranks so when one fails, SLURM at its limit
     say(f"\nerror: stopped by {signal.Signals(signum).name}", file=sys.stderr)
