@@ -343,7 +343,7 @@ def chunks_to_arrays(chunk_counts, vocab_size):
     chunks = [chunk for chunk, kept in zip(chunks, keep) if kept]
     lengths, occurrences = lengths[keep], occurrences[keep]
     L = END = int(lengths.sum())
-    check_positions(L)  # int32 positions
+    check_positions(L)
     ends = np.cumsum(lengths)
     tokens = np.full(L + 2, -1, np.int32)
     tokens[:L] = np.frombuffer(b"".join(chunks), np.uint8)
@@ -465,14 +465,13 @@ def merges_done(state):
 # train_bpe_cpu.py's split_in_time, turns a pattern that backtracks catastrophically into one line.
 BATCH_CHARS = 1 << 20  # characters of documents per batch sent to a pre-tokenizing worker
 # A longer document (a .txt file) is cut into pieces only where the split pattern can't match
-# across, so that the pieces' chunks are the document's. For GPT-4's pattern, that is just before
-# a line break (\r or \n) after a letter or digit X:
-# - No match holds both X and the break: letter and digit runs stop at it, and the alternatives
-#   that take a break need whitespace (\s*[\r\n]) or punctuation (` ?[^\s\p{L}\p{N}]++[\r\n]*`)
-#   before it ("end.\n" is one chunk: a cut after punctuation, or a combining mark, would be wrong).
-# - At the break, every alternative begun before it stops as at the text's end: the matches before
-#   the cut are unchanged; with no lookbehind or anchor, the ones after it see nothing before it.
-# A --pattern not in SAFE_CUTS is never cut: where it can match across, this file can't know.
+# across, so that the pieces' chunks are the document's: for GPT-4's pattern, just before a line
+# break (\r or \n) after a letter or digit X. No match holds both X and the break: letter and digit
+# runs stop at it, and the alternatives that take a break need whitespace (\s*[\r\n]) or punctuation
+# (` ?[^\s\p{L}\p{N}]++[\r\n]*`) before it ("end.\n" is one chunk: a cut after punctuation, or a
+# combining mark, would be wrong). Each match begun before the break stops there as at the text's
+# end, and with no lookbehind or anchor, the ones after it see nothing before it. Any other
+# --pattern is never cut: where it can match across, this file can't know.
 SAFE_CUTS = {pattern: regex.compile(r"[\p{L}\p{N}](?=[\r\n])")}  # the cut: the match's end
 
 
@@ -528,8 +527,8 @@ def count_worker(number, batches, inboxes, results, pattern_text):
 
 def count_chunks(documents, budget, pattern_text, workers, label):
     """The chunk counts of the documents' first `budget` characters (the last one cut to fit; no
-    more is asked of the source), and what was read. `label` names the progress bar (None: no
-    bar). The workers fork before tqdm starts its thread."""
+    more is asked of the source), and what was read, under a progress bar `label` (None: none).
+    The workers fork before tqdm starts its thread."""
     fork = multiprocessing.get_context("fork")
     # at most two batches a worker wait in the queue: the parent reads no further ahead
     batches, results = fork.Queue(2 * workers), fork.Queue()

@@ -99,18 +99,17 @@ class UserError(Exception):
 # Its choose_pair and apply_merges are each split in two around a collective: best_pair, then
 # find_occurrences (decodes the reduced pick, starts the merge); apply_merges, then apply_owned.
 # Rank r owns the rows l with l % W == r, kept at l // W, and their row keys. A merge (a, b) -> new
-# changes only (a, b) and pairs in columns a and new, rows b and new:
-#   (x, a) loses w and (x, new) gains w   where x is a merged occurrence's left neighbour
-#   (b, y) loses w, (new, y') gains w     where y is the right neighbour (y' = new if y merged too)
-# Each rank sums its changes into `delta`: delta[0] is (a, b), delta[1 + 3j + k] id j in part
-# k = 0, 1, 2 (x, y, y'); no id past `new` has a pair yet, so only the first 1 + 3 (new + 1) can be
-# non-zero. One all_reduce(SUM) of that prefix adds them up; each owner applies the part in its
-# rows. The next pair is one all_reduce(MAX) of the ranks' best keys (two, when a count and both ids
-# don't fit one int64). Two collectives a merge is the least: the next pick needs the owners'
-# refreshed rows, which need every rank's changes, which need the pick. No deadlock, no divergence:
-# every rank calls the same collectives in the same order (a rank with no text sends zeros), and
-# decides (the pair, "done") from the REDUCED values. Exact: counts are integers, each with one
-# owner. No kernel needs a lock (each docstring says why); every atomic is relaxed.
+# changes only (a, b) and pairs in columns a and new, rows b and new: with x and y an occurrence's
+# neighbours (y' = new if y merged too), (x, a) and (b, y) lose, (x, new) and (new, y') gain. Each
+# rank sums its changes into `delta`: delta[0] is (a, b), delta[1 + 3j + k] id j in part k = 0, 1, 2
+# (x, y, y'), as apply_owned's table shows; no id past `new` has a pair yet, so only the first
+# 1 + 3 (new + 1) can be non-zero. One all_reduce(SUM) of that prefix sums them; each owner applies
+# the part in its rows. The next pair is one all_reduce(MAX) of the ranks' best keys (two, if a
+# count and both ids don't fit one int64). Two collectives a merge is the least: the next pick needs
+# the owners' refreshed rows, which need every rank's changes, which need the pick. No deadlock, no
+# divergence: every rank calls the same collectives in the same order (a rank with no text sends
+# zeros), and decides (the pair, "done") from the REDUCED values. Exact: counts are integers, each
+# with one owner. No kernel needs a lock (each docstring says why); every atomic is relaxed.
 
 # `state`'s slots and the constants, as in train_bpe_gpu.py
 NEXT, NEW, A, B, DONE, START, LENGTH, SURVIVORS, DIRTY = (tl.constexpr(i) for i in range(9))
@@ -181,8 +180,8 @@ def best_pair(state, row_key, block_key, fresh_key, dirty_flag, dirty_rows, V, b
               KEY_BLOCK: tl.constexpr):
     """This rank's best pair as a key that orders pairs across ranks: with BITS bits an id and
     M = 2^BITS - 1, count << 2 BITS | (M - left) << BITS | (M - right) is largest for the pair BPE
-    takes, tie-break included. Counts past 63 - 2 BITS bits don't fit: then best = [count, tie,
-    count] for two reductions. One program, alone on the device."""
+    takes, tie-break included; a count past 63 - 2 BITS bits gives best = [count, tie, count], for
+    two reductions. One program, alone on the device."""
     if tl.load(state + DONE) == 0:
         # rows this rank doesn't own have key 0: the pick is among its own
         best_count, best_row = pick_pair(state, row_key, block_key, fresh_key, dirty_flag,
@@ -200,9 +199,9 @@ def best_pair(state, row_key, block_key, fresh_key, dirty_flag, dirty_rows, V, b
 def find_occurrences(state, best, list_start, list_len, merge_log, list_buffer, tokens, next_pos,
                      prev_pos, mark, V, END, BITS: tl.constexpr, ONE_KEY: tl.constexpr,
                      BLOCK: tl.constexpr):
-    """Decodes the reduced key, the same on every rank: the pair to merge. Each program decodes it
-    itself, so none depends on program 0, which writes the merge's state for the next kernels (NEXT
-    moves on in apply_owned). Then marks this rank's occurrences, as train_bpe_gpu.py does."""
+    """Decodes the reduced key, the same on every rank: the pair to merge. Each program decodes it,
+    so none waits on program 0, which writes the merge's state for the next kernels (apply_owned
+    moves NEXT on). Then marks this rank's occurrences, as train_bpe_gpu.py does."""
     # best[0] is the packed key (ONE_KEY) or the count; best[1] the tie-break
     count, tie, new = tl.load(best), tl.load(best + 1), tl.load(state + NEXT)
     if ONE_KEY:
@@ -472,10 +471,9 @@ def merge_on_device(arrays, vocab_size, total_pairs, device, show_progress):
 
 
 # === this rank's part of the text
-# Local files are laid end to end, and rank r gets bytes [r S / W, (r + 1) S / W). A document
-# belongs to the range that holds its first byte: a .jsonl line, a whole .txt file, a parquet row
-# group (placed at its share of the file's bytes). So each is read whole, by one rank, and a rank
-# seeks straight to its range.
+# Local files are laid end to end, and rank r gets bytes [r S / W, (r + 1) S / W). A document (a
+# .jsonl line, a .txt file, a parquet row group, placed at its share of the file's bytes) belongs
+# to the range that holds its first byte: one rank reads it whole, seeking straight to its range.
 
 
 def rank_documents(name, files, budget):
@@ -529,8 +527,8 @@ def run(argv):
                                                      byte_range)
 
     # --- the process group. Its timeout bounds each wait for the others, in joining (each counts
-    # its part first) and in every collective, which the host calls: a hung rank becomes an error
-    # on the others (a dead one sooner: its sockets close). On NCCL, its watchdog ends the process.
+    # its part first) and in every collective: a hung rank becomes an error on the others (a dead
+    # one sooner: its sockets close). On NCCL, its watchdog ends the process.
     if args.device == "cuda":
         torch.cuda.set_device(LOCAL_RANK)
     # small ops: waking OpenMP threads for each costs more than it saves
@@ -664,8 +662,8 @@ def count_worker(number, batches, inboxes, results, pattern_text):
 
 def count_chunks(documents, budget, pattern_text, workers, label):
     """The chunk counts of the documents' first `budget` characters (the last one cut to fit; no
-    more is asked of the source), and what was read. `label` names the progress bar (None: no
-    bar). The workers fork before tqdm starts its thread."""
+    more is asked of the source), and what was read, under a progress bar `label` (None: none).
+    The workers fork before tqdm starts its thread."""
     fork = multiprocessing.get_context("fork")
     # at most two batches a worker wait in the queue: the parent reads no further ahead
     batches, results = fork.Queue(2 * workers), fork.Queue()
@@ -744,9 +742,9 @@ def document_pieces(document, pattern_text):
 
 
 # === plumbing: the cache of counted chunks: a rerun with other -v skips reading and pre-tokenizing.
-# As .npy files (no pickle: loading can't run code), the bytes of this rank's distinct chunks of 2+
-# bytes, each one's length and count; the .json, written last, holds the statistics, what was read
-# and a sha256 of it all: a cache that fails it (or is half written) is counted again.
+# .npy files (no pickle: loading can't run code) hold this rank's distinct chunks of 2+ bytes, their
+# lengths and counts; the .json, written last, the statistics, what was read and a sha256 of it
+# all: a cache that fails it (or is half written) is counted again.
 
 
 def count_part(args, source, files, documents, share, byte_range):
@@ -849,8 +847,8 @@ def parse_args(argv):
 
 def validate(args):
     """Every check that needs no text runs on every rank BEFORE the process group exists: each rank
-    reaches the same verdict on its own, exits, and nobody is left waiting in a collective. (--out,
-    which rank 0 alone writes, rank 0 alone checks: when it exits, torchrun stops the others.)"""
+    reaches the same verdict and exits, and none is left waiting in a collective. (Rank 0 alone
+    writes --out, and checks it: when it exits, torchrun stops the others.)"""
     try:
         matches_empty = regex.compile(args.pattern).fullmatch("") is not None
     except regex.error as error:
