@@ -238,7 +238,7 @@ def apply_merges(state, list_buffer, scratch, list_start, list_len, tokens, next
         p = tl.load(list_buffer + start + i, mask=i < length, other=END)
         mark_p = tl.load(mark + p)
         merged = (i < length) & (mark_p == 2 * new)
-        # a's list keeps the positions still holding a; the merged ones join the new one's list.
+        # a's list keeps the positions still holding a; the merged ones join new's list
         unmarked = (i < length) & (mark_p != 2 * new) & (mark_p != 2 * new + 1)
         survives = unmarked & (tl.load(tokens + p, mask=unmarked, other=-1) == a)
         append(state + SURVIVORS, scratch, p, survives)
@@ -694,7 +694,7 @@ def validate(args):
         matches_empty = regex.compile(args.pattern).fullmatch("") is not None
     except regex.error as error:
         raise UserError(f"--pattern does not compile ({error}); fix it, or leave it out")
-    # cuda runs the kernels compiled, cpu in Triton's interpreter: ~1,000x slower, never a default
+    # never cpu by default: Triton's interpreter is ~1,000x slower
     chosen = args.device or "cuda"
     try:
         parsed = torch.device(chosen)
