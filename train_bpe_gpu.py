@@ -76,7 +76,7 @@ PARALLEL_CHARS = 1 << 24  # from this many characters on, all cores pre-tokenize
 # -------------------------------------------------------- the lesson: one BPE merge as four steps
 # The distinct chunks lie in flat arrays, one slot per byte (a "position"), as in train_bpe_cpu.py:
 #   tokens[p]      the token at p; DEAD once merged away; -1 on the spare slots END and END+1
-#                  (real: a lane may read the token after any position unmasked)
+#                  (END is real: a lane may read the token after any position unmasked)
 #   next_pos[p]    the next live position of p's chunk, or END; prev_pos[p] likewise. A merge
 #                  unlinks a pair's right half: tokens never move, positions stay valid names.
 #   weight[p]      how often p's chunk occurs in the corpus

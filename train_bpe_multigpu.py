@@ -591,9 +591,9 @@ def run(argv):
     all_reused = cache_statuses.count("reused") == WORLD
     reading = "loading the cache" if all_reused else "reading + pre-tokenizing"
     merges_per_second = num_merges / max(seconds["loop"], 1e-9)
-    say(f"{reading} {t1 - t0:.2f}s | layout {t2 - t1:.2f}s | setup {seconds['setup']:.2f}s | "
-        f"merging {seconds['loop']:.2f}s ({merges_per_second:,.0f} merges/s) | total "
-        f"{t3 - t0:.2f}s")
+    say(f"{reading} {t1 - t0:.2f}s | "
+        f"layout {t2 - t1:.2f}s | setup {seconds['setup']:.2f}s | merging {seconds['loop']:.2f}s "
+        f"({merges_per_second:,.0f} merges/s) | total {t3 - t0:.2f}s")
     per_merge = {key: count / max(num_merges, 1) for key, count in loop_counts.items()}
     say(f"per merge: {per_merge.get('collectives', 0):.2f} collectives "
         f"({per_merge.get('collective_bytes', 0) / 1024:,.1f} KiB), "
