@@ -4,10 +4,10 @@ Turn text into token shards for train.py: fast, in flat memory, and resumable.
     python prepare_data.py --tokenizer tokenizers/stdlib_v1000
     python prepare_data.py --tokenizer gpt2 --data fineweb-edu --max_tokens 1000000000
     python prepare_data.py --tokenizer char --data ../shared/corpora/tinyshakespeare.txt
-    python prepare_data.py --tokenizer gpt2 --data dir --part 3/8  # part 3 of 0..7; then --merge 8
 
 It writes DIR/val_000000.npy, ..., DIR/train_000000.npy, ... and, last, DIR/meta.json (DIR: --out,
 or data/<source>_<tokenizer>), as the README says. Killed and rerun, it resumes where it stopped.
+On many machines: --part K/N on each, then --merge N (the README's scale section).
 """
 
 import argparse, base64, codecs, fcntl, hashlib, itertools, json, os, signal, socket, stat, sys
@@ -229,7 +229,7 @@ def run(argv):
                                    lambda batch: encode_batch(batch, encoder, dtype, token_lengths),
                                    args.workers)
 
-        # a part knows only if it is first or last: val is part 0's (it must hold it all, below)
+        # a part knows if it is first or last: val is part 0's, which must hold it all (below)
         def route(index, tokens, chars, skip, is_last):  # step 3, then step 2
             for split, begin, end in val_split(K == index == 0, len(tokens), skip,
                                                is_last and K == N - 1, state["tokens"],
@@ -250,8 +250,7 @@ def run(argv):
                 if total == limit:
                     break
         if pending is None and start == 0:
-            raise UserError(f"the dataset {source} is empty; point --data at text (or use fewer "
-                            "--part)")
+            raise UserError(f"the dataset {source} is empty; point --data at text")
         if pending and pending[0] == 0 and len(pending[1]) < 2:  # none left for val
             raise UserError(f"the dataset {source} is a single token: too little")
         if pending:  # (else: a resumed run whose shards were all finished)
@@ -270,7 +269,7 @@ def run(argv):
     tokens_per_second = (total - start_total) / max(t2 - t1, 1e-9)
     print(f"tokenizing {t2 - t1:.2f}s ({tokens_per_second:,.0f} tokens/s) | total {t2 - t0:.2f}s")
     if N > 1:
-        print(f"after all {N} parts: this command with --merge {N} for --part")
+        print(f"then, all {N} parts done: --merge {N}")
 
 
 # === plumbing: the command line, its checks, the warnings. A first read skips each plumbing block,
@@ -284,7 +283,7 @@ def parse_args(argv):
     parser.add_argument("--tokenizer", default=tokenizer, help="BPE dir, tiktoken name or char")
     parser.add_argument("--data", help=f"{' | '.join(HUB_DATASETS)} | a file or directory ({data})")
     parser.add_argument("--out", default=out, help="default data/<source>_<tokenizer>")
-    parser.add_argument("--part", default=part, help="K/N: part K (0..N-1) of N")
+    parser.add_argument("--part", default=part, help="K/N")
     parser.add_argument("-n", "--num_chars", type=int, default=num_chars, help="read N characters")
     for name, meaning in [("max_tokens", "stop after N tokens"), ("shard_size", "tokens per shard"),
                           ("val_tokens", "tokens for val"), ("workers", "tokenizer threads"),
@@ -298,17 +297,17 @@ def parse_args(argv):
         if isinstance(value, int) and value <= 0:
             raise UserError(f"--{flag} {value}: must be a positive number")
         if isinstance(value, str) and regex.search("[\ud800-\udfff]", value):  # bad UTF-8
-            raise UserError(f"--{flag} {value!r}: not valid UTF-8; rename it")
-    task, environ = os.environ.get("SLURM_ARRAY_TASK_ID"), os.environ
+            raise UserError(f"--{flag} {value!r}: not valid UTF-8")
+    env = os.environ  # a task of a SLURM job array is a part
     try:
-        if args.part is None and task and not args.merge:  # a task of a SLURM job array
-            K = int(task) - int(environ["SLURM_ARRAY_TASK_MIN"])
-            args.part = f"{K}/{environ['SLURM_ARRAY_TASK_COUNT']}"
-        K, N = map(int, args.part.split("/")) if args.part else (0, 1)
+        if args.part is None and "SLURM_ARRAY_TASK_ID" in env and not args.merge:
+            K = int(env["SLURM_ARRAY_TASK_ID"]) - int(env["SLURM_ARRAY_TASK_MIN"])
+            args.part = f"{K}/{env['SLURM_ARRAY_TASK_COUNT']}"
+        K, N = map(int, (args.part or "0/1").split("/"))
     except (ValueError, KeyError):
         K = N = 0
     if not 0 <= K < N:
-        raise UserError(f"--part {args.part}: must be K/N, part K of N, 0 <= K < N")
+        raise UserError(f"--part {args.part}: must be K/N, 0 <= K < N")
     args.part = (K, N)
     if (N > 1 or args.merge) and (args.tokenizer == "char" or args.max_tokens or args.num_chars):
         raise UserError("--part cuts the whole source: no --max_tokens, -n, nor char level")
@@ -466,41 +465,39 @@ def damaged_shard(out_dir, saved, shard_size):  # a shard missing or cut, or Non
     return None
 
 
-def read_bounded(path, limit=1 << 26):  # a regular file of at most 64 MB, whole; a named pipe
-    descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # would block a plain open()
-    with open(descriptor, "rb") as f:
-        info = os.fstat(descriptor)
+def read_bounded(path, limit=1 << 26):  # O_NONBLOCK: a named pipe would block open()
+    with open(os.open(path, os.O_RDONLY | os.O_NONBLOCK), "rb") as f:
+        info = os.fstat(f.fileno())
         if not stat.S_ISREG(info.st_mode) or info.st_size > limit:
-            raise UserError(f"{path} is not a regular file of at most {limit >> 20} MB; check it")
+            raise UserError(f"{path} is not a regular file of at most {limit >> 20} MB")
         return f.read(limit + 1)
 
 
 def merge_parts(out_dir, count, now, encoder, tokenizer_files):
-    """The parts' shards hard-linked into out_dir as one run names them, then meta.json: train.py
-    reads it as one run's. Reads the parts' meta.json and shard headers only."""
+    """The parts' shards hard-linked into out_dir as one run names them, then meta.json."""
     parts = [out_dir / f"part-{k}-of-{count}" for k in range(count)]
     missing = [path.name for path in parts if not (path / "meta.json").exists()]
     if missing:
         raise UserError(f"--merge {count}: {', '.join(missing)} missing or unfinished; run them")
-    for k, path in enumerate(parts):  # each: these settings, its shards whole (else one line)
+    for k, path in enumerate(parts):  # these settings, shards whole (their headers): or one line
         resume_state(path, {"args": {**now, "part": [k, count]}}, encoder)
     metas = [json.loads(read_bounded(path / "meta.json")) for path in parts]
     merged = {**metas[0], "args": {**now, "part": count}, "shards": {"val": [], "train": []},
-              "tokens": {"val": 0, "train": 0}, "num_chars": sum(m["num_chars"] for m in metas),
-              "max_token_id": max(meta["max_token_id"] for meta in metas)}
+              "tokens": {split: sum(m["tokens"][split] for m in metas) for split in metas[0]["tokens"]},
+              "num_chars": sum(m["num_chars"] for m in metas),
+              "max_token_id": max(m["max_token_id"] for m in metas)}
     with writing_to(out_dir):
         (out_dir / "meta.json").unlink(missing_ok=True)  # complete again once it is back
         for path, meta in zip(parts, metas):
             for split, names in meta["shards"].items():
                 for name in names:
-                    new_name = f"{split}_{len(merged['shards'][split]):06d}.npy"
-                    (out_dir / f"{new_name}.tmp").unlink(missing_ok=True)
-                    os.link(path / name, out_dir / f"{new_name}.tmp")  # no copy: the same file
-                    os.replace(out_dir / f"{new_name}.tmp", out_dir / new_name)
-                    merged["shards"][split].append(new_name)
-                merged["tokens"][split] += meta["tokens"][split]
+                    link = out_dir / f"{split}_{len(merged['shards'][split]):06d}.npy"
+                    Path(f"{link}.tmp").unlink(missing_ok=True)
+                    os.link(path / name, f"{link}.tmp")  # the same file: no copy
+                    os.replace(f"{link}.tmp", link)
+                    merged["shards"][split].append(link.name)
         complete(out_dir, tokenizer_files, merged)
-    print(f"merged {count} parts into {out_dir}: {merged['tokens']} tokens")
+    print(f"merged {count} parts into {out_dir}")
 
 
 @contextmanager
@@ -540,16 +537,14 @@ def lock_directory(path):
     return descriptor  # the lock lasts while this descriptor is open: keep it
 
 
-# === plumbing: reading text (a function that stands in several scripts is the same in each). .txt
-# and .jsonl are read with the standard library: `datasets` would turn CRLF into LF (no longer
-# rustbpe's bytes), stop at invalid UTF-8, and take seconds to start.
+# === plumbing: reading text (a function that stands in several scripts is the same in each)
 
-def open_source(data, data_was_named, part):  # (documents, name, description); documents(budget)
-    if data not in HUB_DATASETS:  # -> texts
+def open_source(data, data_was_named, part):  # (documents(budget) -> texts, name, description)
+    if data not in HUB_DATASETS:
         files = local_files(data)
         return (lambda budget: part_texts(files, part, budget)), Path(data).stem, str(data)
-    if part[1] > 1:  # a Hub stream can't be cut in stream order: files can
-        raise UserError(f"--part: download {data}'s files; point --data at them")
+    if part[1] > 1:  # a Hub stream can't be cut in stream order; files can
+        raise UserError(f"--part: download {data}'s files; use --data on them")
     repository, config, parquet_files = HUB_DATASETS[data]
     load = dict(path=repository, name=config)
     if parquet_files:  # by path: `datasets` then never runs an old loading script
@@ -602,24 +597,17 @@ def local_files(data):  # the file, or a directory's files in sorted order; regu
         raise UserError(f"--data {data} is none of: {kinds}")
     return files
 
-def part_texts(files, part, budget):  # part K of N: the documents whose first byte is in bytes
-    sizes = [path.stat().st_size for path in files]  # [K S / N, (K + 1) S / N) of the files' S
+def part_texts(files, part, budget):
+    """Part K of N: the documents whose first byte is in bytes [K S / N, (K + 1) S / N) of the S
+    bytes of the files, end to end (train_bpe_multigpu.py's ranks cut them so)."""
+    sizes = [path.stat().st_size for path in files]
     lo, hi = sum(sizes) * part[0] // part[1], sum(sizes) * (part[0] + 1) // part[1]
-    part_files = []  # as train_bpe_multigpu.py's ranks split them
     for path, first, size in zip(files, itertools.accumulate([0] + sizes), sizes):
-        split_into_ours = first < lo < first + size and path.suffix in (".jsonl", ".parquet")
-        if size and (lo <= first < hi or split_into_ours):
-            part_files.append((path, first, size))
-    return read_part(part_files, lo, hi, budget)
-
-def read_part(part_files, lo, hi, budget):
-    for path, first, _ in part_files:
-        if path.suffix == ".jsonl":
-            yield from read_jsonl(path, max(lo - first, 0), hi - first)
-        elif path.suffix == ".parquet":
-            yield from read_parquet(path, lo - first, hi - first)
-        else:
+        if path.suffix == ".txt" and lo <= first < hi:
             yield from read_txt(path, budget)
+        elif path.suffix != ".txt" and first < hi and lo < first + size:
+            read = read_jsonl if path.suffix == ".jsonl" else read_parquet
+            yield from read(path, max(lo - first, 0), hi - first)
 
 def read_parquet(path, start, end):  # the "text" of each row group placed in bytes [start, end)
     import pyarrow.parquet  # here, as .txt and .jsonl never need it; 10x less CPU than `datasets`
@@ -684,7 +672,7 @@ def first_chars(documents, num_chars):  # the last document is cut to fit
             return  # before the source is asked for one more document: it may be slow, or malformed
 
 # === plumbing: the command line runs run(), and prints each error as one line, never a traceback
-def stopped(signum, frame):  # kill, scancel, SLURM at its time limit: stops as Ctrl-C does
+def stopped(signum, frame):  # kill, scancel, SLURM's time limit: as Ctrl-C
     raise KeyboardInterrupt(f"stopped by {signal.Signals(signum).name}")
 
 

@@ -29,7 +29,7 @@ COPIES = [("lock_directory", WRITERS),
           ("local_files", READERS), ("read_txt", READERS), ("stdlib_documents", READERS[:3]),
           ("datasets_texts", READERS[:3]), ("local_texts", READERS[:2]),
           ("read_jsonl", READERS[:2]), ("read_parquet", READERS[:2]),  # prepare_data.py's --part: byte ranges
-          ("read_jsonl", READERS[2:]), ("read_parquet", READERS[2:]), ("read_part", READERS[2:]),
+          ("read_jsonl", READERS[2:]), ("read_parquet", READERS[2:]),
           ("open_source", ["train_bpe_cpu.py", "train_bpe_gpu.py"]),
           ("first_chars", ["train_bpe_cpu.py", "prepare_data.py"])]
 
