@@ -256,7 +256,8 @@ def run(argv):
         if pending:  # (else: a resumed run whose shards were all finished)
             route(*pending, is_last=True)
             shards.finish(pending[0] + 1, 0)
-        if K == 0 < N - 1 and state["tokens"]["train"] == 0 < args.val_tokens - state["tokens"]["val"]:
+        tokens = state["tokens"]
+        if K == 0 < N - 1 and tokens["train"] == 0 and tokens["val"] < args.val_tokens:
             raise UserError("part 0 holds fewer tokens than --val_tokens: use fewer parts")
         t2 = time.time()
         complete(out_dir, tokenizer_files, {key: state[key] for key in state if key != "resume"})
@@ -482,8 +483,9 @@ def merge_parts(out_dir, count, now, encoder, tokenizer_files):
     for k, path in enumerate(parts):  # these settings, shards whole (their headers): or one line
         resume_state(path, {"args": {**now, "part": [k, count]}}, encoder)
     metas = [json.loads(read_bounded(path / "meta.json")) for path in parts]
+    tokens = {split: sum(meta["tokens"][split] for meta in metas) for split in ("val", "train")}
     merged = {**metas[0], "args": {**now, "part": count}, "shards": {"val": [], "train": []},
-              "tokens": {split: sum(m["tokens"][split] for m in metas) for split in metas[0]["tokens"]},
+              "tokens": tokens,
               "num_chars": sum(m["num_chars"] for m in metas),
               "max_token_id": max(m["max_token_id"] for m in metas)}
     with writing_to(out_dir):
