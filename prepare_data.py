@@ -599,9 +599,8 @@ def local_files(data):  # the file, or a directory's files in sorted order; regu
         raise UserError(f"--data {data} is none of: {kinds}")
     return files
 
-def part_texts(files, part, budget):
-    """Part K of N: the documents whose first byte is in bytes [K S / N, (K + 1) S / N) of the S
-    bytes of the files, end to end (train_bpe_multigpu.py's ranks cut them so)."""
+def part_texts(files, part, budget):  # part K/N: the documents starting in bytes [K S/N, (K+1)
+    # S/N) of the files' S bytes end to end (as train_bpe_multigpu.py's ranks)
     sizes = [path.stat().st_size for path in files]
     lo, hi = sum(sizes) * part[0] // part[1], sum(sizes) * (part[0] + 1) // part[1]
     for path, first, size in zip(files, itertools.accumulate([0] + sizes), sizes):
