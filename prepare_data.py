@@ -7,9 +7,11 @@ Turn text into token shards for train.py: fast, in flat memory, and resumable.
 
 It writes DIR/val_000000.npy, ..., DIR/train_000000.npy, ... and, last, DIR/meta.json (DIR: --out,
 or data/<source>_<tokenizer>), as the README says. Killed and rerun, it resumes where it stopped.
+On many machines: --part K/N on each, then --merge N (the README's scale section).
 """
 
-import argparse, base64, codecs, fcntl, hashlib, itertools, json, os, socket, sys, sysconfig, time
+import argparse, base64, codecs, fcntl, hashlib, itertools, json, os, signal, socket, stat, sys
+import sysconfig, time
 import urllib.parse
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -31,6 +33,8 @@ shard_size = 100_000_000  # tokens per shard: 200 MB of uint16, as in build-nano
 val_tokens = 1_000_000  # val: the first documents, until they hold this many tokens
 workers = os.cpu_count()  # tokenizer threads
 batch_chars = 1 << 20  # characters per batch handed to a thread: enough to amortize, few for memory
+part = None  # K/N: only part K (0..N-1) of N of the files, into --out/part-K-of-N
+merge = None  # N: link the N parts' shards into --out, in stream order: one dataset
 HUB_DATASETS = {  # name: (repository, config, parquet files)
     "fineweb": ("HuggingFaceFW/fineweb", "sample-10BT", None),
     "fineweb-edu": ("HuggingFaceFW/fineweb-edu", "sample-10BT", None),
@@ -152,10 +156,10 @@ def write_json(path, obj):  # under a temporary name, then renamed: readers neve
 # === step 3: the val split
 # Val takes the first documents until it holds val_tokens (one at least); train takes the rest, and
 # always the last. A lone document trains on its first 90% and validates on the rest, as in nanoGPT.
-def val_split(index, size, skip, is_last, written, val_tokens):
-    """Where document `index`'s tokens [skip, size) go, as (split, start, end); `written`: the
-    tokens each split holds, this document's first `skip` included (a resumed run wrote those)."""
-    if is_last and index == 0:
+def val_split(first, size, skip, is_last, written, val_tokens):
+    """Where a document's tokens [skip, size) go, as (split, start, end); `written`: the tokens
+    each split holds, its first `skip` included (a resumed run wrote those)."""
+    if is_last and first:
         cut = size * 9 // 10  # below size: val gets a token at least
         return [("train", skip, cut), ("val", max(skip, cut), size)]
     val = not is_last and written["train"] == 0 and written["val"] - skip < val_tokens
@@ -178,8 +182,14 @@ def complete(out_dir, tokenizer_files, meta=None):
 # === the run: steps 1 to 4, in order. What it calls that no step defines is plumbing, below.
 def run(argv):
     args, t0 = parse_args(argv), time.time()
-    documents, source_name, source = open_source(args.data or data, args.data is not None)
+    documents, source_name, source = open_source(args.data or data, args.data is not None, args.part)
     encoder, tokenizer_meta, tokenizer_files = load_tokenizer(args.tokenizer)
+    (K, N), out_dir = args.part, output_dir(args, source_name)
+    if args.merge:
+        return merge_parts(out_dir, args.merge, run_args(args, source, tokenizer_meta), encoder,
+                           tokenizer_files)
+    if N > 1:  # a part is a dataset of its own, merged later
+        out_dir = out_dir / f"part-{K}-of-{N}"
     # at char level a token is a character: both passes then read the same max_tokens characters
     budget = args.num_chars or sys.maxsize
     if encoder is None and args.max_tokens:
@@ -188,7 +198,6 @@ def run(argv):
     def texts():  # an empty text is no document
         return (text for text in first_chars(documents, budget) if text)
 
-    out_dir = output_dir(args, source_name)
     # the state: meta.json to be, and where to resume
     state = {"version": 1, "max_token_id": -1, "tokenizer": tokenizer_meta, "source": source,
              "num_chars": 0, "tokens": {"val": 0, "train": 0}, "shards": {"val": [], "train": []},
@@ -220,9 +229,11 @@ def run(argv):
                                    lambda batch: encode_batch(batch, encoder, dtype, token_lengths),
                                    args.workers)
 
+        # a part knows if it is first or last: val is part 0's, which must hold it all (below)
         def route(index, tokens, chars, skip, is_last):  # step 3, then step 2
-            for split, begin, end in val_split(index, len(tokens), skip, is_last, state["tokens"],
-                                               args.val_tokens):
+            for split, begin, end in val_split(K == index == 0, len(tokens), skip,
+                                               is_last and K == N - 1, state["tokens"],
+                                               args.val_tokens if K == 0 else 0):
                 shards.write(split, tokens, begin, end, index)
             state["num_chars"] += chars
 
@@ -245,6 +256,9 @@ def run(argv):
         if pending:  # (else: a resumed run whose shards were all finished)
             route(*pending, is_last=True)
             shards.finish(pending[0] + 1, 0)
+        tokens = state["tokens"]
+        if K == 0 < N - 1 and tokens["train"] == 0 and tokens["val"] < args.val_tokens:
+            raise UserError("part 0 holds fewer tokens than --val_tokens: use fewer parts")
         t2 = time.time()
         complete(out_dir, tokenizer_files, {key: state[key] for key in state if key != "resume"})
 
@@ -255,6 +269,8 @@ def run(argv):
           f"from {state['resume']['document']:,} documents")
     tokens_per_second = (total - start_total) / max(t2 - t1, 1e-9)
     print(f"tokenizing {t2 - t1:.2f}s ({tokens_per_second:,.0f} tokens/s) | total {t2 - t0:.2f}s")
+    if N > 1:
+        print(f"then, all {N} parts done: --merge {N}")
 
 
 # === plumbing: the command line, its checks, the warnings. A first read skips each plumbing block,
@@ -268,9 +284,11 @@ def parse_args(argv):
     parser.add_argument("--tokenizer", default=tokenizer, help="BPE dir, tiktoken name or char")
     parser.add_argument("--data", help=f"{' | '.join(HUB_DATASETS)} | a file or directory ({data})")
     parser.add_argument("--out", default=out, help="default data/<source>_<tokenizer>")
+    parser.add_argument("--part", default=part, help="K/N")
     parser.add_argument("-n", "--num_chars", type=int, default=num_chars, help="read N characters")
     for name, meaning in [("max_tokens", "stop after N tokens"), ("shard_size", "tokens per shard"),
-                          ("val_tokens", "tokens for val"), ("workers", "tokenizer threads")]:
+                          ("val_tokens", "tokens for val"), ("workers", "tokenizer threads"),
+                          ("merge", "merge N parts")]:
         default = globals()[name]
         parser.add_argument(f"--{name}", type=int, default=default, help=f"{meaning} ({default})")
     args = parser.parse_args(argv)
@@ -279,6 +297,21 @@ def parse_args(argv):
     for flag, value in vars(args).items():
         if isinstance(value, int) and value <= 0:
             raise UserError(f"--{flag} {value}: must be a positive number")
+        if isinstance(value, str) and regex.search("[\ud800-\udfff]", value):  # bad UTF-8
+            raise UserError(f"--{flag} {value!r}: not valid UTF-8")
+    env = os.environ  # a task of a SLURM job array is a part
+    try:
+        if args.part is None and "SLURM_ARRAY_TASK_ID" in env and not args.merge:
+            K = int(env["SLURM_ARRAY_TASK_ID"]) - int(env["SLURM_ARRAY_TASK_MIN"])
+            args.part = f"{K}/{env['SLURM_ARRAY_TASK_COUNT']}"
+        K, N = map(int, (args.part or "0/1").split("/"))
+    except (ValueError, KeyError):
+        K = N = 0
+    if not 0 <= K < N:
+        raise UserError(f"--part {args.part}: must be K/N, 0 <= K < N")
+    args.part = (K, N)
+    if (N > 1 or args.merge) and (args.tokenizer == "char" or args.max_tokens or args.num_chars):
+        raise UserError("--part cuts the whole source: no --max_tokens, -n, nor char level")
     return args
 
 
@@ -318,7 +351,7 @@ def load_tokenizer(name):
             raise UserError(f"--tokenizer {name}: tiktoken could not download its ranks "
                             f"({type(error).__name__}); it needs internet once")
     try:  # a directory from train_bpe_*.py, checked here once
-        files = {f: Path(name, f).read_bytes() for f in ("tokenizer.tiktoken", "tokenizer.json")}
+        files = {f: read_bounded(Path(name, f)) for f in ("tokenizer.tiktoken", "tokenizer.json")}
         info = json.loads(files["tokenizer.json"])
         lines = [line.split() for line in files["tokenizer.tiktoken"].splitlines() if line.strip()]
         ranks = {base64.b64decode(token, validate=True): int(rank) for token, rank in lines}
@@ -371,6 +404,7 @@ def run_args(args, source, tokenizer_meta):  # what decides the shards: a rerun 
     if (args.data or data) not in HUB_DATASETS:
         files = [[str(p), p.stat().st_size, p.stat().st_mtime_ns] for p in local_files(args.data)]
     return {"source": source, "tokenizer": tokenizer_meta, "num_chars": args.num_chars,
+            "part": list(args.part) if args.part[1] > 1 else None,
             "max_tokens": args.max_tokens, "shard_size": args.shard_size,
             "val_tokens": args.val_tokens, "files": files}
 
@@ -389,7 +423,7 @@ def resume_state(out_dir, state, encoder):
         vocabulary = {"vocab_size": encoder.n_vocab, "eot_token": encoder.eot_token}
     start_over = f"delete {out_dir} to start over"
     try:
-        saved = json.loads(saved_path.read_text())
+        saved = json.loads(read_bounded(saved_path))
         before = shard_settings(saved["args"], {key: saved[key] for key in vocabulary})
         damaged = damaged_shard(out_dir, saved, state["args"]["shard_size"])
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
@@ -432,6 +466,42 @@ def damaged_shard(out_dir, saved, shard_size):  # a shard missing or cut, or Non
     return None
 
 
+def read_bounded(path, limit=1 << 26):  # O_NONBLOCK: a named pipe would block open()
+    with open(os.open(path, os.O_RDONLY | os.O_NONBLOCK), "rb") as f:
+        info = os.fstat(f.fileno())
+        if not stat.S_ISREG(info.st_mode) or info.st_size > limit:
+            raise UserError(f"{path} is not a regular file of at most {limit >> 20} MB")
+        return f.read(limit + 1)
+
+
+def merge_parts(out_dir, count, now, encoder, tokenizer_files):
+    """The parts' shards hard-linked into out_dir as one run names them, then meta.json."""
+    parts = [out_dir / f"part-{k}-of-{count}" for k in range(count)]
+    missing = [path.name for path in parts if not (path / "meta.json").exists()]
+    if missing:
+        raise UserError(f"--merge {count}: {', '.join(missing)} missing or unfinished; run them")
+    for k, path in enumerate(parts):  # these settings, shards whole (their headers): or one line
+        resume_state(path, {"args": {**now, "part": [k, count]}}, encoder)
+    metas = [json.loads(read_bounded(path / "meta.json")) for path in parts]
+    tokens = {split: sum(meta["tokens"][split] for meta in metas) for split in ("val", "train")}
+    merged = {**metas[0], "args": {**now, "part": count}, "shards": {"val": [], "train": []},
+              "tokens": tokens,
+              "num_chars": sum(m["num_chars"] for m in metas),
+              "max_token_id": max(m["max_token_id"] for m in metas)}
+    with writing_to(out_dir):
+        (out_dir / "meta.json").unlink(missing_ok=True)  # complete again once it is back
+        for path, meta in zip(parts, metas):
+            for split, names in meta["shards"].items():
+                for name in names:
+                    link = out_dir / f"{split}_{len(merged['shards'][split]):06d}.npy"
+                    Path(f"{link}.tmp").unlink(missing_ok=True)
+                    os.link(path / name, f"{link}.tmp")  # the same file: no copy
+                    os.replace(f"{link}.tmp", link)
+                    merged["shards"][split].append(link.name)
+        complete(out_dir, tokenizer_files, merged)
+    print(f"merged {count} parts into {out_dir}")
+
+
 @contextmanager
 def writing_to(out_dir):
     """Make out_dir if need be and lock it; a failed run removes the empty directories it made."""
@@ -469,14 +539,14 @@ def lock_directory(path):
     return descriptor  # the lock lasts while this descriptor is open: keep it
 
 
-# === plumbing: reading text (a function that stands in several scripts is the same in each). .txt
-# and .jsonl are read with the standard library: `datasets` would turn CRLF into LF (no longer
-# rustbpe's bytes), stop at invalid UTF-8, and take seconds to start.
+# === plumbing: reading text (a function that stands in several scripts is the same in each)
 
-def open_source(data, data_was_named):  # (documents, name, description); documents(budget) -> texts
+def open_source(data, data_was_named, part):  # (documents(budget) -> texts, name, description)
     if data not in HUB_DATASETS:
         files = local_files(data)
-        return (lambda budget: local_texts(files, budget)), Path(data).stem, str(data)
+        return (lambda budget: part_texts(files, part, budget)), Path(data).stem, str(data)
+    if part[1] > 1:  # a Hub stream can't be cut in stream order; files can
+        raise UserError(f"--part: download {data}'s files; use --data on them")
     repository, config, parquet_files = HUB_DATASETS[data]
     load = dict(path=repository, name=config)
     if parquet_files:  # by path: `datasets` then never runs an old loading script
@@ -529,20 +599,27 @@ def local_files(data):  # the file, or a directory's files in sorted order; regu
         raise UserError(f"--data {data} is none of: {kinds}")
     return files
 
-def local_texts(files, budget):  # a document is a .txt file, a .jsonl line, a .parquet row
-    for path in files:
-        if path.suffix == ".parquet":
-            yield from read_parquet(path)
-        else:
-            yield from read_txt(path, budget) if path.suffix == ".txt" else read_jsonl(path)
+def part_texts(files, part, budget):  # part K/N: the documents starting in bytes [K S/N, (K+1)
+    # S/N) of the files' S bytes end to end (as train_bpe_multigpu.py's ranks)
+    sizes = [path.stat().st_size for path in files]
+    lo, hi = sum(sizes) * part[0] // part[1], sum(sizes) * (part[0] + 1) // part[1]
+    for path, first, size in zip(files, itertools.accumulate([0] + sizes), sizes):
+        if path.suffix == ".txt" and lo <= first < hi:
+            yield from read_txt(path, budget)
+        elif path.suffix != ".txt" and first < hi and lo < first + size:
+            read = read_jsonl if path.suffix == ".jsonl" else read_parquet
+            yield from read(path, max(lo - first, 0), hi - first)
 
-def read_parquet(path):  # the "text" of each row
+def read_parquet(path, start, end):  # the "text" of each row group placed in bytes [start, end)
     import pyarrow.parquet  # here, as .txt and .jsonl never need it; 10x less CPU than `datasets`
     try:
         parquet = pyarrow.parquet.ParquetFile(path)
         if "text" not in parquet.schema_arrow.names:
             raise ValueError('no "text" column')
-        for batch in parquet.iter_batches(1024, columns=["text"]):
+        # a group sits at its share of the bytes: ranges tile them
+        size, groups = os.path.getsize(path), parquet.num_row_groups
+        ours = [group for group in range(groups) if start <= size * group // groups < end]
+        for batch in parquet.iter_batches(1024, ours, columns=["text"]):
             for text in batch.column(0).to_pylist():
                 if not isinstance(text, str):
                     raise ValueError(f'a row\'s "text" is {text!r:.50}, not a string')
@@ -555,9 +632,16 @@ def read_txt(path, budget):  # one document, CRLF kept, read only as far as the 
     with open(path, encoding="utf-8", errors=BadUTF8.errors, newline="") as f:
         yield f.read(budget if budget < os.path.getsize(path) else -1)  # N bytes: <= N characters
 
-def read_jsonl(path):  # the "text" of each line
+def read_jsonl(path, start, end):  # the "text" of each line starting in bytes [start, end)
     with open(path, "rb") as f:
+        if start > 0:  # the line holding byte start-1 is the range's before: ranges tile the file
+            f.seek(start - 1)
+            f.readline()
+        line_end = f.tell()
         for number, line in enumerate(f, 1):
+            line_start, line_end = line_end, line_end + len(line)
+            if line_start >= end:
+                return
             if not line.strip():
                 continue
             try:  # a BOM, as Windows tools write it, is no part of the JSON
@@ -565,7 +649,8 @@ def read_jsonl(path):  # the "text" of each line
             except (ValueError, KeyError, TypeError, RecursionError):
                 text = None
             if not isinstance(text, str):
-                raise UserError(f'{path}:{number} is not a JSON object with a string "text" field')
+                where = f"{path} (the line at byte {line_start})" if start else f"{path}:{number}"
+                raise UserError(f'{where} is not a JSON object with a string "text" field')
             if not text.isascii():  # "\ud800" is valid JSON, but a lone surrogate has no UTF-8
                 text = text.encode("utf-16-le", "surrogatepass").decode("utf-16-le", BadUTF8.errors)
             yield text
@@ -588,13 +673,18 @@ def first_chars(documents, num_chars):  # the last document is cut to fit
             return  # before the source is asked for one more document: it may be slow, or malformed
 
 # === plumbing: the command line runs run(), and prints each error as one line, never a traceback
+def stopped(signum, frame):  # kill, scancel, SLURM's time limit: as Ctrl-C
+    raise KeyboardInterrupt(f"stopped by {signal.Signals(signum).name}")
+
+
 if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, stopped)
     try:
         run(sys.argv[1:])
-    except KeyboardInterrupt:
-        print("\ninterrupted: run the same command again to resume; finished shards are kept",
-              file=sys.stderr)
-        sys.exit(130)
+    except KeyboardInterrupt as stop:
+        print(f"\n{str(stop) or 'interrupted'}: run the same command again to resume; finished "
+              "shards are kept", file=sys.stderr)
+        sys.exit(143 if str(stop) else 130)
     except UserError as error:
         sys.exit(f"error: {error}")  # printed to stderr, exit status 1
     except OSError as error:  # a full disk, a lost mount: the finished shards are safe

@@ -27,8 +27,10 @@ COPIES = [("lock_directory", WRITERS),
           # shares of a Hub dataset (datasets_texts), so those three are its own, and it opens its sources
           # its own way (no local_texts, no offline corpus)
           ("local_files", READERS), ("read_txt", READERS), ("stdlib_documents", READERS[:3]),
-          ("local_texts", READERS[:3]), ("datasets_texts", READERS[:3]), ("read_jsonl", READERS[:3]),
-          ("read_parquet", READERS[:3]), ("open_source", ["train_bpe_cpu.py", "train_bpe_gpu.py"]),
+          ("datasets_texts", READERS[:3]), ("local_texts", READERS[:2]),
+          ("read_jsonl", READERS[:2]), ("read_parquet", READERS[:2]),  # prepare_data.py's --part: byte ranges
+          ("read_jsonl", READERS[2:]), ("read_parquet", READERS[2:]),
+          ("open_source", ["train_bpe_cpu.py", "train_bpe_gpu.py"]),
           ("first_chars", ["train_bpe_cpu.py", "prepare_data.py"])]
 
 

@@ -207,7 +207,7 @@ def test_char_ids_are_ranks_and_an_unseen_character_is_refused():
 ])
 def test_the_val_split_rule(index, size, skip, is_last, written, pieces):
     """Step 3 on its own: where each piece of a document goes, with val_tokens = 100."""
-    assert prepare_data.val_split(index, size, skip, is_last, written, 100) == pieces
+    assert prepare_data.val_split(index == 0, size, skip, is_last, written, 100) == pieces
 
 
 def test_tiktoken_name_path_with_a_local_encoding(tmp_path, docs, bpe_dir):
@@ -633,3 +633,164 @@ def test_characters_the_split_pattern_leaves_unmatched_are_counted(tmp_path, cor
     message = (f"warning: the split pattern matched {kept:,} of {read:,} bytes; "
                f"the other {1 - kept / read:.1%} are not in the shards (tiktoken drops them)")
     assert [line for line in result.stderr.splitlines() if line.startswith("warning")] == [message]
+
+
+# ---------------------------------------------------------------- --part K/N and --merge N: equal to one run
+
+
+@pytest.fixture(scope="module")
+def parts_source(tmp_path_factory, bpe_dir, corpus):
+    """Real text in all three kinds (a .jsonl, a .parquet of many row groups, a .txt), so that parts cut inside
+    files by lines and by row groups; and one run's dataset on it, the reference."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    corpora = corpus("enwiki.jsonl").parent
+    root = tmp_path_factory.mktemp("parts")
+    source = root / "source"
+    source.mkdir()
+    with open(corpora / "enwiki.jsonl", "rb") as f:  # whole lines, about 3 MB
+        (source / "a.jsonl").write_bytes(b"".join(f.readline() for _ in range(1500)))
+    with open(corpora / "udhr.jsonl", encoding="utf-8") as f:
+        texts = [json.loads(next(f))["text"] for _ in range(300)]
+    pq.write_table(pa.table({"text": texts}), source / "b.parquet", row_group_size=20)
+    (source / "c.txt").write_bytes((corpora / "tinyshakespeare.txt").read_bytes()[:200_000])
+    common = ["--tokenizer", bpe_dir, "--data", source, "--shard_size", 50_000, "--val_tokens", 150_000,
+              "--workers", 1]
+    prepare(*common, "--out", "one", cwd=root)
+    return root, common
+
+
+def merged_equals_one_run(root, out_dir):
+    meta, val, train = read_dataset(root / out_dir)
+    one_meta, one_val, one_train = read_dataset(root / "one")
+    assert np.array_equal(val, one_val) and np.array_equal(train, one_train)
+    assert len(one_meta["shards"]["val"]) > 1 and len(meta["shards"]["train"]) > 10  # val: several documents
+    assert (meta["tokens"], meta["vocab_size"], meta["max_token_id"], meta["num_chars"]) == (
+        one_meta["tokens"], one_meta["vocab_size"], one_meta["max_token_id"], one_meta["num_chars"])
+    assert (root / out_dir / "tokenizer.tiktoken").exists() and not list((root / out_dir).glob("*.tmp"))
+    names = meta["shards"]["val"] + meta["shards"]["train"]  # train.py takes plain file names only
+    assert all(name == Path(name).name and (root / out_dir / name).is_file() for name in names)
+
+
+def test_parts_in_any_order_or_at_once_merge_to_one_runs_ids(parts_source):
+    """N = 2 in reverse order with --part, N = 3 all at once from SLURM's array variables (an array 1-3), N = 5
+    in a shuffled order: each merged dataset's val and train ids are one run's; train.py's checks accept it."""
+    root, common = parts_source
+    for count, order in [(2, [1, 0]), (5, [3, 0, 4, 2, 1])]:
+        for k in order:
+            prepare(*common, "--out", f"n{count}", "--part", f"{k}/{count}", cwd=root)
+        assert f"merged {count} parts" in prepare(*common, "--out", f"n{count}", "--merge", count, cwd=root).stdout
+        merged_equals_one_run(root, f"n{count}")
+    tasks = [subprocess.Popen([sys.executable, str(SCRIPT), *map(str, common), "--out", "n3"], cwd=root,
+                              env={**os.environ, "SLURM_ARRAY_TASK_ID": str(task), "SLURM_ARRAY_TASK_MIN": "1",
+                                   "SLURM_ARRAY_TASK_COUNT": "3"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+             for task in (3, 1, 2)]
+    assert all(task.wait(timeout=300) == 0 for task in tasks)
+    assert sorted(path.name for path in (root / "n3").iterdir()) == ["part-0-of-3", "part-1-of-3", "part-2-of-3"]
+    prepare(*common, "--out", "n3", "--merge", 3, cwd=root, env={"SLURM_ARRAY_TASK_ID": "1"})  # ignored there
+    merged_equals_one_run(root, "n3")
+    # merging again changes nothing; train.py's start-up (the checks on meta.json and each shard) accepts it
+    def top_level():
+        return {path.name: (path.read_bytes(), path.suffix == ".npy" and path.stat().st_ino)
+                for path in (root / "n3").glob("*.*")}
+    before = top_level()
+    prepare(*common, "--out", "n3", "--merge", 3, cwd=root)
+    assert top_level() == before
+
+
+def test_a_part_stopped_by_sigterm_says_so_and_resumes_to_one_runs_ids(parts_source):
+    """SIGTERM (scancel, SLURM's time limit) mid-part: one line saying so, exit 143, progress kept; rerun, the part
+    resumes, and the merge still equals one run."""
+    root, common = parts_source
+    args = [sys.executable, str(SCRIPT), *map(str, common), "--out", "killed", "--part", "1/2"]
+    process = subprocess.Popen(args, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    progress_path, deadline = root / "killed" / "part-1-of-2" / "progress.json", time.time() + 120
+    while time.time() < deadline and process.poll() is None:
+        try:
+            if json.loads(progress_path.read_text())["shards"]["train"]:
+                break
+        except (OSError, ValueError):
+            time.sleep(0.002)
+    assert process.poll() is None, "the part ended before it could be stopped: give it more data"
+    process.send_signal(signal.SIGTERM)
+    _, stderr = process.communicate(timeout=60)
+    assert process.returncode == 143 and "Traceback" not in stderr, stderr
+    assert stderr.strip().splitlines()[-1] == ("stopped by SIGTERM: run the same command again to resume; "
+                                               "finished shards are kept")
+    assert progress_path.exists() and not (progress_path.parent / "meta.json").exists()
+    assert "resuming" in prepare(*common, "--out", "killed", "--part", "1/2", cwd=root).stdout
+    prepare(*common, "--out", "killed", "--part", "0/2", cwd=root)
+    prepare(*common, "--out", "killed", "--merge", 2, cwd=root)
+    merged_equals_one_run(root, "killed")
+
+
+def test_part_and_merge_mistakes_are_one_line_each(parts_source, monkeypatch, tmp_path):
+    """A missing part, an unfinished one, one made with other settings, a bad K/N, a Hub source, settings a part
+    can't honour, val too big for part 0: each refused in one line naming it."""
+    root, common = parts_source
+    monkeypatch.chdir(root)
+    assert "--part 2/2: must be K/N" in refused(*common, "--part", "2/2")
+    assert "--part x: must be K/N" in refused(*common, "--part", "x")
+    monkeypatch.setenv("SLURM_ARRAY_TASK_ID", "4")  # a task of an array 1-3? no such part
+    monkeypatch.setenv("SLURM_ARRAY_TASK_MIN", "1")
+    monkeypatch.setenv("SLURM_ARRAY_TASK_COUNT", "3")
+    assert "--part 3/3: must be K/N" in refused(*common)
+    monkeypatch.delenv("SLURM_ARRAY_TASK_ID")
+    assert "no --max_tokens" in refused(*common, "--part", "0/2", "--max_tokens", 1000)
+    assert "no --max_tokens, -n, nor char level" in refused(*common[2:], "--tokenizer", "char", "--part", "0/2")
+    assert "download fineweb's files" in refused(*common[:2], "--data", "fineweb", "--part", "0/2")
+    # part 0 of 40 holds less than val_tokens: val would go on into part 1, which can't know it
+    assert "part 0 holds fewer tokens than --val_tokens" in refused(*common, "--part", "0/40", "--out", "n40")
+    # parts: one finished, one with other settings, one unfinished (its progress.json), one never run
+    prepare(*common, "--out", "mixed", "--part", "0/4", cwd=root)
+    prepare(*common[:-4], "--val_tokens", 140_000, "--workers", 1, "--out", "mixed", "--part", "1/4", cwd=root)
+    (root / "mixed" / "part-2-of-4").mkdir()
+    shutil.copy(root / "mixed" / "part-0-of-4" / "meta.json", root / "mixed" / "part-2-of-4" / "progress.json")
+    message = refused(*common, "--out", "mixed", "--merge", 4)
+    assert "--merge 4: part-2-of-4, part-3-of-4 missing or unfinished" in message
+    for k in (2, 3):
+        shutil.rmtree(root / "mixed" / f"part-{k}-of-4", ignore_errors=True)
+        prepare(*common, "--out", "mixed", "--part", f"{k}/4", cwd=root)
+    message = refused(*common, "--out", "mixed", "--merge", 4)
+    assert "mixed/part-1-of-4: made with other arguments (val_tokens: 140000, now 150000)" in message
+    assert not (root / "mixed" / "meta.json").exists()
+
+
+# ---------------------------------------------------------------- every value and file read is checked first
+
+
+def test_invalid_utf8_in_a_command_line_value_is_one_line(tmp_path, bpe_dir):
+    """A path with invalid UTF-8 (Python reads it as lone surrogates) can't go into meta.json: refused at once."""
+    bad_name = b"docs\xff.jsonl"
+    write_jsonl(tmp_path / os.fsdecode(bad_name), ["some text", "more text"])
+    result = subprocess.run([sys.executable, str(SCRIPT), "--tokenizer", str(bpe_dir), "--data", bad_name,
+                             "--out", "ds"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert_one_error_line(result, "--data 'docs\\udcff.jsonl': not valid UTF-8")
+    assert not (tmp_path / "ds").exists()
+
+
+def test_files_read_whole_are_read_bounded(tmp_path, bpe_dir, monkeypatch):
+    """A tokenizer file or a progress.json that is a named pipe (which a plain open() waits on forever) or a file
+    over 64 MB: one line each, at once."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a.txt").write_text("hello world")
+    signal.signal(signal.SIGALRM, lambda *_: pytest.fail("a read hung"))
+    signal.alarm(20)
+    try:
+        piped = shutil.copytree(bpe_dir, tmp_path / "piped")
+        (piped / "tokenizer.json").unlink()
+        os.mkfifo(piped / "tokenizer.json")
+        assert "tokenizer.json is not a regular file of at most 64 MB" in refused("--tokenizer", piped,
+                                                                                 "--data", "a.txt")
+        (tmp_path / "ds").mkdir()
+        os.mkfifo(tmp_path / "ds" / "progress.json")
+        assert "progress.json is not a regular file" in refused("--tokenizer", bpe_dir, "--data", "a.txt",
+                                                                "--out", "ds")
+        os.unlink(tmp_path / "ds" / "progress.json")
+        with open(tmp_path / "ds" / "meta.json", "wb") as f:
+            f.truncate(65 << 20)  # sparse: no disk
+        assert "meta.json is not a regular file of at most 64 MB" in refused("--tokenizer", bpe_dir, "--data",
+                                                                             "a.txt", "--out", "ds")
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, signal.SIG_DFL)
