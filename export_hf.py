@@ -27,7 +27,7 @@ from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from model import (CharTokenizer, CheckpointError, encoding_from_checkpoint, load_checkpoint,
-                   model_from_checkpoint)
+                   model_from_checkpoint, non_finite)
 
 _names_before_settings = set(globals())
 # -----------------------------------------------------------------------------
@@ -176,12 +176,17 @@ def llama_config(cfg, eot_id):
 
 def write_directory(hf_path, weights, files):
     """model.safetensors and the JSON files into hf_path, all or nothing: hf_path is made (empty),
-    locked (one writer at a time), checked again, then replaced by a complete copy."""
-    os.makedirs(hf_path, exist_ok=True)
-    lock_directory(hf_path)  # held while the process lives
-    validate(hf_path)
+    locked (one writer at a time), checked again, then replaced by a complete copy. An OSError or
+    Ctrl-C on the way leaves no hf_path that this run made, and no temporary directory."""
+    overflowed = non_finite(weights.items())  # the checkpoint's are finite: model.py checks
+    if overflowed:
+        raise UserError(f"{overflowed} holds inf or NaN as {dtype}: export float32 or bfloat16")
+    made = not os.path.lexists(hf_path)
     temp_dir = f"{hf_path}.tmp.{os.getpid()}"
     try:
+        os.makedirs(hf_path, exist_ok=True)
+        lock_directory(hf_path)  # held while the process lives
+        validate(hf_path)
         os.makedirs(temp_dir)
         save_file(weights, os.path.join(temp_dir, "model.safetensors"), metadata={"format": "pt"})
         for name, content in files.items():
@@ -190,11 +195,11 @@ def write_directory(hf_path, weights, files):
                 f.write("\n")
         os.rename(temp_dir, hf_path)  # replaces the empty, locked one
     except (OSError, SafetensorError) as err:  # safetensors' own error for a full disk
-        if os.path.isdir(hf_path) and not os.listdir(hf_path):
-            os.rmdir(hf_path)  # a failed export leaves nothing
         raise UserError(f"can't write {hf_path}: {getattr(err, 'strerror', None) or err}") from None
     finally:
         shutil.rmtree(temp_dir, ignore_errors=True)
+        if made and os.path.isdir(hf_path) and not os.listdir(hf_path):
+            os.rmdir(hf_path)  # a failed export leaves nothing
 
 
 class UserError(Exception):
@@ -210,6 +215,8 @@ def parse_settings(arguments, defaults, extra_types):
             listing = "\n".join(f"  --{key}={value!r}" for key, value in defaults.items())
             print(f"{__doc__.strip()}\n\nsettings and their defaults:\n{listing}")
             sys.exit(0)
+        if any("\udc80" <= char <= "\udcff" for char in arg):  # bytes that aren't UTF-8, escaped
+            raise UserError(f"{arg!r}: not valid UTF-8; give the value as UTF-8 text")
         key, has_value, text = arg[2:].partition("=")
         if not arg.startswith("--") or not has_value:
             raise UserError(f"expected --key=value, got {arg!r} (see --help)")
@@ -236,6 +243,9 @@ def parse_settings(arguments, defaults, extra_types):
 def validate(hf_path):
     if dtype not in ("float32", "bfloat16", "float16"):
         raise UserError(f"--dtype={dtype}: use float32, bfloat16 or float16")
+    if os.path.islink(hf_path):  # renamed onto, a link would be replaced, not its directory
+        raise UserError(f"--hf_dir={hf_path} is a symbolic link: give the directory itself, "
+                        f"{os.path.realpath(hf_path)}")
     if os.path.exists(hf_path) and (not os.path.isdir(hf_path) or os.listdir(hf_path)):
         raise UserError(f"--hf_dir={hf_path} already exists and is not an empty directory: choose another")
 
@@ -262,3 +272,6 @@ if __name__ == "__main__":
     except (UserError, CheckpointError) as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(1)
+    except KeyboardInterrupt:
+        print("error: stopped by Ctrl-C; --hf_dir is written whole or not at all", file=sys.stderr)
+        sys.exit(130)

@@ -15,6 +15,7 @@ import base64
 import math
 import os
 import re
+import stat
 import warnings
 from dataclasses import dataclass
 
@@ -456,18 +457,26 @@ class MuonAdamW(torch.optim.Optimizer):
 # === plumbing: config checks, GPU peak FLOP/s (a first read skips to the next # ===)
 
 def check_config(config):
-    for name in ("vocab_size", "n_embd", "n_layer", "block_size", "n_head", "n_kv_head",
-                 "ffn_multiple_of"):
+    # Sizes past these (a 2M vocabulary, 1,024 layers) are no model of this repo, only slow failures.
+    for name, most in [("vocab_size", 2**21), ("n_embd", 2**16), ("n_layer", 2**10),
+                       ("block_size", 2**20), ("n_head", 2**10), ("n_kv_head", 2**10),
+                       ("ffn_multiple_of", 2**16)]:
         value = getattr(config, name)
-        if type(value) is not int or value <= 0:
-            raise ValueError(f"{name}={value!r}: must be a positive integer")
+        if type(value) is not int or not 0 < value <= most:
+            raise ValueError(f"{name}={value!r}: must be a positive integer, at most {most:,}")
+    for name in ("rope_theta", "norm_eps", "ffn_ratio", "dropout"):
+        if type(getattr(config, name)) not in (int, float):
+            raise ValueError(f"{name}={getattr(config, name)!r}: must be a number")
     heads = f"n_embd={config.n_embd}, n_head={config.n_head}, n_kv_head={config.n_kv_head}"
-    for bad, reason in [
+    for bad, reason in [  # NaN fails every comparison: `not` catches it
         (config.n_embd % config.n_head or (config.n_embd // config.n_head) % 2,
          f"{heads}: n_head must divide n_embd into an even head size (RoPE rotates pairs)"),
         (config.n_head % config.n_kv_head, f"{heads}: n_kv_head must divide n_head"),
-        (not 0 < config.ffn_ratio < math.inf, f"ffn_ratio={config.ffn_ratio}: must be positive"),
-        (not 0 <= config.dropout < 1, f"dropout={config.dropout}: a probability, 0 <= dropout < 1")]:
+        (not 1 <= config.rope_theta < math.inf, f"rope_theta={config.rope_theta}: must be finite, at least 1"),
+        (not 0 < config.norm_eps < 1, f"norm_eps={config.norm_eps}: must be in (0, 1)"),
+        (not 0 < config.ffn_ratio <= 64, f"ffn_ratio={config.ffn_ratio}: must be in (0, 64]"),
+        (not 0 <= config.dropout < 1, f"dropout={config.dropout}: a probability, 0 <= dropout < 1"),
+        (type(config.bias) is not bool, f"bias={config.bias!r}: must be True or False")]:
         if bad:
             raise ValueError(reason)
 
@@ -571,7 +580,32 @@ def model_from_checkpoint(checkpoint):
     except (TypeError, ValueError, RuntimeError) as err:
         message = f"the checkpoint's model does not fit this model.py: {first_line(err)}"
         raise CheckpointError(message) from None
+    name = non_finite(model.named_parameters())
+    if name:
+        raise CheckpointError(f"the checkpoint's {name} holds inf or NaN (the run diverged): "
+                              "use an earlier checkpoint (ckpt_<iter>.pt)")
     return model
+
+
+def non_finite(named_tensors):
+    """The name of the first (name, tensor) pair whose tensor holds inf or NaN, or None."""
+    return next((name for name, tensor in named_tensors if not tensor.isfinite().all()), None)
+
+
+def read_bounded(path, most_bytes, encoding=None):
+    """A regular file, read whole: its bytes, or its text if encoding is given. ValueError (one
+    line) for anything else (a FIFO or a device may never end) or over most_bytes; OSError if it
+    can't be opened."""
+    descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO's open waits for no writer
+    info = os.fstat(descriptor)
+    if not stat.S_ISREG(info.st_mode):
+        os.close(descriptor)
+        raise ValueError("not a regular file")
+    with open(descriptor, "r" if encoding else "rb", encoding=encoding) as file:
+        data = file.read(most_bytes + 1)  # at most: the file may grow meanwhile
+    if max(info.st_size, len(data)) > most_bytes:
+        raise ValueError(f"over {most_bytes:,} bytes")
+    return data
 
 
 class CharTokenizer:

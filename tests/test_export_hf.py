@@ -353,3 +353,66 @@ def test_a_write_that_fails_for_space_is_one_line_and_leaves_nothing(exported, t
     assert result.returncode == 1 and result.stderr.count("\n") == 1, result.stderr
     assert result.stderr.startswith(f"error: can't write {tmp_path / 'hf'}: ") and "too large" in result.stderr
     assert os.listdir(tmp_path) == []  # no hf_dir, no temporary directory, no half-written file
+
+
+def assert_one_line(result, message):
+    assert result.returncode == 1 and result.stderr.startswith("error: ") and result.stderr.count("\n") == 1, \
+        result.stderr
+    assert message in result.stderr, result.stderr
+
+
+def test_weights_that_are_not_finite_are_refused_and_nothing_is_written(exported, tmp_path):
+    # A trained checkpoint whose run diverged (a NaN, an inf in one matrix), and one whose weights are finite but
+    # past float16's range (65,504): exported to float16 they would be inf. Either is one line, and no hf_dir.
+    checkpoint = torch.load(exported["root"] / "gqa" / "ckpt.pt", weights_only=True)
+    original = checkpoint["model"]["transformer.h.1.mlp.c_up.weight"].clone()
+    cases = [("nan", float("nan"), [], "transformer.h.1.mlp.c_up.weight holds inf or NaN (the run diverged)"),
+             ("inf", float("inf"), [], "transformer.h.1.mlp.c_up.weight holds inf or NaN (the run diverged)"),
+             ("large", 1e6, ["--dtype=float16"], "model.layers.1.mlp.up_proj.weight holds inf or NaN as float16")]
+    for name, value, args, message in cases:
+        checkpoint["model"]["transformer.h.1.mlp.c_up.weight"] = original.clone()
+        checkpoint["model"]["transformer.h.1.mlp.c_up.weight"][2, 3] = value
+        (tmp_path / name).mkdir()
+        torch.save(checkpoint, tmp_path / name / "ckpt.pt")
+        assert_one_line(export_here(f"--out_dir={tmp_path / name}", f"--hf_dir={tmp_path / 'hf'}", *args), message)
+    assert sorted(os.listdir(tmp_path)) == ["inf", "large", "nan"]
+
+
+def test_an_hf_dir_that_cant_be_written_is_one_line_and_leaves_nothing(exported, tmp_path):
+    # Failures that hold for root too: a path under a regular file; a symbolic link (renaming the export onto it
+    # would replace the link, not fill the directory: refused, with the directory to give instead, dangling or
+    # not); a name that isn't UTF-8 (the byte 0xff, as Python gives it: the surrogate U+DCFF).
+    (tmp_path / "a_file").write_text("mine")
+    (tmp_path / "target").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "target")
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
+    cases = {tmp_path / "a_file" / "hf": f"can't write {tmp_path / 'a_file' / 'hf'}: Not a directory",
+             tmp_path / "link": f"--hf_dir={tmp_path / 'link'} is a symbolic link: give the directory itself, "
+                                f"{tmp_path / 'target'}",
+             tmp_path / "dangling": "is a symbolic link",
+             tmp_path / "hf\udcff": "hf\\udcff': not valid UTF-8"}
+    for hf_dir, message in cases.items():
+        assert_one_line(export_here(f"--out_dir={exported['root'] / 'gqa'}", f"--hf_dir={hf_dir}"), message)
+    assert sorted(os.listdir(tmp_path)) == ["a_file", "dangling", "link", "target"]
+    assert os.listdir(tmp_path / "target") == [] and (tmp_path / "a_file").read_text() == "mine"
+
+
+def test_ctrl_c_during_the_write_is_one_line_and_leaves_nothing(exported, tmp_path, monkeypatch):
+    # A real SIGINT, sent once model.safetensors is written and before the JSON files: Python raises
+    # KeyboardInterrupt there, as for Ctrl-C in a terminal. It left a traceback and an empty hf_dir.
+    def save_then_ctrl_c(*args, **kwargs):
+        safetensors_save_file(*args, **kwargs)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    safetensors_save_file = safetensors_torch.save_file
+    monkeypatch.setattr(safetensors_torch, "save_file", save_then_ctrl_c)
+    handler = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        result = export_here(f"--out_dir={exported['root'] / 'gqa'}", f"--hf_dir={tmp_path / 'hf'}")
+    except KeyboardInterrupt:
+        pytest.fail("Ctrl-C escaped export_hf.py: a traceback")
+    finally:
+        signal.signal(signal.SIGINT, handler)
+    assert result.returncode == 130 and result.stderr == \
+        "error: stopped by Ctrl-C; --hf_dir is written whole or not at all\n"
+    assert os.listdir(tmp_path) == []  # no hf_dir, no temporary directory

@@ -45,7 +45,9 @@ def checkpoints(tmp_path_factory):
     # The last: a model_config that GPTConfig refuses (the weights are a good model's); test_model.py tries more.
     for name, vocab_size, tokenizer, broken in [("bpe", 320, bpe_tokenizer, {}),
                                                  ("char", len(chars), char_tokenizer, {}),
-                                                 ("n_head_0", len(chars), char_tokenizer, {"n_head": 0})]:
+                                                 ("n_head_0", len(chars), char_tokenizer, {"n_head": 0}),
+                                                 ("theta_nan", len(chars), char_tokenizer,
+                                                  {"rope_theta": float("nan")})]:
         torch.manual_seed(0)
         model = GPT(tiny_config(vocab_size))
         save_checkpoint(str(root / name / "ckpt.pt"), {
@@ -154,6 +156,12 @@ BAD_INPUTS = {
     "a 50,000-character setting": (["--out_dir={ckpts}/char", "--seed=" + "-" * 50_000 + "1"],
                                    "a value of over 1,000 characters"),
     "n_head=0 in the checkpoint": (["--out_dir={ckpts}/n_head_0"], "does not fit this model.py: ValueError: n_head=0"),
+    # NaN rope tables made every logit NaN: multinomial died with a traceback.
+    "rope_theta=nan in the checkpoint": (["--out_dir={ckpts}/theta_nan", "--max_new_tokens=3"],
+                                         "does not fit this model.py: ValueError: rope_theta=nan: must be finite"),
+    # The byte 0xff, as a shell passes it: Python gives it as the surrogate U+DCFF (Popen turns it back into 0xff).
+    "a value that is not UTF-8": (["--out_dir={ckpts}/char", "--start=ROMEO\udcff"],
+                                  "'--start=ROMEO\\udcff': not valid UTF-8"),
 }
 
 
@@ -202,12 +210,30 @@ def test_sample_and_export_share_one_settings_parser_byte_for_byte():
     assert "def parse_settings(arguments, defaults, extra_types):" in copy_in("sample.py")
 
 
-def test_a_long_prompt_is_a_setting_like_any_other():
-    """The 1,000-character bound guards ast.literal_eval only: a text setting (the prompt) may be long."""
+@pytest.fixture(scope="module")
+def sample():
+    """sample.py as a module in this process (its __main__ block does not run): its functions, tried directly."""
     import importlib.util
     spec = importlib.util.spec_from_file_location("sample_for_settings", os.path.join(REPO, "sample.py"))
-    sample = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(sample)  # the __main__ block does not run
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_prompt_file_that_never_ends_or_is_huge_is_refused(sample, tmp_path):
+    """A FIFO (opening it waited for a writer, forever), /dev/zero and a 1 TB sparse file (read whole: all the
+    memory, then MemoryError) are refused in one line, at once."""
+    os.mkfifo(tmp_path / "fifo")
+    with open(tmp_path / "huge.txt", "wb") as f:
+        f.truncate(2**40)
+    for path, message in [(tmp_path / "fifo", "not a regular file"), ("/dev/zero", "not a regular file"),
+                          (tmp_path / "huge.txt", "over 10,000,000 bytes")]:
+        with pytest.raises(sample.UserError, match=f"^can't read the prompt file {path}: {message}$"):
+            sample.read_prompt(f"FILE:{path}")
+
+
+def test_a_long_prompt_is_a_setting_like_any_other(sample):
+    """The 1,000-character bound guards ast.literal_eval only: a text setting (the prompt) may be long."""
     prompt = "To be, or not to be, that is the question: " * 50
     assert sample.parse_settings([f"--start={prompt}"], sample.defaults, {}) == {"start": prompt}
     with pytest.raises(sample.UserError, match="a value of over 1,000 characters"):
