@@ -27,7 +27,7 @@ from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from model import (CharTokenizer, CheckpointError, encoding_from_checkpoint, load_checkpoint,
-                   model_from_checkpoint, non_finite)
+                   model_from_checkpoint)
 
 _names_before_settings = set(globals())
 # -----------------------------------------------------------------------------
@@ -42,7 +42,7 @@ EOT = "<|endoftext|>"
 
 def main():
     globals().update(parse_settings(sys.argv[1:], defaults, {}))
-    hf_path = os.path.normpath(hf_dir)
+    hf_path = os.path.realpath(hf_dir)  # a link: where it points
     validate(hf_path)
 
     # 1. The checkpoint: the model, and the tokenizer it was trained with.
@@ -176,11 +176,7 @@ def llama_config(cfg, eot_id):
 
 def write_directory(hf_path, weights, files):
     """model.safetensors and the JSON files into hf_path, all or nothing: hf_path is made (empty),
-    locked (one writer at a time), checked again, then replaced by a complete copy. An OSError or
-    Ctrl-C on the way leaves no hf_path that this run made, and no temporary directory."""
-    overflowed = non_finite(weights.items())  # the checkpoint's are finite: model.py checks
-    if overflowed:
-        raise UserError(f"{overflowed} holds inf or NaN as {dtype}: export float32 or bfloat16")
+    locked (one writer at a time), checked again, then replaced by a complete copy."""
     made = not os.path.lexists(hf_path)
     temp_dir = f"{hf_path}.tmp.{os.getpid()}"
     try:
@@ -197,9 +193,9 @@ def write_directory(hf_path, weights, files):
     except (OSError, SafetensorError) as err:  # safetensors' own error for a full disk
         raise UserError(f"can't write {hf_path}: {getattr(err, 'strerror', None) or err}") from None
     finally:
-        shutil.rmtree(temp_dir, ignore_errors=True)
+        shutil.rmtree(temp_dir, ignore_errors=True)  # a failure, or Ctrl-C, leaves nothing it made
         if made and os.path.isdir(hf_path) and not os.listdir(hf_path):
-            os.rmdir(hf_path)  # a failed export leaves nothing
+            os.rmdir(hf_path)
 
 
 class UserError(Exception):
@@ -215,8 +211,8 @@ def parse_settings(arguments, defaults, extra_types):
             listing = "\n".join(f"  --{key}={value!r}" for key, value in defaults.items())
             print(f"{__doc__.strip()}\n\nsettings and their defaults:\n{listing}")
             sys.exit(0)
-        if any("\udc80" <= char <= "\udcff" for char in arg):  # bytes that aren't UTF-8, escaped
-            raise UserError(f"{arg!r}: not valid UTF-8; give the value as UTF-8 text")
+        if any("\udc80" <= char <= "\udcff" for char in arg):  # non-UTF-8 bytes, escaped
+            raise UserError(f"{arg!r}: not valid UTF-8")
         key, has_value, text = arg[2:].partition("=")
         if not arg.startswith("--") or not has_value:
             raise UserError(f"expected --key=value, got {arg!r} (see --help)")
@@ -243,9 +239,6 @@ def parse_settings(arguments, defaults, extra_types):
 def validate(hf_path):
     if dtype not in ("float32", "bfloat16", "float16"):
         raise UserError(f"--dtype={dtype}: use float32, bfloat16 or float16")
-    if os.path.islink(hf_path):  # renamed onto, a link would be replaced, not its directory
-        raise UserError(f"--hf_dir={hf_path} is a symbolic link: give the directory itself, "
-                        f"{os.path.realpath(hf_path)}")
     if os.path.exists(hf_path) and (not os.path.isdir(hf_path) or os.listdir(hf_path)):
         raise UserError(f"--hf_dir={hf_path} already exists and is not an empty directory: choose another")
 
@@ -269,9 +262,6 @@ def lock_directory(path):
 if __name__ == "__main__":
     try:
         main()
-    except (UserError, CheckpointError) as err:
-        print(f"error: {err}", file=sys.stderr)
+    except (UserError, CheckpointError, KeyboardInterrupt) as err:  # Ctrl-C's str() is ""
+        print(f"error: {str(err) or 'stopped by Ctrl-C; nothing is half-written'}", file=sys.stderr)
         sys.exit(1)
-    except KeyboardInterrupt:
-        print("error: stopped by Ctrl-C; --hf_dir is written whole or not at all", file=sys.stderr)
-        sys.exit(130)

@@ -23,7 +23,7 @@ import time
 import torch
 
 from model import (GREEDY_BELOW, CharTokenizer, CheckpointError, encoding_from_checkpoint,
-                   load_checkpoint, model_from_checkpoint, bytes_of_id, read_bounded)
+                   load_checkpoint, model_from_checkpoint, bytes_of_id)
 
 _names_before_settings = set(globals())
 # -----------------------------------------------------------------------------
@@ -120,8 +120,8 @@ def parse_settings(arguments, defaults, extra_types):
             listing = "\n".join(f"  --{key}={value!r}" for key, value in defaults.items())
             print(f"{__doc__.strip()}\n\nsettings and their defaults:\n{listing}")
             sys.exit(0)
-        if any("\udc80" <= char <= "\udcff" for char in arg):  # bytes that aren't UTF-8, escaped
-            raise UserError(f"{arg!r}: not valid UTF-8; give the value as UTF-8 text")
+        if any("\udc80" <= char <= "\udcff" for char in arg):  # non-UTF-8 bytes, escaped
+            raise UserError(f"{arg!r}: not valid UTF-8")
         key, has_value, text = arg[2:].partition("=")
         if not arg.startswith("--") or not has_value:
             raise UserError(f"expected --key=value, got {arg!r} (see --help)")
@@ -169,8 +169,11 @@ def read_prompt(text):
         return text
     path = text[len("FILE:"):]
     try:
-        return read_bounded(path, 10**7, encoding="utf-8")  # the model sees its end only
-    except (OSError, ValueError) as err:  # ValueError: not a file, too big, not UTF-8
+        if os.path.getsize(path) > 10**7 or not os.path.isfile(path):  # a FIFO, a device: endless
+            raise ValueError("not a regular file of at most 10 MB")
+        with open(path, encoding="utf-8") as f:
+            return f.read(10**7)
+    except (OSError, ValueError) as err:
         raise UserError(f"can't read the prompt file {path}: {err}") from None
 
 

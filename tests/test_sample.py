@@ -158,7 +158,7 @@ BAD_INPUTS = {
     "n_head=0 in the checkpoint": (["--out_dir={ckpts}/n_head_0"], "does not fit this model.py: ValueError: n_head=0"),
     # NaN rope tables made every logit NaN: multinomial died with a traceback.
     "rope_theta=nan in the checkpoint": (["--out_dir={ckpts}/theta_nan", "--max_new_tokens=3"],
-                                         "does not fit this model.py: ValueError: rope_theta=nan: must be finite"),
+                                         "does not fit this model.py: ValueError: rope_theta=nan: must be finite, >= 1"),
     # The byte 0xff, as a shell passes it: Python gives it as the surrogate U+DCFF (Popen turns it back into 0xff).
     "a value that is not UTF-8": (["--out_dir={ckpts}/char", "--start=ROMEO\udcff"],
                                   "'--start=ROMEO\\udcff': not valid UTF-8"),
@@ -221,13 +221,15 @@ def sample():
 
 
 def test_a_prompt_file_that_never_ends_or_is_huge_is_refused(sample, tmp_path):
-    """A FIFO (opening it waited for a writer, forever), /dev/zero and a 1 TB sparse file (read whole: all the
-    memory, then MemoryError) are refused in one line, at once."""
+    """A FIFO (opening it waited for a writer, forever), /dev/zero, a directory and a 1 TB sparse file (read whole:
+    all the memory, then MemoryError) are refused in one line, at once."""
     os.mkfifo(tmp_path / "fifo")
     with open(tmp_path / "huge.txt", "wb") as f:
         f.truncate(2**40)
-    for path, message in [(tmp_path / "fifo", "not a regular file"), ("/dev/zero", "not a regular file"),
-                          (tmp_path / "huge.txt", "over 10,000,000 bytes")]:
+    for path, message in [(tmp_path / "fifo", "not a regular file of at most 10 MB"),
+                          ("/dev/zero", "not a regular file of at most 10 MB"),
+                          (tmp_path, "not a regular file of at most 10 MB"),
+                          (tmp_path / "huge.txt", "not a regular file of at most 10 MB")]:
         with pytest.raises(sample.UserError, match=f"^can't read the prompt file {path}: {message}$"):
             sample.read_prompt(f"FILE:{path}")
 
