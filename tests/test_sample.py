@@ -159,7 +159,7 @@ BAD_INPUTS = {
     "n_head=0 in the checkpoint": (["--out_dir={ckpts}/n_head_0"], "does not fit this model.py: ValueError: n_head=0"),
     # NaN rope tables made every logit NaN: multinomial died with a traceback.
     "rope_theta=nan in the checkpoint": (["--out_dir={ckpts}/theta_nan", "--max_new_tokens=3"],
-                                         "does not fit this model.py: ValueError: rope_theta=nan: must be finite, >= 1"),
+                                         "ValueError: rope_theta=nan: must be finite, >= 1"),
 }
 
 
@@ -228,7 +228,7 @@ def test_a_prompt_file_that_never_ends_or_is_huge_is_refused(sample, tmp_path):
                           ("/dev/zero", "not a regular file of at most 10 MB"),
                           (tmp_path, "not a regular file of at most 10 MB"),
                           (tmp_path / "huge.txt", "not a regular file of at most 10 MB")]:
-        with pytest.raises(sample.UserError, match=f"^can't read the prompt file {path}: {message}$"):
+        with pytest.raises(sample.UserError, match=re.escape(f"can't read the prompt file {path}: {message}") + "$"):
             sample.read_prompt(f"FILE:{path}")
 
 
