@@ -42,7 +42,7 @@ EOT = "<|endoftext|>"
 
 def main():
     globals().update(parse_settings(sys.argv[1:], defaults, {}))
-    hf_path = os.path.normpath(hf_dir)
+    hf_path = os.path.realpath(hf_dir)  # a link: where it points
     validate(hf_path)
 
     # 1. The checkpoint: the model, and the tokenizer it was trained with.
@@ -177,11 +177,12 @@ def llama_config(cfg, eot_id):
 def write_directory(hf_path, weights, files):
     """model.safetensors and the JSON files into hf_path, all or nothing: hf_path is made (empty),
     locked (one writer at a time), checked again, then replaced by a complete copy."""
-    os.makedirs(hf_path, exist_ok=True)
-    lock_directory(hf_path)  # held while the process lives
-    validate(hf_path)
+    made = not os.path.lexists(hf_path)
     temp_dir = f"{hf_path}.tmp.{os.getpid()}"
     try:
+        os.makedirs(hf_path, exist_ok=True)
+        lock_directory(hf_path)  # held while the process lives
+        validate(hf_path)
         os.makedirs(temp_dir)
         save_file(weights, os.path.join(temp_dir, "model.safetensors"), metadata={"format": "pt"})
         for name, content in files.items():
@@ -190,11 +191,11 @@ def write_directory(hf_path, weights, files):
                 f.write("\n")
         os.rename(temp_dir, hf_path)  # replaces the empty, locked one
     except (OSError, SafetensorError) as err:  # safetensors' own error for a full disk
-        if os.path.isdir(hf_path) and not os.listdir(hf_path):
-            os.rmdir(hf_path)  # a failed export leaves nothing
         raise UserError(f"can't write {hf_path}: {getattr(err, 'strerror', None) or err}") from None
     finally:
-        shutil.rmtree(temp_dir, ignore_errors=True)
+        shutil.rmtree(temp_dir, ignore_errors=True)  # a failure, or Ctrl-C, leaves nothing it made
+        if made and os.path.isdir(hf_path) and not os.listdir(hf_path):
+            os.rmdir(hf_path)
 
 
 class UserError(Exception):
@@ -210,6 +211,8 @@ def parse_settings(arguments, defaults, extra_types):
             listing = "\n".join(f"  --{key}={value!r}" for key, value in defaults.items())
             print(f"{__doc__.strip()}\n\nsettings and their defaults:\n{listing}")
             sys.exit(0)
+        if any("\udc80" <= char <= "\udcff" for char in arg):  # non-UTF-8 bytes, escaped
+            raise UserError(f"{arg!r}: not valid UTF-8")
         key, has_value, text = arg[2:].partition("=")
         if not arg.startswith("--") or not has_value:
             raise UserError(f"expected --key=value, got {arg!r} (see --help)")
@@ -259,6 +262,6 @@ def lock_directory(path):
 if __name__ == "__main__":
     try:
         main()
-    except (UserError, CheckpointError) as err:
-        print(f"error: {err}", file=sys.stderr)
+    except (UserError, CheckpointError, KeyboardInterrupt) as err:  # Ctrl-C's str() is ""
+        print(f"error: {str(err) or 'stopped by Ctrl-C; nothing is half-written'}", file=sys.stderr)
         sys.exit(1)

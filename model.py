@@ -458,15 +458,17 @@ class MuonAdamW(torch.optim.Optimizer):
 def check_config(config):
     for name in ("vocab_size", "n_embd", "n_layer", "block_size", "n_head", "n_kv_head",
                  "ffn_multiple_of"):
-        value = getattr(config, name)
-        if type(value) is not int or value <= 0:
-            raise ValueError(f"{name}={value!r}: must be a positive integer")
+        value, most = getattr(config, name), 2**10 if name == "n_layer" else 2**21
+        if type(value) is not int or not 0 < value <= most:  # more: slow failures, OOM
+            raise ValueError(f"{name}={value!r}: must be a positive integer, at most {most:,}")
     heads = f"n_embd={config.n_embd}, n_head={config.n_head}, n_kv_head={config.n_kv_head}"
-    for bad, reason in [
+    for bad, reason in [  # NaN fails every comparison
         (config.n_embd % config.n_head or (config.n_embd // config.n_head) % 2,
          f"{heads}: n_head must divide n_embd into an even head size (RoPE rotates pairs)"),
         (config.n_head % config.n_kv_head, f"{heads}: n_kv_head must divide n_head"),
-        (not 0 < config.ffn_ratio < math.inf, f"ffn_ratio={config.ffn_ratio}: must be positive"),
+        (not 1 <= config.rope_theta < math.inf, f"rope_theta={config.rope_theta}: must be finite, >= 1"),
+        (not 0 < config.norm_eps < 1, f"norm_eps={config.norm_eps}: must be in (0, 1)"),
+        (not 0 < config.ffn_ratio <= 64, f"ffn_ratio={config.ffn_ratio}: must be positive, <= 64"),
         (not 0 <= config.dropout < 1, f"dropout={config.dropout}: a probability, 0 <= dropout < 1")]:
         if bad:
             raise ValueError(reason)
@@ -504,8 +506,7 @@ class CheckpointError(Exception):
 
 def save_checkpoint(path, checkpoint):
     """Write the checkpoint, less torch.compile's "_orig_mod." and DDP's "module." prefixes, to a
-    temporary file, then rename it: a crash never leaves half a ckpt.pt, and a failed write (no
-    space left) keeps the old one."""
+    temporary file, then rename it: never half a ckpt.pt; a failed write keeps the old one."""
     checkpoint = {"version": CHECKPOINT_VERSION, **checkpoint}
     if "model" in checkpoint:
         checkpoint["model"] = {re.sub(r"^(_orig_mod\.|module\.)+", "", key): value
@@ -532,9 +533,9 @@ def load_checkpoint(path, map_location="cpu"):
     CheckpointError, one line, if it can't be used."""
     if not os.path.isfile(path):
         raise CheckpointError(f"no checkpoint at {path}: train one with train.py, or point "
-                              f"--out_dir at the directory that holds it")
+                              "--out_dir at the directory that holds it")
     refused = CheckpointError(f"{path} is not a plain-data checkpoint, refused: it holds Python "
-                              f"objects, and loading them could run code")
+                              "objects, and loading them could run code")
     with open(path, "rb") as f:
         if f.read(1) == b"\x80":  # a bare pickle (its first opcode); torch.save writes a zip ("PK")
             raise refused
@@ -544,7 +545,7 @@ def load_checkpoint(path, map_location="cpu"):
         if "unsupported global" in str(err).lower():  # a class or function: weights_only refuses it
             raise refused from None
         raise CheckpointError(f"{path} is truncated or corrupt ({type(err).__name__}): "
-                              f"use an earlier checkpoint (ckpt_<iter>.pt) or train again") from None
+                              "use an earlier checkpoint (ckpt_<iter>.pt) or train again") from None
     if not isinstance(checkpoint, dict) or {"version", "model", "model_config"} - checkpoint.keys():
         raise CheckpointError(f"{path} is not a lilLM checkpoint (version, model, model_config)")
     version = checkpoint["version"]
@@ -571,6 +572,10 @@ def model_from_checkpoint(checkpoint):
     except (TypeError, ValueError, RuntimeError) as err:
         message = f"the checkpoint's model does not fit this model.py: {first_line(err)}"
         raise CheckpointError(message) from None
+    diverged = [name for name, param in model.named_parameters() if not param.isfinite().all()]
+    if diverged:
+        raise CheckpointError(f"the checkpoint's {diverged[0]} holds inf or NaN: use an earlier "
+                              "checkpoint (ckpt_<iter>.pt)")
     return model
 
 
@@ -651,6 +656,6 @@ def encoding_from_checkpoint(checkpoint):
 
 
 def bytes_of_id(encoding, token_id):
-    """A token's bytes. An id past the tokenizer (the vocab is padded to a multiple of 64 for
-    speed) is never trained on, but sampling can draw it: it stands for no bytes."""
+    """A token's bytes; none for an id past the tokenizer (the vocab is padded to a multiple of
+    64 for speed): never trained on, but sampling can draw it."""
     return encoding.decode_single_token_bytes(token_id) if token_id < encoding.n_vocab else b""

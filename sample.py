@@ -120,6 +120,8 @@ def parse_settings(arguments, defaults, extra_types):
             listing = "\n".join(f"  --{key}={value!r}" for key, value in defaults.items())
             print(f"{__doc__.strip()}\n\nsettings and their defaults:\n{listing}")
             sys.exit(0)
+        if any("\udc80" <= char <= "\udcff" for char in arg):  # non-UTF-8 bytes, escaped
+            raise UserError(f"{arg!r}: not valid UTF-8")
         key, has_value, text = arg[2:].partition("=")
         if not arg.startswith("--") or not has_value:
             raise UserError(f"expected --key=value, got {arg!r} (see --help)")
@@ -167,9 +169,11 @@ def read_prompt(text):
         return text
     path = text[len("FILE:"):]
     try:
+        if os.path.getsize(path) > 10**7 or not os.path.isfile(path):  # a FIFO, a device: endless
+            raise ValueError("not a regular file of at most 10 MB")
         with open(path, encoding="utf-8") as f:
-            return f.read()
-    except (OSError, UnicodeDecodeError) as err:
+            return f.read(10**7)
+    except (OSError, ValueError) as err:
         raise UserError(f"can't read the prompt file {path}: {err}") from None
 
 

@@ -353,3 +353,70 @@ def test_a_write_that_fails_for_space_is_one_line_and_leaves_nothing(exported, t
     assert result.returncode == 1 and result.stderr.count("\n") == 1, result.stderr
     assert result.stderr.startswith(f"error: can't write {tmp_path / 'hf'}: ") and "too large" in result.stderr
     assert os.listdir(tmp_path) == []  # no hf_dir, no temporary directory, no half-written file
+
+
+def assert_one_line(result, message):
+    assert result.returncode == 1 and result.stderr.startswith("error: ") and result.stderr.count("\n") == 1, \
+        result.stderr
+    assert message in result.stderr, result.stderr
+
+
+def test_weights_that_are_not_finite_are_refused_and_nothing_is_written(exported, tmp_path):
+    # A trained checkpoint whose run diverged (a NaN, an inf in one matrix): one line, and no hf_dir.
+    checkpoint = torch.load(exported["root"] / "gqa" / "ckpt.pt", weights_only=True)
+    original = checkpoint["model"]["transformer.h.1.mlp.c_up.weight"].clone()
+    for value in ("nan", "inf"):
+        checkpoint["model"]["transformer.h.1.mlp.c_up.weight"] = original.clone()
+        checkpoint["model"]["transformer.h.1.mlp.c_up.weight"][2, 3] = float(value)
+        (tmp_path / value).mkdir()
+        torch.save(checkpoint, tmp_path / value / "ckpt.pt")
+        assert_one_line(export_here(f"--out_dir={tmp_path / value}", f"--hf_dir={tmp_path / 'hf'}"),
+                        "transformer.h.1.mlp.c_up.weight holds inf or NaN: use an earlier")
+    assert sorted(os.listdir(tmp_path)) == ["inf", "nan"]
+
+
+def test_an_hf_dir_that_cant_be_written_is_one_line_and_leaves_nothing(exported, tmp_path):
+    # Failures that hold for root too: a path under a regular file, a name that isn't UTF-8 (the byte 0xff, as
+    # Python gives it: the surrogate U+DCFF). They were tracebacks, or an export under an undecodable name.
+    (tmp_path / "a_file").write_text("mine")
+    cases = {tmp_path / "a_file" / "hf": f"can't write {tmp_path / 'a_file' / 'hf'}: Not a directory",
+             tmp_path / "hf\udcff": "hf\\udcff': not valid UTF-8"}
+    for hf_dir, message in cases.items():
+        assert_one_line(export_here(f"--out_dir={exported['root'] / 'gqa'}", f"--hf_dir={hf_dir}"), message)
+    assert os.listdir(tmp_path) == ["a_file"] and (tmp_path / "a_file").read_text() == "mine"
+
+
+def test_a_symlinked_hf_dir_is_followed(exported, tmp_path):
+    # A link to an empty directory (often one on a bigger disk) gets the export there, as any write through the
+    # link would; the temporary directory is made beside the target, on its filesystem. It was a traceback.
+    (tmp_path / "disk").mkdir()
+    (tmp_path / "disk" / "hf").mkdir()
+    (tmp_path / "hf").symlink_to(tmp_path / "disk" / "hf")
+    result = export_here(f"--out_dir={exported['root'] / 'gqa'}", f"--hf_dir={tmp_path / 'hf'}")
+    assert result.returncode == 0, result.stderr
+    assert os.readlink(tmp_path / "hf") == str(tmp_path / "disk" / "hf")
+    assert sorted(os.listdir(tmp_path)) == ["disk", "hf"]
+    assert sorted(os.listdir(tmp_path / "disk")) == ["hf"]
+    assert sorted(os.listdir(tmp_path / "hf")) == ["config.json", "model.safetensors", "tokenizer.json",
+                                                   "tokenizer_config.json"]
+
+
+def test_ctrl_c_during_the_write_is_one_line_and_leaves_nothing(exported, tmp_path, monkeypatch):
+    # A real SIGINT, sent once model.safetensors is written and before the JSON files: Python raises
+    # KeyboardInterrupt there, as for Ctrl-C in a terminal. It left a traceback and an empty hf_dir.
+    def save_then_ctrl_c(*args, **kwargs):
+        safetensors_save_file(*args, **kwargs)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    safetensors_save_file = safetensors_torch.save_file
+    monkeypatch.setattr(safetensors_torch, "save_file", save_then_ctrl_c)
+    handler = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        result = export_here(f"--out_dir={exported['root'] / 'gqa'}", f"--hf_dir={tmp_path / 'hf'}")
+    except KeyboardInterrupt:
+        pytest.fail("Ctrl-C escaped export_hf.py: a traceback")
+    finally:
+        signal.signal(signal.SIGINT, handler)
+    assert result.returncode == 1 and result.stderr == \
+        "error: stopped by Ctrl-C; nothing is half-written\n"
+    assert os.listdir(tmp_path) == []  # no hf_dir, no temporary directory

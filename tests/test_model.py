@@ -144,7 +144,20 @@ def test_ffn_ratio_rounds_up_to_a_multiple_of_128(ratio, n_embd, hidden):
     ({"n_head": 16}, "n_head must divide n_embd into an even head size"),  # 48 / 16 = 3, odd: RoPE rotates pairs
     ({"n_kv_head": 3}, "n_kv_head must divide n_head"),
     ({"dropout": 1.0}, "dropout=1.0: a probability"),
-    ({"ffn_ratio": float("inf")}, "ffn_ratio=inf: must be positive"),
+    ({"ffn_ratio": float("inf")}, "ffn_ratio=inf: must be positive, <= 64"),
+    # What a hostile or damaged checkpoint's model_config may hold (another type fails in a comparison, a TypeError,
+    # one line too in model_from_checkpoint): each field's range is checked.
+    ({"rope_theta": float("nan")}, "rope_theta=nan: must be finite, >= 1"),
+    ({"rope_theta": float("inf")}, "rope_theta=inf: must be finite, >= 1"),
+    ({"rope_theta": 0.0}, "rope_theta=0.0: must be finite, >= 1"),
+    ({"norm_eps": -1.0}, "norm_eps=-1.0: must be in (0, 1)"),
+    ({"norm_eps": float("nan")}, "norm_eps=nan: must be in (0, 1)"),
+    ({"n_kv_head": -2}, "n_kv_head=-2: must be a positive integer"),
+    ({"vocab_size": True}, "vocab_size=True: must be a positive integer"),
+    # Past these sizes a model only fails slowly (a million layers take minutes to build) or runs out of memory.
+    ({"block_size": 2**40}, "block_size=1099511627776: must be a positive integer, at most 2,097,152"),
+    ({"n_layer": 10**6}, "n_layer=1000000: must be a positive integer, at most 1,024"),
+    ({"dropout": float("nan")}, "dropout=nan: a probability"),
 ])
 def test_a_config_that_cant_be_a_model_is_one_line(setting, message):
     with pytest.raises(ValueError, match=re.escape(message)) as info:
@@ -612,10 +625,20 @@ def test_bad_checkpoints_give_one_line_errors(tmp_path):
     mismatched["model_config"]["n_embd"] = 64
     with pytest.raises(CheckpointError, match="does not fit"):
         model_from_checkpoint(mismatched)
-    # A model_config that GPTConfig refuses is one line too.
-    for name in ("n_head", "n_layer"):
-        with pytest.raises(CheckpointError, match=f"does not fit this model.py: ValueError: {name}=0: must be"):
-            model_from_checkpoint({**mismatched, "model_config": {**asdict(model.config), name: 0}})
+    # A model_config that GPTConfig refuses is one line too, a value of the wrong type included.
+    for setting, error in [({"n_head": 0}, "ValueError: n_head=0: must be"),
+                           ({"n_layer": 2.0}, "ValueError: n_layer=2.0: must be a positive integer"),
+                           ({"norm_eps": -1.0}, "ValueError: norm_eps=-1.0: must be in (0, 1)"),
+                           ({"rope_theta": "1e4"}, "TypeError: '<=' not supported")]:
+        with pytest.raises(CheckpointError, match=re.escape(f"does not fit this model.py: {error}")) as info:
+            model_from_checkpoint({**mismatched, "model_config": {**asdict(model.config), **setting}})
+        assert "\n" not in str(info.value)
+    # Weights that hold inf or NaN (a diverged run's) are refused: sampling would die in multinomial.
+    for value in (float("nan"), float("-inf")):
+        diverged = load_checkpoint(str(good))
+        diverged["model"]["transformer.h.1.mlp.c_up.weight"][3, 5] = value
+        with pytest.raises(CheckpointError, match=re.escape("transformer.h.1.mlp.c_up.weight holds inf or NaN")):
+            model_from_checkpoint(diverged)
 
 
 def test_a_save_that_fails_for_space_keeps_the_old_checkpoint(tmp_path):

@@ -2,6 +2,7 @@
 output must equal what the same model, seed and tokenizer give in this process, decoded all at once."""
 import base64
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -45,7 +46,9 @@ def checkpoints(tmp_path_factory):
     # The last: a model_config that GPTConfig refuses (the weights are a good model's); test_model.py tries more.
     for name, vocab_size, tokenizer, broken in [("bpe", 320, bpe_tokenizer, {}),
                                                  ("char", len(chars), char_tokenizer, {}),
-                                                 ("n_head_0", len(chars), char_tokenizer, {"n_head": 0})]:
+                                                 ("n_head_0", len(chars), char_tokenizer, {"n_head": 0}),
+                                                 ("theta_nan", len(chars), char_tokenizer,
+                                                  {"rope_theta": float("nan")})]:
         torch.manual_seed(0)
         model = GPT(tiny_config(vocab_size))
         save_checkpoint(str(root / name / "ckpt.pt"), {
@@ -154,6 +157,9 @@ BAD_INPUTS = {
     "a 50,000-character setting": (["--out_dir={ckpts}/char", "--seed=" + "-" * 50_000 + "1"],
                                    "a value of over 1,000 characters"),
     "n_head=0 in the checkpoint": (["--out_dir={ckpts}/n_head_0"], "does not fit this model.py: ValueError: n_head=0"),
+    # NaN rope tables made every logit NaN: multinomial died with a traceback.
+    "rope_theta=nan in the checkpoint": (["--out_dir={ckpts}/theta_nan", "--max_new_tokens=3"],
+                                         "ValueError: rope_theta=nan: must be finite, >= 1"),
 }
 
 
@@ -202,12 +208,43 @@ def test_sample_and_export_share_one_settings_parser_byte_for_byte():
     assert "def parse_settings(arguments, defaults, extra_types):" in copy_in("sample.py")
 
 
-def test_a_long_prompt_is_a_setting_like_any_other():
-    """The 1,000-character bound guards ast.literal_eval only: a text setting (the prompt) may be long."""
+@pytest.fixture(scope="module")
+def sample():
+    """sample.py as a module in this process (its __main__ block does not run): its functions, tried directly."""
     import importlib.util
     spec = importlib.util.spec_from_file_location("sample_for_settings", os.path.join(REPO, "sample.py"))
-    sample = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(sample)  # the __main__ block does not run
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_prompt_file_that_never_ends_or_is_huge_is_refused(sample, tmp_path):
+    """A FIFO (opening it waited for a writer, forever), /dev/zero, a directory and a 1 TB sparse file (read whole:
+    all the memory, then MemoryError) are refused in one line, at once."""
+    os.mkfifo(tmp_path / "fifo")
+    with open(tmp_path / "huge.txt", "wb") as f:
+        f.truncate(2**40)
+    for path, message in [(tmp_path / "fifo", "not a regular file of at most 10 MB"),
+                          ("/dev/zero", "not a regular file of at most 10 MB"),
+                          (tmp_path, "not a regular file of at most 10 MB"),
+                          (tmp_path / "huge.txt", "not a regular file of at most 10 MB")]:
+        with pytest.raises(sample.UserError, match=re.escape(f"can't read the prompt file {path}: {message}") + "$"):
+            sample.read_prompt(f"FILE:{path}")
+
+
+def test_a_value_that_is_not_utf8_is_one_line(sample):
+    """The byte 0xff in an argument, as a shell passes it: Python's sys.argv holds it as the surrogate U+DCFF (its
+    surrogateescape), which was taken as text: a prompt or an out_dir with a character no one typed."""
+    argv = subprocess.run([sys.executable, "-c", "import sys; print(ascii(sys.argv[1]))", b"--start=ROMEO\xff"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    assert argv == "'--start=ROMEO\\udcff'"  # what Python makes of the byte, without torch: cheap
+    for arg in ("--start=ROMEO\udcff", "--out_dir=out\udcff"):
+        with pytest.raises(sample.UserError, match=re.escape(f"{arg!r}: not valid UTF-8")):
+            sample.parse_settings([arg], sample.defaults, {})
+
+
+def test_a_long_prompt_is_a_setting_like_any_other(sample):
+    """The 1,000-character bound guards ast.literal_eval only: a text setting (the prompt) may be long."""
     prompt = "To be, or not to be, that is the question: " * 50
     assert sample.parse_settings([f"--start={prompt}"], sample.defaults, {}) == {"start": prompt}
     with pytest.raises(sample.UserError, match="a value of over 1,000 characters"):
