@@ -618,8 +618,8 @@ BREAK = {
 
 
 @pytest.fixture(scope="module")
-def mistakes(dataset, trained, tmp_path_factory):
-    """Every case of MISTAKES run at once (each is a second or two of start-up, mostly importing torch)."""
+def mistakes(dataset, trained, tmp_path_factory, script_runner):
+    """Every case of MISTAKES, each a run of train.py forked from one process that imported torch once."""
     tmp = tmp_path_factory.mktemp("mistakes")
     (tmp / "preset.py").write_text("batch_size = 8\nlearning_rat = 1e-3\n")
     (tmp / "exiting.py").write_text("import sys\nsys.exit(0)\n")
@@ -636,16 +636,13 @@ def mistakes(dataset, trained, tmp_path_factory):
         torch.save(dict(checkpoint, **edit), tmp / name / "ckpt.pt")
     (tmp / "milestone").mkdir()
     torch.save(checkpoint, tmp / "milestone" / "ckpt_10.pt")
-    processes = {}
+    commands = {}
     for name, (args, *_) in MISTAKES.items():
         data = broken_dataset(dataset, tmp / name.replace(" ", "_"), BREAK[name]) if name in BREAK else dataset
         args = [a.replace("PRESET", str(tmp / "preset.py")).replace("EXITING", str(tmp / "exiting.py"))
                 .replace("TMP", str(tmp)).replace("DATA", str(data)) for a in args]
-        processes[name] = subprocess.Popen([sys.executable, TRAIN, f"--dataset={dataset}", f"--out_dir={tmp / 'out'}",
-                                            *TINY, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                           env=ENV, cwd=tmp)
-    results = {name: subprocess.CompletedProcess(p.args, p.wait(timeout=180), *p.communicate())
-               for name, p in processes.items()}
+        commands[name] = [sys.executable, TRAIN, f"--dataset={dataset}", f"--out_dir={tmp / 'out'}", *TINY, *args]
+    results = dict(zip(commands, script_runner.run(list(commands.values()), cwd=tmp, env=ENV)))
     return tmp, results
 
 
