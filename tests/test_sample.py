@@ -158,14 +158,16 @@ BAD_INPUTS = {
 
 
 @pytest.fixture(scope="module")
-def bad_input_results(checkpoints, tmp_path_factory):
-    """sample.py on every bad input, all started at once: each run is mostly torch's import, and the two cores
-    import for two runs at a time."""
+def bad_input_results(checkpoints, tmp_path_factory, script_runner):
+    """sample.py on every bad input, each run forked from one process that imported torch once (conftest.py)."""
     tmp = tmp_path_factory.mktemp("bad")
     (tmp / "empty").mkdir()
-    processes = {case: start_sample(*[arg.format(tmp=tmp, ckpts=checkpoints) for arg in args])
-                 for case, (args, _) in BAD_INPUTS.items()}
-    return {case: finish(process) for case, process in processes.items()}
+    commands = [[sys.executable, os.path.join(REPO, "sample.py"), *[a.format(tmp=tmp, ckpts=checkpoints) for a in args]]
+                for args, _ in BAD_INPUTS.values()]
+    results = script_runner.run(commands, cwd=os.getcwd(), env=dict(os.environ, PYTHONIOENCODING="utf-8"), text=False)
+    return {case: subprocess.CompletedProcess(result.args, result.returncode, result.stdout.decode("utf-8"),
+                                              result.stderr.decode("utf-8"))
+            for case, result in zip(BAD_INPUTS, results)}
 
 
 @pytest.mark.parametrize("case", list(BAD_INPUTS))
