@@ -294,11 +294,17 @@ class ScriptRunner:
         for server, _ in self.servers.values():
             server.stdin.close()
             server.wait(timeout=60)
+        self.servers.clear()
+
+
+# One per test session (per xdist worker), for fixtures and helpers alike; its servers end with the session.
+SCRIPT_RUNNER = ScriptRunner()
 
 
 @pytest.fixture(scope="session")
 def script_runner():
-    """The ScriptRunner of this test session (of this xdist worker)."""
-    runner = ScriptRunner()
-    yield runner
-    runner.close()
+    return SCRIPT_RUNNER
+
+
+def pytest_sessionfinish(session):
+    SCRIPT_RUNNER.close()

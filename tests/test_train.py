@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import CORPORA, assert_one_error_line, freeze_rank_1
+from conftest import CORPORA, SCRIPT_RUNNER, assert_one_error_line, freeze_rank_1
 from test_copies import function_source
 
 REPO = Path(__file__).resolve().parent.parent
@@ -93,9 +93,10 @@ def train(dataset, out_dir, *args):
 
 
 def run_train(dataset, out_dir, *args, timeout=120):
-    """Run train.py on the tiny model, expecting nothing: the test looks at the result."""
-    return subprocess.run([sys.executable, TRAIN, f"--dataset={dataset}", f"--out_dir={out_dir}", *TINY, *args],
-                          capture_output=True, text=True, env=ENV, timeout=timeout, cwd=out_dir.parent)
+    """Run train.py on the tiny model, expecting nothing: the test looks at the result. For refusals and other
+    short runs: forked from the process that imported torch once (conftest.py's script runner)."""
+    command = [sys.executable, TRAIN, f"--dataset={dataset}", f"--out_dir={out_dir}", *TINY, *args]
+    return SCRIPT_RUNNER.run([command], cwd=out_dir.parent, env=ENV, timeout=timeout)[0]
 
 
 def read_log(out_dir):
