@@ -88,8 +88,12 @@ def finish(process, timeout=240):
 
 
 def train(dataset, out_dir, *args):
-    """Run train.py on the tiny model; fail the test with its output if it fails."""
-    return finish(start_train(dataset, out_dir, *args))
+    """Run train.py on the tiny model; fail the test with its output if it fails. Forked from the process that
+    imported torch once (conftest.py's script runner); start_train's real processes are for signals."""
+    command = [sys.executable, TRAIN, f"--dataset={dataset}", f"--out_dir={out_dir}", *TINY, *args]
+    result = SCRIPT_RUNNER.run([command], cwd=out_dir.parent, env=ENV, timeout=240)[0]
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result
 
 
 def run_train(dataset, out_dir, *args, timeout=120):
