@@ -4,6 +4,7 @@ import json
 import locale
 import os
 import select
+import shutil
 import signal
 import subprocess
 import sys
@@ -203,9 +204,9 @@ while True:
             sys.exit(0)
         pending += chunk
     line, pending = pending.split(b"\n", 1)
-    if line == b"wait":
-        pid, status = os.waitpid(-1, 0)
-        os.write(1, f"{pid} {os.waitstatus_to_exitcode(status)}\n".encode())
+    if line.startswith(b"wait "):
+        _, status = os.waitpid(int(line.split()[1]), 0)
+        os.write(1, f"{os.waitstatus_to_exitcode(status)}\n".encode())
         continue
     pid = os.fork()
     if pid == 0:
@@ -218,8 +219,9 @@ PREIMPORT = ["numpy", "torch", "torch.distributed", "torch.nn.parallel", "tiktok
 
 
 class ScriptRunner:
-    """run([[sys.executable, script, *args], ...]) -> subprocess.CompletedProcess per command, as subprocess.run
-    would give them, run `parallel` at a time in children forked from one warm server per environment."""
+    """start(command, cwd, env) and finish(run), or run(commands, cwd, env): [sys.executable, script, *args] as
+    subprocess would run it, in a child forked from one warm server per environment; subprocess.CompletedProcess
+    results, stdout and stderr as str (text=True) or bytes."""
 
     def __init__(self):
         self.servers = {}  # environment -> (server process, whether it can stand in for a fresh interpreter)
@@ -234,61 +236,82 @@ class ScriptRunner:
             self.servers[key] = (process, ready["printed"] == "" and ready["threads"] == 1)
         return self.servers[key]
 
-    def run(self, commands, cwd, env=None, text=True, timeout=180, parallel=os.cpu_count()):
+    def start(self, command, cwd, env=None, text=True):
+        """The run begun; finish(run) waits for it."""
+        assert command[0] == sys.executable and not command[1].startswith("-"), command
         env = dict(os.environ if env is None else env)
-        for command in commands:
-            assert command[0] == sys.executable and not command[1].startswith("-"), command
         server, faithful = self.server(env)
-        if not faithful:  # the imports printed something or started a thread: real processes, then
-            return [subprocess.run(command, capture_output=True, text=text, env=env, cwd=cwd, timeout=timeout)
-                    for command in commands]
-        with tempfile.TemporaryDirectory() as outputs:
-            paths = [(os.path.join(outputs, f"{i}.out"), os.path.join(outputs, f"{i}.err"))
-                     for i in range(len(commands))]
-            for stdout, stderr in paths:
-                open(stdout, "w").close()
-                open(stderr, "w").close()
-            deadline = time.time() + timeout
-            index_of_pid, codes, started = {}, {}, 0
-            try:
-                while len(codes) < len(commands):
-                    if started < len(commands) and started - len(codes) < parallel:
-                        request = {"argv": commands[started][1:], "cwd": str(cwd), "stdout": paths[started][0],
-                                   "stderr": paths[started][1]}
-                        server.stdin.write((json.dumps(request) + "\n").encode())
-                        server.stdin.flush()
-                        index_of_pid[int(self.reply(server, deadline))] = started
-                        started += 1
-                        continue
-                    server.stdin.write(b"wait\n")
-                    server.stdin.flush()
-                    pid, code = map(int, self.reply(server, deadline).split())
-                    codes[index_of_pid[pid]] = code
-            except BaseException:  # a timeout or an interrupted test: no child, and no server in doubt, stays
-                for pid, index in index_of_pid.items():
-                    if index not in codes:
-                        os.kill(pid, signal.SIGKILL)
-                server.kill()
-                server.wait()
-                del self.servers[tuple(sorted(env.items()))]
-                raise
-            results = []
-            for i, command in enumerate(commands):
-                stdout, stderr = (Path(path).read_bytes() for path in paths[i])
-                if text:  # as subprocess's text mode: the locale's encoding, newlines translated
-                    stdout, stderr = (b.decode(locale.getpreferredencoding(False)).replace("\r\n", "\n")
-                                      .replace("\r", "\n") for b in (stdout, stderr))
-                results.append(subprocess.CompletedProcess(command, codes[i], stdout, stderr))
-            return results
+        if not faithful:  # the imports printed something or started a thread: a real process, then
+            process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=text, env=env,
+                                       cwd=cwd)
+            return {"command": command, "process": process}
+        outputs = tempfile.mkdtemp(prefix="script_runner_")
+        run = {"command": command, "server": server, "env": env, "text": text, "outputs": outputs,
+               "stdout": os.path.join(outputs, "stdout"), "stderr": os.path.join(outputs, "stderr")}
+        open(run["stdout"], "w").close()
+        open(run["stderr"], "w").close()
+        request = {"argv": command[1:], "cwd": str(cwd), "stdout": run["stdout"], "stderr": run["stderr"]}
+        run["pid"] = int(self.ask(run, json.dumps(request), time.time() + 60))
+        return run
 
-    @staticmethod
-    def reply(server, deadline):
-        ready, _, _ = select.select([server.stdout], [], [], max(0.0, deadline - time.time()))
-        if not ready:
-            raise subprocess.TimeoutExpired(server.args, deadline)
-        line = server.stdout.readline()
-        assert line, "the script runner's server died"
-        return line.decode().strip()
+    def finish(self, run, timeout=180):
+        if "process" in run:
+            stdout, stderr = run["process"].communicate(timeout=timeout)
+            return subprocess.CompletedProcess(run["command"], run["process"].returncode, stdout, stderr)
+        try:
+            returncode = int(self.ask(run, f"wait {run['pid']}", time.time() + timeout))
+            stdout, stderr = (Path(run[name]).read_bytes() for name in ("stdout", "stderr"))
+        finally:
+            shutil.rmtree(run["outputs"])
+        if run["text"]:  # as subprocess's text mode: the locale's encoding, newlines translated
+            stdout, stderr = (b.decode(locale.getpreferredencoding(False)).replace("\r\n", "\n").replace("\r", "\n")
+                              for b in (stdout, stderr))
+        return subprocess.CompletedProcess(run["command"], returncode, stdout, stderr)
+
+    def run(self, commands, cwd, env=None, text=True, timeout=180, parallel=os.cpu_count()):
+        """Every command, `parallel` at a time; their results in order."""
+        results, running = [], []
+        try:
+            for command in commands:
+                if len(running) == parallel:
+                    results.append(self.finish(running.pop(0), timeout))
+                running.append(self.start(command, cwd, env, text))
+            while running:
+                results.append(self.finish(running.pop(0), timeout))
+        except BaseException:  # the others too end with this one
+            for run in running:
+                if "pid" in run:
+                    try:
+                        os.kill(run["pid"], signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+                    shutil.rmtree(run["outputs"])
+            raise
+        return results
+
+    def ask(self, run, request, deadline):
+        """Send a request, return the server's answer. A timeout, or an interrupted test, ends the child and
+        the server (a later run starts another): no process stays, and no answer comes late."""
+        server = run["server"]
+        try:
+            server.stdin.write(request.encode() + b"\n")
+            server.stdin.flush()
+            ready, _, _ = select.select([server.stdout], [], [], max(0.0, deadline - time.time()))
+            if not ready:
+                raise subprocess.TimeoutExpired(run["command"], deadline)
+            answer = server.stdout.readline()
+            assert answer, "the script runner's server died"
+            return answer.decode().strip()
+        except BaseException:
+            if "pid" in run:
+                try:
+                    os.kill(run["pid"], signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            server.kill()
+            server.wait()
+            self.servers.pop(tuple(sorted(run["env"].items())), None)
+            raise
 
     def close(self):
         for server, _ in self.servers.values():

@@ -14,6 +14,7 @@ import torch
 
 REPO = os.path.join(os.path.dirname(__file__), "..")
 sys.path.insert(0, REPO)
+from conftest import SCRIPT_RUNNER  # noqa: E402
 from model import GPT, GPTConfig, load_checkpoint, model_from_checkpoint, save_checkpoint  # noqa: E402
 
 SEPARATOR = "\n---------------\n"
@@ -56,16 +57,17 @@ def checkpoints(tmp_path_factory):
 
 
 def start_sample(*args):
-    """sample.py in the background: most of a run is torch's import, so the test works out its expected output
-    (or starts another run) meanwhile."""
-    return subprocess.Popen([sys.executable, os.path.join(REPO, "sample.py"), *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, env=dict(os.environ, PYTHONIOENCODING="utf-8"))
+    """sample.py in the background, forked from the process that imported torch once (conftest.py's script
+    runner): the test works out its expected output (or starts another run) meanwhile."""
+    return SCRIPT_RUNNER.start([sys.executable, os.path.join(REPO, "sample.py"), *args], cwd=os.getcwd(),
+                               env=dict(os.environ, PYTHONIOENCODING="utf-8"), text=False)
 
 
-def finish(process):
+def finish(run):
     """stdout and stderr as str, decoded without newline translation (samples may hold '\r')."""
-    stdout, stderr = process.communicate(timeout=120)
-    return subprocess.CompletedProcess(process.args, process.returncode, stdout.decode("utf-8"), stderr.decode("utf-8"))
+    result = SCRIPT_RUNNER.finish(run, timeout=120)
+    return subprocess.CompletedProcess(result.args, result.returncode, result.stdout.decode("utf-8"),
+                                       result.stderr.decode("utf-8"))
 
 
 def tiktoken_from(tokenizer):
