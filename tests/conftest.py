@@ -86,8 +86,10 @@ def freeze_rank_1(launcher, ready, seconds=6):
 # runner starts one Python process per environment that imports the third-party libraries once (never the repo's
 # modules: a script imports those itself), then forks a child per run: the child takes the run's argv, cwd and
 # stdio, runs the script as `python script.py` does (in __main__, sys.path[0] its directory) and exits as the
-# interpreter does. Nothing runs between two children, so no state passes from one run to the next. For refusals
-# and other short runs; tests of signals, torchrun or a process's death start real processes.
+# interpreter does. Nothing runs between two children, so no state passes from one run to the next; a server per
+# environment, so what the imports read from it (OMP_NUM_THREADS, PYTHONIOENCODING) is the run's. What differs
+# from a fresh interpreter: torch is in sys.modules before the script imports it, and the children share one
+# str hash seed. For refusals and plain runs; tests of signals, torchrun or a process's death start real ones.
 SERVER = r'''
 import importlib.util, json, os, sys, tempfile
 sys.path.remove("") if "" in sys.path else None  # the children set sys.path[0] to their script's directory
