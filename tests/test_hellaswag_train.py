@@ -20,7 +20,8 @@ import torch
 import torch.nn.functional as F
 
 from conftest import assert_one_error_line
-from test_train import ENV, REPO, dataset, finish, free_port, load, run_train, start_train  # noqa: F401 (a fixture)
+from test_train import ENV, REPO, finish, free_port, load, run_train, start_train, train
+from test_train import dataset  # noqa: F401 (a fixture)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from model import load_checkpoint, model_from_checkpoint  # noqa: E402
@@ -86,8 +87,7 @@ def scored(dataset, tmp_path_factory):
     root = tmp_path_factory.mktemp("hellaswag")
     text = chars_text(dataset)
     examples = write_hellaswag(text, root / "hellaswag.jsonl")
-    result = finish(start_train(write_byte_dataset(root / "bytes", text), root / "out", *SETTINGS,
-                                f"--hellaswag={examples}"))
+    result = train(write_byte_dataset(root / "bytes", text), root / "out", *SETTINGS, f"--hellaswag={examples}")
     return root, examples, result
 
 

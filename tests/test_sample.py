@@ -15,6 +15,7 @@ import torch
 
 REPO = os.path.join(os.path.dirname(__file__), "..")
 sys.path.insert(0, REPO)
+from conftest import SCRIPT_RUNNER  # noqa: E402
 from model import GPT, GPTConfig, load_checkpoint, model_from_checkpoint, save_checkpoint  # noqa: E402
 
 SEPARATOR = "\n---------------\n"
@@ -59,16 +60,17 @@ def checkpoints(tmp_path_factory):
 
 
 def start_sample(*args):
-    """sample.py in the background: most of a run is torch's import, so the test works out its expected output
-    (or starts another run) meanwhile."""
-    return subprocess.Popen([sys.executable, os.path.join(REPO, "sample.py"), *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, env=dict(os.environ, PYTHONIOENCODING="utf-8"))
+    """sample.py in the background, forked from the process that imported torch once (conftest.py's script
+    runner): the test works out its expected output (or starts another run) meanwhile."""
+    return SCRIPT_RUNNER.start([sys.executable, os.path.join(REPO, "sample.py"), *args], cwd=os.getcwd(),
+                               env=dict(os.environ, PYTHONIOENCODING="utf-8"), text=False)
 
 
-def finish(process):
+def finish(run):
     """stdout and stderr as str, decoded without newline translation (samples may hold '\r')."""
-    stdout, stderr = process.communicate(timeout=120)
-    return subprocess.CompletedProcess(process.args, process.returncode, stdout.decode("utf-8"), stderr.decode("utf-8"))
+    result = SCRIPT_RUNNER.finish(run, timeout=120)
+    return subprocess.CompletedProcess(result.args, result.returncode, result.stdout.decode("utf-8"),
+                                       result.stderr.decode("utf-8"))
 
 
 def tiktoken_from(tokenizer):
@@ -164,14 +166,16 @@ BAD_INPUTS = {
 
 
 @pytest.fixture(scope="module")
-def bad_input_results(checkpoints, tmp_path_factory):
-    """sample.py on every bad input, all started at once: each run is mostly torch's import, and the two cores
-    import for two runs at a time."""
+def bad_input_results(checkpoints, tmp_path_factory, script_runner):
+    """sample.py on every bad input, each run forked from one process that imported torch once (conftest.py)."""
     tmp = tmp_path_factory.mktemp("bad")
     (tmp / "empty").mkdir()
-    processes = {case: start_sample(*[arg.format(tmp=tmp, ckpts=checkpoints) for arg in args])
-                 for case, (args, _) in BAD_INPUTS.items()}
-    return {case: finish(process) for case, process in processes.items()}
+    commands = [[sys.executable, os.path.join(REPO, "sample.py"), *[a.format(tmp=tmp, ckpts=checkpoints) for a in args]]
+                for args, _ in BAD_INPUTS.values()]
+    results = script_runner.run(commands, cwd=os.getcwd(), env=dict(os.environ, PYTHONIOENCODING="utf-8"), text=False)
+    return {case: subprocess.CompletedProcess(result.args, result.returncode, result.stdout.decode("utf-8"),
+                                              result.stderr.decode("utf-8"))
+            for case, result in zip(BAD_INPUTS, results)}
 
 
 @pytest.mark.parametrize("case", list(BAD_INPUTS))

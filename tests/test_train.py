@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import CORPORA, assert_one_error_line, freeze_rank_1
+from conftest import CORPORA, SCRIPT_RUNNER, assert_one_error_line, freeze_rank_1
 from test_copies import function_source
 
 REPO = Path(__file__).resolve().parent.parent
@@ -88,14 +88,19 @@ def finish(process, timeout=240):
 
 
 def train(dataset, out_dir, *args):
-    """Run train.py on the tiny model; fail the test with its output if it fails."""
-    return finish(start_train(dataset, out_dir, *args))
+    """Run train.py on the tiny model; fail the test with its output if it fails. Forked from the process that
+    imported torch once (conftest.py's script runner); start_train's real processes are for signals."""
+    command = [sys.executable, TRAIN, f"--dataset={dataset}", f"--out_dir={out_dir}", *TINY, *args]
+    result = SCRIPT_RUNNER.run([command], cwd=out_dir.parent, env=ENV, timeout=240)[0]
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result
 
 
 def run_train(dataset, out_dir, *args, timeout=120):
-    """Run train.py on the tiny model, expecting nothing: the test looks at the result."""
-    return subprocess.run([sys.executable, TRAIN, f"--dataset={dataset}", f"--out_dir={out_dir}", *TINY, *args],
-                          capture_output=True, text=True, env=ENV, timeout=timeout, cwd=out_dir.parent)
+    """Run train.py on the tiny model, expecting nothing: the test looks at the result. For refusals and other
+    short runs: forked from the process that imported torch once (conftest.py's script runner)."""
+    command = [sys.executable, TRAIN, f"--dataset={dataset}", f"--out_dir={out_dir}", *TINY, *args]
+    return SCRIPT_RUNNER.run([command], cwd=out_dir.parent, env=ENV, timeout=timeout)[0]
 
 
 def read_log(out_dir):
@@ -618,8 +623,8 @@ BREAK = {
 
 
 @pytest.fixture(scope="module")
-def mistakes(dataset, trained, tmp_path_factory):
-    """Every case of MISTAKES run at once (each is a second or two of start-up, mostly importing torch)."""
+def mistakes(dataset, trained, tmp_path_factory, script_runner):
+    """Every case of MISTAKES, each a run of train.py forked from one process that imported torch once."""
     tmp = tmp_path_factory.mktemp("mistakes")
     (tmp / "preset.py").write_text("batch_size = 8\nlearning_rat = 1e-3\n")
     (tmp / "exiting.py").write_text("import sys\nsys.exit(0)\n")
@@ -636,16 +641,13 @@ def mistakes(dataset, trained, tmp_path_factory):
         torch.save(dict(checkpoint, **edit), tmp / name / "ckpt.pt")
     (tmp / "milestone").mkdir()
     torch.save(checkpoint, tmp / "milestone" / "ckpt_10.pt")
-    processes = {}
+    commands = {}
     for name, (args, *_) in MISTAKES.items():
         data = broken_dataset(dataset, tmp / name.replace(" ", "_"), BREAK[name]) if name in BREAK else dataset
         args = [a.replace("PRESET", str(tmp / "preset.py")).replace("EXITING", str(tmp / "exiting.py"))
                 .replace("TMP", str(tmp)).replace("DATA", str(data)) for a in args]
-        processes[name] = subprocess.Popen([sys.executable, TRAIN, f"--dataset={dataset}", f"--out_dir={tmp / 'out'}",
-                                            *TINY, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                           env=ENV, cwd=tmp)
-    results = {name: subprocess.CompletedProcess(p.args, p.wait(timeout=180), *p.communicate())
-               for name, p in processes.items()}
+        commands[name] = [sys.executable, TRAIN, f"--dataset={dataset}", f"--out_dir={tmp / 'out'}", *TINY, *args]
+    results = dict(zip(commands, script_runner.run(list(commands.values()), cwd=tmp, env=ENV)))
     return tmp, results
 
 
