@@ -12,27 +12,15 @@ and writes tokenizers/<source>_v<vocab_size>/tokenizer.tiktoken (tiktoken's rank
 tokenizer.json (pattern and special tokens), which the README loads into tiktoken.
 """
 
-import argparse
-import atexit
-import base64
-import codecs
-import fcntl
-import heapq
-import json
-import os
-import signal
-import socket
-import sys
-import sysconfig
-import time
-import urllib.parse
+import argparse, atexit, base64, codecs, fcntl, heapq, json, os, signal, socket, sys, sysconfig
+import time, urllib.parse
 from collections import Counter, defaultdict
 from pathlib import Path
 
 import regex
 from tqdm import tqdm
 
-# -----------------------------------------------------------------------------
+# ---
 # defaults, each overridable from the command line
 vocab_size = 1000  # 256 byte tokens + merges; <|endoftext|> gets the next id
 num_chars = 1048576  # train on the first 2^20 characters
@@ -42,10 +30,10 @@ out = None  # output directory; default tokenizers/<source>_v<vocab_size>
 # runs, and whitespace, so that merges never glue a word to the punctuation or the space after it.
 pattern = r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]++[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+"""
 EOT = "<|endoftext|>"
-# -----------------------------------------------------------------------------
+# ---
 
 
-# ---------------------------------------------------------------- step 1: count distinct chunks
+# --- step 1: count distinct chunks
 # A million words hold only tens of thousands of distinct ones: on enwiki, 9x fewer distinct chunks
 # than chunks at 2^20 characters, 24x at 2^24 (the README), and all later work shrinks with them.
 
@@ -60,7 +48,7 @@ def count_chunks(documents, split_pattern, num_chars):
     return chunk_counts, chars_read
 
 
-# ---------------------------------------------------------------- step 2: count pairs
+# --- step 2: count pairs
 # The distinct chunks live in one flat list of token ids, as linked lists: next_pos[i] is the
 # position of the token after i in its chunk (-1 at its end), prev_pos[i] the one before. Merging
 # the pair at i is then O(1): i takes the new id and the right token is unlinked, nothing shifts.
@@ -89,7 +77,7 @@ def count_pairs(ids, next_pos, weight):
     return pair_counts, pair_positions
 
 
-# ---------------------------------------------------------------- step 3: the merge loop
+# --- step 3: the merge loop
 
 def merge_pair(pair, new_id, ids, prev_pos, next_pos, weight, pair_counts, pair_positions):
     """Replace each occurrence of `pair` by `new_id`, left to right, and update the pair counts.
@@ -156,7 +144,7 @@ def train(chunk_counts, vocab_size):
     return merges, total_tokens
 
 
-# ---------------------------------------------------------------- output
+# --- output
 
 def vocab_bytes(merges):
     """Every token's bytes, in rank order: 0-255 are the bytes, a merge is its two halves glued."""
@@ -177,7 +165,7 @@ def save_tokenizer(out_dir, merges, info):
         os.replace(out_dir / f"{name}.tmp", out_dir / name)
 
 
-# ---------------------------------------------------------------- the run
+# --- the run
 
 def run(argv):
     args = parse_args(argv)

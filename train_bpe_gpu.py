@@ -12,21 +12,8 @@ small Triton kernels, one per step; the host launches them (on CUDA, 16 merges a
 and reads once per 16 merges: "done?".
 """
 
-import argparse
-import atexit
-import base64
-import codecs
-import fcntl
-import json
-import multiprocessing
-import os
-import queue
-import resource
-import signal
-import socket
-import sys
-import sysconfig
-import time
+import argparse, atexit, base64, codecs, fcntl, json, multiprocessing, os, queue, resource, signal
+import socket, sys, sysconfig, time
 import urllib.parse
 from collections import Counter
 from pathlib import Path
@@ -70,10 +57,10 @@ EOT = "<|endoftext|>"
 INTERPRETER_SHAPE = dict(programs=1, block=1024, rows=64, choose_block=1024, key_block=16)
 ROUNDS_PER_READ = 16  # rounds (a merge's four kernels) per host read of "done"
 PARALLEL_CHARS = 1 << 24  # from this many characters on, all cores pre-tokenize (below: one)
-# -----------------------------------------------------------------------------
+# ---
 
 
-# -------------------------------------------------------- the lesson: one BPE merge as four steps
+# --- the lesson: one BPE merge as four steps
 # The distinct chunks lie in flat arrays, one slot per byte (a "position"), as in train_bpe_cpu.py:
 #   tokens[p]      the token at p; DEAD once merged away; -1 on the spare slots END and END+1
 #                  (END is real: a lane may read the token after any position unmasked)
@@ -262,8 +249,7 @@ def apply_merges(state, list_buffer, scratch, list_start, list_len, tokens, next
         tl.store(prev_pos + after, p, mask=has_y & ~after_merged)
         tl.store(prev_pos + p, tl.load(prev_pos + before, mask=before_merged, other=END),
                  mask=before_merged)
-        # a, b and new are scalars, broadcast by adding a zero block; int64, as row * V + col
-        # passes 2^31 at V = 65534
+        # a, b and new are scalars, broadcast by adding a zero block; int64: row * V + col > 2^31
         x, y, y_new = x.to(tl.int64), y.to(tl.int64), y_new.to(tl.int64)
         zero = 0 * x
         lose_pair(state, counts, row_key, dirty_flag, dirty_rows, V, a + zero, b + zero, w, merged)
@@ -325,8 +311,7 @@ def refresh_rows(state, list_buffer, scratch, list_len, counts, fresh_key, dirty
         col = (item % slices) * BLOCK + tl.arange(0, BLOCK)
         inside = (i < dirty)[:, None] & (col < columns)[None, :]
         count = tl.load(counts + row[:, None] * V + col[None, :], mask=inside, other=0)
-        # the item's largest count and first column, as a key; int64 only for the key: half the
-        # registers of a wide item
+        # the item's largest count and first column as a key; int64 only for it: half the registers
         most = tl.max(count, axis=1)
         first_col = tl.min(tl.where(count == most[:, None], col[None, :], columns), axis=1)
         key = tl.where(most > 0, (most.to(tl.int64) << ID_BITS) | (LOW - first_col), 0)
@@ -583,8 +568,7 @@ def count_chunks(documents, budget, pattern_text, workers, label):
                 # disjoint sums: joining them, in C, is all that is left
                 dict.update(chunk_counts, chunk_sums)
     finally:
-        # After an error, a batch may still be on its way into a pipe no worker reads: at exit,
-        # Python would wait for it forever.
+        # after an error, a batch may sit in a pipe no worker reads: exit would wait for it forever
         batches.cancel_join_thread()
         for process in processes:
             process.kill()

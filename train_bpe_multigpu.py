@@ -16,25 +16,8 @@ on every rank. Read train_bpe_gpu.py first: this file teaches what changes on W 
 (gloo) runs the kernels in Triton's interpreter: exact, slow, for tests.
 """
 
-import argparse
-import atexit
-import base64
-import codecs
-import contextlib
-import datetime
-import fcntl
-import hashlib
-import io
-import json
-import multiprocessing
-import os
-import queue
-import resource
-import signal
-import socket
-import sys
-import sysconfig
-import time
+import argparse, atexit, base64, codecs, contextlib, datetime, fcntl, hashlib, io, json
+import multiprocessing, os, queue, resource, signal, socket, sys, sysconfig, time
 import urllib.parse
 from collections import Counter
 from itertools import accumulate
@@ -87,7 +70,7 @@ MERGES_PER_READ = 16  # merges launched per host read of the "done" flag
 MAX_POSITIONS = 2**31 - 2  # positions are int32: a rank's distinct chunks' bytes + 2 spare slots
 PARALLEL_CHARS = 1 << 24  # from a part this long on, the rank's cores pre-tokenize (below: one)
 BATCH_CHARS = 1 << 20  # characters of documents per batch sent to a pre-tokenizing worker
-# -----------------------------------------------------------------------------
+# ---
 
 
 class UserError(Exception):
@@ -477,8 +460,8 @@ def merge_on_device(arrays, vocab_size, total_pairs, device, show_progress):
 
 
 def rank_documents(name, files, budget):
-    """This rank's documents (a generator: nothing is read yet), and the byte range of its part
-    (None from the Hub, whose stream `datasets` splits)."""
+    """This rank's documents (a generator: nothing is read yet) and its part's byte range (None
+    from the Hub, whose stream `datasets` splits)."""
     if not files:
         repository, config = HUB_DATASETS[name]
         return datasets_texts(repository, node=(RANK, WORLD), path=repository, name=config), None
@@ -541,8 +524,7 @@ def run(argv):
     dist.init_process_group("nccl" if args.device == "cuda" else "gloo",
                             timeout=datetime.timedelta(seconds=args.timeout), **group_options)
     say(f"{WORLD} rank(s), backend {dist.get_backend()}, device {args.device}")
-    # A reading error happens on one rank (whose part holds the bad line): shared, every rank stops
-    # together, and rank 0 says it.
+    # a reading error is one rank's (its part holds the bad line): shared, all stop, rank 0 says it
     rank_stats = [None] * WORLD
     dist.all_gather_object(rank_stats, error or {**cached[3], "cache": cache_status,
                                                  "memory": device_memory(args.device)})
@@ -560,8 +542,7 @@ def run(argv):
     check_count_rows(args.vocab_size, count_dtype.itemsize,
                      min(stats["memory"] for stats in rank_stats), args.device)
     say(f"read {chars:,} characters, {total['chunks']:,} chunks; per-rank part (characters, "
-        "distinct chunks): "
-        + ", ".join(f"{stats['part']['chars']:,}/{stats['distinct']:,}" for stats in rank_stats))
+        "distinct chunks): " + ", ".join(f"{stats['part']['chars']:,}/{stats['distinct']:,}" for stats in rank_stats))
 
     # --- the merges, each rank in its own chunks and rows
     arrays = chunks_to_arrays(*cached[:3], count_dtype)
@@ -718,8 +699,7 @@ def count_chunks(documents, budget, pattern_text, workers, label):
                 # disjoint sums: joining them, in C, is all that is left
                 dict.update(chunk_counts, chunk_sums)
     finally:
-        # After an error, a batch may still be on its way into a pipe no worker reads: at exit,
-        # Python would wait for it forever.
+        # after an error, a batch may sit in a pipe no worker reads: exit would wait for it forever
         batches.cancel_join_thread()
         for process in processes:
             process.kill()
