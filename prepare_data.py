@@ -69,7 +69,7 @@ def encode_in_threads(texts, encode, workers):
     reads ahead, 2 per thread at most, so memory stays flat."""
     pool, in_flight, batch, size = ThreadPoolExecutor(workers), deque(), [], 0
     try:
-        for text in itertools.chain(texts, [None]):  # None: the end, collect the rest
+        for text in itertools.chain(texts, [None]):  # None: the end
             if text is not None:
                 batch.append(text)
                 size += len(text)
@@ -186,7 +186,7 @@ def run(argv):
     settings = run_args(args, source, tokenizer_meta)
     if args.merge:
         return merge_parts(out_dir, args.merge, settings, encoder, tokenizer_files)
-    if N > 1:  # a part is a dataset of its own, merged later
+    if N > 1:  # its own dataset, merged later
         out_dir = out_dir / f"part-{K}-of-{N}"
     # at char level a token is a character: both passes read the same max_tokens characters
     budget = args.num_chars or sys.maxsize
@@ -342,12 +342,12 @@ def load_tokenizer(name):
         if name not in tiktoken.list_encoding_names():
             raise UserError(f"--tokenizer {name}: no such directory, and not a tiktoken encoding "
                             f"({', '.join(tiktoken.list_encoding_names())}) or char")
-        try:  # the first use downloads the ranks (a few MB) and caches them
+        try:  # the first use downloads and caches the ranks (a few MB)
             return tiktoken.get_encoding(name), {"kind": "tiktoken", "name": name}, {}
         except Exception as error:  # requests' connection errors, say
             raise UserError(f"--tokenizer {name}: tiktoken could not download its ranks "
                             f"({type(error).__name__}); it needs internet once")
-    try:  # a directory from train_bpe_*.py, checked here once
+    try:  # a directory from train_bpe_*.py
         files = {f: read_bounded(Path(name, f)) for f in ("tokenizer.tiktoken", "tokenizer.json")}
         info = json.loads(files["tokenizer.json"])
         lines = [line.split() for line in files["tokenizer.tiktoken"].splitlines() if line.strip()]
@@ -480,9 +480,9 @@ def merge_parts(out_dir, count, now, encoder, tokenizer_files):
     for k, path in enumerate(parts):  # these settings, shards whole: or one error line
         resume_state(path, {"args": {**now, "part": [k, count]}}, encoder)
     metas = [json.loads(read_bounded(path / "meta.json")) for path in parts]
+    tokens = {split: sum(meta["tokens"][split] for meta in metas) for split in ("val", "train")}
     merged = {**metas[0], "args": {**now, "part": count}, "shards": {"val": [], "train": []},
-              "tokens": {split: sum(m["tokens"][split] for m in metas) for split in ("val", "train")},
-              "num_chars": sum(m["num_chars"] for m in metas),
+              "tokens": tokens, "num_chars": sum(m["num_chars"] for m in metas),
               "max_token_id": max(m["max_token_id"] for m in metas)}
     with writing_to(out_dir):
         (out_dir / "meta.json").unlink(missing_ok=True)  # complete again once it is back
@@ -574,7 +574,7 @@ def stdlib_documents(budget=None):  # the offline corpus: real code and prose, o
     return (file.read_text("utf-8", "replace") for file in files)
 
 def datasets_texts(where, **load):  # the rows' "text", streamed
-    import datasets  # here: it takes seconds, and .txt and .jsonl never need it
+    import datasets  # here: it takes seconds, and local files never need it
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its errors reach the user as ours
     try:
         rows = datasets.load_dataset(split="train", streaming=True, **load)
@@ -582,12 +582,12 @@ def datasets_texts(where, **load):  # the rows' "text", streamed
             if not isinstance(row.get("text"), str):
                 raise ValueError(f'row {number} has no string "text": {row!r:.50}')
             yield row["text"]
-    except Exception as error:  # a bad row, no such dataset, a corrupt file, a lost connection
+    except Exception as error:  # a bad row, no such dataset, a corrupt file, a lost link
         reason = f"{type(error).__name__}: {error}".splitlines()[0]
         raise UserError(f"can't read {where} ({reason}); check it, or use other files")
 
-def local_files(data):  # the file, or a directory's files in sorted order; regular files only, as
-    path = Path(data)  # a named pipe would wait for a writer forever
+def local_files(data):  # the file, or a directory's files, sorted; regular files only (a pipe
+    path = Path(data)  # would wait for a writer forever)
     files = sorted(path.rglob("*")) if path.is_dir() else [path]
     files = [file for file in files if file.suffix in LOCAL_SUFFIXES and file.is_file()]
     if not files:
@@ -654,7 +654,7 @@ def read_jsonl(path, start, end):  # the "text" of each line starting in bytes [
 class BadUTF8:  # invalid UTF-8 and lone surrogates: each read as U+FFFD, and counted
     count = 0
 
-    def replace(error):  # a codec error handler: what errors="replace" does, counted
+    def replace(error):  # a codec error handler: errors="replace", counted
         BadUTF8.count += 1
         return "\ufffd", error.end
 

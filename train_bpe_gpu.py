@@ -603,7 +603,7 @@ def vocab_bytes(merges):
 
 def save_tokenizer(out_dir, merges, info):
     """tiktoken's rank file (each token's bytes in base64, and its rank) and `info` as
-    tokenizer.json, each written to a .tmp, then renamed: never half a file."""
+    tokenizer.json, each via a .tmp: never half a file."""
     ranks = "".join(f"{base64.b64encode(token).decode()} {rank}\n"
                     for rank, token in enumerate(vocab_bytes(merges)))
     settings = json.dumps(info, indent=2, ensure_ascii=False) + "\n"
@@ -628,14 +628,14 @@ def check_out_dir(out_dir):
                             "give a directory path")
     ours = {"tokenizer.tiktoken", "tokenizer.json", "tokenizer.tiktoken.tmp", "tokenizer.json.tmp"}
     others = sorted(set(os.listdir(out_dir)) - ours) if out_dir.is_dir() else []
-    if others:  # a dataset from prepare_data.py, say: its tokenizer files would be overwritten
+    if others:  # a dataset from prepare_data.py, say: don't overwrite its tokenizer
         dataset = {"meta.json", "progress.json"} & set(others)
         what = "a dataset directory" if dataset else "not a tokenizer directory"
         raise UserError(f"--out {out_dir} is {what} (it holds {others[0]}); "
                         "give a new or a tokenizer directory")
     made = [path for path in [out_dir, *out_dir.parents] if not path.exists()]
 
-    def remove_made():  # deepest first; rmdir refuses a directory with files, as a finished run's
+    def remove_made():  # deepest first; rmdir refuses a directory with files (a finished run)
         for path in made:
             try:
                 path.rmdir()
@@ -646,7 +646,7 @@ def check_out_dir(out_dir):
         out_dir.mkdir(parents=True, exist_ok=True)
         descriptor = lock_directory(out_dir)
         atexit.register(remove_made)  # a failed run leaves nothing; only the lock's holder removes
-        # a probe, the one sure test (root passes os.access even on /proc), under a name of ours
+        # a probe, the one sure test (root passes os.access even on /proc), by a name of ours
         (out_dir / "tokenizer.json.tmp").write_text("")
         (out_dir / "tokenizer.json.tmp").unlink()
     except OSError as error:
@@ -697,7 +697,7 @@ def validate(args):
         (kind == "cuda" and gpus == 0,
          f"--device {chosen}: no CUDA GPU here; --device cpu runs the kernels in Triton's "
          "interpreter (slow, for tests), or use train_bpe_cpu.py"),
-        (kind == "cuda" and gpus > 0 and index is not None and index >= gpus,
+        (kind == "cuda" and index is not None and index >= gpus,
          f"--device {chosen}: this machine has {gpus} CUDA GPU(s), cuda:0 to cuda:{gpus - 1}"),
         # the environment variable counts when triton is imported
         ((kind == "cpu") != bool(triton.knobs.runtime.interpret),
@@ -858,7 +858,7 @@ def stdlib_documents(budget=None):  # the offline corpus: real code and prose, o
     return (file.read_text("utf-8", "replace") for file in files)
 
 def datasets_texts(where, **load):  # the rows' "text", streamed
-    import datasets  # here: it takes seconds, and .txt and .jsonl never need it
+    import datasets  # here: it takes seconds, and local files never need it
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its errors reach the user as ours
     try:
         rows = datasets.load_dataset(split="train", streaming=True, **load)
@@ -866,12 +866,12 @@ def datasets_texts(where, **load):  # the rows' "text", streamed
             if not isinstance(row.get("text"), str):
                 raise ValueError(f'row {number} has no string "text": {row!r:.50}')
             yield row["text"]
-    except Exception as error:  # a bad row, no such dataset, a corrupt file, a lost connection
+    except Exception as error:  # a bad row, no such dataset, a corrupt file, a lost link
         reason = f"{type(error).__name__}: {error}".splitlines()[0]
         raise UserError(f"can't read {where} ({reason}); check it, or use other files")
 
-def local_files(data):  # the file, or a directory's files in sorted order; regular files only, as
-    path = Path(data)  # a named pipe would wait for a writer forever
+def local_files(data):  # the file, or a directory's files, sorted; regular files only (a pipe
+    path = Path(data)  # would wait for a writer forever)
     files = sorted(path.rglob("*")) if path.is_dir() else [path]
     files = [file for file in files if file.suffix in LOCAL_SUFFIXES and file.is_file()]
     if not files:
@@ -923,7 +923,7 @@ def read_jsonl(path):  # the "text" of each line
 class BadUTF8:  # invalid UTF-8 and lone surrogates: each read as U+FFFD, and counted
     count = 0
 
-    def replace(error):  # a codec error handler: what errors="replace" does, counted
+    def replace(error):  # a codec error handler: errors="replace", counted
         BadUTF8.count += 1
         return "\ufffd", error.end
 

@@ -542,7 +542,8 @@ def run(argv):
     check_count_rows(args.vocab_size, count_dtype.itemsize,
                      min(stats["memory"] for stats in rank_stats), args.device)
     say(f"read {chars:,} characters, {total['chunks']:,} chunks; per-rank part (characters, "
-        "distinct chunks): " + ", ".join(f"{stats['part']['chars']:,}/{stats['distinct']:,}" for stats in rank_stats))
+        "distinct chunks): "
+        + ", ".join(f"{stats['part']['chars']:,}/{stats['distinct']:,}" for stats in rank_stats))
 
     # --- the merges, each rank in its own chunks and rows
     arrays = chunks_to_arrays(*cached[:3], count_dtype)
@@ -858,7 +859,7 @@ def validate(args):
     with contextlib.redirect_stderr(io.StringIO()) if RANK else contextlib.nullcontext():
         source_name, source, files = find_source(args.data or data, args.data is not None)
     out_dir = Path(args.out or f"tokenizers/{source_name}_v{args.vocab_size}")
-    if RANK == 0:  # the one writer; its lock is held while this process lives
+    if RANK == 0:  # the one writer (check_out_dir returns its lock)
         check_out_dir(out_dir)
     return source, files, out_dir
 
@@ -917,7 +918,7 @@ def vocab_bytes(merges):
 
 def save_tokenizer(out_dir, merges, info):
     """tiktoken's rank file (each token's bytes in base64, and its rank) and `info` as
-    tokenizer.json, each written to a .tmp, then renamed: never half a file."""
+    tokenizer.json, each via a .tmp: never half a file."""
     ranks = "".join(f"{base64.b64encode(token).decode()} {rank}\n"
                     for rank, token in enumerate(vocab_bytes(merges)))
     settings = json.dumps(info, indent=2, ensure_ascii=False) + "\n"
@@ -935,14 +936,14 @@ def check_out_dir(out_dir):
                             "give a directory path")
     ours = {"tokenizer.tiktoken", "tokenizer.json", "tokenizer.tiktoken.tmp", "tokenizer.json.tmp"}
     others = sorted(set(os.listdir(out_dir)) - ours) if out_dir.is_dir() else []
-    if others:  # a dataset from prepare_data.py, say: its tokenizer files would be overwritten
+    if others:  # a dataset from prepare_data.py, say: don't overwrite its tokenizer
         dataset = {"meta.json", "progress.json"} & set(others)
         what = "a dataset directory" if dataset else "not a tokenizer directory"
         raise UserError(f"--out {out_dir} is {what} (it holds {others[0]}); "
                         "give a new or a tokenizer directory")
     made = [path for path in [out_dir, *out_dir.parents] if not path.exists()]
 
-    def remove_made():  # deepest first; rmdir refuses a directory with files, as a finished run's
+    def remove_made():  # deepest first; rmdir refuses a directory with files (a finished run)
         for path in made:
             try:
                 path.rmdir()
@@ -953,7 +954,7 @@ def check_out_dir(out_dir):
         out_dir.mkdir(parents=True, exist_ok=True)
         descriptor = lock_directory(out_dir)
         atexit.register(remove_made)  # a failed run leaves nothing; only the lock's holder removes
-        # a probe, the one sure test (root passes os.access even on /proc), under a name of ours
+        # a probe, the one sure test (root passes os.access even on /proc), by a name of ours
         (out_dir / "tokenizer.json.tmp").write_text("")
         (out_dir / "tokenizer.json.tmp").unlink()
     except OSError as error:
@@ -1021,8 +1022,8 @@ def datasets_texts(where, node, **load):  # rows' "text"; node=(rank, world_size
         reason = f"{type(error).__name__}: {error}".splitlines()[0]
         raise UserError(f"can't read {where} ({reason}); check it, or use other files")
 
-def local_files(data):  # the file, or a directory's files in sorted order; regular files only, as
-    path = Path(data)  # a named pipe would wait for a writer forever
+def local_files(data):  # the file, or a directory's files, sorted; regular files only (a pipe
+    path = Path(data)  # would wait for a writer forever)
     files = sorted(path.rglob("*")) if path.is_dir() else [path]
     files = [file for file in files if file.suffix in LOCAL_SUFFIXES and file.is_file()]
     if not files:
@@ -1078,7 +1079,7 @@ def read_jsonl(path, start, end):  # the "text" of each line starting in bytes [
 class BadUTF8:  # invalid UTF-8 and lone surrogates: each read as U+FFFD, and counted
     count = 0
 
-    def replace(error):  # a codec error handler: what errors="replace" does, counted
+    def replace(error):  # a codec error handler: errors="replace", counted
         BadUTF8.count += 1
         return "\ufffd", error.end
 
