@@ -442,21 +442,20 @@ def merges_done(state):
 
 
 # === plumbing: pre-tokenizing on every core, the same in both GPU trainers (counting chunks is
-# train_bpe_cpu.py's lesson). The regex is the slow part, and holds the GIL: the parent reads the
-# documents, worker processes count batches of them, in any order (BPE depends only on the multiset
-# of chunks), then add up together: worker i sums the chunks with hash(chunk) % workers == i, sent
-# by all (forked, they hash alike), and the parent only joins disjoint sums (adding Counters, ~0.5
-# us a chunk, in the parent alone would grow with the cores). A CPU-time alarm per document, as in
-# train_bpe_cpu.py's split_in_time, turns a pattern that backtracks catastrophically into one line.
+# train_bpe_cpu.py's lesson). The regex is the slow part, and holds the GIL: worker processes count
+# batches of the parent's documents, in any order (BPE depends only on the multiset of chunks), then
+# worker i sums the chunks with hash(chunk) % workers == i, sent by all (forked, they hash alike);
+# the parent only joins disjoint sums (adding Counters, ~0.5 us a chunk, there alone would not scale
+# with the cores). A CPU-time alarm per document, as in train_bpe_cpu.py's split_in_time, turns a
+# pattern that backtracks catastrophically into one line.
 BATCH_CHARS = 1 << 20  # characters of documents per batch sent to a pre-tokenizing worker
-# A longer document (a .txt file) is cut into pieces only where the split pattern can't match
-# across, so that the pieces' chunks are the document's: for GPT-4's pattern, just before a line
-# break (\r or \n) after a letter or digit X. No match holds both X and the break: letter and digit
-# runs stop at it, and the alternatives that take a break need whitespace (\s*[\r\n]) or punctuation
-# (` ?[^\s\p{L}\p{N}]++[\r\n]*`) before it ("end.\n" is one chunk: a cut after punctuation, or a
-# combining mark, would be wrong). Each match begun before the break stops there as at the text's
-# end, and with no lookbehind or anchor, the ones after it see nothing before it. Any other
-# --pattern is never cut: where it can match across, this file can't know.
+# A longer document (a .txt file) is cut only where the split pattern can't match across, so the
+# pieces' chunks are the document's: for GPT-4's pattern, just before a line break (\r or \n) after
+# a letter or digit X. No match holds both: letter and digit runs stop at the break, and the
+# alternatives that take a break need whitespace (\s*[\r\n]) or punctuation before it
+# (` ?[^\s\p{L}\p{N}]++[\r\n]*`: "end.\n" is one chunk, so a cut after punctuation, or a combining
+# mark, would be wrong). A match begun before the break stops there as at the text's end; with no
+# lookbehind or anchor, those after it see nothing before it. No other --pattern is ever cut.
 SAFE_CUTS = {pattern: regex.compile(r"[\p{L}\p{N}](?=[\r\n])")}  # the cut: the match's end
 
 

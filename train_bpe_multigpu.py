@@ -454,9 +454,9 @@ def merge_on_device(arrays, vocab_size, total_pairs, device, show_progress):
 
 
 # === this rank's part of the text
-# Local files are laid end to end, and rank r gets bytes [r S / W, (r + 1) S / W). A document (a
-# .jsonl line, a .txt file, a parquet row group, placed at its share of the file's bytes) belongs
-# to the range that holds its first byte: one rank reads it whole, seeking straight to its range.
+# Local files lie end to end; rank r gets bytes [r S / W, (r + 1) S / W). A document (a .jsonl line,
+# a .txt file, a parquet row group, placed at its share of the file's bytes) belongs to the range
+# holding its first byte: one rank reads it whole, seeking straight to its range.
 
 
 def rank_documents(name, files, budget):
@@ -511,7 +511,7 @@ def run(argv):
 
     # --- the process group. Its timeout bounds each wait for the others, in joining (each counts
     # its part first) and in every collective: a hung rank becomes an error on the others (a dead
-    # one sooner: its sockets close). On NCCL, its watchdog ends the process.
+    # one sooner: its sockets close); on NCCL, its watchdog ends the process.
     if args.device == "cuda":
         torch.cuda.set_device(LOCAL_RANK)
     # small ops: waking OpenMP threads for each costs more than it saves
@@ -537,7 +537,7 @@ def run(argv):
     cache_statuses = [stats["cache"] for stats in rank_stats]
     t1 = time.time()
     check_text(args, source, total, chars, cache_statuses, prefix)
-    # no count exceeds the total: int32 below 2^31 pairs, else int64 (twice what validate() checked)
+    # no count exceeds the total: int32 below 2^31 pairs, else int64 (twice validate()'s check)
     count_dtype = np.dtype(np.int32 if total["total_pairs"] < 2**31 else np.int64)
     check_count_rows(args.vocab_size, count_dtype.itemsize,
                      min(stats["memory"] for stats in rank_stats), args.device)
@@ -724,8 +724,8 @@ def document_pieces(document, pattern_text):
 
 # === plumbing: the cache of counted chunks: a rerun with other -v skips reading and pre-tokenizing.
 # .npy files (no pickle: loading can't run code) hold this rank's distinct chunks of 2+ bytes, their
-# lengths and counts; the .json, written last, the statistics, what was read and a sha256 of it
-# all: a cache that fails it (or is half written) is counted again.
+# lengths and counts; the .json, written last, the statistics, what was read and a sha256 of all:
+# a cache that fails it (or is half written) is counted again.
 
 
 def count_part(args, source, files, documents, share, byte_range):
@@ -747,7 +747,7 @@ def count_part(args, source, files, documents, share, byte_range):
             _, cached = read_cache(prefix)
         except UserError as user_error:
             error = str(user_error)
-        # the cache's disk, or a file that went away while it was read
+        # the cache's disk, or a file gone while it was read
         except OSError as os_error:
             error = (f"{os_error.filename or prefix.parent}: {os_error.strerror or os_error}; "
                      "check it (--cache_dir says where the cache goes)")
