@@ -7,7 +7,7 @@ Turn text into token shards for train.py: fast, in flat memory, and resumable.
 
 It writes DIR/val_000000.npy, ..., DIR/train_000000.npy, ... and, last, DIR/meta.json (DIR: --out,
 or data/<source>_<tokenizer>), as the README says. Killed and rerun, it resumes where it stopped.
-On many machines: --part K/N on each, then --merge N (the README's scale section).
+On many machines: --part K/N on each, then --merge N.
 """
 
 import argparse, base64, codecs, fcntl, hashlib, itertools, json, os, signal, socket, stat, sys
@@ -26,15 +26,15 @@ from tqdm import tqdm
 # === the settings, each overridable from the command line
 data = "fineweb"  # fineweb(-edu) | openwebtext | tinystories | a .txt/.jsonl/.parquet file or dir
 tokenizer = None  # a directory from train_bpe_*.py | a tiktoken name (gpt2) | char
-out = None  # data/<source>_<tokenizer>, or data/<tokenizer> if that is named after its source
+out = None  # data/<source>_<tokenizer>, or data/<tokenizer> if named after its source
 num_chars = None  # read only the first N characters (default: all)
-max_tokens = None  # stop after N tokens, train + val (default: no limit)
+max_tokens = None  # stop after N tokens, train + val
 shard_size = 100_000_000  # tokens per shard: 200 MB of uint16, as in build-nanogpt
 val_tokens = 1_000_000  # val: the first documents, until they hold this many tokens
 workers = os.cpu_count()  # tokenizer threads
-batch_chars = 1 << 20  # characters per batch handed to a thread: enough to amortize, few for memory
+batch_chars = 1 << 20  # characters per batch a thread encodes: enough to amortize, few for memory
 part = None  # K/N: only part K (0..N-1) of N of the files, into --out/part-K-of-N
-merge = None  # N: link the N parts' shards into --out, in stream order: one dataset
+merge = None  # N: link the N parts' shards into --out, in stream order
 HUB_DATASETS = {  # name: (repository, config, parquet files)
     "fineweb": ("HuggingFaceFW/fineweb", "sample-10BT", None),
     "fineweb-edu": ("HuggingFaceFW/fineweb-edu", "sample-10BT", None),
@@ -45,11 +45,10 @@ LOCAL_SUFFIXES = (".txt", ".jsonl", ".parquet")
 
 # === step 1: tokenize the documents, in threads
 # tiktoken's Rust core releases the GIL while it encodes, so threads use every core without a
-# process pool's cost (pickling documents to workers, tokens back); encode_to_numpy builds no list
-# of ints. See bench/RESULTS.md.
+# process pool's cost (pickling documents and tokens); encode_to_numpy builds no list of ints.
 def encode_batch(texts, encoder, dtype, token_lengths):
     """Per text: ids (<|endoftext|>, none at char level, then its own), characters, UTF-8 bytes, and
-    the bytes its ids spell: fewer if the split pattern left some unmatched (tiktoken drops them)"""
+    the bytes its ids spell (fewer if the split pattern left some unmatched: tiktoken drops them)"""
     eot = np.array([] if encoder.eot_token is None else [encoder.eot_token], dtype)
     encoded = []
     for text in texts:
@@ -60,18 +59,17 @@ def encode_batch(texts, encoder, dtype, token_lengths):
                             "shorten its runs of whitespace")
         ids = np.concatenate([eot, ids], dtype=dtype)
         text_bytes = len(text.encode("utf-8", "surrogatepass"))
-        # at char level (no token_lengths) every character is a token
         kept = text_bytes if token_lengths is None else int(token_lengths[ids].sum())
         encoded.append((ids, len(text), text_bytes, kept))
     return encoded
 
 
 def encode_in_threads(texts, encode, workers):
-    """encode's results, in order. Threads encode batches of batch_chars characters while this one
-    reads ahead, 2 per thread at most: memory stays flat."""
+    """encode's results, in order: threads encode batches of batch_chars characters while this one
+    reads ahead, 2 per thread at most, so memory stays flat."""
     pool, in_flight, batch, size = ThreadPoolExecutor(workers), deque(), [], 0
     try:
-        for text in itertools.chain(texts, [None]):  # None: the end, collect the rest
+        for text in itertools.chain(texts, [None]):  # None: the end
             if text is not None:
                 batch.append(text)
                 size += len(text)
@@ -80,7 +78,7 @@ def encode_in_threads(texts, encode, workers):
                 batch, size = [], 0
             while in_flight and (text is None or len(in_flight) > 2 * workers):
                 yield from in_flight.popleft().result()
-    finally:  # also when stopped early (--max_tokens, an error, Ctrl-C): drop the batches not begun
+    finally:  # also when stopped early (--max_tokens, an error, Ctrl-C): drop batches not begun
         pool.shutdown(cancel_futures=True)
 
 
@@ -99,10 +97,10 @@ class CharEncoder:
 
 
 # === step 2: write the shards
-# Shard k of a split holds its tokens [k * shard_size, (k + 1) * shard_size): the boundaries depend
-# on the data alone. A .npy file is a 128-byte header and the raw array: tokens stream into NAME.tmp
-# behind a placeholder header, the true header goes in when the shard is full, then it is renamed
-# NAME. Each finished shard saves progress.json: the meta.json to be, and where a rerun resumes.
+# Shard k of a split holds its tokens [k * shard_size, (k + 1) * shard_size): boundaries depend on
+# the data alone. A .npy file is a 128-byte header and the raw array: tokens stream into NAME.tmp
+# behind a placeholder header, the true header goes in when the shard is full, then it becomes NAME.
+# Each finished shard saves progress.json: the meta.json to be, and where a rerun resumes.
 class Shards:
     def __init__(self, out_dir, state, shard_size):
         self.out_dir, self.state, self.shard_size = out_dir, state, shard_size
@@ -114,7 +112,7 @@ class Shards:
             self.split = split
         while start < end:
             if self.file is None:
-                if not (self.out_dir / "progress.json").exists():  # from now on, a rerun resumes
+                if not (self.out_dir / "progress.json").exists():  # a rerun now resumes
                     write_json(self.out_dir / "progress.json", self.state)
                 name = f"{split}_{len(self.state['shards'][split]):06d}.npy"
                 self.file = open(self.out_dir / f"{name}.tmp", "wb")
@@ -137,7 +135,7 @@ class Shards:
                   "shape": (self.filled,)}
         np.lib.format.write_array_header_1_0(self.file, header)
         self.file.flush()
-        os.fsync(self.file.fileno())  # the data is on disk before the name says the shard is whole
+        os.fsync(self.file.fileno())  # on disk before the name says the shard is whole
         self.file.close()
         self.state["shards"][self.split].append(Path(self.file.name).stem)
         os.replace(self.file.name, self.out_dir / Path(self.file.name).stem)
@@ -145,7 +143,7 @@ class Shards:
         self.file, self.filled = None, 0
 
 
-def write_json(path, obj):  # under a temporary name, then renamed: readers never see half a file
+def write_json(path, obj):  # under a temporary name, then renamed: never half a file
     with open(f"{path}.tmp", "w") as f:
         json.dump(obj, f, indent=1, ensure_ascii=False)
         f.flush()
@@ -157,8 +155,8 @@ def write_json(path, obj):  # under a temporary name, then renamed: readers neve
 # Val takes the first documents until it holds val_tokens (one at least); train takes the rest, and
 # always the last. A lone document trains on its first 90% and validates on the rest, as in nanoGPT.
 def val_split(first, size, skip, is_last, written, val_tokens):
-    """Where a document's tokens [skip, size) go, as (split, start, end); `written`: the tokens
-    each split holds, its first `skip` included (a resumed run wrote those)."""
+    """Where a document's tokens [skip, size) go, as (split, start, end); `written`: each split's
+    tokens, the first `skip` included (a resumed run wrote those)."""
     if is_last and first:
         cut = size * 9 // 10  # below size: val gets a token at least
         return [("train", skip, cut), ("val", max(skip, cut), size)]
@@ -168,29 +166,29 @@ def val_split(first, size, skip, is_last, written, val_tokens):
 
 # === step 4: meta.json, last
 def complete(out_dir, tokenizer_files, meta=None):
-    """The BPE tokenizer's files as loaded (the dataset stands on its own); meta.json, last, as it
-    says the dataset is complete; then no progress.json, nor a *.tmp that a killed run began."""
+    """The BPE tokenizer's files (the dataset stands on its own); meta.json, last, as it says the
+    dataset is complete; then no progress.json, nor a *.tmp that a killed run began."""
     for name, content in tokenizer_files.items():
         (out_dir / f"{name}.tmp").write_bytes(content)
-        os.replace(out_dir / f"{name}.tmp", out_dir / name)  # train.py never reads half a tokenizer
+        os.replace(out_dir / f"{name}.tmp", out_dir / name)
     if meta:
         write_json(out_dir / "meta.json", meta)
     for leftover in [out_dir / "progress.json", *out_dir.glob("*.tmp")]:
         leftover.unlink(missing_ok=True)
 
 
-# === the run: steps 1 to 4, in order. What it calls that no step defines is plumbing, below.
+# === the run: steps 1 to 4, in order. What it calls that no step defines is plumbing, below
 def run(argv):
     args, t0 = parse_args(argv), time.time()
     documents, source_name, source = open_source(args.data or data, args.data is not None, args.part)
     encoder, tokenizer_meta, tokenizer_files = load_tokenizer(args.tokenizer)
     (K, N), out_dir = args.part, output_dir(args, source_name)
+    settings = run_args(args, source, tokenizer_meta)
     if args.merge:
-        return merge_parts(out_dir, args.merge, run_args(args, source, tokenizer_meta), encoder,
-                           tokenizer_files)
-    if N > 1:  # a part is a dataset of its own, merged later
+        return merge_parts(out_dir, args.merge, settings, encoder, tokenizer_files)
+    if N > 1:  # its own dataset, merged later
         out_dir = out_dir / f"part-{K}-of-{N}"
-    # at char level a token is a character: both passes then read the same max_tokens characters
+    # at char level a token is a character: both passes read the same max_tokens characters
     budget = args.num_chars or sys.maxsize
     if encoder is None and args.max_tokens:
         budget = min(budget, args.max_tokens)
@@ -201,10 +199,10 @@ def run(argv):
     # the state: meta.json to be, and where to resume
     state = {"version": 1, "max_token_id": -1, "tokenizer": tokenizer_meta, "source": source,
              "num_chars": 0, "tokens": {"val": 0, "train": 0}, "shards": {"val": [], "train": []},
-             "args": run_args(args, source, tokenizer_meta), "resume": {"document": 0, "offset": 0}}
+             "args": settings, "resume": {"document": 0, "offset": 0}}
     with writing_to(out_dir):  # one run at a time writes there
         state = resume_state(out_dir, state, encoder)  # or a killed run's; None if complete
-        if state is None:  # put back the tokenizer files; clear what a killed run left
+        if state is None:  # put the tokenizer files back; clear what a killed run left
             complete(out_dir, tokenizer_files)
             return print(f"{out_dir} is already complete with these arguments; nothing to do")
 
@@ -253,7 +251,7 @@ def run(argv):
             raise UserError(f"the dataset {source} is empty; point --data at text")
         if pending and pending[0] == 0 and len(pending[1]) < 2:  # none left for val
             raise UserError(f"the dataset {source} is a single token: too little")
-        if pending:  # (else: a resumed run whose shards were all finished)
+        if pending:  # (else: a resumed run had finished all its shards)
             route(*pending, is_last=True)
             shards.finish(pending[0] + 1, 0)
         tokens = state["tokens"]
@@ -263,9 +261,9 @@ def run(argv):
         complete(out_dir, tokenizer_files, {key: state[key] for key in state if key != "resume"})
 
     warn(args, state, bytes_read, bytes_kept)
-    tokens, shard_names = state["tokens"], state["shards"]
-    print(f"wrote {out_dir}: {tokens['train']:,} train tokens in {len(shard_names['train'])} "
-          f"shards, {tokens['val']:,} val tokens in {len(shard_names['val'])}, {state['dtype']}, "
+    names = state["shards"]
+    print(f"wrote {out_dir}: {tokens['train']:,} train tokens in {len(names['train'])} "
+          f"shards, {tokens['val']:,} val tokens in {len(names['val'])}, {state['dtype']}, "
           f"from {state['resume']['document']:,} documents")
     tokens_per_second = (total - start_total) / max(t2 - t1, 1e-9)
     print(f"tokenizing {t2 - t1:.2f}s ({tokens_per_second:,.0f} tokens/s) | total {t2 - t0:.2f}s")
@@ -273,8 +271,7 @@ def run(argv):
         print(f"then, all {N} parts done: --merge {N}")
 
 
-# === plumbing: the command line, its checks, the warnings. A first read skips each plumbing block,
-# to the next # === line
+# === plumbing: the command line, its checks, the warnings (a first read skips to the next # ===)
 class UserError(Exception):
     """A mistake in the input: printed as one line, never as a traceback."""
 
@@ -293,7 +290,7 @@ def parse_args(argv):
         parser.add_argument(f"--{name}", type=int, default=default, help=f"{meaning} ({default})")
     args = parser.parse_args(argv)
     if args.tokenizer is None:
-        raise UserError("--tokenizer is required: a BPE directory, a tiktoken name (gpt2) or char")
+        raise UserError("--tokenizer is required: a BPE directory, a tiktoken name or char")
     for flag, value in vars(args).items():
         if isinstance(value, int) and value <= 0:
             raise UserError(f"--{flag} {value}: must be a positive number")
@@ -338,19 +335,19 @@ def warn(args, state, bytes_read, bytes_kept):
 
 # === plumbing: the tokenizer and its checks
 def load_tokenizer(name):
-    """--tokenizer -> (tiktoken's encoder, None at char level; meta.json's entry; its files)."""
-    if name == "char":  # the vocabulary comes later, from the data
+    """--tokenizer -> (tiktoken's encoder, None at char level; meta.json's entry; its files)"""
+    if name == "char":  # the vocabulary comes from the data, later
         return None, {"kind": "char"}, {}
-    if not Path(name).exists():  # a tiktoken name
+    if not Path(name).exists():
         if name not in tiktoken.list_encoding_names():
             raise UserError(f"--tokenizer {name}: no such directory, and not a tiktoken encoding "
                             f"({', '.join(tiktoken.list_encoding_names())}) or char")
-        try:  # the first use downloads the ranks (a few MB) and caches them
+        try:  # the first use downloads and caches the ranks (a few MB)
             return tiktoken.get_encoding(name), {"kind": "tiktoken", "name": name}, {}
-        except Exception as error:  # requests' connection errors and friends
+        except Exception as error:  # requests' connection errors, say
             raise UserError(f"--tokenizer {name}: tiktoken could not download its ranks "
                             f"({type(error).__name__}); it needs internet once")
-    try:  # a directory from train_bpe_*.py, checked here once
+    try:  # a directory from train_bpe_*.py
         files = {f: read_bounded(Path(name, f)) for f in ("tokenizer.tiktoken", "tokenizer.json")}
         info = json.loads(files["tokenizer.json"])
         lines = [line.split() for line in files["tokenizer.tiktoken"].splitlines() if line.strip()]
@@ -368,7 +365,7 @@ def load_tokenizer(name):
             problem = next((message for failed, message in checks if failed), None)
     except FileNotFoundError as error:
         problem = f"{Path(error.filename).name} is missing"
-    except Exception as error:  # not JSON, not base64, no "pattern", ...: Python's words, one line
+    except Exception as error:  # not JSON, not base64, no "pattern": Python's words, one line
         problem = f"it can't be read ({type(error).__name__}: {error})".splitlines()[0]
     if problem is not None:
         raise UserError(f"--tokenizer {name}: {problem}; use one from train_bpe_cpu.py")
@@ -391,7 +388,7 @@ def tokenizer_problem(ranks, special_tokens):
     return None
 
 
-def token_byte_lengths(encoder):  # each id's bytes; 0 for special tokens, never text in the shards
+def token_byte_lengths(encoder):  # each id's bytes; 0 for special tokens (never text here)
     lengths = np.zeros(encoder.n_vocab, np.int64)
     for token in encoder.token_byte_values():
         lengths[encoder.encode_single_token(token)] = len(token)
@@ -400,7 +397,7 @@ def token_byte_lengths(encoder):  # each id's bytes; 0 for special tokens, never
 
 # === plumbing: resuming, and the lock on --out
 def run_args(args, source, tokenizer_meta):  # what decides the shards: a rerun with others refuses
-    files = None  # a local source is known by its files: a rerun on edited ones must not resume
+    files = None  # a local source is known by its files: edited ones must not resume
     if (args.data or data) not in HUB_DATASETS:
         files = [[str(p), p.stat().st_size, p.stat().st_mtime_ns] for p in local_files(args.data)]
     return {"source": source, "tokenizer": tokenizer_meta, "num_chars": args.num_chars,
@@ -410,15 +407,15 @@ def run_args(args, source, tokenizer_meta):  # what decides the shards: a rerun 
 
 
 def resume_state(out_dir, state, encoder):
-    """The new dataset's `state`; None for one already complete; or the state that a killed run
-    saved, if the same settings made it and its finished shards are whole."""
+    """`state` for a new dataset; None for a complete one; or a killed run's state, if the same
+    settings made it and its finished shards are whole."""
     saved_path = next((path for path in [out_dir / "meta.json", out_dir / "progress.json"]
                        if path.exists()), None)
     if saved_path is None:
         if any(not path.name.endswith(".tmp") for path in out_dir.iterdir()):
             raise UserError(f"--out {out_dir} is not empty and was not made by prepare_data.py")
         return state
-    vocabulary = {}  # the tokenizer's ids decide the shards too; at char level, the data's (later)
+    vocabulary = {}  # the tokenizer's ids decide the shards too (at char level, the data's)
     if encoder is not None:
         vocabulary = {"vocab_size": encoder.n_vocab, "eot_token": encoder.eot_token}
     start_over = f"delete {out_dir} to start over"
@@ -457,7 +454,7 @@ def damaged_shard(out_dir, saved, shard_size):  # a shard missing or cut, or Non
     for split, names in saved["shards"].items():
         for k, name in enumerate(names):
             path = out_dir / name
-            try:  # (a name with a directory in it is no shard of ours)
+            try:  # (a name with a directory in it is no shard)
                 length = len(np.load(path, mmap_mode="r")) if path.parent == out_dir else -1
             except (OSError, ValueError, EOFError):
                 length = -1
@@ -480,13 +477,12 @@ def merge_parts(out_dir, count, now, encoder, tokenizer_files):
     missing = [path.name for path in parts if not (path / "meta.json").exists()]
     if missing:
         raise UserError(f"--merge {count}: {', '.join(missing)} missing or unfinished; run them")
-    for k, path in enumerate(parts):  # these settings, shards whole (their headers): or one line
+    for k, path in enumerate(parts):  # these settings, shards whole: or one error line
         resume_state(path, {"args": {**now, "part": [k, count]}}, encoder)
     metas = [json.loads(read_bounded(path / "meta.json")) for path in parts]
     tokens = {split: sum(meta["tokens"][split] for meta in metas) for split in ("val", "train")}
     merged = {**metas[0], "args": {**now, "part": count}, "shards": {"val": [], "train": []},
-              "tokens": tokens,
-              "num_chars": sum(m["num_chars"] for m in metas),
+              "tokens": tokens, "num_chars": sum(m["num_chars"] for m in metas),
               "max_token_id": max(m["max_token_id"] for m in metas)}
     with writing_to(out_dir):
         (out_dir / "meta.json").unlink(missing_ok=True)  # complete again once it is back
@@ -504,7 +500,7 @@ def merge_parts(out_dir, count, now, encoder, tokenizer_files):
 
 @contextmanager
 def writing_to(out_dir):
-    """Make out_dir if need be and lock it; a failed run removes the empty directories it made."""
+    """Make out_dir and lock it; a failed run removes the empty directories it made."""
     paths = [out_dir, *out_dir.parents]
     for path in paths:
         if path.exists() and not path.is_dir():
@@ -578,7 +574,7 @@ def stdlib_documents(budget=None):  # the offline corpus: real code and prose, o
     return (file.read_text("utf-8", "replace") for file in files)
 
 def datasets_texts(where, **load):  # the rows' "text", streamed
-    import datasets  # here: it takes seconds, and .txt and .jsonl never need it
+    import datasets  # here: it takes seconds, and local files never need it
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its errors reach the user as ours
     try:
         rows = datasets.load_dataset(split="train", streaming=True, **load)
@@ -586,12 +582,12 @@ def datasets_texts(where, **load):  # the rows' "text", streamed
             if not isinstance(row.get("text"), str):
                 raise ValueError(f'row {number} has no string "text": {row!r:.50}')
             yield row["text"]
-    except Exception as error:  # a bad row, no such dataset, a corrupt file, a lost connection
+    except Exception as error:  # a bad row, no such dataset, a corrupt file, a lost link
         reason = f"{type(error).__name__}: {error}".splitlines()[0]
         raise UserError(f"can't read {where} ({reason}); check it, or use other files")
 
-def local_files(data):  # the file, or a directory's files in sorted order; regular files only, as
-    path = Path(data)  # a named pipe would wait for a writer forever
+def local_files(data):  # the file, or a directory's files, sorted; regular files only (a pipe
+    path = Path(data)  # would wait for a writer forever)
     files = sorted(path.rglob("*")) if path.is_dir() else [path]
     files = [file for file in files if file.suffix in LOCAL_SUFFIXES and file.is_file()]
     if not files:
@@ -658,7 +654,7 @@ def read_jsonl(path, start, end):  # the "text" of each line starting in bytes [
 class BadUTF8:  # invalid UTF-8 and lone surrogates: each read as U+FFFD, and counted
     count = 0
 
-    def replace(error):  # a codec error handler: what errors="replace" does, counted
+    def replace(error):  # a codec error handler: errors="replace", counted
         BadUTF8.count += 1
         return "\ufffd", error.end
 
@@ -687,5 +683,5 @@ if __name__ == "__main__":
         sys.exit(143 if str(stop) else 130)
     except UserError as error:
         sys.exit(f"error: {error}")  # printed to stderr, exit status 1
-    except OSError as error:  # a full disk, a lost mount: the finished shards are safe
+    except OSError as error:  # a full disk, a lost mount: finished shards are safe
         sys.exit(f"error: {error}; fix it and run the same command again to resume")

@@ -12,27 +12,15 @@ and writes tokenizers/<source>_v<vocab_size>/tokenizer.tiktoken (tiktoken's rank
 tokenizer.json (pattern and special tokens), which the README loads into tiktoken.
 """
 
-import argparse
-import atexit
-import base64
-import codecs
-import fcntl
-import heapq
-import json
-import os
-import signal
-import socket
-import sys
-import sysconfig
-import time
-import urllib.parse
+import argparse, atexit, base64, codecs, fcntl, heapq, json, os, signal, socket, sys, sysconfig
+import time, urllib.parse
 from collections import Counter, defaultdict
 from pathlib import Path
 
 import regex
 from tqdm import tqdm
 
-# -----------------------------------------------------------------------------
+# ---
 # defaults, each overridable from the command line
 vocab_size = 1000  # 256 byte tokens + merges; <|endoftext|> gets the next id
 num_chars = 1048576  # train on the first 2^20 characters
@@ -42,10 +30,10 @@ out = None  # output directory; default tokenizers/<source>_v<vocab_size>
 # runs, and whitespace, so that merges never glue a word to the punctuation or the space after it.
 pattern = r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]++[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+"""
 EOT = "<|endoftext|>"
-# -----------------------------------------------------------------------------
+# ---
 
 
-# ---------------------------------------------------------------- step 1: count distinct chunks
+# --- step 1: count distinct chunks
 # A million words hold only tens of thousands of distinct ones: on enwiki, 9x fewer distinct chunks
 # than chunks at 2^20 characters, 24x at 2^24 (the README), and all later work shrinks with them.
 
@@ -60,7 +48,7 @@ def count_chunks(documents, split_pattern, num_chars):
     return chunk_counts, chars_read
 
 
-# ---------------------------------------------------------------- step 2: count pairs
+# --- step 2: count pairs
 # The distinct chunks live in one flat list of token ids, as linked lists: next_pos[i] is the
 # position of the token after i in its chunk (-1 at its end), prev_pos[i] the one before. Merging
 # the pair at i is then O(1): i takes the new id and the right token is unlinked, nothing shifts.
@@ -89,7 +77,7 @@ def count_pairs(ids, next_pos, weight):
     return pair_counts, pair_positions
 
 
-# ---------------------------------------------------------------- step 3: the merge loop
+# --- step 3: the merge loop
 
 def merge_pair(pair, new_id, ids, prev_pos, next_pos, weight, pair_counts, pair_positions):
     """Replace each occurrence of `pair` by `new_id`, left to right, and update the pair counts.
@@ -156,7 +144,7 @@ def train(chunk_counts, vocab_size):
     return merges, total_tokens
 
 
-# ---------------------------------------------------------------- output
+# --- output
 
 def vocab_bytes(merges):
     """Every token's bytes, in rank order: 0-255 are the bytes, a merge is its two halves glued."""
@@ -168,7 +156,7 @@ def vocab_bytes(merges):
 
 def save_tokenizer(out_dir, merges, info):
     """tiktoken's rank file (each token's bytes in base64, and its rank) and `info` as
-    tokenizer.json, each written to a .tmp, then renamed: never half a file."""
+    tokenizer.json, each via a .tmp: never half a file."""
     ranks = "".join(f"{base64.b64encode(token).decode()} {rank}\n"
                     for rank, token in enumerate(vocab_bytes(merges)))
     settings = json.dumps(info, indent=2, ensure_ascii=False) + "\n"
@@ -177,7 +165,7 @@ def save_tokenizer(out_dir, merges, info):
         os.replace(out_dir / f"{name}.tmp", out_dir / name)
 
 
-# ---------------------------------------------------------------- the run
+# --- the run
 
 def run(argv):
     args = parse_args(argv)
@@ -299,14 +287,14 @@ def check_out_dir(out_dir):
                             "give a directory path")
     ours = {"tokenizer.tiktoken", "tokenizer.json", "tokenizer.tiktoken.tmp", "tokenizer.json.tmp"}
     others = sorted(set(os.listdir(out_dir)) - ours) if out_dir.is_dir() else []
-    if others:  # a dataset from prepare_data.py, say: its tokenizer files would be overwritten
+    if others:  # a dataset from prepare_data.py, say: don't overwrite its tokenizer
         dataset = {"meta.json", "progress.json"} & set(others)
         what = "a dataset directory" if dataset else "not a tokenizer directory"
         raise UserError(f"--out {out_dir} is {what} (it holds {others[0]}); "
                         "give a new or a tokenizer directory")
     made = [path for path in [out_dir, *out_dir.parents] if not path.exists()]
 
-    def remove_made():  # deepest first; rmdir refuses a directory with files, as a finished run's
+    def remove_made():  # deepest first; rmdir refuses a directory with files (a finished run)
         for path in made:
             try:
                 path.rmdir()
@@ -317,7 +305,7 @@ def check_out_dir(out_dir):
         out_dir.mkdir(parents=True, exist_ok=True)
         descriptor = lock_directory(out_dir)
         atexit.register(remove_made)  # a failed run leaves nothing; only the lock's holder removes
-        # a probe, the one sure test (root passes os.access even on /proc), under a name of ours
+        # a probe, the one sure test (root passes os.access even on /proc), by a name of ours
         (out_dir / "tokenizer.json.tmp").write_text("")
         (out_dir / "tokenizer.json.tmp").unlink()
     except OSError as error:
@@ -382,7 +370,7 @@ def stdlib_documents(budget=None):  # the offline corpus: real code and prose, o
     return (file.read_text("utf-8", "replace") for file in files)
 
 def datasets_texts(where, **load):  # the rows' "text", streamed
-    import datasets  # here: it takes seconds, and .txt and .jsonl never need it
+    import datasets  # here: it takes seconds, and local files never need it
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its errors reach the user as ours
     try:
         rows = datasets.load_dataset(split="train", streaming=True, **load)
@@ -390,12 +378,12 @@ def datasets_texts(where, **load):  # the rows' "text", streamed
             if not isinstance(row.get("text"), str):
                 raise ValueError(f'row {number} has no string "text": {row!r:.50}')
             yield row["text"]
-    except Exception as error:  # a bad row, no such dataset, a corrupt file, a lost connection
+    except Exception as error:  # a bad row, no such dataset, a corrupt file, a lost link
         reason = f"{type(error).__name__}: {error}".splitlines()[0]
         raise UserError(f"can't read {where} ({reason}); check it, or use other files")
 
-def local_files(data):  # the file, or a directory's files in sorted order; regular files only, as
-    path = Path(data)  # a named pipe would wait for a writer forever
+def local_files(data):  # the file, or a directory's files, sorted; regular files only (a pipe
+    path = Path(data)  # would wait for a writer forever)
     files = sorted(path.rglob("*")) if path.is_dir() else [path]
     files = [file for file in files if file.suffix in LOCAL_SUFFIXES and file.is_file()]
     if not files:
@@ -447,7 +435,7 @@ def read_jsonl(path):  # the "text" of each line
 class BadUTF8:  # invalid UTF-8 and lone surrogates: each read as U+FFFD, and counted
     count = 0
 
-    def replace(error):  # a codec error handler: what errors="replace" does, counted
+    def replace(error):  # a codec error handler: errors="replace", counted
         BadUTF8.count += 1
         return "\ufffd", error.end
 

@@ -12,21 +12,8 @@ small Triton kernels, one per step; the host launches them (on CUDA, 16 merges a
 and reads once per 16 merges: "done?".
 """
 
-import argparse
-import atexit
-import base64
-import codecs
-import fcntl
-import json
-import multiprocessing
-import os
-import queue
-import resource
-import signal
-import socket
-import sys
-import sysconfig
-import time
+import argparse, atexit, base64, codecs, fcntl, json, multiprocessing, os, queue, resource, signal
+import socket, sys, sysconfig, time
 import urllib.parse
 from collections import Counter
 from pathlib import Path
@@ -70,10 +57,10 @@ EOT = "<|endoftext|>"
 INTERPRETER_SHAPE = dict(programs=1, block=1024, rows=64, choose_block=1024, key_block=16)
 ROUNDS_PER_READ = 16  # rounds (a merge's four kernels) per host read of "done"
 PARALLEL_CHARS = 1 << 24  # from this many characters on, all cores pre-tokenize (below: one)
-# -----------------------------------------------------------------------------
+# ---
 
 
-# -------------------------------------------------------- the lesson: one BPE merge as four steps
+# --- the lesson: one BPE merge as four steps
 # The distinct chunks lie in flat arrays, one slot per byte (a "position"), as in train_bpe_cpu.py:
 #   tokens[p]      the token at p; DEAD once merged away; -1 on the spare slots END and END+1
 #                  (END is real: a lane may read the token after any position unmasked)
@@ -262,8 +249,7 @@ def apply_merges(state, list_buffer, scratch, list_start, list_len, tokens, next
         tl.store(prev_pos + after, p, mask=has_y & ~after_merged)
         tl.store(prev_pos + p, tl.load(prev_pos + before, mask=before_merged, other=END),
                  mask=before_merged)
-        # a, b and new are scalars, broadcast by adding a zero block; int64, as row * V + col
-        # passes 2^31 at V = 65534
+        # a, b and new are scalars, broadcast by adding a zero block; int64: row * V + col > 2^31
         x, y, y_new = x.to(tl.int64), y.to(tl.int64), y_new.to(tl.int64)
         zero = 0 * x
         lose_pair(state, counts, row_key, dirty_flag, dirty_rows, V, a + zero, b + zero, w, merged)
@@ -325,8 +311,7 @@ def refresh_rows(state, list_buffer, scratch, list_len, counts, fresh_key, dirty
         col = (item % slices) * BLOCK + tl.arange(0, BLOCK)
         inside = (i < dirty)[:, None] & (col < columns)[None, :]
         count = tl.load(counts + row[:, None] * V + col[None, :], mask=inside, other=0)
-        # the item's largest count and first column, as a key; int64 only for the key: half the
-        # registers of a wide item
+        # the item's largest count and first column as a key; int64 only for it: half the registers
         most = tl.max(count, axis=1)
         first_col = tl.min(tl.where(count == most[:, None], col[None, :], columns), axis=1)
         key = tl.where(most > 0, (most.to(tl.int64) << ID_BITS) | (LOW - first_col), 0)
@@ -457,21 +442,20 @@ def merges_done(state):
 
 
 # === plumbing: pre-tokenizing on every core, the same in both GPU trainers (counting chunks is
-# train_bpe_cpu.py's lesson). The regex is the slow part, and holds the GIL: the parent reads the
-# documents, worker processes count batches of them, in any order (BPE depends only on the multiset
-# of chunks), then add up together: worker i sums the chunks with hash(chunk) % workers == i, sent
-# by all (forked, they hash alike), and the parent only joins disjoint sums (adding Counters, ~0.5
-# us a chunk, in the parent alone would grow with the cores). A CPU-time alarm per document, as in
-# train_bpe_cpu.py's split_in_time, turns a pattern that backtracks catastrophically into one line.
+# train_bpe_cpu.py's lesson). The regex is the slow part, and holds the GIL: worker processes count
+# batches of the parent's documents, in any order (BPE depends only on the multiset of chunks), then
+# worker i sums the chunks with hash(chunk) % workers == i, sent by all (forked, they hash alike);
+# the parent only joins disjoint sums (adding Counters, ~0.5 us a chunk, there alone would not scale
+# with the cores). A CPU-time alarm per document, as in train_bpe_cpu.py's split_in_time, turns a
+# pattern that backtracks catastrophically into one line.
 BATCH_CHARS = 1 << 20  # characters of documents per batch sent to a pre-tokenizing worker
-# A longer document (a .txt file) is cut into pieces only where the split pattern can't match
-# across, so that the pieces' chunks are the document's: for GPT-4's pattern, just before a line
-# break (\r or \n) after a letter or digit X. No match holds both X and the break: letter and digit
-# runs stop at it, and the alternatives that take a break need whitespace (\s*[\r\n]) or punctuation
-# (` ?[^\s\p{L}\p{N}]++[\r\n]*`) before it ("end.\n" is one chunk: a cut after punctuation, or a
-# combining mark, would be wrong). Each match begun before the break stops there as at the text's
-# end, and with no lookbehind or anchor, the ones after it see nothing before it. Any other
-# --pattern is never cut: where it can match across, this file can't know.
+# A longer document (a .txt file) is cut only where the split pattern can't match across, so the
+# pieces' chunks are the document's: for GPT-4's pattern, just before a line break (\r or \n) after
+# a letter or digit X. No match holds both: letter and digit runs stop at the break, and the
+# alternatives that take a break need whitespace (\s*[\r\n]) or punctuation before it
+# (` ?[^\s\p{L}\p{N}]++[\r\n]*`: "end.\n" is one chunk, so a cut after punctuation, or a combining
+# mark, would be wrong). A match begun before the break stops there as at the text's end; with no
+# lookbehind or anchor, those after it see nothing before it. No other --pattern is ever cut.
 SAFE_CUTS = {pattern: regex.compile(r"[\p{L}\p{N}](?=[\r\n])")}  # the cut: the match's end
 
 
@@ -583,8 +567,7 @@ def count_chunks(documents, budget, pattern_text, workers, label):
                 # disjoint sums: joining them, in C, is all that is left
                 dict.update(chunk_counts, chunk_sums)
     finally:
-        # After an error, a batch may still be on its way into a pipe no worker reads: at exit,
-        # Python would wait for it forever.
+        # after an error, a batch may sit in a pipe no worker reads: exit would wait for it forever
         batches.cancel_join_thread()
         for process in processes:
             process.kill()
@@ -619,7 +602,7 @@ def vocab_bytes(merges):
 
 def save_tokenizer(out_dir, merges, info):
     """tiktoken's rank file (each token's bytes in base64, and its rank) and `info` as
-    tokenizer.json, each written to a .tmp, then renamed: never half a file."""
+    tokenizer.json, each via a .tmp: never half a file."""
     ranks = "".join(f"{base64.b64encode(token).decode()} {rank}\n"
                     for rank, token in enumerate(vocab_bytes(merges)))
     settings = json.dumps(info, indent=2, ensure_ascii=False) + "\n"
@@ -644,14 +627,14 @@ def check_out_dir(out_dir):
                             "give a directory path")
     ours = {"tokenizer.tiktoken", "tokenizer.json", "tokenizer.tiktoken.tmp", "tokenizer.json.tmp"}
     others = sorted(set(os.listdir(out_dir)) - ours) if out_dir.is_dir() else []
-    if others:  # a dataset from prepare_data.py, say: its tokenizer files would be overwritten
+    if others:  # a dataset from prepare_data.py, say: don't overwrite its tokenizer
         dataset = {"meta.json", "progress.json"} & set(others)
         what = "a dataset directory" if dataset else "not a tokenizer directory"
         raise UserError(f"--out {out_dir} is {what} (it holds {others[0]}); "
                         "give a new or a tokenizer directory")
     made = [path for path in [out_dir, *out_dir.parents] if not path.exists()]
 
-    def remove_made():  # deepest first; rmdir refuses a directory with files, as a finished run's
+    def remove_made():  # deepest first; rmdir refuses a directory with files (a finished run)
         for path in made:
             try:
                 path.rmdir()
@@ -662,7 +645,7 @@ def check_out_dir(out_dir):
         out_dir.mkdir(parents=True, exist_ok=True)
         descriptor = lock_directory(out_dir)
         atexit.register(remove_made)  # a failed run leaves nothing; only the lock's holder removes
-        # a probe, the one sure test (root passes os.access even on /proc), under a name of ours
+        # a probe, the one sure test (root passes os.access even on /proc), by a name of ours
         (out_dir / "tokenizer.json.tmp").write_text("")
         (out_dir / "tokenizer.json.tmp").unlink()
     except OSError as error:
@@ -713,7 +696,7 @@ def validate(args):
         (kind == "cuda" and gpus == 0,
          f"--device {chosen}: no CUDA GPU here; --device cpu runs the kernels in Triton's "
          "interpreter (slow, for tests), or use train_bpe_cpu.py"),
-        (kind == "cuda" and gpus > 0 and index is not None and index >= gpus,
+        (kind == "cuda" and index is not None and index >= gpus,
          f"--device {chosen}: this machine has {gpus} CUDA GPU(s), cuda:0 to cuda:{gpus - 1}"),
         # the environment variable counts when triton is imported
         ((kind == "cpu") != bool(triton.knobs.runtime.interpret),
@@ -874,7 +857,7 @@ def stdlib_documents(budget=None):  # the offline corpus: real code and prose, o
     return (file.read_text("utf-8", "replace") for file in files)
 
 def datasets_texts(where, **load):  # the rows' "text", streamed
-    import datasets  # here: it takes seconds, and .txt and .jsonl never need it
+    import datasets  # here: it takes seconds, and local files never need it
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its errors reach the user as ours
     try:
         rows = datasets.load_dataset(split="train", streaming=True, **load)
@@ -882,12 +865,12 @@ def datasets_texts(where, **load):  # the rows' "text", streamed
             if not isinstance(row.get("text"), str):
                 raise ValueError(f'row {number} has no string "text": {row!r:.50}')
             yield row["text"]
-    except Exception as error:  # a bad row, no such dataset, a corrupt file, a lost connection
+    except Exception as error:  # a bad row, no such dataset, a corrupt file, a lost link
         reason = f"{type(error).__name__}: {error}".splitlines()[0]
         raise UserError(f"can't read {where} ({reason}); check it, or use other files")
 
-def local_files(data):  # the file, or a directory's files in sorted order; regular files only, as
-    path = Path(data)  # a named pipe would wait for a writer forever
+def local_files(data):  # the file, or a directory's files, sorted; regular files only (a pipe
+    path = Path(data)  # would wait for a writer forever)
     files = sorted(path.rglob("*")) if path.is_dir() else [path]
     files = [file for file in files if file.suffix in LOCAL_SUFFIXES and file.is_file()]
     if not files:
@@ -939,7 +922,7 @@ def read_jsonl(path):  # the "text" of each line
 class BadUTF8:  # invalid UTF-8 and lone surrogates: each read as U+FFFD, and counted
     count = 0
 
-    def replace(error):  # a codec error handler: what errors="replace" does, counted
+    def replace(error):  # a codec error handler: errors="replace", counted
         BadUTF8.count += 1
         return "\ufffd", error.end
 

@@ -16,25 +16,8 @@ on every rank. Read train_bpe_gpu.py first: this file teaches what changes on W 
 (gloo) runs the kernels in Triton's interpreter: exact, slow, for tests.
 """
 
-import argparse
-import atexit
-import base64
-import codecs
-import contextlib
-import datetime
-import fcntl
-import hashlib
-import io
-import json
-import multiprocessing
-import os
-import queue
-import resource
-import signal
-import socket
-import sys
-import sysconfig
-import time
+import argparse, atexit, base64, codecs, contextlib, datetime, fcntl, hashlib, io, json
+import multiprocessing, os, queue, resource, signal, socket, sys, sysconfig, time
 import urllib.parse
 from collections import Counter
 from itertools import accumulate
@@ -87,7 +70,7 @@ MERGES_PER_READ = 16  # merges launched per host read of the "done" flag
 MAX_POSITIONS = 2**31 - 2  # positions are int32: a rank's distinct chunks' bytes + 2 spare slots
 PARALLEL_CHARS = 1 << 24  # from a part this long on, the rank's cores pre-tokenize (below: one)
 BATCH_CHARS = 1 << 20  # characters of documents per batch sent to a pre-tokenizing worker
-# -----------------------------------------------------------------------------
+# ---
 
 
 class UserError(Exception):
@@ -471,14 +454,14 @@ def merge_on_device(arrays, vocab_size, total_pairs, device, show_progress):
 
 
 # === this rank's part of the text
-# Local files are laid end to end, and rank r gets bytes [r S / W, (r + 1) S / W). A document (a
-# .jsonl line, a .txt file, a parquet row group, placed at its share of the file's bytes) belongs
-# to the range that holds its first byte: one rank reads it whole, seeking straight to its range.
+# Local files lie end to end; rank r gets bytes [r S / W, (r + 1) S / W). A document (a .jsonl line,
+# a .txt file, a parquet row group, placed at its share of the file's bytes) belongs to the range
+# holding its first byte: one rank reads it whole, seeking straight to its range.
 
 
 def rank_documents(name, files, budget):
-    """This rank's documents (a generator: nothing is read yet), and the byte range of its part
-    (None from the Hub, whose stream `datasets` splits)."""
+    """This rank's documents (a generator: nothing is read yet) and its part's byte range (None
+    from the Hub, whose stream `datasets` splits)."""
     if not files:
         repository, config = HUB_DATASETS[name]
         return datasets_texts(repository, node=(RANK, WORLD), path=repository, name=config), None
@@ -528,7 +511,7 @@ def run(argv):
 
     # --- the process group. Its timeout bounds each wait for the others, in joining (each counts
     # its part first) and in every collective: a hung rank becomes an error on the others (a dead
-    # one sooner: its sockets close). On NCCL, its watchdog ends the process.
+    # one sooner: its sockets close); on NCCL, its watchdog ends the process.
     if args.device == "cuda":
         torch.cuda.set_device(LOCAL_RANK)
     # small ops: waking OpenMP threads for each costs more than it saves
@@ -541,8 +524,7 @@ def run(argv):
     dist.init_process_group("nccl" if args.device == "cuda" else "gloo",
                             timeout=datetime.timedelta(seconds=args.timeout), **group_options)
     say(f"{WORLD} rank(s), backend {dist.get_backend()}, device {args.device}")
-    # A reading error happens on one rank (whose part holds the bad line): shared, every rank stops
-    # together, and rank 0 says it.
+    # a reading error is one rank's (its part holds the bad line): shared, all stop, rank 0 says it
     rank_stats = [None] * WORLD
     dist.all_gather_object(rank_stats, error or {**cached[3], "cache": cache_status,
                                                  "memory": device_memory(args.device)})
@@ -555,7 +537,7 @@ def run(argv):
     cache_statuses = [stats["cache"] for stats in rank_stats]
     t1 = time.time()
     check_text(args, source, total, chars, cache_statuses, prefix)
-    # no count exceeds the total: int32 below 2^31 pairs, else int64 (twice what validate() checked)
+    # no count exceeds the total: int32 below 2^31 pairs, else int64 (twice validate()'s check)
     count_dtype = np.dtype(np.int32 if total["total_pairs"] < 2**31 else np.int64)
     check_count_rows(args.vocab_size, count_dtype.itemsize,
                      min(stats["memory"] for stats in rank_stats), args.device)
@@ -718,8 +700,7 @@ def count_chunks(documents, budget, pattern_text, workers, label):
                 # disjoint sums: joining them, in C, is all that is left
                 dict.update(chunk_counts, chunk_sums)
     finally:
-        # After an error, a batch may still be on its way into a pipe no worker reads: at exit,
-        # Python would wait for it forever.
+        # after an error, a batch may sit in a pipe no worker reads: exit would wait for it forever
         batches.cancel_join_thread()
         for process in processes:
             process.kill()
@@ -743,8 +724,8 @@ def document_pieces(document, pattern_text):
 
 # === plumbing: the cache of counted chunks: a rerun with other -v skips reading and pre-tokenizing.
 # .npy files (no pickle: loading can't run code) hold this rank's distinct chunks of 2+ bytes, their
-# lengths and counts; the .json, written last, the statistics, what was read and a sha256 of it
-# all: a cache that fails it (or is half written) is counted again.
+# lengths and counts; the .json, written last, the statistics, what was read and a sha256 of all:
+# a cache that fails it (or is half written) is counted again.
 
 
 def count_part(args, source, files, documents, share, byte_range):
@@ -766,7 +747,7 @@ def count_part(args, source, files, documents, share, byte_range):
             _, cached = read_cache(prefix)
         except UserError as user_error:
             error = str(user_error)
-        # the cache's disk, or a file that went away while it was read
+        # the cache's disk, or a file gone while it was read
         except OSError as os_error:
             error = (f"{os_error.filename or prefix.parent}: {os_error.strerror or os_error}; "
                      "check it (--cache_dir says where the cache goes)")
@@ -878,7 +859,7 @@ def validate(args):
     with contextlib.redirect_stderr(io.StringIO()) if RANK else contextlib.nullcontext():
         source_name, source, files = find_source(args.data or data, args.data is not None)
     out_dir = Path(args.out or f"tokenizers/{source_name}_v{args.vocab_size}")
-    if RANK == 0:  # the one writer; its lock is held while this process lives
+    if RANK == 0:  # the one writer (check_out_dir returns its lock)
         check_out_dir(out_dir)
     return source, files, out_dir
 
@@ -937,7 +918,7 @@ def vocab_bytes(merges):
 
 def save_tokenizer(out_dir, merges, info):
     """tiktoken's rank file (each token's bytes in base64, and its rank) and `info` as
-    tokenizer.json, each written to a .tmp, then renamed: never half a file."""
+    tokenizer.json, each via a .tmp: never half a file."""
     ranks = "".join(f"{base64.b64encode(token).decode()} {rank}\n"
                     for rank, token in enumerate(vocab_bytes(merges)))
     settings = json.dumps(info, indent=2, ensure_ascii=False) + "\n"
@@ -955,14 +936,14 @@ def check_out_dir(out_dir):
                             "give a directory path")
     ours = {"tokenizer.tiktoken", "tokenizer.json", "tokenizer.tiktoken.tmp", "tokenizer.json.tmp"}
     others = sorted(set(os.listdir(out_dir)) - ours) if out_dir.is_dir() else []
-    if others:  # a dataset from prepare_data.py, say: its tokenizer files would be overwritten
+    if others:  # a dataset from prepare_data.py, say: don't overwrite its tokenizer
         dataset = {"meta.json", "progress.json"} & set(others)
         what = "a dataset directory" if dataset else "not a tokenizer directory"
         raise UserError(f"--out {out_dir} is {what} (it holds {others[0]}); "
                         "give a new or a tokenizer directory")
     made = [path for path in [out_dir, *out_dir.parents] if not path.exists()]
 
-    def remove_made():  # deepest first; rmdir refuses a directory with files, as a finished run's
+    def remove_made():  # deepest first; rmdir refuses a directory with files (a finished run)
         for path in made:
             try:
                 path.rmdir()
@@ -973,7 +954,7 @@ def check_out_dir(out_dir):
         out_dir.mkdir(parents=True, exist_ok=True)
         descriptor = lock_directory(out_dir)
         atexit.register(remove_made)  # a failed run leaves nothing; only the lock's holder removes
-        # a probe, the one sure test (root passes os.access even on /proc), under a name of ours
+        # a probe, the one sure test (root passes os.access even on /proc), by a name of ours
         (out_dir / "tokenizer.json.tmp").write_text("")
         (out_dir / "tokenizer.json.tmp").unlink()
     except OSError as error:
@@ -1041,8 +1022,8 @@ def datasets_texts(where, node, **load):  # rows' "text"; node=(rank, world_size
         reason = f"{type(error).__name__}: {error}".splitlines()[0]
         raise UserError(f"can't read {where} ({reason}); check it, or use other files")
 
-def local_files(data):  # the file, or a directory's files in sorted order; regular files only, as
-    path = Path(data)  # a named pipe would wait for a writer forever
+def local_files(data):  # the file, or a directory's files, sorted; regular files only (a pipe
+    path = Path(data)  # would wait for a writer forever)
     files = sorted(path.rglob("*")) if path.is_dir() else [path]
     files = [file for file in files if file.suffix in LOCAL_SUFFIXES and file.is_file()]
     if not files:
@@ -1098,7 +1079,7 @@ def read_jsonl(path, start, end):  # the "text" of each line starting in bytes [
 class BadUTF8:  # invalid UTF-8 and lone surrogates: each read as U+FFFD, and counted
     count = 0
 
-    def replace(error):  # a codec error handler: what errors="replace" does, counted
+    def replace(error):  # a codec error handler: errors="replace", counted
         BadUTF8.count += 1
         return "\ufffd", error.end
 
