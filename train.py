@@ -69,9 +69,8 @@ names = "SLURM_PROCID SLURM_NTASKS SLURM_LOCALID" if slurm else "RANK WORLD_SIZE
 rank, world_size, local_rank = [int(os.environ.get(n, d)) for n, d in zip(names.split(), (0, 1, 0))]
 ddp, master = world_size > 1, rank == 0  # only the master prints, logs and writes
 
-# === plumbing: errors, the command line, settings' checks. A first read skips each plumbing block,
-# to the next # === line
-import ast, difflib, importlib.util, re, sys
+# === plumbing: errors, the command line, settings' checks (a first read skips each plumbing block)
+import ast, difflib, importlib.util, re, signal, stat, sys
 
 class UserError(Exception):
     """A mistake in the input: printed as one line, never as a traceback."""
@@ -91,6 +90,7 @@ def lost_contact(error):
 def report(error_type, error, traceback):
     """sys.excepthook: a mistake (printed by the master), a second Ctrl-C or a lost rank is one line
     and exit status 1. A bug keeps its traceback."""
+    exit_on_ctrl_c(1)
     if issubclass(error_type, KeyboardInterrupt):
         error = "interrupted: stopped at once, without saving (one Ctrl-C saves first)"
     elif ddp and issubclass(error_type, RuntimeError) and re.search(
@@ -102,8 +102,21 @@ def report(error_type, error, traceback):
         print(f"error: {error}", file=sys.stderr, flush=True)
     else:
         time.sleep(3)  # torchrun must not stop the master before it has printed
+    if issubclass(error_type, KeyboardInterrupt):  # at once, with status 1
+        sys.stdout.flush()
+        os._exit(1)
 
 sys.excepthook = report
+
+def exit_on_ctrl_c(status):  # a Ctrl-C in Python's exit: no traceback
+    signal.signal(signal.SIGINT, lambda signum, frame: os._exit(status))
+
+def read_whole(path, limit):  # a device or FIFO may not end, a huge file fill memory
+    with open(os.open(path, os.O_RDONLY | os.O_NONBLOCK), "rb") as file:  # (a FIFO's open waits)
+        status = os.fstat(file.fileno())
+        if not stat.S_ISREG(status.st_mode) or status.st_size > limit:
+            raise UserError(f"{path}: not a regular file of at most {limit:,} bytes")
+        return file.read(limit)
 
 # the command line: a value must have its default's type; these settings take one more type
 extra_types = {"vocab_size": int, "total_batch_size": type(None), "n_kv_head": type(None),
@@ -124,6 +137,8 @@ def set_setting(source, key, value):
 
 presets = []
 for arg in sys.argv[1:]:
+    if re.search("[\udc80-\udcff]", arg):  # bytes not UTF-8 (escaped)
+        raise UserError(f"{os.fsencode(arg)}: not UTF-8 text")
     if arg in ("-h", "--help"):
         print(__doc__.strip() + "\n\nsettings and their defaults:")
         print("\n".join(f"  --{k}={v!r}" for k, v in defaults.items()))
@@ -145,7 +160,9 @@ for arg in sys.argv[1:]:
     else:
         namespace = {k: globals()[k] for k in defaults}
         try:
-            exec(open(arg).read(), namespace)
+            exec(read_whole(arg, 2**20), namespace)
+        except UserError:
+            raise
         except SystemExit as e:
             raise UserError(f"{arg}: the preset called sys.exit({e.code!r}): no training")
         except Exception as e:
@@ -200,10 +217,13 @@ if not os.path.exists(meta_path):
     raise UserError(f"no dataset at {dataset!r}: make it with `python prepare_data.py --data "
                     f"<source> --tokenizer <dir|gpt2|char> --out {dataset}`{hint}")
 try:  # its numbers must fit each other and the shards' dtype
-    meta = json.load(open(meta_path))
+    meta = json.loads(read_whole(meta_path, 2**26))
     kind, shard_names = meta["tokenizer"]["kind"], meta["shards"]["train"] + meta["shards"]["val"]
     id_limit = {"uint16": 2**16, "uint32": 2**32}[meta["dtype"]]
+    shard_size = dict(meta.get("args", {})).get("shard_size")  # None: an older meta.json
     meta_ok = (meta["version"] == 1 and type(meta["vocab_size"]) is type(meta["max_token_id"]) is int
+               and type(meta["tokens"]["train"]) is type(meta["tokens"]["val"]) is int
+               and type(shard_size or 0) is int
                and {"bpe": "sha256", "tiktoken": "name", "char": "kind"}[kind] in meta["tokenizer"]
                and -1 <= meta["max_token_id"] < meta["vocab_size"] <= id_limit
                and (kind != "char" or type(meta["chars"]) is list)
@@ -215,8 +235,8 @@ if not meta_ok:
                     f"{fix_dataset}")
 if kind == "bpe":  # prepare_data.py copies the tokenizer's files beside the shards
     try:
-        ranks_file = open(os.path.join(dataset, "tokenizer.tiktoken"), "rb").read()
-        info = json.load(open(os.path.join(dataset, "tokenizer.json")))
+        ranks_file = read_whole(os.path.join(dataset, "tokenizer.tiktoken"), 2**28)
+        info = json.loads(read_whole(os.path.join(dataset, "tokenizer.json"), 2**26))
         tokenizer = {"kind": "bpe", "ranks": ranks_file.decode(), "pattern": info["pattern"],
                      "special_tokens": info["special_tokens"]}
     except (OSError, ValueError, KeyError, TypeError) as e:
@@ -230,19 +250,26 @@ elif kind == "tiktoken":
 else:
     tokenizer = {"kind": "char", "chars": meta["chars"]}
 shard_sizes = {}
-for name in shard_names:
-    path = os.path.join(dataset, name)
-    if name != os.path.basename(name) or name in ("", ".", ".."):
-        raise UserError(f"{meta_path} names the shard {name!r}: only plain file names are allowed")
-    try:  # the header only: get_batch checks the ids it reads
-        tokens = np.load(path, mmap_mode="r")
-    except (OSError, ValueError) as e:
-        what = "unreadable" if os.path.exists(path) else "missing"
-        raise UserError(f"{path} is {what} ({type(e).__name__}: {str(e)[:80]}): {fix_dataset}")
-    if tokens.ndim != 1 or tokens.dtype != meta["dtype"]:
-        raise UserError(f"{path} holds a {tokens.ndim}-D array of {tokens.dtype}, not the 1-D "
-                        f"{meta['dtype']} ids of meta.json: {fix_dataset}")
-    shard_sizes[path] = len(tokens)
+for split in ("train", "val"):
+    done = 0
+    for k, name in enumerate(meta["shards"][split]):
+        path = os.path.join(dataset, name)
+        if name != os.path.basename(name) or name in ("", ".", ".."):
+            raise UserError(f"{meta_path} names the shard {name!r}: only plain file names are allowed")
+        try:  # the header only: get_batch checks the ids it reads
+            tokens = np.load(path, mmap_mode="r")
+        except (OSError, ValueError) as e:
+            what = "unreadable" if os.path.exists(path) else "missing"
+            raise UserError(f"{path} is {what} ({type(e).__name__}: {str(e)[:80]}): {fix_dataset}")
+        if tokens.ndim != 1 or tokens.dtype != meta["dtype"]:
+            raise UserError(f"{path} holds a {tokens.ndim}-D array of {tokens.dtype}, not the 1-D "
+                            f"{meta['dtype']} ids of meta.json: {fix_dataset}")
+        # shard k holds the split's tokens [k * shard_size, (k + 1) * shard_size)
+        expected = min(shard_size or math.inf, meta["tokens"][split] - done)
+        if (shard_size or k == len(meta["shards"][split]) - 1) and len(tokens) != expected:
+            raise UserError(f"{path} holds {len(tokens):,} tokens, meta.json {expected:,}: another "
+                            f"dataset's shard? {fix_dataset}")
+        shard_sizes[path], done = len(tokens), done + len(tokens)
 
 def check_ids(rows, path):
     # An id past the vocabulary would fail deep in the embedding (on a GPU, as a device assert).
@@ -268,8 +295,8 @@ def hub_problem(timeout=3.0):  # None, or why the Hub can't be used: in 3 s (`da
         return f"can't reach the Hugging Face Hub at {endpoint}"
 
 def hellaswag_examples(source):
-    """HellaSwag's validation set as (context, endings, label) triples, from the Hub or a .jsonl (ctx,
-    endings, label a line). None, after a note, if the Hub can't be reached: the run goes on."""
+    """HellaSwag's validation set as (context, endings, label) triples, from the Hub or a .jsonl;
+    None, after a note, if the Hub can't be reached."""
     if source == "hub":
         problem = hub_problem()
         if problem:  # offline, a copy in datasets' cache still serves
@@ -285,7 +312,7 @@ def hellaswag_examples(source):
                   "local copy")
         return None
     try:
-        lines = open(source, encoding="utf-8-sig").read().split("\n")  # JSON text may hold U+2028
+        lines = read_whole(source, 2**28).decode("utf-8-sig").split("\n")  # JSON may hold U+2028
     except (OSError, UnicodeDecodeError) as error:
         raise UserError(f"--hellaswag={source}: can't read it ({error}): give 'hub' or a .jsonl file")
     examples = []
@@ -387,6 +414,8 @@ def load_for_resume(path):
                         f"{dataset}'s ({meta['tokenizer']}): resume on its own dataset")
     if checkpoint["train_config"].get("muon", False) != muon:
         raise UserError(f"{path} was trained with muon={not muon}: resume with --muon={not muon}")
+    if checkpoint["train_config"].get("seed", seed) != seed and master:
+        print(f"note: seed={seed}, not the checkpoint's: other eval batches than best_val_loss's")
     return checkpoint, model
 
 if eval_only and init_from != "resume":
@@ -476,8 +505,14 @@ if master:
           f"{total_batch_size} = batch_size {batch_size} x block_size {block_size} x world_size "
           f"{world_size} x accumulation {grad_accum_steps}")
 
-# === plumbing: out_dir: writable, locked, not overwritten
+# === plumbing: out_dir: writable, locked, not overwritten; nothing to train
 import fcntl, glob, tempfile
+
+start_iter = checkpoint["iter_num"] if checkpoint else 0
+if max_iters <= start_iter and not eval_only:
+    if master:
+        print(f"nothing to train: the run starts at iter {start_iter}, max_iters={max_iters}")
+    sys.exit(0)
 
 def lock_directory(path):
     """One writer per directory: an OS lock on `path`, held while this process lives. The kernel
@@ -559,11 +594,9 @@ if checkpoint is not None:
         print(f"note: the checkpoint has {len(saved_states['data'])} data streams, this run "
               f"{num_slots}")
 
-# === plumbing: the ranks' HellaSwag; SIGTERM and Ctrl-C
+# === plumbing: the ranks' HellaSwag; SIGTERM and Ctrl-C; diverged()
 # A rank that couldn't load the examples would shrink every count. On SIGTERM (SLURM preemption,
 # torchrun stopping) or Ctrl-C the loop finishes the step or eval batch in flight, saves, stops.
-import signal
-
 if ddp and hellaswag_interval:
     sizes = torch.tensor([len(hellaswag_set or []), -len(hellaswag_set or [])], device=device)
     dist.all_reduce(sizes, op=dist.ReduceOp.MIN)
@@ -585,6 +618,11 @@ def request_stop(signum, frame):
 stop_signal = None  # the first stop signal's name
 signal.signal(signal.SIGTERM, request_stop)
 signal.signal(signal.SIGINT, request_stop)
+
+def diverged(what):  # only finite weights are saved
+    resume = f"; --init_from=resume goes on from {ckpt_path}" if os.path.exists(ckpt_path) else ""
+    return UserError(f"{what} at iter {iter_num}: training diverged, nothing saved. Lower "
+                     f"learning_rate, lengthen warmup_iters, keep grad_clip on, or avoid float16{resume}")
 
 # === the training loop. At the top of iteration iter_num, iter_num steps are done: the state
 # that a checkpoint holds
@@ -644,6 +682,8 @@ while True:
         model.train()
         train_loss, val_loss, stopped, examples, right_by_mean, right_by_sum = totals.tolist()
         train_loss, val_loss, stopping = train_loss / eval_iters, val_loss / eval_iters, stopped > 0
+        if not math.isfinite(train_loss + val_loss):
+            raise diverged(f"the eval loss is {train_loss + val_loss}")
         hellaswag_fields, hellaswag_text = {}, ""
         if examples:
             hellaswag_fields = {"hellaswag_acc": right_by_sum / examples, "hellaswag_examples":
@@ -676,6 +716,8 @@ while True:
 
     # checkpoints: every rank's random states are gathered; the master writes the file
     if save_paths:
+        if not all(torch.isfinite(p).all() for p in raw_model.parameters()):  # cheap next to a save
+            raise diverged("the weights are not finite")
         cuda_state = torch.cuda.get_rng_state() if device_type == "cuda" else None
         rank_states = {"rng": {"torch": torch.get_rng_state(), "cuda": cuda_state},
                        "data": [generator.get_state() for generator in train_generators]}
@@ -691,12 +733,9 @@ while True:
                     "scaler": scaler.state_dict() if scaler.is_enabled() else None,
                     "rng": {"ranks": [s["rng"] for s in all_states],
                             "data": [data for s in all_states for data in s["data"]]}})
-            except (OSError, RuntimeError) as e:  # torch's zip writer: a full disk is a RuntimeError
+            except OSError as e:
                 raise UserError(f"can't write {path} ({str(e).splitlines()[0][:60]}): no space "
                                 f"left? The last checkpoint is kept: make room, then resume")
-    if stopping and master:
-        print(f"stopped by {stop_signal or 'another rank'} after iter {iter_num}; {ckpt_path} "
-              f"saved: go on with --init_from=resume", flush=True)
     if stopping or last_iter:
         break
 
@@ -726,9 +765,7 @@ while True:
     step_loss_value, iter_num = loss_sum / world_size, iter_num + 1
     step_seconds.append(time.time() - step_start)
     if not math.isfinite(step_loss_value):
-        raise UserError(f"the loss is {step_loss_value} at iter {iter_num}: training diverged. "
-                        f"Lower learning_rate, lengthen warmup_iters, keep grad_clip on, or avoid "
-                        f"float16; --init_from=resume restarts from the last checkpoint")
+        raise diverged(f"the loss is {step_loss_value}")
     if iter_num % log_interval == 0:
         seconds = np.mean(step_seconds[-log_interval:])
         mfu = raw_model.estimate_mfu(batch_size * grad_accum_steps, seconds)
@@ -737,6 +774,12 @@ while True:
             f"eta {(max_iters - iter_num) * seconds / 60:.1f} min", iter=iter_num,
             loss=step_loss_value, lr=lr, ms_per_step=seconds * 1000,
             tokens_per_sec=total_batch_size / seconds, mfu=mfu)
+
+# === plumbing: the end: nothing left for a Ctrl-C to stop
+exit_on_ctrl_c(0)
+if stopping and master and not eval_only:
+    print(f"stopped by {stop_signal or 'another rank'} after iter {iter_num}; {ckpt_path} "
+          f"saved: go on with --init_from=resume", flush=True)
 if ddp:  # leave together: the others get here while the master still writes the last checkpoint
     dist.barrier()
     dist.destroy_process_group()

@@ -382,14 +382,55 @@ def test_sigterm_saves_whether_in_an_eval_or_a_step_and_nothing_is_overwritten(d
 
 
 def test_ctrl_c_twice_stops_at_once_in_one_line(dataset, tmp_path):
-    # Eval batches of 2048 x 128 tokens through 4 layers 64 wide take seconds: the second Ctrl-C comes before the
-    # first one's stop, which waits for the batch to end. (With 2 layers 32 wide, the first stop once finished
-    # before a loaded machine's test sent the second, which then hit the interpreter's shutdown.)
-    process = start_train(dataset, tmp_path / "out", "--max_iters=1000000", "--eval_iters=100000", "--batch_size=2048",
-                          "--block_size=128", "--n_layer=4", "--n_embd=64")
-    stdout, stderr = signal_when(process, ("model:", signal.SIGINT), ("SIGINT: finishing", signal.SIGINT))
-    assert_one_error_line(subprocess.CompletedProcess([], 1, stdout, stderr), "interrupted")
-    assert not (tmp_path / "out" / "ckpt.pt").exists()
+    # Eval batches of 2048 x 128 tokens through 4 layers 64 wide take seconds: the second Ctrl-C mostly comes before
+    # the first one's stop, which waits for the batch to end, and stops the run at once, unsaved. On a loaded machine
+    # the first stop may be over by then: the second then lands in Python's exit (the next test), with nothing left
+    # to stop. Both are one line; a second Ctrl-C that did nothing would always look like the latter, so one of three
+    # tries must stop at once.
+    for attempt in range(3):
+        out_dir = tmp_path / f"out{attempt}"
+        process = start_train(dataset, out_dir, "--max_iters=1000000", "--eval_iters=100000", "--batch_size=2048",
+                              "--block_size=128", "--n_layer=4", "--n_embd=64")
+        stdout, stderr = signal_when(process, ("model:", signal.SIGINT), ("SIGINT: finishing", signal.SIGINT))
+        if process.returncode == 1:
+            assert_one_error_line(subprocess.CompletedProcess([], 1, stdout, stderr), "interrupted")
+            assert not (out_dir / "ckpt.pt").exists()
+            return
+        assert process.returncode == 0 and stderr == "" and (out_dir / "ckpt.pt").exists(), (stdout, stderr)
+    pytest.fail("the second Ctrl-C never stopped the run at once")
+
+
+def test_ctrl_c_in_pythons_exit_is_no_traceback(dataset, tmp_path):
+    # The first Ctrl-C's stop is over, and Python's exit runs its atexit callbacks: a second Ctrl-C there would print
+    # "Exception ignored in atexit callback" and a traceback. A callback that waits for the test holds the exit open
+    # (as a slow one of torch's or wandb's would), and runs last: train.py's own are registered after it.
+    code = ("import atexit, runpy, select, sys\n"
+            "atexit.register(lambda: print('exiting', flush=True) or select.select([sys.stdin], [], [], 60))\n"
+            "sys.argv.pop(0)\n"  # "-c"
+            "runpy.run_path(sys.argv[0], run_name='__main__')\n")
+    process = subprocess.Popen([sys.executable, "-c", code, TRAIN, f"--dataset={dataset}", f"--out_dir={tmp_path / 'out'}",
+                                *TINY, "--max_iters=1000000", "--eval_interval=100000", "--total_batch_size=None"],
+                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env={**ENV, "PYTHONPATH": str(REPO)}, cwd=tmp_path)
+    stdout, stderr = signal_when(process, ("iter 3:", signal.SIGINT), ("exiting", signal.SIGINT))
+    assert "stopped by SIGINT after iter" in stdout and (tmp_path / "out" / "ckpt.pt").exists(), stdout + stderr
+    assert process.returncode == 0 and stderr == ""
+
+
+def test_nothing_to_train_says_so_and_a_resume_with_another_seed_is_noted(trained, dataset, tmp_path):
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    for name in ("ckpt.pt", "log.jsonl"):
+        (out_dir / name).write_bytes((trained / name).read_bytes())
+    resumed = start_train(dataset, out_dir, "--init_from=resume", "--max_iters=40", "--seed=7")
+    scratch = finish(start_train(dataset, tmp_path / "scratch", "--max_iters=0"))
+    resumed = finish(resumed)
+    assert "nothing to train: the run starts at iter 40, max_iters=40" in resumed.stdout
+    # the eval batches come from the seed: best_val_loss was measured on other ones
+    assert "note: seed=7, not the checkpoint's: other eval batches than best_val_loss's" in resumed.stdout
+    for name in ("ckpt.pt", "log.jsonl"):  # no eval logged, nothing saved
+        assert (out_dir / name).read_bytes() == (trained / name).read_bytes()
+    assert "nothing to train: the run starts at iter 0, max_iters=0" in scratch.stdout and not (tmp_path / "scratch").exists()
 
 
 @pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="finds rank 1's process through Linux's /proc")
@@ -451,6 +492,26 @@ def test_non_finite_loss_stops_with_the_iteration(dataset, tmp_path):
     assert result.returncode == 1
     assert result.stderr.startswith("error: the loss is ") and " at iter " in result.stderr
     assert "learning_rate" in result.stderr and result.stderr.count("\n") == 1
+    assert "resume" not in result.stderr  # no checkpoint was saved: none to resume from
+
+
+def test_a_diverged_run_never_replaces_the_last_good_checkpoint(trained, dataset, tmp_path):
+    # A learning rate of 1e300 turns the weights to inf and NaN in one step, whose loss (on the weights before it)
+    # is still finite. Then an eval at 41 (saved by always_save_checkpoint), or a milestone without an eval, would save
+    # them over the good checkpoint of iter 40.
+    runs = {}
+    for name, args in [("eval", ["--always_save_checkpoint=True", "--eval_interval=41"]),
+                       ("milestone", ["--milestones=[41]", "--eval_interval=100"])]:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "ckpt.pt").write_bytes((trained / "ckpt.pt").read_bytes())
+        runs[name] = start_train(dataset, tmp_path / name, "--init_from=resume", "--max_iters=50", "--grad_clip=0",
+                                 "--learning_rate=1e300", "--min_lr=0", "--warmup_iters=0", "--total_batch_size=None",
+                                 *args)
+    for name, what in [("eval", "the eval loss is nan at iter 41"), ("milestone", "the weights are not finite at iter 41")]:
+        result = subprocess.CompletedProcess([], runs[name].wait(timeout=120), *runs[name].communicate())
+        assert_one_error_line(result, what, "training diverged, nothing saved", "--init_from=resume goes on from")
+        assert (tmp_path / name / "ckpt.pt").read_bytes() == (trained / "ckpt.pt").read_bytes()
+        assert sorted(path.name for path in (tmp_path / name).iterdir()) == ["ckpt.pt", "log.jsonl"]
 
 
 # -----------------------------------------------------------------------------------------------------
@@ -513,7 +574,8 @@ def broken_dataset(dataset, directory, edit):
     for shard in dataset.glob("*.npy"):
         (directory / shard.name).write_bytes(shard.read_bytes())
     meta = edit(directory, json.loads((dataset / "meta.json").read_text()))
-    (directory / "meta.json").write_text(json.dumps(meta))
+    if meta is not None:  # None: edit() made meta.json itself
+        (directory / "meta.json").write_text(json.dumps(meta))
     return directory
 
 
@@ -525,6 +587,19 @@ def resave_shard(directory, meta, change):
     shard = directory / "val_000000.npy"
     np.save(shard, change(np.load(shard)))
     return meta
+
+
+def another_datasets_shard(directory, meta):
+    """As prepare_data.py writes meta.json (its args hold shard_size), but train_000000.npy copied from elsewhere."""
+    shard_size = len(np.load(directory / "train_000000.npy", mmap_mode="r"))
+    (directory / "train_000000.npy").write_bytes((directory / "val_000000.npy").read_bytes())
+    return dict(meta, args={"shard_size": shard_size})
+
+
+def huge_file(path):
+    """A file of 1 TiB that takes no disk: sparse, as `truncate -s 1T` makes it."""
+    path.touch()
+    os.truncate(path, 2**40)
 
 
 def truncate_shard(directory, meta):
@@ -594,6 +669,18 @@ MISTAKES = {
     "shard int64 negative": (["--dataset=DATA"], "val_000000.npy holds a 1-D array of int64"),
     "vocab 10^12": (["--dataset=DATA"], "is not the meta.json of a finished prepare_data.py run"),
     "chars cut short": (["--dataset=DATA"], "meta.json says vocab_size", "but its tokenizer has 10 ids"),
+    # Shards that disagree with meta.json's counts, found from their headers: each named
+    "shard of another dataset": (["--dataset=DATA"], "train_000000.npy holds 20,000 tokens, meta.json 90,000",
+                                 "another dataset's shard"),
+    "shard short, no shard_size": (["--dataset=DATA"], "val_000000.npy holds 1,000 tokens, meta.json 20,000"),
+    # Files read whole: a device, a FIFO or a huge (sparse) file is refused before it is read
+    "meta.json a device": (["--dataset=DATA"], "meta.json: not a regular file of at most 67,108,864 bytes"),
+    "meta.json a FIFO": (["--dataset=DATA"], "meta.json: not a regular file of at most 67,108,864 bytes"),
+    "meta.json huge": (["--dataset=DATA"], "meta.json: not a regular file of at most 67,108,864 bytes"),
+    "preset huge": (["HUGE"], "huge.py: not a regular file of at most 1,048,576 bytes"),
+    "hellaswag a device": (["--hellaswag_interval=1000", "--hellaswag=/dev/zero"], "/dev/zero: not a regular file"),
+    # bytes that are not UTF-8 (Python escapes them as surrogates in sys.argv)
+    "not UTF-8": (["--wandb_run_name=A\udcff"], "b'--wandb_run_name=A\\xff': not UTF-8 text"),
     "short split": (["--block_size=100000", "--total_batch_size=None"], "split of", "fewer than block_size+1 = 100001 tokens"),
     "config vs weights": (["--init_from=resume", "--out_dir=TMP/misfit"], "does not fit"),
     "no training state": (["--init_from=resume", "--out_dir=TMP/bare"], "lacks the training state"),
@@ -619,6 +706,11 @@ BREAK = {
     "shard int64 negative": lambda d, meta: resave_shard(d, meta, lambda ids: ids.astype(np.int64) - 1),
     "vocab 10^12": lambda d, meta: dict(meta, vocab_size=10**12),
     "chars cut short": lambda d, meta: dict(meta, chars=meta["chars"][:10]),
+    "shard of another dataset": another_datasets_shard,
+    "shard short, no shard_size": lambda d, meta: resave_shard(d, meta, lambda ids: ids[:1000]),
+    "meta.json a device": lambda d, meta: (d / "meta.json").symlink_to("/dev/zero"),
+    "meta.json a FIFO": lambda d, meta: os.mkfifo(d / "meta.json"),
+    "meta.json huge": lambda d, meta: huge_file(d / "meta.json"),
 }
 
 
@@ -628,6 +720,7 @@ def mistakes(dataset, trained, tmp_path_factory, script_runner):
     tmp = tmp_path_factory.mktemp("mistakes")
     (tmp / "preset.py").write_text("batch_size = 8\nlearning_rat = 1e-3\n")
     (tmp / "exiting.py").write_text("import sys\nsys.exit(0)\n")
+    huge_file(tmp / "huge.py")
     (tmp / "file").write_text("not a directory")
     example = {"ctx": "a\u2028b", "endings": ["c", "d", "e", "f"], "label": "2"}
     (tmp / "unicode.jsonl").write_text(json.dumps(example, ensure_ascii=False) + "\n", encoding="utf-8-sig")
@@ -645,6 +738,7 @@ def mistakes(dataset, trained, tmp_path_factory, script_runner):
     for name, (args, *_) in MISTAKES.items():
         data = broken_dataset(dataset, tmp / name.replace(" ", "_"), BREAK[name]) if name in BREAK else dataset
         args = [a.replace("PRESET", str(tmp / "preset.py")).replace("EXITING", str(tmp / "exiting.py"))
+                .replace("HUGE", str(tmp / "huge.py"))
                 .replace("TMP", str(tmp)).replace("DATA", str(data)) for a in args]
         commands[name] = [sys.executable, TRAIN, f"--dataset={dataset}", f"--out_dir={tmp / 'out'}", *TINY, *args]
     results = dict(zip(commands, script_runner.run(list(commands.values()), cwd=tmp, env=ENV)))
