@@ -45,7 +45,7 @@ def main():
     hf_path = os.path.realpath(hf_dir)  # a link: where it points
     validate(hf_path)
 
-    # 1. The checkpoint: the model, and the tokenizer it was trained with.
+    # 1. The checkpoint: the model and its tokenizer.
     checkpoint = load_checkpoint(os.path.join(out_dir, ckpt))
     model = model_from_checkpoint(checkpoint)
     encoding = encoding_from_checkpoint(checkpoint)
@@ -81,7 +81,7 @@ def main():
 
 # The matrices are [out, in] in both models. HF's Llama converter permutes q's and k's rows: Meta's
 # checkpoints rotate channel pairs (2i, 2i+1), HF's (i, i + head_dim/2), as apply_rope does, so q
-# and k are copied as is (the test compares both models' logits).
+# and k are copied as is.
 LAYER_NAMES = {"ln_1": "input_layernorm", "ln_2": "post_attention_layernorm",
                "attn.c_q": "self_attn.q_proj", "attn.c_k": "self_attn.k_proj",
                "attn.c_v": "self_attn.v_proj", "attn.c_proj": "self_attn.o_proj",
@@ -114,13 +114,12 @@ def byte_to_char():
 def hf_tokenizer_json(ranks, pattern, special_tokens):
     """The tokenizer.json that makes HF `tokenizers` encode exactly like tiktoken with these ranks.
 
-    tiktoken keeps no merge list: in each regex chunk it keeps joining the adjacent pair whose bytes
-    form the lowest-ranked token (the leftmost on a tie). HF's BPE joins listed pairs, first listed
-    first. So the list holds every cut of each token into two tokens, in rank order: any pair
-    tiktoken would join is listed, at its token's place. tiktoken takes a chunk that is a token as
-    it is; so does HF with ignore_merges. (Where two cuts of one token meet in a chunk, tiktoken
-    joins the leftmost, HF the first listed, as transformers' converter does: never in the test's
-    435 languages.)"""
+    tiktoken keeps no merge list: in each regex chunk it joins the adjacent pair whose bytes form
+    the lowest-ranked token (the leftmost on a tie); HF's BPE joins listed pairs, first listed
+    first. So the list holds every cut of each token into two tokens, in rank order. A chunk that
+    is a token stays whole in both (HF: ignore_merges). (Two cuts of one token meeting in a chunk:
+    tiktoken joins the leftmost, HF the first listed, as transformers' converter; never in the
+    test's 435 languages.)"""
     table = byte_to_char()
 
     def text(token):
@@ -164,7 +163,7 @@ def llama_config(cfg, eot_id):
         "head_dim": cfg.n_embd // cfg.n_head, "hidden_act": "silu", "rms_norm_eps": cfg.norm_eps,
         "rope_theta": cfg.rope_theta,
         "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta}, "rope_scaling": None,
-        # our `bias` switches on q's, k's, v's, o's and the MLP's biases, as Llama's two switches do
+        # our `bias` is Llama's two switches in one
         "attention_bias": cfg.bias, "mlp_bias": cfg.bias, "attention_dropout": 0.0,
         "tie_word_embeddings": True, "bos_token_id": eot_id, "eos_token_id": eot_id,
         "torch_dtype": dtype, "dtype": dtype,  # transformers 4's name and 5's
@@ -172,7 +171,7 @@ def llama_config(cfg, eot_id):
     }
 
 
-# === plumbing: writing hf_dir, the settings' checks (a first read skips to the end)
+# === plumbing: writing hf_dir, the settings' checks (a first read stops here)
 
 def write_directory(hf_path, weights, files):
     """model.safetensors and the JSON files into hf_path, all or nothing: hf_path is made (empty),
@@ -181,7 +180,7 @@ def write_directory(hf_path, weights, files):
     temp_dir = f"{hf_path}.tmp.{os.getpid()}"
     try:
         os.makedirs(hf_path, exist_ok=True)
-        lock_directory(hf_path)  # held while the process lives
+        lock_directory(hf_path)
         validate(hf_path)
         os.makedirs(temp_dir)
         save_file(weights, os.path.join(temp_dir, "model.safetensors"), metadata={"format": "pt"})

@@ -3,8 +3,8 @@ lilLM's model: a Llama-3-style GPT in one file, shared by train.py, sample.py an
 
 Compared with GPT-2 (nanoGPT), it swaps in what later models settled on: RMSNorm, rotary position
 embeddings, a SwiGLU MLP and grouped-query attention, with tied embeddings and no biases. Then:
-generation with a KV cache, the Muon optimizer (train.py's --muon=True), and plumbing a first read
-skips (config checks, checkpoints and their tokenizer).
+generation with a KV cache, the Muon optimizer, and plumbing a first read skips (config checks,
+checkpoints and their tokenizer).
 
     from model import GPTConfig, GPT
     model = GPT(GPTConfig())             # the lilLM preset, 39,596,544 parameters
@@ -49,8 +49,7 @@ class GPTConfig:
 
 
 class RMSNorm(nn.Module):
-    # Why not LayerNorm: re-centering (subtracting the mean) and the bias add no measurable quality,
-    # and dropping them makes the norm cheaper; Llama, Mistral and Gemma all use RMSNorm.
+    # Why not LayerNorm: its re-centering and bias add no measurable quality, only cost (Llama).
     def __init__(self, dim, eps):
         super().__init__()
         self.eps = eps
@@ -72,9 +71,9 @@ def rope_tables(head_dim, length, theta):
 
 
 def apply_rope(x, cos, sin):
-    # Why rotary over GPT-2's learned absolute positions: rotating query and key channel pairs by an
-    # angle proportional to the position makes q.k depend only on the tokens' distance, with no
-    # parameters. Pair (x1, x2) = (i, i + head_dim/2) becomes (x1 cos - x2 sin, x2 cos + x1 sin)
+    # Why rotary over GPT-2's learned positions: rotating query and key channel pairs by an angle
+    # proportional to the position makes q.k depend only on the tokens' distance, with no
+    # parameters. Pair (i, i + head_dim/2) = (x1, x2) becomes (x1 cos - x2 sin, x2 cos + x1 sin)
     # = x * cos + (x2, x1) * sin (the sin table holds the sign).
     x_float = x.float()
     x1, x2 = x_float.chunk(2, dim=-1)
@@ -82,8 +81,8 @@ def apply_rope(x, cos, sin):
 
 
 class CausalSelfAttention(nn.Module):
-    # Why grouped-query attention: the KV cache, not the weights, limits generation speed and batch
-    # size; n_head/n_kv_head query heads per key/value head shrink it that much, for a little quality.
+    # Why grouped-query attention: the KV cache limits generation speed and batch size; sharing each
+    # key/value head among n_head/n_kv_head query heads shrinks it that much, for a little quality.
     def __init__(self, config):
         super().__init__()
         self.n_head, self.n_kv_head = config.n_head, config.n_kv_head
@@ -120,7 +119,7 @@ class CausalSelfAttention(nn.Module):
 
 class MLP(nn.Module):
     # Why SwiGLU over GELU: a gated unit (silu(x W_gate) * x W_up) trains to a lower loss at equal
-    # parameters and compute (Shazeer 2020, "GLU Variants Improve Transformer"); Llama uses it.
+    # parameters and compute (Shazeer 2020); Llama uses it.
     def __init__(self, config):
         super().__init__()
         hidden = config.ffn_hidden_size
@@ -135,7 +134,7 @@ class MLP(nn.Module):
 
 class Block(nn.Module):
     # Pre-norm, as in GPT-2: normalizing each branch's input (not the sum) keeps the residual
-    # stream an identity path, which lets deep stacks train without warmup tricks.
+    # stream an identity path: deep stacks train without warmup tricks.
     def __init__(self, config):
         super().__init__()
         self.ln_1 = RMSNorm(config.n_embd, config.norm_eps)
@@ -161,12 +160,12 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         # Tied embeddings: one matrix maps tokens to vectors and back (lilLM: 10% fewer params).
         self.transformer.wte.weight = self.lm_head.weight
-        # RoPE tables are computed, not learned: non-persistent buffers, not in checkpoints.
+        # RoPE tables are computed, not learned: buffers kept out of checkpoints.
         cos, sin = rope_tables(config.n_embd // config.n_head, config.block_size, config.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
-        # GPT-2 init: N(0, 0.02); the 2 writes per layer into the residual stream 0.02/sqrt(2*n_layer)
-        # so that depth does not grow its variance.
+        # GPT-2 init: N(0, 0.02); the residual stream's 2 writes a layer 0.02/sqrt(2*n_layer), so
+        # that depth does not grow its variance.
         self.apply(self._init_weights)
         for name, param in self.named_parameters():
             if name.endswith("c_proj.weight"):
@@ -255,9 +254,9 @@ class GPT(nn.Module):
     def generate_tokens(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None,
                         use_cache=True, generator=None):
         """Yields the new tokens, each (B, 1). With the cache the prompt runs once (prefill), then
-        each step only the newest token, against the cached keys/values; a full cache is refilled
-        from the last block_size//2 tokens. use_cache=False recomputes the whole context each
-        step: slower, the same tokens while it fits."""
+        each step only the newest token; a full cache is refilled from the last block_size//2
+        tokens. use_cache=False recomputes the whole context each step: slower, the same tokens
+        while it fits."""
         block_size = self.config.block_size
         if idx.size(1) > block_size:
             warnings.warn(f"the prompt has {idx.size(1)} tokens, more than "
@@ -287,8 +286,7 @@ class GPT(nn.Module):
                 block.attn.kv_cache = None
 
     def _allocate_kv_cache(self, batch_size, device):
-        # One preallocated buffer per layer: writing into it is free, where torch.cat would copy
-        # the whole cache every token.
+        # One preallocated buffer per layer: torch.cat would copy the whole cache every token.
         cfg = self.config
         dtype = self.lm_head.weight.dtype
         if torch.is_autocast_enabled(device.type):  # then keys/values come out in its dtype
@@ -298,13 +296,13 @@ class GPT(nn.Module):
             block.attn.kv_cache = (torch.zeros(shape, dtype=dtype, device=device),
                                    torch.zeros(shape, dtype=dtype, device=device))
 
-    # ---- scoring: which continuation the model finds likeliest (HellaSwag) ----
+    # ---- scoring continuations (HellaSwag) ----
 
     @torch.no_grad()
     def continuation_losses(self, contexts, continuations):
-        """For each pair of token-id lists (context, continuation): the continuation's summed and
+        """For each (context, continuation) pair of token-id lists: the continuation's summed and
         mean cross-entropy given the context, two (B,) float32 tensors. A pair keeps its last
-        block_size + 1 tokens (the context is cut from the left)."""
+        block_size + 1 tokens."""
         pairs = []
         for context, continuation in zip(contexts, continuations):
             if not context or not continuation:
@@ -369,8 +367,8 @@ def orthogonalize(matrices, steps=5):
     """Roughly the nearest orthogonal matrix to each of a stack (n, rows, cols): U V^T of its SVD
     U S V^T. A Newton-Schulz step maps X to a X + b (X X^T) X + c (X X^T)^2 X, each singular value
     s to a s + b s^3 + c s^5; Keller Jordan's coefficients make that steep at 0 and near 1 beyond:
-    five steps take singular values 0.003..1 to about 0.7..1.2. Only matmuls: bfloat16 on a GPU;
-    float32 on a CPU, which emulates bf16 ~27x slower."""
+    five steps take singular values 0.003..1 to about 0.7..1.2. Only matmuls: bfloat16 on a GPU,
+    float32 on a CPU (bf16 emulated: ~27x slower)."""
     a, b, c = 3.4445, -4.7750, 2.0315
     x = matrices.bfloat16() if matrices.is_cuda else matrices.float()
     wide = x.size(-2) <= x.size(-1)
@@ -387,13 +385,13 @@ def orthogonalize(matrices, steps=5):
 class MuonAdamW(torch.optim.Optimizer):
     """Muon for the groups marked use_muon (2-D weight matrices), AdamW for the others.
 
-    Why Muon (Jordan et al. 2024): a few directions dominate a weight matrix's gradient, and
-    AdamW's step follows them. Muon replaces each matrix's momentum with its nearest orthogonal
-    matrix: the same directions, all moved alike (CPU Shakespeare recipe: val loss 1.59, AdamW
-    1.68). Its entries are ~1/sqrt(max(rows, cols)): scaled by 0.2 * sqrt(max(rows, cols)), the
-    step's RMS is 0.2, about AdamW's (Liu et al. 2025), so one learning rate drives both.
-    ns_every=k orthogonalizes every k-th step after ns_warmup steps, reusing the direction in
-    between (the momentum moves ~5% a step)."""
+    Why Muon (Jordan et al. 2024): a few directions dominate a matrix's gradient, and AdamW's step
+    follows them. Muon steps along the momentum's nearest orthogonal matrix: the same directions,
+    all moved alike (CPU Shakespeare recipe: val loss 1.59, AdamW 1.68). Its entries are
+    ~1/sqrt(max(rows, cols)): scaled by 0.2 * sqrt(max(rows, cols)), the step's RMS is 0.2, about
+    AdamW's (Liu et al. 2025), so one learning rate drives both. ns_every=k orthogonalizes every
+    k-th step after ns_warmup steps, reusing the direction in between (the momentum moves ~5% a
+    step)."""
 
     def __init__(self, param_groups, lr, betas=(0.9, 0.95), eps=1e-8, momentum=0.95, ns_steps=5,
                  ns_every=1, ns_warmup=0):
@@ -410,8 +408,8 @@ class MuonAdamW(torch.optim.Optimizer):
 
     def _muon_step(self, group, params):
         lr, momentum, every = group["lr"], group["momentum"], group.get("ns_every", 1)
-        # Matrices of one shape are orthogonalized together, in batched matmuls (a tall one joins
-        # the wide ones of its transposed shape): CPU steps 1.05-1.15x faster (bench/bench_muon.py).
+        # Matrices of one shape (a tall one joins the wide ones of its transposed shape) share
+        # batched matmuls: CPU steps 1.05-1.15x faster (bench/bench_muon.py).
         by_shape = {}
         for p in params:
             by_shape.setdefault((min(p.shape), max(p.shape)), []).append(p)
@@ -453,7 +451,7 @@ class MuonAdamW(torch.optim.Optimizer):
             p.addcdiv_(exp_avg, denominator, value=-lr / (1 - beta1 ** step))
 
 
-# === plumbing: config checks, GPU peak FLOP/s (a first read skips to the next # ===)
+# === plumbing: config checks, GPU peak FLOP/s
 
 def check_config(config):
     for name in ("vocab_size", "n_embd", "n_layer", "block_size", "n_head", "n_kv_head",
@@ -483,8 +481,8 @@ PEAK_FLOPS = {"GB200": 2.5e15, "B200": 2.25e15, "GH200": 989e12, "H200": 989e12,
 
 
 def peak_flops(device):
-    """(peak FLOP/s, label): None on a CPU (its peak depends on cores and SIMD width, not its
-    name); an unknown GPU counts as an A100, and says so."""
+    """(peak FLOP/s, label): None on a CPU (its peak isn't in its name); an unknown GPU counts as
+    an A100, and says so."""
     device = torch.device(device)
     if device.type != "cuda":
         return None, f"n/a on {device.type}"
@@ -495,7 +493,7 @@ def peak_flops(device):
     return flops, f"{name}: {flops / 1e12:.0f} TFLOP/s peak"
 
 
-# === plumbing: checkpoints and their tokenizer (a first read skips to the end)
+# === plumbing: checkpoints and their tokenizer
 
 CHECKPOINT_VERSION = 1
 
@@ -506,7 +504,7 @@ class CheckpointError(Exception):
 
 def save_checkpoint(path, checkpoint):
     """Write the checkpoint, less torch.compile's "_orig_mod." and DDP's "module." prefixes, to a
-    temporary file, then rename it: never half a ckpt.pt; a failed write keeps the old one."""
+    temporary file, then rename it: never half a ckpt.pt."""
     checkpoint = {"version": CHECKPOINT_VERSION, **checkpoint}
     if "model" in checkpoint:
         checkpoint["model"] = {re.sub(r"^(_orig_mod\.|module\.)+", "", key): value
@@ -517,11 +515,10 @@ def save_checkpoint(path, checkpoint):
         with open(temp_path, "wb") as file:
             try:
                 torch.save(checkpoint, file)
-            except RuntimeError as err:
-                # torch's zip writer wraps a failed write's OSError (its __context__).
-                if not isinstance(err.__context__, OSError):
-                    raise
-                raise err.__context__ from None
+            except RuntimeError as err:  # torch's zip writer wraps a failed write's OSError
+                if isinstance(err.__context__, OSError):
+                    raise err.__context__ from None
+                raise
         os.replace(temp_path, path)
     finally:
         if os.path.exists(temp_path):
@@ -537,11 +534,11 @@ def load_checkpoint(path, map_location="cpu"):
     refused = CheckpointError(f"{path} is not a plain-data checkpoint, refused: it holds Python "
                               "objects, and loading them could run code")
     with open(path, "rb") as f:
-        if f.read(1) == b"\x80":  # a bare pickle (its first opcode); torch.save writes a zip ("PK")
+        if f.read(1) == b"\x80":  # a bare pickle's first opcode; torch.save writes a zip
             raise refused
     try:
         checkpoint = torch.load(path, map_location=map_location, weights_only=True)
-    except Exception as err:  # a damaged file fails in many places of the unpickler and zip reader
+    except Exception as err:  # a damaged file fails in many places
         if "unsupported global" in str(err).lower():  # a class or function: weights_only refuses it
             raise refused from None
         raise CheckpointError(f"{path} is truncated or corrupt ({type(err).__name__}): "
@@ -561,8 +558,7 @@ def first_line(error):
 
 
 def model_from_checkpoint(checkpoint):
-    """The GPT a checkpoint describes (GPTConfig checks its model_config), with its weights;
-    CheckpointError, one line, if they don't fit."""
+    """The GPT a checkpoint describes, with its weights; CheckpointError if they don't fit."""
     try:
         settings = dict(checkpoint["model_config"])
         for retired in ("max_batch_size", "ffn_hidden"):  # older checkpoints' settings, now gone
@@ -656,6 +652,6 @@ def encoding_from_checkpoint(checkpoint):
 
 
 def bytes_of_id(encoding, token_id):
-    """A token's bytes; none for an id past the tokenizer (the vocab is padded to a multiple of
-    64 for speed): never trained on, but sampling can draw it."""
+    """A token's bytes; b"" for an id in the vocab's padding, past the tokenizer (never trained on,
+    but sampling can draw it)."""
     return encoding.decode_single_token_bytes(token_id) if token_id < encoding.n_vocab else b""

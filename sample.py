@@ -30,15 +30,14 @@ _names_before_settings = set(globals())
 out_dir = "out"        # the directory train.py wrote (its --out_dir)
 ckpt = "ckpt.pt"       # file name inside out_dir; milestones are ckpt_<iter>.pt
 start = ""             # the prompt, or "FILE:path" to read it from a file
-num_samples = 3        # samples, one after the other
+num_samples = 3
 max_new_tokens = 256   # tokens to generate per sample
 temperature = 0.8      # < 1 sharpens the distribution, > 1 flattens it
 top_k = 200            # sample among the k most likely tokens (None or 0: all)
 top_p = 1.0            # nucleus: the fewest tokens that hold this much probability (1.0: off)
 seed = 1337            # same seed, checkpoint, device and settings: same samples
-device = "auto"        # "auto" (cuda if there is a GPU, else cpu), "cpu", "cuda", "cuda:1", "mps"
-dtype = "auto"         # "auto": bfloat16 on a GPU that has it, else float16; float32 on a CPU
-                       # (most emulate bfloat16); or "float32", "bfloat16", "float16"
+device = "auto"        # "auto": cuda if there is a GPU, else cpu; or "cuda:1", "mps"
+dtype = "auto"         # "auto": bfloat16 (float16 on old GPUs); float32 on a CPU
 compile = False        # torch.compile the model: slow to start, faster per token on a GPU
 # -----------------------------------------------------------------------------
 defaults = {k: v for k, v in globals().items() if k not in _names_before_settings and k[0] != "_"}
@@ -54,7 +53,7 @@ def main():
     if dtype == "auto":
         bf16 = device_type == "cuda" and torch.cuda.is_bf16_supported()
         precision = "bfloat16" if bf16 else "float16" if device_type == "cuda" else "float32"
-    # Weights stay float32; autocast runs the matmuls in the lower precision, as in training.
+    # Weights stay float32; autocast runs the matmuls in lower precision, as in training.
     ctx = torch.autocast(device_type, getattr(torch, precision), enabled=precision != "float32")
 
     checkpoint = load_checkpoint(os.path.join(out_dir, ckpt))
@@ -105,7 +104,7 @@ def encode_prompt(encoding, prompt, block_size):
     return prompt_ids[-block_size:]
 
 
-# === plumbing: the settings' checks, the prompt file, the device (a first read skips to the end)
+# === plumbing: the settings' checks, the prompt file, the device (a first read stops here)
 
 class UserError(Exception):
     """A mistake in the input: printed as one line, never as a traceback."""

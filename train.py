@@ -19,14 +19,14 @@ import numpy as np  # torch comes after the checks: mistakes show at once
 
 # === the settings: lilLM's recipe (config/lillm.py), but for six that its preset sets for its run:
 # out_dir, dataset, hellaswag_interval, sample_prompt, always_save_checkpoint and milestones
-out_dir = "out"                 # ckpt.pt, milestone copies ckpt_<iter>.pt and log.jsonl go here
+out_dir = "out"                 # ckpt.pt, milestones' ckpt_<iter>.pt and log.jsonl go here
 dataset = "data/fineweb"        # a directory written by prepare_data.py: shards and meta.json
 init_from = "scratch"           # "scratch" (not over a checkpoint), "resume" (ckpt.pt), "auto"
 eval_interval = 1000            # estimate train/val loss (and maybe save) every this many steps
-eval_iters = 100                # batches per split in each estimate, shared out among the ranks
+eval_iters = 100                # batches per split in each estimate
 log_interval = 10               # print the step's loss and speed every this many steps
 always_save_checkpoint = False  # save at every eval, not only when val loss improved
-milestones = []                 # steps at which to keep a copy of the checkpoint, ckpt_<iter>.pt
+milestones = []                 # steps whose checkpoint is also kept, as ckpt_<iter>.pt
 wandb_log, wandb_project, wandb_run_name = False, "lillm", "run"  # log evals to Weights & Biases
 hellaswag_interval = 0          # HellaSwag at the evals of steps that are multiples of this; 0: off
 hellaswag = "hub"               # "hub" (Rowan/hellaswag: 10,042 examples) or a local .jsonl of them
@@ -44,8 +44,8 @@ n_kv_head = 8                   # key/value heads shared by the query heads; Non
 n_embd = 512
 ffn_ratio = 8 / 3               # SwiGLU hidden / n_embd, rounded up to 128s: GPT-2's MLP params
 dropout = 0.0
-# optimizer: AdamW; get_lr schedules the learning rate
-muon = False                    # Muon for the blocks' matrices, AdamW for the rest (MuonAdamW)
+# optimizer; get_lr schedules the learning rate
+muon = False                    # Muon for the blocks' matrices, AdamW for the rest
 learning_rate = 1e-3
 min_lr = 1e-4
 max_iters = 20000               # optimizer steps in all
@@ -53,17 +53,17 @@ warmup_iters = 700
 lr_decay_iters = 20000          # where the cosine reaches min_lr; usually max_iters
 weight_decay = 0.1
 beta1, beta2 = 0.9, 0.95        # AdamW's averaging factors of the gradient and of its square
-grad_clip = 1.0                 # clip the gradient's global norm to this; 0 turns clipping off
+grad_clip = 1.0                 # clip the gradient's global norm to this; 0: off
 # system
 device = "auto"                 # "auto": cuda if there is a GPU, else cpu; or "cuda:1", "mps"
 dtype = "auto"                  # "auto": bfloat16 (float16 on old GPUs); float32 on a CPU
 compile = "auto"                # torch.compile; "auto": on CUDA only (a CPU loses by it)
-timeout = 600                   # seconds a rank waits for the others before it gives up
+timeout = 600                   # seconds a rank waits for the others
 seed = 1337
 defaults = {k: v for k, v in globals().items()
             if not k.startswith("_") and isinstance(v, (int, float, str, list, type(None)))}
 
-# === the processes: torchrun sets RANK, WORLD_SIZE and LOCAL_RANK; srun sets SLURM's own variables
+# === the processes: torchrun sets RANK, WORLD_SIZE and LOCAL_RANK; srun, SLURM's own
 slurm = "RANK" not in os.environ and int(os.environ.get("SLURM_NTASKS", 1)) > 1
 names = "SLURM_PROCID SLURM_NTASKS SLURM_LOCALID" if slurm else "RANK WORLD_SIZE LOCAL_RANK"
 rank, world_size, local_rank = [int(os.environ.get(n, d)) for n, d in zip(names.split(), (0, 1, 0))]
@@ -272,8 +272,8 @@ for split in ("train", "val"):
         shard_sizes[path], done = len(tokens), done + len(tokens)
 
 def check_ids(rows, path):
-    # An id past the vocabulary would fail deep in the embedding (on a GPU, as a device assert).
-    # Checked in get_batch, on the ids just read, it costs nothing; start-up reads no tokens.
+    # An id past the vocabulary would fail deep in the embedding (on a GPU, a device assert).
+    # Checked on each batch's ids, it costs nothing; start-up reads no tokens.
     largest = rows.max()  # (unsigned: no id is below 0)
     if largest >= meta["vocab_size"]:
         raise BatchError(f"{path} holds token id {largest}, past the vocabulary of meta.json "
@@ -305,7 +305,7 @@ def hellaswag_examples(source):
             import datasets
             rows = datasets.load_dataset("Rowan/hellaswag", split="validation")
             return [(row["ctx"], list(row["endings"]), int(row["label"])) for row in rows]
-        except Exception as error:  # not cached, the network failed midway, no datasets package, ...
+        except Exception as error:  # not cached, a network failure, no datasets package, ...
             problem = problem or f"{type(error).__name__}: {str(error)[:100]}"
         if master:
             print(f"note: no HellaSwag figures ({problem}); --hellaswag=<file.jsonl> scores a "
@@ -352,7 +352,7 @@ if device_type != "cpu" and not backend.is_available():
 if device_type == "cuda":  # one GPU per process; srun may hide the others (CUDA_VISIBLE_DEVICES)
     device = f"cuda:{local_rank % torch.cuda.device_count()}" if ddp or device == "cuda" else device
     torch.cuda.set_device(device)
-if dtype == "auto":  # never bfloat16 on a CPU: most emulate it, many times slower than float32
+if dtype == "auto":  # never bfloat16 on a CPU: most emulate it, many times slower
     bfloat16_ok = device_type == "cuda" and torch.cuda.is_bf16_supported()
     dtype = "bfloat16" if bfloat16_ok else "float16" if device_type == "cuda" else "float32"
 compile = device_type == "cuda" if compile == "auto" else compile
@@ -360,9 +360,7 @@ ckpt_path = os.path.join(out_dir, "ckpt.pt")
 if init_from == "auto":
     init_from = "resume" if os.path.exists(ckpt_path) else "scratch"
 
-# === plumbing: the tokenizer's check; a checkpoint's checks
-# It sets encoding, hellaswag_set (context ids, 4 endings' ids, label) and sample_ids;
-# load_for_resume(path) gives (checkpoint, model), or says in one line why it can't resume.
+# === plumbing: the tokenizer (encoding; hellaswag_set's, sample_prompt's ids); load_for_resume
 from model import CheckpointError, encoding_from_checkpoint, load_checkpoint, model_from_checkpoint
 
 encoding = None
@@ -402,7 +400,7 @@ if sample_prompt and not sample_ids:
 def load_for_resume(path):
     try:
         checkpoint = load_checkpoint(path, map_location="cpu")
-        model = model_from_checkpoint(checkpoint)  # no "_orig_mod." or "module." prefixes
+        model = model_from_checkpoint(checkpoint)
     except CheckpointError as e:
         raise UserError(f"cannot resume: {e}")
     training_state = ["optimizer", "iter_num", "best_val_loss", "rng", "tokenizer", "train_config"]
@@ -421,8 +419,8 @@ def load_for_resume(path):
 if eval_only and init_from != "resume":
     raise UserError(f"eval_only=True: there is no {ckpt_path} to evaluate")
 
-# === resume: the checkpoint's model, whose settings (block_size, n_layer, ...) win over the
-# command line's; the rest of its state (optimizer, step, random states) is restored below
+# === resume: the checkpoint's model, whose settings win over the command line's; the rest of its
+# state (optimizer, step, random states) is restored below
 checkpoint = None
 if init_from == "resume":
     checkpoint, raw_model = load_for_resume(ckpt_path)
@@ -435,8 +433,8 @@ if vocab_size < meta["vocab_size"]:
     raise UserError(f"vocab_size={vocab_size} but the dataset's vocabulary has "
                     f"{meta['vocab_size']} ids: leave vocab_size unset, or set it that large")
 
-# === the batch: more GPUs, or a smaller batch_size to fit memory, only change how many
-# micro-steps make a step (here, after a resume has set the checkpoint's block_size)
+# === the batch: more GPUs, or a smaller batch_size, only change how many micro-steps make a step
+# (here, after a resume has set block_size)
 tokens_per_micro_step = batch_size * block_size * world_size
 total_batch_size = tokens_per_micro_step if total_batch_size is None else total_batch_size
 if total_batch_size % tokens_per_micro_step:
@@ -451,8 +449,7 @@ except ValueError as e:
     raise UserError(e)
 
 # === the data: a batch is batch_size windows of block_size+1 tokens, drawn from all shards alike
-# (the dataset's checks read meta, its meta.json, and shard_sizes, each shard's tokens)
-windows = {}  # split -> its shard paths, each one's count of windows, their running sum
+windows = {}
 for split in ("train", "val"):
     paths = [os.path.join(dataset, name) for name in meta["shards"][split]]
     counts = np.array([max(0, shard_sizes[path] - block_size) for path in paths], dtype=np.int64)
@@ -529,7 +526,7 @@ def lock_directory(path):
               "writes there", file=sys.stderr)
     return descriptor  # the lock lasts while this descriptor is open: keep it
 
-if master:  # the master locks it for the whole run, and only then looks at what is in it
+if master:  # locked for the whole run before anything in it is looked at
     try:  # find out now, not at the first save
         os.makedirs(out_dir, exist_ok=True)
         tempfile.TemporaryFile(dir=out_dir).close()
@@ -568,11 +565,9 @@ if ddp:
     train_model = DDP(model, device_ids=[torch.cuda.current_device()] if device_type == "cuda" else None)
 
 # The random states of dropout and of the data: a resumed run goes on as if it never stopped (a
-# fresh seed would repeat the first batches: nanoGPT's #467). A step is num_slots micro-batches,
-# each with its own generator: 1 process with 2 micro-steps sees what 2 processes see.
-iter_num, best_val_loss = 0, math.inf
-if checkpoint is not None:
-    iter_num, best_val_loss = checkpoint["iter_num"], checkpoint["best_val_loss"]
+# fresh seed would repeat the first batches: nanoGPT's #467). Each of a step's num_slots
+# micro-batches has its own generator: 1 process with 2 micro-steps sees what 2 do.
+iter_num, best_val_loss = start_iter, checkpoint["best_val_loss"] if checkpoint else math.inf
 torch.manual_seed((seed + rank) % 2**64)  # dropout differs between ranks, as their data do
 num_slots = world_size * grad_accum_steps
 my_slots = range(rank * grad_accum_steps, (rank + 1) * grad_accum_steps)
@@ -584,9 +579,10 @@ if checkpoint is not None:
         scaler.load_state_dict(checkpoint["scaler"])
     saved_states = checkpoint["rng"]
     if len(saved_states["ranks"]) == world_size:
-        torch.set_rng_state(saved_states["ranks"][rank]["torch"])
-        if device_type == "cuda" and saved_states["ranks"][rank]["cuda"] is not None:
-            torch.cuda.set_rng_state(saved_states["ranks"][rank]["cuda"])
+        my_states = saved_states["ranks"][rank]
+        torch.set_rng_state(my_states["torch"])
+        if device_type == "cuda" and my_states["cuda"] is not None:
+            torch.cuda.set_rng_state(my_states["cuda"])
     if len(saved_states["data"]) == num_slots:
         for slot, generator in zip(my_slots, train_generators):
             generator.set_state(saved_states["data"][slot])
@@ -594,9 +590,8 @@ if checkpoint is not None:
         print(f"note: the checkpoint has {len(saved_states['data'])} data streams, this run "
               f"{num_slots}")
 
-# === plumbing: the ranks' HellaSwag; SIGTERM and Ctrl-C; diverged()
-# A rank that couldn't load the examples would shrink every count. On SIGTERM (SLURM preemption,
-# torchrun stopping) or Ctrl-C the loop finishes the step or eval batch in flight, saves, stops.
+# === plumbing: the ranks' HellaSwag (one without the examples would shrink every count); SIGTERM
+# (SLURM preemption, torchrun stopping) and Ctrl-C; diverged()
 if ddp and hellaswag_interval:
     sizes = torch.tensor([len(hellaswag_set or []), -len(hellaswag_set or [])], device=device)
     dist.all_reduce(sizes, op=dist.ReduceOp.MIN)
@@ -609,7 +604,7 @@ if ddp and hellaswag_interval:
 def request_stop(signum, frame):
     global stop_signal
     if stop_signal == "SIGINT" and signum == signal.SIGINT:
-        raise KeyboardInterrupt  # Ctrl-C twice: stop now, without saving (report() says so)
+        raise KeyboardInterrupt  # Ctrl-C twice: stop now, unsaved (report() says so)
     stop_signal = signal.Signals(signum).name
     if master:
         then = "stopping" if eval_only else "saving"
@@ -624,8 +619,7 @@ def diverged(what):  # only finite weights are saved
     return UserError(f"{what} at iter {iter_num}: training diverged, nothing saved. Lower "
                      f"learning_rate, lengthen warmup_iters, keep grad_clip on, or avoid float16{resume}")
 
-# === the training loop. At the top of iteration iter_num, iter_num steps are done: the state
-# that a checkpoint holds
+# === the training loop: at the top of iteration iter_num, iter_num steps are done
 if master:
     print(f"model: {raw_model.get_num_params():,} parameters; "
           f"{f'resuming at iter {iter_num}' if checkpoint else 'from scratch'}")
@@ -633,7 +627,7 @@ if master:
         import wandb
         wandb.init(project=wandb_project, name=wandb_run_name, config=config)
 checkpoint = None  # free its memory: everything is loaded
-step_seconds = []  # step times since the last eval: the speed the log lines report
+step_seconds = []  # step times since the last eval
 stop_votes = 0  # ranks that had a signal when the last step ended
 while True:
     lr = get_lr(iter_num)
@@ -641,11 +635,10 @@ while True:
         group["lr"] = lr
     last_iter, stopping, save_paths = iter_num >= max_iters, stop_votes > 0, []
 
-    # Estimate the loss on eval_iters batches of each split, shared out among the ranks. Batch k has
-    # the same seed at every eval: evals compare like with like, whatever the number of processes.
+    # The loss on eval_iters batches of each split, shared out among the ranks. Batch k has the same
+    # seed at every eval: evals compare like with like, whatever the number of processes.
     if (iter_num % eval_interval == 0 or last_iter or eval_only) and not stopping:
         model.eval()
-        # train and val loss sums, ranks stopped, HellaSwag examples, right by mean, right by sum
         totals = torch.zeros(6, device=device)
         for k in range(rank, eval_iters, world_size):
             if stop_signal:  # a long eval must not outlast a preemption's grace period
@@ -656,10 +649,9 @@ while True:
                 x, y = get_batch(split, torch.Generator().manual_seed(eval_seed))
                 with torch.no_grad(), autocast:
                     totals[split_index] += model(x, y)[1].float()
-        # HellaSwag as build-nanogpt and llm.c score it: each ending after the context, the model's
-        # answer the ending of lowest mean loss over its tokens (acc_norm), or of lowest sum (acc).
-        # One example a forward, the examples shared out: 2 processes count what 1 does. The raw
-        # model here and for the sample: their shapes vary, and each would make torch.compile recompile.
+        # HellaSwag as build-nanogpt and llm.c score it: the answer is the ending of lowest mean
+        # loss (acc_norm) or sum (acc). The raw model, here and for the sample: varying shapes
+        # would make torch.compile recompile.
         if hellaswag_set and (iter_num % hellaswag_interval == 0 or last_iter or eval_only):
             for context, endings, label in hellaswag_set[rank::world_size]:
                 if stop_signal:
@@ -670,7 +662,7 @@ while True:
                 totals[3:] += torch.stack([torch.ones((), device=device), mean.argmin() == label,
                                            summed.argmin() == label])
         sample = None
-        if sample_ids and master:  # what the model writes now: 32 tokens, the same seed each time
+        if sample_ids and master:  # 32 tokens, the same seed each time
             prompt = torch.tensor([sample_ids[-block_size:]], device=device)
             sampler = torch.Generator(device).manual_seed(seed)
             with torch.no_grad(), autocast:
@@ -705,7 +697,7 @@ while True:
                 save_paths.append(ckpt_path)
             best_val_loss = min(best_val_loss, val_loss)
         step_seconds = []
-    if eval_only:  # the checkpoint's evals are logged: nothing to train, nothing to save
+    if eval_only:  # nothing to train, nothing to save
         if stopping and master:
             print(f"stopped by {stop_signal or 'another rank'} during the evals: nothing logged")
         break
@@ -714,7 +706,7 @@ while True:
     elif iter_num in milestones and iter_num > 0:  # again after a resume here: the same state
         save_paths.append(os.path.join(out_dir, f"ckpt_{iter_num}.pt"))
 
-    # checkpoints: every rank's random states are gathered; the master writes the file
+    # checkpoints: the master writes every rank's random states
     if save_paths:
         if not all(torch.isfinite(p).all() for p in raw_model.parameters()):  # cheap next to a save
             raise diverged("the weights are not finite")
@@ -739,7 +731,7 @@ while True:
     if stopping or last_iter:
         break
 
-    # one step: grad_accum_steps micro-steps of forward and backward, then the optimizer's update
+    # one step: grad_accum_steps micro-steps, then the optimizer's update
     step_start, step_loss = time.time(), torch.zeros((), device=device)
     for micro_step in range(grad_accum_steps):
         if ddp:  # the last micro-step's backward averages the gradients across ranks
@@ -747,7 +739,7 @@ while True:
         x, y = get_batch("train", train_generators[micro_step])
         with autocast:
             _, loss = train_model(x, y)
-            loss = loss / grad_accum_steps  # so the accumulated gradient is that of the step's mean
+            loss = loss / grad_accum_steps  # the accumulated gradient: the step's mean's
         step_loss += loss.detach()
         scaler.scale(loss).backward()
     if grad_clip > 0:
@@ -756,7 +748,7 @@ while True:
     scaler.step(optimizer)
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
-    # one all-reduce a step: the mean loss, and whether a rank got a signal (then all stop together)
+    # one all-reduce a step: the mean loss, and whether a rank got a signal (all then stop)
     signalled = torch.tensor(float(stop_signal is not None), device=device)
     step_status = torch.stack([step_loss.float(), signalled])
     if ddp:
@@ -780,6 +772,6 @@ exit_on_ctrl_c(0)
 if stopping and master and not eval_only:
     print(f"stopped by {stop_signal or 'another rank'} after iter {iter_num}; {ckpt_path} "
           f"saved: go on with --init_from=resume", flush=True)
-if ddp:  # leave together: the others get here while the master still writes the last checkpoint
+if ddp:  # leave together: the master may still be writing the last checkpoint
     dist.barrier()
     dist.destroy_process_group()
