@@ -348,7 +348,8 @@ def load_tokenizer(name):
             raise UserError(f"--tokenizer {name}: tiktoken could not download its ranks "
                             f"({type(error).__name__}); it needs internet once")
     try:  # a directory from train_bpe_*.py
-        files = {f: read_bounded(Path(name, f)) for f in ("tokenizer.tiktoken", "tokenizer.json")}
+        names = ("tokenizer.tiktoken", "tokenizer.json")
+        files = {f: read_whole(Path(name, f), 2**26) for f in names}
         info = json.loads(files["tokenizer.json"])
         lines = [line.split() for line in files["tokenizer.tiktoken"].splitlines() if line.strip()]
         ranks = {base64.b64decode(token, validate=True): int(rank) for token, rank in lines}
@@ -420,7 +421,7 @@ def resume_state(out_dir, state, encoder):
         vocabulary = {"vocab_size": encoder.n_vocab, "eot_token": encoder.eot_token}
     start_over = f"delete {out_dir} to start over"
     try:
-        saved = json.loads(read_bounded(saved_path))
+        saved = json.loads(read_whole(saved_path, 2**26))
         before = shard_settings(saved["args"], {key: saved[key] for key in vocabulary})
         damaged = damaged_shard(out_dir, saved, state["args"]["shard_size"])
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
@@ -463,12 +464,12 @@ def damaged_shard(out_dir, saved, shard_size):  # a shard missing or cut, or Non
     return None
 
 
-def read_bounded(path, limit=1 << 26):  # O_NONBLOCK: a named pipe would block open()
-    with open(os.open(path, os.O_RDONLY | os.O_NONBLOCK), "rb") as f:
-        info = os.fstat(f.fileno())
-        if not stat.S_ISREG(info.st_mode) or info.st_size > limit:
-            raise UserError(f"{path} is not a regular file of at most {limit >> 20} MB")
-        return f.read(limit + 1)
+def read_whole(path, limit):  # a device or FIFO may not end, a huge file fill memory
+    with open(os.open(path, os.O_RDONLY | os.O_NONBLOCK), "rb") as file:  # (a FIFO's open waits)
+        status = os.fstat(file.fileno())
+        if not stat.S_ISREG(status.st_mode) or status.st_size > limit:
+            raise UserError(f"{path}: not a regular file of at most {limit:,} bytes")
+        return file.read(limit)
 
 
 def merge_parts(out_dir, count, now, encoder, tokenizer_files):
@@ -479,7 +480,7 @@ def merge_parts(out_dir, count, now, encoder, tokenizer_files):
         raise UserError(f"--merge {count}: {', '.join(missing)} missing or unfinished; run them")
     for k, path in enumerate(parts):  # these settings, shards whole: or one error line
         resume_state(path, {"args": {**now, "part": [k, count]}}, encoder)
-    metas = [json.loads(read_bounded(path / "meta.json")) for path in parts]
+    metas = [json.loads(read_whole(path / "meta.json", 2**26)) for path in parts]
     tokens = {split: sum(meta["tokens"][split] for meta in metas) for split in ("val", "train")}
     merged = {**metas[0], "args": {**now, "part": count}, "shards": {"val": [], "train": []},
               "tokens": tokens, "num_chars": sum(m["num_chars"] for m in metas),

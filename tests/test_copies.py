@@ -23,6 +23,7 @@ COPIES = [("lock_directory", WRITERS),
           ("tokenizer_problem", ["model.py", "prepare_data.py"]),
           ("parse_settings", ["sample.py", "export_hf.py"]),  # their --key=value options
           ("hub_problem", [*TRAINERS, "prepare_data.py", "train.py"]),  # train.py: for HellaSwag
+          ("read_whole", ["prepare_data.py", "train.py"]),  # files they read whole: bounded
           # the text reader: train_bpe_multigpu.py's ranks read byte ranges (read_jsonl, read_parquet) and
           # shares of a Hub dataset (datasets_texts), so those three are its own, and it opens its sources
           # its own way (no local_texts, no offline corpus)

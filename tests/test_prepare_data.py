@@ -780,16 +780,16 @@ def test_files_read_whole_are_read_bounded(tmp_path, bpe_dir, monkeypatch):
         piped = shutil.copytree(bpe_dir, tmp_path / "piped")
         (piped / "tokenizer.json").unlink()
         os.mkfifo(piped / "tokenizer.json")
-        assert "tokenizer.json is not a regular file of at most 64 MB" in refused("--tokenizer", piped,
+        assert "tokenizer.json: not a regular file of at most 67,108,864 bytes" in refused("--tokenizer", piped,
                                                                                  "--data", "a.txt")
         (tmp_path / "ds").mkdir()
         os.mkfifo(tmp_path / "ds" / "progress.json")
-        assert "progress.json is not a regular file" in refused("--tokenizer", bpe_dir, "--data", "a.txt",
+        assert "progress.json: not a regular file" in refused("--tokenizer", bpe_dir, "--data", "a.txt",
                                                                 "--out", "ds")
         os.unlink(tmp_path / "ds" / "progress.json")
         with open(tmp_path / "ds" / "meta.json", "wb") as f:
             f.truncate(65 << 20)  # sparse: no disk
-        assert "meta.json is not a regular file of at most 64 MB" in refused("--tokenizer", bpe_dir, "--data",
+        assert "meta.json: not a regular file of at most 67,108,864 bytes" in refused("--tokenizer", bpe_dir, "--data",
                                                                              "a.txt", "--out", "ds")
     finally:
         signal.alarm(0)
