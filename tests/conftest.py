@@ -150,6 +150,7 @@ def run_child(request):
     """In the forked child: become `python script args...` in cwd, with stdout and stderr into files."""
     status = 1
     try:
+        os.environ.update(request.get("environ", {}))
         for fd, path, flags in [(0, os.devnull, os.O_RDONLY), (1, request["stdout"], os.O_WRONLY),
                                 (2, request["stderr"], os.O_WRONLY)]:
             opened = os.open(path, flags)
@@ -238,21 +239,23 @@ class ScriptRunner:
             self.servers[key] = (process, ready["printed"] == "" and ready["threads"] == 1)
         return self.servers[key]
 
-    def start(self, command, cwd, env=None, text=True):
-        """The run begun; finish(run) waits for it."""
+    def start(self, command, cwd, env=None, text=True, environ=None):
+        """The run begun; finish(run) waits for it. environ: variables added in this run alone, for those that no
+        import reads (a rank's RANK, MASTER_PORT): the server is env's."""
         assert command[0] == sys.executable and not command[1].startswith("-"), command
         env = dict(os.environ if env is None else env)
         server, faithful = self.server(env)
         if not faithful:  # the imports printed something or started a thread: a real process, then
-            process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=text, env=env,
-                                       cwd=cwd)
+            process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=text,
+                                       env=dict(env, **(environ or {})), cwd=cwd)
             return {"command": command, "process": process}
         outputs = tempfile.mkdtemp(prefix="script_runner_")
         run = {"command": command, "server": server, "env": env, "text": text, "outputs": outputs,
                "stdout": os.path.join(outputs, "stdout"), "stderr": os.path.join(outputs, "stderr")}
         open(run["stdout"], "w").close()
         open(run["stderr"], "w").close()
-        request = {"argv": command[1:], "cwd": str(cwd), "stdout": run["stdout"], "stderr": run["stderr"]}
+        request = {"argv": command[1:], "cwd": str(cwd), "stdout": run["stdout"], "stderr": run["stderr"],
+                   "environ": environ or {}}
         run["pid"] = int(self.ask(run, json.dumps(request), time.time() + 60))
         return run
 

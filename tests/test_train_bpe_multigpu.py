@@ -1,10 +1,12 @@
 """train_bpe_multigpu.py under torchrun on the CPU (gloo): the tokenizer rustbpe trains on the documents the
 ranks read, whatever the world size; each rank reads only its part; errors and hangs end in one line.
 
-Every run launches real processes (`python -m torch.distributed.run --standalone`), so the split of the text,
-the all_reduce of count changes and the error paths run as on a GPU node, only with gloo instead of NCCL. The
-merge loop's Triton kernels run in Triton's interpreter (TRITON_INTERPRET=1), as in test_train_bpe_gpu.py.
-Runs are slow on a small machine, so each is shared by several tests (module-scoped fixtures).
+Every run launches real processes, one a rank, so the split of the text, the all_reduce of count changes and
+the error paths run as on a GPU node, only with gloo instead of NCCL. The merge loop's Triton kernels run in
+Triton's interpreter (TRITON_INTERPRET=1), as in test_train_bpe_gpu.py. Runs are slow on a small machine, so
+each is shared by several tests (module-scoped fixtures), and most ranks are forked from conftest's warm script
+runner (torch imported once, not per rank); the tests of what torchrun does (a rank's bad line, the offline
+default, a rank that hangs or dies) launch real torchrun (`python -m torch.distributed.run --standalone`).
 """
 import base64
 import json
@@ -15,7 +17,6 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -25,7 +26,7 @@ import pyarrow.parquet
 import pytest
 import rustbpe
 import torch
-from conftest import child_with_env, freeze_rank_1
+from conftest import SCRIPT_RUNNER, child_with_env, freeze_rank_1
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -39,12 +40,40 @@ DEVICE, BACKEND = ("cuda", "nccl") if torch.cuda.is_available() else ("cpu", "gl
 
 
 def torchrun(nproc, *args, cwd, timeout=60):
-    """The script on nproc CPU ranks (plain python for one). A hang fails the test instead of blocking CI."""
-    launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                                    f"--nproc_per_node={nproc}"]
-    command = [*launcher, str(SCRIPT), "--device", "cpu", "--timeout", str(timeout), "--cache_dir",
-               str(cwd / "cache"), *map(str, args)]
+    """The script on nproc CPU ranks under real torchrun. A hang fails the test instead of blocking CI."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+               str(SCRIPT), "--device", "cpu", "--timeout", str(timeout), "--cache_dir", str(cwd / "cache"),
+               *map(str, args)]
     return subprocess.run(command, cwd=cwd, env=ENV, capture_output=True, text=True, timeout=240)
+
+
+def start_ranks(nproc, *args, cwd, timeout=60):
+    """The script on nproc CPU ranks (a world of one for 1), each forked from the warm script runner with the
+    variables torchrun gives a rank; this process hosts the group's store, as torchrun's agent does. finish_ranks
+    waits for them."""
+    command = [sys.executable, str(SCRIPT), "--device", "cpu", "--timeout", str(timeout), "--cache_dir",
+               str(cwd / "cache"), *map(str, args)]
+    if nproc == 1:  # plain python
+        return command, None, [SCRIPT_RUNNER.start(command, cwd, ENV)]
+    store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    ranks = [SCRIPT_RUNNER.start(command, cwd, ENV, environ=dict(
+        RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0", WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port), TORCHELASTIC_USE_AGENT_STORE="True"))
+        for rank in range(nproc)]
+    return command, store, ranks
+
+
+def finish_ranks(started):
+    """One result, as torchrun's: the ranks' output in rank order, the first non-zero status."""
+    command, store, ranks = started
+    results = [SCRIPT_RUNNER.finish(rank, timeout=240) for rank in ranks]
+    status = next((result.returncode for result in results if result.returncode), 0)
+    return subprocess.CompletedProcess(command, status, "".join(result.stdout for result in results),
+                                       "".join(result.stderr for result in results))
+
+
+def run_ranks(nproc, *args, cwd, timeout=60):
+    return finish_ranks(start_ranks(nproc, *args, cwd=cwd, timeout=timeout))
 
 
 def rustbpe_file(docs, vocab_size):
@@ -101,9 +130,9 @@ def several_files(tmp_path_factory):
     c_docs = [words(200 + i, 90) for i in range(30)]
     table = pyarrow.table({"text": c_docs, "id": list(range(30))})
     pyarrow.parquet.write_table(table, root / "c.parquet", row_group_size=10, compression="NONE")
-    run = lambda w: torchrun(w, "--data", root, "-n", 10**9, "-v", 280, "--out", root / f"tok{w}", cwd=root)  # noqa: E731
-    with ThreadPoolExecutor(2) as pool:  # two runs at a time: one's start-up overlaps the other's waits
-        runs = dict(zip((1, 2, 3, 4), pool.map(run, (1, 2, 3, 4))))
+    started = {w: start_ranks(w, "--data", root, "-n", 10**9, "-v", 280, "--out", root / f"tok{w}", cwd=root)
+               for w in (1, 2, 3, 4)}  # all at once: one's waits overlap the others' work
+    runs = {w: finish_ranks(ranks) for w, ranks in started.items()}
     return SimpleNamespace(root=root, docs=a_docs + [b_doc] + c_docs, runs=runs)
 
 
@@ -151,7 +180,7 @@ def one_file_part(tmp_path_factory):
     docs = [words(300 + i, 40 + 7 * i) for i in range(40)]
     path = write_jsonl(root / "one.jsonl", docs)
     num_chars = sum(map(len, docs)) * 6 // 10
-    run = lambda name: torchrun(2, "--data", path, "-n", num_chars, "-v", 280, "--out", root / name, cwd=root)
+    run = lambda name: run_ranks(2, "--data", path, "-n", num_chars, "-v", 280, "--out", root / name, cwd=root)
     first = run("first")
     counts_file = next((root / "cache").glob("*/rank1.counts.npy"))
     counts = np.load(counts_file)
@@ -203,7 +232,7 @@ def test_counts_past_2_to_the_31_and_past_one_int64_key(tmp_path):
     for rank, chunk_counts in enumerate(parts):
         prefix = tmp_path / "cache" / mg.cache_key(args, str(path), [path], 2) / f"rank{rank}"
         mg.write_cache(prefix, chunk_counts, {"rank": rank, "bytes": [0, 0], "documents": 1, "chars": 1, "cut": False})
-    result = torchrun(2, "--data", path, "-n", 100, "-v", 2048, "--out", tmp_path / "tok", cwd=tmp_path)
+    result = run_ranks(2, "--data", path, "-n", 100, "-v", 2048, "--out", tmp_path / "tok", cwd=tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "cache: 2 of 2 ranks reused" in result.stdout and "| setup " in result.stdout
     merges, _ = cpu_bpe.train(parts[0] + parts[1], 2048)  # Python integers: exact at any size
@@ -221,7 +250,7 @@ def test_counts_past_2_to_the_31_and_past_one_int64_key(tmp_path):
 def test_v_256_makes_no_merge_and_says_so_without_a_traceback(tmp_path):
     """-v 256 is the bytes alone: the loop never runs, and its per-merge figures are zeros, not a KeyError."""
     path = write_jsonl(tmp_path / "tiny.jsonl", ["abab abab"])
-    result = torchrun(1, "--data", path, "-n", 100, "-v", 256, "--out", tmp_path / "tok", cwd=tmp_path)
+    result = run_ranks(1, "--data", path, "-n", 100, "-v", 256, "--out", tmp_path / "tok", cwd=tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "per merge: 0.00 collectives (0.0 KiB), 0.00 host reads" in result.stdout, result.stdout
     assert len((tmp_path / "tok" / "tokenizer.tiktoken").read_text().splitlines()) == 256
@@ -261,7 +290,7 @@ def test_characters_the_pattern_leaves_out_are_one_warning_over_all_ranks(tmp_pa
     encoding too, so the run goes on, and rank 0 says how many, counted over all the text."""
     docs = [words(400 + i, 150) for i in range(6)]
     path = write_jsonl(tmp_path / "w.jsonl", docs)
-    result = torchrun(2, "--data", path, "-v", 257, "--pattern", r"\w+", "--out", tmp_path / "tok", cwd=tmp_path)
+    result = run_ranks(2, "--data", path, "-v", 257, "--pattern", r"\w+", "--out", tmp_path / "tok", cwd=tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
     chars = sum(map(len, docs))
     matched = sum(len(match) for doc in docs for match in mg.regex.findall(r"\w+", doc))
@@ -324,7 +353,8 @@ def run_patched(patch, *args, cwd):
     as a traceback, whose last line the tests read."""
     argv = [*map(str, args), "--device", "cpu", "--cache_dir", "cache"]
     code = f"import sys; sys.path.insert(0, {str(REPO)!r}); import train_bpe_multigpu as mg; {patch}; mg.run({argv!r})"
-    return subprocess.run([sys.executable, "-c", code], cwd=cwd, env=ENV, capture_output=True, text=True, timeout=120)
+    (cwd / "patched.py").write_text(code)
+    return SCRIPT_RUNNER.run([[sys.executable, "patched.py"]], cwd=cwd, env=ENV, timeout=120)[0]
 
 
 def test_distinct_chunks_past_int32_positions_are_a_user_error(tmp_path):
@@ -352,12 +382,12 @@ def test_int64_count_rows_that_do_not_fit_are_one_line_once_the_text_is_counted(
 def test_a_cache_that_cannot_be_written_and_a_file_that_cannot_be_read_are_one_line(tmp_path):
     path = write_jsonl(tmp_path / "tiny.jsonl", ["some text to train on"])
     (tmp_path / "cache").write_text("a file where the cache directory should be")
-    result = torchrun(1, "--data", path, "-v", 260, "--out", tmp_path / "tok", cwd=tmp_path)
+    result = run_ranks(1, "--data", path, "-v", 260, "--out", tmp_path / "tok", cwd=tmp_path)
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and errors[0].startswith(f"error: {tmp_path / 'cache'}/"), result.stderr
     assert errors[0].endswith(": Not a directory; check it (--cache_dir says where the cache goes)"), result.stderr
-    result = torchrun(1, "--data", "x" * 300 + ".txt", "-v", 260, cwd=tmp_path)  # an OSError before any work
+    result = run_ranks(1, "--data", "x" * 300 + ".txt", "-v", 260, cwd=tmp_path)  # an OSError before any work
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
     assert "error: [Errno 36] File name too long" in result.stderr, result.stderr
 
@@ -562,11 +592,12 @@ for counts in ("*i32", "*i64"):
 """
 
 
-def test_the_kernels_compile_for_a_gpu():
+def test_the_kernels_compile_for_a_gpu(tmp_path):
     """The interpreter accepts some constructs that the GPU compiler rejects: compile each kernel for an H100
     (sm_90) with Triton's own compiler, which needs no GPU."""
-    result = subprocess.run([sys.executable, "-c", COMPILE_FOR_A_GPU, str(REPO)], capture_output=True, text=True,
-                            timeout=300)
+    (tmp_path / "compile_for_a_gpu.py").write_text(COMPILE_FOR_A_GPU)
+    result = SCRIPT_RUNNER.run([[sys.executable, "compile_for_a_gpu.py", str(REPO)]], cwd=tmp_path, env=ENV,
+                               timeout=300)[0]
     assert result.returncode == 0 and result.stdout.count("compiled") == 10, result.stdout + result.stderr[-3000:]
     assert result.stdout.count("barriers between copy, blocks and scan: True") == 2, result.stdout  # a GPU race
     assert result.stdout.count("refresh_rows pipelined: True") == 2, result.stdout
