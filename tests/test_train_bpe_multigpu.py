@@ -455,10 +455,25 @@ def test_nccl_on_one_gpu_equals_rustbpe(tmp_path):
     assert (tmp_path / "tok" / "tokenizer.tiktoken").read_bytes() == rustbpe_file(docs, 500)
 
 
-def test_the_merge_loop_reads_the_device_once_per_16_merges_counting_every_kind(monkeypatch):
-    """In this process, a world of one: every read of a tensor's value by the host is counted, whether
+def merge_in_a_world_of_one(chunk_counts, vocab_size):
+    """merge_on_device on these chunks in this process, a world of one: (merges, loop counts, seconds)."""
+    chunks = [chunk.encode() for chunk in chunk_counts]
+    arrays = mg.chunks_to_arrays(np.frombuffer(b"".join(chunks), np.uint8), np.array([len(c) for c in chunks]),
+                                 np.array(list(chunk_counts.values())), np.int32)
+    torch.distributed.init_process_group(BACKEND, store=torch.distributed.HashStore(), rank=0, world_size=1)
+    try:
+        merges, _, loop, seconds = mg.merge_on_device(arrays, vocab_size, 10**6, torch.device(DEVICE), False)
+    finally:
+        torch.distributed.destroy_process_group()
+    return merges, loop, seconds
+
+
+@pytest.fixture(scope="module")
+def watched_merges():
+    """One merge loop (32 merges) watched two ways. Every read of a tensor's value by the host is counted, whether
     .item(), .tolist(), int(), bool(), float() or a 0-dim tensor used as an index (all but .tolist() dispatch
-    _local_scalar_dense; .tolist() is counted by wrapping it). The loop may read once per 16 merges."""
+    _local_scalar_dense; .tolist() is counted by wrapping it). And each all_reduce of delta is kept with the
+    number of nonzero lanes past the prefix it sends, and its prefix's last lane (read after the loop)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class CountReads(TorchDispatchMode):
@@ -468,54 +483,42 @@ def test_the_merge_loop_reads_the_device_once_per_16_merges_counting_every_kind(
             CountReads.reads += func is torch.ops.aten._local_scalar_dense.default
             return func(*args, **(kwargs or {}))
 
-    tolist = torch.Tensor.tolist
-    monkeypatch.setattr(torch.Tensor, "tolist", lambda self: (setattr(CountReads, "reads", CountReads.reads + 1),
-                                                                tolist(self))[1])
+    vocab_size, tolist, all_reduce, sent = 288, torch.Tensor.tolist, mg.dist.all_reduce, []
+
+    def kept(tensor, *args, **kwargs):
+        whole = torch.empty(0, dtype=tensor.dtype, device=tensor.device).set_(tensor.untyped_storage())
+        if tensor.storage_offset() == 0 and whole.numel() == 3 * vocab_size + 1:  # delta[:prefix]
+            sent.append((whole[tensor.numel():].count_nonzero(), tensor[-1].clone()))  # no read: ops
+        return all_reduce(tensor, *args, **kwargs)
+
     chunk_counts = Counter(regex_chunk for doc in EDGE_CASES[:4] + [words(i, 100) for i in range(2)]
                            for regex_chunk in mg.regex.findall(mg.pattern, doc))
-    chunks = [chunk.encode() for chunk in chunk_counts if len(chunk.encode()) >= 2]
-    blob = np.frombuffer(b"".join(chunks), np.uint8)
-    lengths = np.array([len(chunk) for chunk in chunks])
-    counts = np.array([chunk_counts[chunk.decode()] for chunk in chunks])
-    arrays = mg.chunks_to_arrays(blob, lengths, counts, np.int32)
-    torch.distributed.init_process_group(BACKEND, store=torch.distributed.HashStore(), rank=0, world_size=1)
-    try:
-        with CountReads():
-            merges, _, loop, _ = mg.merge_on_device(arrays, 288, int(((lengths - 1) * counts).sum()), torch.device(DEVICE),
-                                                 False)
-    finally:
-        torch.distributed.destroy_process_group()
+    with pytest.MonkeyPatch.context() as patch, CountReads():
+        patch.setattr(torch.Tensor, "tolist", lambda self: (setattr(CountReads, "reads", CountReads.reads + 1),
+                                                             tolist(self))[1])
+        patch.setattr(mg.dist, "all_reduce", kept)
+        merges, loop, _ = merge_in_a_world_of_one(chunk_counts, vocab_size)
+    return SimpleNamespace(merges=merges, loop=loop, reads=CountReads.reads, expected=cpu_bpe.train(chunk_counts,
+                           vocab_size)[0], sent=[(int(unsent), int(last)) for unsent, last in sent])
+
+
+def test_the_merge_loop_reads_the_device_once_per_16_merges_counting_every_kind(watched_merges):
+    """In this process, a world of one: every read of a tensor's value by the host is counted, whatever its kind
+    (see watched_merges). The loop may read once per 16 merges."""
+    merges, loop, reads = watched_merges.merges, watched_merges.loop, watched_merges.reads
     assert len(merges) == 288 - 256
     # one "done?" per 16 merges, then three after the loop: the merge count, the merges, the tokens saved
-    assert loop["host_reads"] == 2 and CountReads.reads == loop["host_reads"] + 3, (CountReads.reads, loop)
-    assert merges == cpu_bpe.train(chunk_counts, 288)[0]
+    assert loop["host_reads"] == 2 and reads == loop["host_reads"] + 3, (reads, loop)
+    assert merges == watched_merges.expected
 
 
-def test_each_merge_sends_every_number_of_delta_it_can_write(monkeypatch):
+def test_each_merge_sends_every_number_of_delta_it_can_write(watched_merges):
     """The all_reduce of the count changes sends a prefix of delta: merge m writes ids up to 256 + m, each at
     1 + 3 id + 2 at most. A prefix one short drops the last lane, (new, new) after a run "aaaa" merges, which the
     exactness runs catch only when another rank owns that row: here every all_reduce of delta, in a world of one,
     must leave nothing unsent, and the prefix's last lane must have been written at least once."""
-    all_reduce, sent = mg.dist.all_reduce, []
-
-    def checked(tensor, *args, **kwargs):
-        whole = torch.empty(0, dtype=tensor.dtype, device=tensor.device).set_(tensor.untyped_storage())
-        if tensor.storage_offset() == 0 and whole.numel() == 3 * 300 + 1:  # delta[:prefix]
-            sent.append((int(whole[tensor.numel():].count_nonzero()), int(tensor[-1])))
-        return all_reduce(tensor, *args, **kwargs)
-
-    monkeypatch.setattr(mg.dist, "all_reduce", checked)
-    chunk_counts = Counter(regex_chunk for doc in EDGE_CASES[1:4] + [words(5, 100)]
-                           for regex_chunk in mg.regex.findall(mg.pattern, doc))
-    chunks = [chunk.encode() for chunk in chunk_counts]
-    arrays = mg.chunks_to_arrays(np.frombuffer(b"".join(chunks), np.uint8), np.array([len(c) for c in chunks]),
-                                 np.array(list(chunk_counts.values())), np.int32)
-    torch.distributed.init_process_group(BACKEND, store=torch.distributed.HashStore(), rank=0, world_size=1)
-    try:
-        merges, _, _, _ = mg.merge_on_device(arrays, 300, 10**6, torch.device(DEVICE), False)
-    finally:
-        torch.distributed.destroy_process_group()
-    assert merges == cpu_bpe.train(chunk_counts, 300)[0]
+    merges, sent = watched_merges.merges, watched_merges.sent
+    assert merges == watched_merges.expected
     assert len(sent) > len(merges) and all(unsent == 0 for unsent, _ in sent), sent
     assert any(last != 0 for _, last in sent), sent  # the edge itself was crossed
 
@@ -539,15 +542,8 @@ def test_many_programs_and_small_blocks_give_the_same_merges(monkeypatch):
     monkeypatch.setattr(mg, "best_pair", SlowFirstLaunch())
     chunk_counts = Counter(regex_chunk for doc in [EDGE_CASES[1], EDGE_CASES[3], words(7, 60)]
                            for regex_chunk in mg.regex.findall(mg.pattern, doc))
-    chunks = [chunk.encode() for chunk in chunk_counts]
-    arrays = mg.chunks_to_arrays(np.frombuffer(b"".join(chunks), np.uint8), np.array([len(c) for c in chunks]),
-                                 np.array(list(chunk_counts.values())), np.int32)
-    torch.distributed.init_process_group(BACKEND, store=torch.distributed.HashStore(), rank=0, world_size=1)
-    try:
-        merges, _, _, seconds = mg.merge_on_device(arrays, 272, 10**6, torch.device(DEVICE), False)
-        returned = time.time()
-    finally:
-        torch.distributed.destroy_process_group()
+    merges, _, seconds = merge_in_a_world_of_one(chunk_counts, 272)
+    returned = time.time()
     assert len(merges) == 16 and merges == cpu_bpe.train(chunk_counts, 272)[0]
     # the loop started at the latest its own seconds before the return
     assert seconds["setup"] >= 0.5 and launches[0] <= returned - seconds["loop"], (seconds, launches, returned)
