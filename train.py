@@ -30,6 +30,7 @@ milestones = []                 # steps whose checkpoint is also kept, as ckpt_<
 wandb_log, wandb_project, wandb_run_name = False, "lillm", "run"  # log evals to Weights & Biases
 hellaswag_interval = 0          # HellaSwag at the evals of steps that are multiples of this; 0: off
 hellaswag = "hub"               # "hub" (Rowan/hellaswag: 10,042 examples) or a local .jsonl of them
+hellaswag_batch = 32            # HellaSwag examples (4 rows each) scored in one forward
 sample_prompt = ""              # at each eval, print and log 32 tokens sampled after it; "": off
 eval_only = False               # with init_from="resume": every eval once on the checkpoint, then exit
 # batch: total_batch_size is what matters to the optimization; the others fit the hardware
@@ -176,7 +177,7 @@ for arg in sys.argv[1:]:
 for names, test, what in [
     ([k for k, v in defaults.items() if type(v) is float], math.isfinite, "finite"),
     (["batch_size", "block_size", "learning_rate", "eval_interval", "eval_iters", "log_interval",
-      "timeout"], lambda v: v > 0, "positive"),
+      "timeout", "hellaswag_batch"], lambda v: v > 0, "positive"),
     (["total_batch_size"], lambda v: v is None or v > 0, "positive, or None"),
     (["max_iters", "warmup_iters", "lr_decay_iters", "min_lr", "weight_decay", "grad_clip",
       "hellaswag_interval"], lambda v: v >= 0, "0 or more"),
@@ -390,6 +391,7 @@ if hellaswag_set:
     examples = [([token_ids(context)] + [token_ids(" " + ending) for ending in endings], label)
                 for context, endings, label in hellaswag_set]
     hellaswag_set = [(ids[0], ids[1:], label) for ids, label in examples if None not in ids]
+    hellaswag_set.sort(key=lambda example: len(example[0]) + max(map(len, example[1])))
     if len(hellaswag_set) < len(examples) and master:
         print(f"note: HellaSwag: {len(examples) - len(hellaswag_set)} of {len(examples)} examples "
               "have text the tokenizer can't encode; they are left out")
@@ -650,17 +652,22 @@ while True:
                 with torch.no_grad(), autocast:
                     totals[split_index] += model(x, y)[1].float()
         # HellaSwag as build-nanogpt and llm.c score it: the answer is the ending of lowest mean
-        # loss (acc_norm) or sum (acc). The raw model, here and for the sample: varying shapes
-        # would make torch.compile recompile.
+        # loss (acc_norm) or sum (acc). hellaswag_batch examples a forward: one each would leave a
+        # GPU waiting on launches. Sorted by length (at loading), a batch's rows pad little. The raw
+        # model, here and for the sample: varying shapes would make torch.compile recompile.
         if hellaswag_set and (iter_num % hellaswag_interval == 0 or last_iter or eval_only):
-            for context, endings, label in hellaswag_set[rank::world_size]:
+            share = hellaswag_set[rank::world_size]
+            for batch in [share[i:i + hellaswag_batch] for i in range(0, len(share), hellaswag_batch)]:
                 if stop_signal:
                     totals[2] = 1
                     break
+                contexts = [context for context, endings, _ in batch for _ in endings]
+                all_endings = [ending for _, endings, _ in batch for ending in endings]
                 with torch.no_grad(), autocast:
-                    summed, mean = raw_model.continuation_losses([context] * 4, endings)
-                totals[3:] += torch.stack([torch.ones((), device=device), mean.argmin() == label,
-                                           summed.argmin() == label])
+                    summed, mean = raw_model.continuation_losses(contexts, all_endings)
+                labels = torch.tensor([label for _, _, label in batch], device=device)
+                right = [(losses.view(-1, 4).argmin(1) == labels).sum() for losses in (mean, summed)]
+                totals[3:] += torch.stack([torch.tensor(len(batch), device=device), *right])
         sample = None
         if sample_ids and master:  # 32 tokens, the same seed each time
             prompt = torch.tensor([sample_ids[-block_size:]], device=device)
