@@ -196,10 +196,8 @@ class GPT(nn.Module):
         if targets is None:
             return self.lm_head(x[:, [-1], :]), None
         logits = self.lm_head(x)
-        # float32 softmax: bf16 logits visibly round the loss at vocab sizes like ours. Compiled, the
-        # upcast fuses into the loss's kernels: backward keeps the bf16 logits and each row's max and
-        # sum, no float32 copy. Returned detached, else the compiled backward fills a zero gradient
-        # for them: B*T*vocab bf16 values written and read again, ~3% of a 124M step.
+        # float32 softmax: bf16 logits visibly round the loss at vocab sizes like ours. Detached, or a
+        # compiled backward fills them a zero gradient (B*T*vocab: ~3% of a 124M step).
         loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1),
                                ignore_index=-1)
         return logits.detach(), loss
