@@ -8,9 +8,9 @@ lengths, not on the ids), the weights fresh.
     python bench/bench_hellaswag.py config/quickstart.py --vocab_size=1024 --batches 1,8,32    # CPU
     python bench/bench_hellaswag.py config/gpt2_124m.py --device cuda --examples 2000 --batches 1,32,64
 
-Lengths: a context of 20-100 tokens and 4 endings of 10-40 tokens each, drawn uniformly (HellaSwag's validation
-set in GPT-2 tokens: contexts of ~20-150, endings of ~5-80). The 124M line ends with the time one eval of HellaSwag's
-10,042 examples would take at that rate.
+Lengths: a context of 20-100 tokens and 4 endings of 10-40 tokens each, drawn uniformly: an assumption, not
+HellaSwag's measured lengths (its contexts are a sentence or two, its endings one). On CUDA each line ends with the
+time one eval of HellaSwag's 10,042 examples would take at that rate.
 """
 import argparse
 import random
