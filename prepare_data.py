@@ -6,7 +6,7 @@ Turn text into token shards for train.py: fast, in flat memory, and resumable.
     python prepare_data.py --tokenizer char --data ../shared/corpora/tinyshakespeare.txt
 
 It writes DIR/val_000000.npy, ..., DIR/train_000000.npy, ... and, last, DIR/meta.json (DIR: --out,
-or data/<source>_<tokenizer>), as the README says. Killed and rerun, it resumes where it stopped.
+or data/<source>_<tokenizer>). Killed and rerun, it resumes where it stopped.
 On many machines: --part K/N on each, then --merge N.
 """
 
@@ -25,15 +25,15 @@ from tqdm import tqdm
 
 # === the settings, each overridable from the command line
 data = "fineweb"  # fineweb(-edu) | openwebtext | tinystories | a .txt/.jsonl/.parquet file or dir
-tokenizer = None  # a directory from train_bpe_*.py | a tiktoken name (gpt2) | char
+tokenizer = None  # a train_bpe_*.py directory | a tiktoken name (gpt2) | char
 out = None  # data/<source>_<tokenizer>, or data/<tokenizer> if named after its source
-num_chars = None  # read only the first N characters (default: all)
+num_chars = None  # read only the first N characters
 max_tokens = None  # stop after N tokens, train + val
 shard_size = 100_000_000  # tokens per shard: 200 MB of uint16, as in build-nanogpt
-val_tokens = 1_000_000  # val: the first documents, until they hold this many tokens
+val_tokens = 1_000_000  # val: the first documents, up to this many tokens
 workers = os.cpu_count()  # tokenizer threads
-batch_chars = 1 << 20  # characters per batch a thread encodes: enough to amortize, few for memory
-part = None  # K/N: only part K (0..N-1) of N of the files, into --out/part-K-of-N
+batch_chars = 1 << 20  # characters a thread encodes at once: enough to amortize, little memory
+part = None  # K/N: only part K (0..N-1) of the files, into --out/part-K-of-N
 merge = None  # N: link the N parts' shards into --out, in stream order
 HUB_DATASETS = {  # name: (repository, config, parquet files)
     "fineweb": ("HuggingFaceFW/fineweb", "sample-10BT", None),
@@ -44,17 +44,17 @@ LOCAL_SUFFIXES = (".txt", ".jsonl", ".parquet")
 
 
 # === step 1: tokenize the documents, in threads
-# tiktoken's Rust core releases the GIL while it encodes, so threads use every core without a
-# process pool's cost (pickling documents and tokens); encode_to_numpy builds no list of ints.
+# tiktoken's Rust core releases the GIL while it encodes: threads use every core without a process
+# pool's cost (pickling documents and tokens); encode_to_numpy builds no list of ints.
 def encode_batch(texts, encoder, dtype, token_lengths):
     """Per text: ids (<|endoftext|>, none at char level, then its own), characters, UTF-8 bytes, and
-    the bytes its ids spell (fewer if the split pattern left some unmatched: tiktoken drops them)"""
+    the bytes its ids spell (fewer if the split pattern left some unmatched)"""
     eot = np.array([] if encoder.eot_token is None else [encoder.eot_token], dtype)
     encoded = []
     for text in texts:
         try:  # "<|endoftext|>" in a text is plain text
             ids = encoder.encode_to_numpy(text, allowed_special=set(), disallowed_special=())
-        except ValueError as error:  # tiktoken's regex gives up on a million spaces, say
+        except ValueError as error:  # tiktoken's regex gives up on a million spaces
             raise UserError(f"tiktoken can't split a document ({error}); "
                             "shorten its runs of whitespace")
         ids = np.concatenate([eot, ids], dtype=dtype)
@@ -66,7 +66,7 @@ def encode_batch(texts, encoder, dtype, token_lengths):
 
 def encode_in_threads(texts, encode, workers):
     """encode's results, in order: threads encode batches of batch_chars characters while this one
-    reads ahead, 2 per thread at most, so memory stays flat."""
+    reads ahead, 2 per thread at most: flat memory."""
     pool, in_flight, batch, size = ThreadPoolExecutor(workers), deque(), [], 0
     try:
         for text in itertools.chain(texts, [None]):  # None: the end
@@ -78,15 +78,15 @@ def encode_in_threads(texts, encode, workers):
                 batch, size = [], 0
             while in_flight and (text is None or len(in_flight) > 2 * workers):
                 yield from in_flight.popleft().result()
-    finally:  # also when stopped early (--max_tokens, an error, Ctrl-C): drop batches not begun
+    finally:  # stopped early too (--max_tokens, an error, Ctrl-C): drop batches not begun
         pool.shutdown(cancel_futures=True)
 
 
 class CharEncoder:
-    """tiktoken's interface at char level: a character's id is its rank in the data's characters."""
+    """tiktoken's interface at char level: a character's id, its rank in the data's characters."""
     def __init__(self, chars):
         self.n_vocab, self.eot_token = len(chars), None
-        self.ids = np.full(0x110000, len(chars), np.uint32)  # len(chars): not in the vocabulary
+        self.ids = np.full(0x110000, len(chars), np.uint32)  # len(chars): not in the vocab
         self.ids[[ord(c) for c in chars]] = np.arange(len(chars))
 
     def encode_to_numpy(self, text, **_):
@@ -99,7 +99,7 @@ class CharEncoder:
 # === step 2: write the shards
 # Shard k of a split holds its tokens [k * shard_size, (k + 1) * shard_size): boundaries depend on
 # the data alone. A .npy file is a 128-byte header and the raw array: tokens stream into NAME.tmp
-# behind a placeholder header, the true header goes in when the shard is full, then it becomes NAME.
+# behind a placeholder header, the true one goes in when the shard is full, then it becomes NAME.
 # Each finished shard saves progress.json: the meta.json to be, and where a rerun resumes.
 class Shards:
     def __init__(self, out_dir, state, shard_size):
@@ -112,7 +112,7 @@ class Shards:
             self.split = split
         while start < end:
             if self.file is None:
-                if not (self.out_dir / "progress.json").exists():  # a rerun now resumes
+                if not (self.out_dir / "progress.json").exists():  # a rerun resumes
                     write_json(self.out_dir / "progress.json", self.state)
                 name = f"{split}_{len(self.state['shards'][split]):06d}.npy"
                 self.file = open(self.out_dir / f"{name}.tmp", "wb")
@@ -126,7 +126,7 @@ class Shards:
                 self.finish(index, start)
 
     def finish(self, document, offset):
-        """Close the open shard, if any; a rerun resumes at token `offset` of `document`."""
+        """Close the open shard, if any; a rerun resumes at `document`'s token `offset`."""
         self.state["resume"].update(document=document, offset=offset)
         if self.file is None:
             return
@@ -135,7 +135,7 @@ class Shards:
                   "shape": (self.filled,)}
         np.lib.format.write_array_header_1_0(self.file, header)
         self.file.flush()
-        os.fsync(self.file.fileno())  # on disk before the name says the shard is whole
+        os.fsync(self.file.fileno())  # on disk before its name says it is whole
         self.file.close()
         self.state["shards"][self.split].append(Path(self.file.name).stem)
         os.replace(self.file.name, self.out_dir / Path(self.file.name).stem)
@@ -143,7 +143,7 @@ class Shards:
         self.file, self.filled = None, 0
 
 
-def write_json(path, obj):  # under a temporary name, then renamed: never half a file
+def write_json(path, obj):  # a temporary name, then renamed: never half a file
     with open(f"{path}.tmp", "w") as f:
         json.dump(obj, f, indent=1, ensure_ascii=False)
         f.flush()
@@ -156,9 +156,9 @@ def write_json(path, obj):  # under a temporary name, then renamed: never half a
 # always the last. A lone document trains on its first 90% and validates on the rest, as in nanoGPT.
 def val_split(first, size, skip, is_last, written, val_tokens):
     """Where a document's tokens [skip, size) go, as (split, start, end); `written`: each split's
-    tokens, the first `skip` included (a resumed run wrote those)."""
+    tokens, the first `skip` included (a resumed run's)."""
     if is_last and first:
-        cut = size * 9 // 10  # below size: val gets a token at least
+        cut = size * 9 // 10  # below size: val gets a token
         return [("train", skip, cut), ("val", max(skip, cut), size)]
     val = not is_last and written["train"] == 0 and written["val"] - skip < val_tokens
     return [("val" if val else "train", skip, size)]
@@ -166,8 +166,8 @@ def val_split(first, size, skip, is_last, written, val_tokens):
 
 # === step 4: meta.json, last
 def complete(out_dir, tokenizer_files, meta=None):
-    """The BPE tokenizer's files (the dataset stands on its own); meta.json, last, as it says the
-    dataset is complete; then no progress.json, nor a *.tmp that a killed run began."""
+    """The BPE tokenizer's files (the dataset stands alone); meta.json, last: it says the dataset
+    is complete; then no progress.json, nor a *.tmp of a killed run."""
     for name, content in tokenizer_files.items():
         (out_dir / f"{name}.tmp").write_bytes(content)
         os.replace(out_dir / f"{name}.tmp", out_dir / name)
@@ -177,7 +177,7 @@ def complete(out_dir, tokenizer_files, meta=None):
         leftover.unlink(missing_ok=True)
 
 
-# === the run: steps 1 to 4, in order. What it calls that no step defines is plumbing, below
+# === the run: steps 1 to 4, in order; what no step defines is plumbing, below
 def run(argv):
     args, t0 = parse_args(argv), time.time()
     documents, source_name, source = open_source(args.data or data, args.data is not None, args.part)
@@ -188,7 +188,7 @@ def run(argv):
         return merge_parts(out_dir, args.merge, settings, encoder, tokenizer_files)
     if N > 1:  # its own dataset, merged later
         out_dir = out_dir / f"part-{K}-of-{N}"
-    # at char level a token is a character: both passes read the same max_tokens characters
+    # char level: a token is a character; both passes read max_tokens characters
     budget = args.num_chars or sys.maxsize
     if encoder is None and args.max_tokens:
         budget = min(budget, args.max_tokens)
@@ -196,38 +196,38 @@ def run(argv):
     def texts():  # an empty text is no document
         return (text for text in first_chars(documents, budget) if text)
 
-    # the state: meta.json to be, and where to resume
+    # the state: meta.json to be, where to resume
     state = {"version": 1, "max_token_id": -1, "tokenizer": tokenizer_meta, "source": source,
              "num_chars": 0, "tokens": {"val": 0, "train": 0}, "shards": {"val": [], "train": []},
              "args": settings, "resume": {"document": 0, "offset": 0}}
     with writing_to(out_dir):  # one run at a time writes there
-        state = resume_state(out_dir, state, encoder)  # or a killed run's; None if complete
-        if state is None:  # put the tokenizer files back; clear what a killed run left
+        state = resume_state(out_dir, state, encoder)  # or a killed run's; None: complete
+        if state is None:  # the tokenizer files back; clear what a killed run left
             complete(out_dir, tokenizer_files)
             return print(f"{out_dir} is already complete with these arguments; nothing to do")
 
-        if encoder is None:  # char level: pass 1 finds the vocabulary, every distinct character
+        if encoder is None:  # char level: pass 1 finds the vocabulary, the characters used
             if "chars" not in state:
                 state["chars"] = sorted(set(itertools.chain.from_iterable(
                     tqdm(texts(), unit=" docs", desc="pass 1: characters"))))
-                BadUTF8.count = 0  # pass 2 reads (and counts) the same text again
+                BadUTF8.count = 0  # pass 2 reads (and counts) it again
             encoder = CharEncoder(state["chars"])
-        # uint16 holds ids up to 65535: half the disk and memory bandwidth of uint32
+        # uint16 holds ids up to 65535: half uint32's disk and bandwidth
         dtype = np.uint16 if encoder.n_vocab <= 1 << 16 else np.uint32
         state.update(vocab_size=encoder.n_vocab, eot_token=encoder.eot_token,
                      dtype=np.dtype(dtype).name)
         token_lengths = None if args.tokenizer == "char" else token_byte_lengths(encoder)
 
-        # step 1 in threads; steps 3 and 2 one document late: only the next one's arrival says
-        # that a document is not the last, which always trains
+        # step 1 in threads; steps 3 and 2 a document late: only the next one's arrival says a
+        # document is not the last, which always trains
         shards, limit = Shards(out_dir, state, args.shard_size), args.max_tokens or sys.maxsize
         start, offset = state["resume"]["document"], state["resume"]["offset"]
-        total = start_total = sum(state["tokens"].values()) - offset  # those before `start` count
+        total = start_total = sum(state["tokens"].values()) - offset  # those before `start`
         stream = encode_in_threads(itertools.islice(texts(), start, None) if total < limit else (),
                                    lambda batch: encode_batch(batch, encoder, dtype, token_lengths),
                                    args.workers)
 
-        # a part knows if it is first or last: val is part 0's, which must hold it all (below)
+        # a part knows if it is first or last: val is part 0's, which must hold all of val
         def route(index, tokens, chars, skip, is_last):  # step 3, then step 2
             for split, begin, end in val_split(K == index == 0, len(tokens), skip,
                                                is_last and K == N - 1, state["tokens"],
@@ -251,7 +251,7 @@ def run(argv):
             raise UserError(f"the dataset {source} is empty; point --data at text")
         if pending and pending[0] == 0 and len(pending[1]) < 2:  # none left for val
             raise UserError(f"the dataset {source} is a single token: too little")
-        if pending:  # (else: a resumed run had finished all its shards)
+        if pending:  # (else a resumed run had finished its shards)
             route(*pending, is_last=True)
             shards.finish(pending[0] + 1, 0)
         tokens = state["tokens"]
@@ -271,7 +271,7 @@ def run(argv):
         print(f"then, all {N} parts done: --merge {N}")
 
 
-# === plumbing: the command line, its checks, the warnings (a first read skips to the next # ===)
+# === plumbing: the command line, its checks, the warnings
 class UserError(Exception):
     """A mistake in the input: printed as one line, never as a traceback."""
 
@@ -296,7 +296,7 @@ def parse_args(argv):
             raise UserError(f"--{flag} {value}: must be a positive number")
         if isinstance(value, str) and regex.search("[\ud800-\udfff]", value):  # bad UTF-8
             raise UserError(f"--{flag} {value!r}: not valid UTF-8")
-    env = os.environ  # a task of a SLURM job array is a part
+    env = os.environ  # a SLURM job array's task is a part
     try:
         if args.part is None and "SLURM_ARRAY_TASK_ID" in env and not args.merge:
             K = int(env["SLURM_ARRAY_TASK_ID"]) - int(env["SLURM_ARRAY_TASK_MIN"])
@@ -336,15 +336,15 @@ def warn(args, state, bytes_read, bytes_kept):
 # === plumbing: the tokenizer and its checks
 def load_tokenizer(name):
     """--tokenizer -> (tiktoken's encoder, None at char level; meta.json's entry; its files)"""
-    if name == "char":  # the vocabulary comes from the data, later
+    if name == "char":  # the vocabulary comes from the data
         return None, {"kind": "char"}, {}
     if not Path(name).exists():
         if name not in tiktoken.list_encoding_names():
             raise UserError(f"--tokenizer {name}: no such directory, and not a tiktoken encoding "
                             f"({', '.join(tiktoken.list_encoding_names())}) or char")
-        try:  # the first use downloads and caches the ranks (a few MB)
+        try:  # the first use downloads and caches the ranks
             return tiktoken.get_encoding(name), {"kind": "tiktoken", "name": name}, {}
-        except Exception as error:  # requests' connection errors, say
+        except Exception as error:  # requests' connection errors
             raise UserError(f"--tokenizer {name}: tiktoken could not download its ranks "
                             f"({type(error).__name__}); it needs internet once")
     try:  # a directory from train_bpe_*.py
@@ -358,7 +358,7 @@ def load_tokenizer(name):
         if problem is None:
             vocab_size = max([len(ranks) - 1, *special_tokens.values()]) + 1
             checks = [("<|endoftext|>" not in special_tokens, "it has no <|endoftext|>"),
-                      # tiktoken would panic on the empty chunks
+                      # else tiktoken panics on empty chunks
                       (regex.compile(pattern).fullmatch("") is not None,
                        f"its pattern {pattern!r} matches the empty string"),
                       (info.get("vocab_size", vocab_size) != vocab_size,
@@ -366,7 +366,7 @@ def load_tokenizer(name):
             problem = next((message for failed, message in checks if failed), None)
     except FileNotFoundError as error:
         problem = f"{Path(error.filename).name} is missing"
-    except Exception as error:  # not JSON, not base64, no "pattern": Python's words, one line
+    except Exception as error:  # not JSON, not base64, no "pattern": Python's words
         problem = f"it can't be read ({type(error).__name__}: {error})".splitlines()[0]
     if problem is not None:
         raise UserError(f"--tokenizer {name}: {problem}; use one from train_bpe_cpu.py")
@@ -389,7 +389,7 @@ def tokenizer_problem(ranks, special_tokens):
     return None
 
 
-def token_byte_lengths(encoder):  # each id's bytes; 0 for special tokens (never text here)
+def token_byte_lengths(encoder):  # each id's bytes; 0 for special tokens
     lengths = np.zeros(encoder.n_vocab, np.int64)
     for token in encoder.token_byte_values():
         lengths[encoder.encode_single_token(token)] = len(token)
@@ -397,8 +397,8 @@ def token_byte_lengths(encoder):  # each id's bytes; 0 for special tokens (never
 
 
 # === plumbing: resuming, and the lock on --out
-def run_args(args, source, tokenizer_meta):  # what decides the shards: a rerun with others refuses
-    files = None  # a local source is known by its files: edited ones must not resume
+def run_args(args, source, tokenizer_meta):  # what decides the shards: a rerun with others stops
+    files = None  # a local source is known by its files: edited ones don't resume
     if (args.data or data) not in HUB_DATASETS:
         files = [[str(p), p.stat().st_size, p.stat().st_mtime_ns] for p in local_files(args.data)]
     return {"source": source, "tokenizer": tokenizer_meta, "num_chars": args.num_chars,
@@ -408,15 +408,15 @@ def run_args(args, source, tokenizer_meta):  # what decides the shards: a rerun 
 
 
 def resume_state(out_dir, state, encoder):
-    """`state` for a new dataset; None for a complete one; or a killed run's state, if the same
-    settings made it and its finished shards are whole."""
+    """`state` for a new dataset, None for a complete one, or a killed run's state if the same
+    settings made it and its shards are whole."""
     saved_path = next((path for path in [out_dir / "meta.json", out_dir / "progress.json"]
                        if path.exists()), None)
     if saved_path is None:
         if any(not path.name.endswith(".tmp") for path in out_dir.iterdir()):
             raise UserError(f"--out {out_dir} is not empty and was not made by prepare_data.py")
         return state
-    vocabulary = {}  # the tokenizer's ids decide the shards too (at char level, the data's)
+    vocabulary = {}  # the tokenizer's ids decide the shards too (char level: the data's)
     if encoder is not None:
         vocabulary = {"vocab_size": encoder.n_vocab, "eot_token": encoder.eot_token}
     start_over = f"delete {out_dir} to start over"
@@ -451,11 +451,11 @@ def shard_settings(run_args, vocabulary):  # all but the tokenizer's path
     return {**run_args, "tokenizer": tokenizer_meta, **vocabulary}
 
 
-def damaged_shard(out_dir, saved, shard_size):  # a shard missing or cut, or None
+def damaged_shard(out_dir, saved, shard_size):  # a missing or cut shard, or None
     for split, names in saved["shards"].items():
         for k, name in enumerate(names):
             path = out_dir / name
-            try:  # (a name with a directory in it is no shard)
+            try:  # (a name with a directory is no shard)
                 length = len(np.load(path, mmap_mode="r")) if path.parent == out_dir else -1
             except (OSError, ValueError, EOFError):
                 length = -1
@@ -478,7 +478,7 @@ def merge_parts(out_dir, count, now, encoder, tokenizer_files):
     missing = [path.name for path in parts if not (path / "meta.json").exists()]
     if missing:
         raise UserError(f"--merge {count}: {', '.join(missing)} missing or unfinished; run them")
-    for k, path in enumerate(parts):  # these settings, shards whole: or one error line
+    for k, path in enumerate(parts):  # these settings, whole shards, or an error line
         resume_state(path, {"args": {**now, "part": [k, count]}}, encoder)
     metas = [json.loads(read_whole(path / "meta.json", 2**26)) for path in parts]
     tokens = {split: sum(meta["tokens"][split] for meta in metas) for split in ("val", "train")}
@@ -486,13 +486,13 @@ def merge_parts(out_dir, count, now, encoder, tokenizer_files):
               "tokens": tokens, "num_chars": sum(m["num_chars"] for m in metas),
               "max_token_id": max(m["max_token_id"] for m in metas)}
     with writing_to(out_dir):
-        (out_dir / "meta.json").unlink(missing_ok=True)  # complete again once it is back
+        (out_dir / "meta.json").unlink(missing_ok=True)  # complete once it is back
         for path, meta in zip(parts, metas):
             for split, names in meta["shards"].items():
                 for name in names:
                     link = out_dir / f"{split}_{len(merged['shards'][split]):06d}.npy"
                     Path(f"{link}.tmp").unlink(missing_ok=True)
-                    os.link(path / name, f"{link}.tmp")  # the same file: no copy
+                    os.link(path / name, f"{link}.tmp")  # no copy
                     os.replace(f"{link}.tmp", link)
                     merged["shards"][split].append(link.name)
         complete(out_dir, tokenizer_files, merged)
@@ -542,7 +542,7 @@ def open_source(data, data_was_named, part):  # (documents(budget) -> texts, nam
     if data not in HUB_DATASETS:
         files = local_files(data)
         return (lambda budget: part_texts(files, part, budget)), Path(data).stem, str(data)
-    if part[1] > 1:  # a Hub stream can't be cut in stream order; files can
+    if part[1] > 1:  # a Hub stream can't be cut in order; files can
         raise UserError(f"--part: download {data}'s files; use --data on them")
     repository, config, parquet_files = HUB_DATASETS[data]
     load = dict(path=repository, name=config)
@@ -552,7 +552,7 @@ def open_source(data, data_was_named, part):  # (documents(budget) -> texts, nam
     if problem is None:
         description = f"{repository} {config}" if config else repository
         return (lambda budget: datasets_texts(repository, **load)), data, description
-    if data_was_named:  # the default source falls back to the offline corpus; a named one refuses
+    if data_was_named:  # the default falls back to the offline corpus; a named one refuses
         raise UserError(f"{problem}, needed for --data {data}; use --data path/to/files instead")
     print(f"warning: {problem}: using the offline corpus, Python's stdlib", file=sys.stderr)
     return stdlib_documents, "stdlib", "Python standard library source (offline fallback)"
@@ -683,6 +683,6 @@ if __name__ == "__main__":
               "shards are kept", file=sys.stderr)
         sys.exit(143 if str(stop) else 130)
     except UserError as error:
-        sys.exit(f"error: {error}")  # printed to stderr, exit status 1
+        sys.exit(f"error: {error}")  # to stderr, exit status 1
     except OSError as error:  # a full disk, a lost mount: finished shards are safe
         sys.exit(f"error: {error}; fix it and run the same command again to resume")

@@ -1,13 +1,12 @@
 """Pretrain the GPT of model.py on the token shards of prepare_data.py: on a CPU, one GPU, many
 GPUs (torchrun) or many nodes (torchrun or SLURM's srun).
 
-    python train.py config/shakespeare_char.py                  # a preset
-    python train.py config/shakespeare_char.py --batch_size=32  # then --key=value overrides
+    python train.py config/shakespeare_char.py --batch_size=32  # a preset, then overrides
     python train.py config/quickstart.py --init_from=resume     # go on exactly from out_dir/ckpt.pt
     torchrun --standalone --nproc_per_node=8 train.py config/lillm.py
     srun python train.py config/lillm.py --init_from=auto       # SLURM: see the README
 
-Each global of the settings block is a setting; presets and --key=value set them, in order:
+Presets and --key=value set the settings block's globals, in order;
 a preset is Python and runs as code: use only presets you trust. One run at a time writes in an
 out_dir. SIGTERM or Ctrl-C finishes the step in flight, saves out_dir/ckpt.pt and exits with 0.
 """
@@ -17,32 +16,33 @@ from datetime import timedelta
 
 import numpy as np  # torch comes after the checks: mistakes show at once
 
-# === the settings: lilLM's recipe (config/lillm.py), but for six that its preset sets for its run:
-# out_dir, dataset, hellaswag_interval, sample_prompt, always_save_checkpoint and milestones
+# === the settings: lilLM's recipe (config/lillm.py), less what its preset sets for its run
+# (out_dir, dataset, hellaswag_interval, sample_prompt, always_save_checkpoint, milestones)
 out_dir = "out"                 # ckpt.pt, milestones' ckpt_<iter>.pt and log.jsonl go here
-dataset = "data/fineweb"        # a directory written by prepare_data.py: shards and meta.json
+dataset = "data/fineweb"        # a directory of prepare_data.py's: shards and meta.json
 init_from = "scratch"           # "scratch" (not over a checkpoint), "resume" (ckpt.pt), "auto"
-eval_interval = 1000            # estimate train/val loss (and maybe save) every this many steps
+eval_interval = 1000            # train/val loss (and maybe a save) every this many steps
 eval_iters = 100                # batches per split in each estimate
-log_interval = 10               # print the step's loss and speed every this many steps
+log_interval = 10               # print the step's loss and speed every this many
 always_save_checkpoint = False  # save at every eval, not only when val loss improved
-milestones = []                 # steps whose checkpoint is also kept, as ckpt_<iter>.pt
-wandb_log, wandb_project, wandb_run_name = False, "lillm", "run"  # log evals to Weights & Biases
-hellaswag_interval = 0          # HellaSwag at the evals of steps that are multiples of this; 0: off
+milestones = []                 # steps whose checkpoint is kept too, as ckpt_<iter>.pt
+wandb_log, wandb_project, wandb_run_name = False, "lillm", "run"  # evals to Weights & Biases
+hellaswag_interval = 0          # HellaSwag at the evals of steps that are multiples of it; 0: off
 hellaswag = "hub"               # "hub" (Rowan/hellaswag: 10,042 examples) or a local .jsonl of them
-sample_prompt = ""              # at each eval, print and log 32 tokens sampled after it; "": off
-eval_only = False               # with init_from="resume": every eval once on the checkpoint, then exit
+hellaswag_batch = 0             # examples (4 rows each) a forward; 0: 32 on CUDA, else 1
+sample_prompt = ""              # each eval prints and logs 32 tokens sampled after it; "": off
+eval_only = False               # with init_from="resume": the evals once, then exit
 # batch: total_batch_size is what matters to the optimization; the others fit the hardware
 batch_size = 64                 # sequences per device in one forward/backward (micro-step)
 block_size = 512                # tokens per sequence: the model's context length
 total_batch_size = 524288       # tokens per step, over ranks and micro-steps (None: one micro-step)
-# model; vocab_size comes from the dataset's meta.json unless set (to pad it: 50257 -> 50304)
+# model; vocab_size is the dataset's (meta.json) unless set (to pad it: 50257 -> 50304)
 vocab_size = None
 n_layer = 12
 n_head = 16
 n_kv_head = 8                   # key/value heads shared by the query heads; None: n_head
 n_embd = 512
-ffn_ratio = 8 / 3               # SwiGLU hidden / n_embd, rounded up to 128s: GPT-2's MLP params
+ffn_ratio = 8 / 3               # SwiGLU hidden / n_embd, up to 128s: GPT-2's MLP params
 dropout = 0.0
 # optimizer; get_lr schedules the learning rate
 muon = False                    # Muon for the blocks' matrices, AdamW for the rest
@@ -52,12 +52,12 @@ max_iters = 20000               # optimizer steps in all
 warmup_iters = 700
 lr_decay_iters = 20000          # where the cosine reaches min_lr; usually max_iters
 weight_decay = 0.1
-beta1, beta2 = 0.9, 0.95        # AdamW's averaging factors of the gradient and of its square
+beta1, beta2 = 0.9, 0.95        # AdamW's averaging of the gradient and its square
 grad_clip = 1.0                 # clip the gradient's global norm to this; 0: off
 # system
 device = "auto"                 # "auto": cuda if there is a GPU, else cpu; or "cuda:1", "mps"
 dtype = "auto"                  # "auto": bfloat16 (float16 on old GPUs); float32 on a CPU
-compile = "auto"                # torch.compile; "auto": on CUDA only (a CPU loses by it)
+compile = "auto"                # torch.compile; "auto": on CUDA (a CPU loses by it)
 timeout = 600                   # seconds a rank waits for the others
 seed = 1337
 defaults = {k: v for k, v in globals().items()
@@ -69,14 +69,14 @@ names = "SLURM_PROCID SLURM_NTASKS SLURM_LOCALID" if slurm else "RANK WORLD_SIZE
 rank, world_size, local_rank = [int(os.environ.get(n, d)) for n, d in zip(names.split(), (0, 1, 0))]
 ddp, master = world_size > 1, rank == 0  # only the master prints, logs and writes
 
-# === plumbing: errors, the command line, settings' checks (a first read skips each plumbing block)
+# === plumbing: errors, the command line, settings' checks (a first read skips plumbing blocks)
 import ast, difflib, importlib.util, re, signal, stat, sys
 
 class UserError(Exception):
     """A mistake in the input: printed as one line, never as a traceback."""
 
 class BatchError(UserError):
-    """A bad id in the batch a rank just read: no other rank sees it, so every rank prints it."""
+    """A bad id in a rank's batch: no other rank sees it, so every rank prints it."""
 
 def lost_contact(error):
     """The line for a rank whose collective failed: if it timed out, another rank hangs."""
@@ -88,8 +88,8 @@ def lost_contact(error):
     return f"rank {rank} lost contact with the other ranks ({reason}): {other} {what_happened}"
 
 def report(error_type, error, traceback):
-    """sys.excepthook: a mistake (printed by the master), a second Ctrl-C or a lost rank is one line
-    and exit status 1. A bug keeps its traceback."""
+    """sys.excepthook: a mistake (the master prints it), a second Ctrl-C or a lost rank: one line,
+    exit status 1. A bug keeps its traceback."""
     exit_on_ctrl_c(1)
     if issubclass(error_type, KeyboardInterrupt):
         error = "interrupted: stopped at once, without saving (one Ctrl-C saves first)"
@@ -101,7 +101,7 @@ def report(error_type, error, traceback):
     if master or not issubclass(error_type, UserError) or issubclass(error_type, BatchError):
         print(f"error: {error}", file=sys.stderr, flush=True)
     else:
-        time.sleep(3)  # torchrun must not stop the master before it has printed
+        time.sleep(3)  # torchrun must not stop the master before it prints
     if issubclass(error_type, KeyboardInterrupt):  # at once, with status 1
         sys.stdout.flush()
         os._exit(1)
@@ -118,7 +118,7 @@ def read_whole(path, limit):  # a device or FIFO may not end, a huge file fill m
             raise UserError(f"{path}: not a regular file of at most {limit:,} bytes")
         return file.read(limit)
 
-# the command line: a value must have its default's type; these settings take one more type
+# the command line: a value has its default's type (these settings: one more)
 extra_types = {"vocab_size": int, "total_batch_size": type(None), "n_kv_head": type(None),
                "compile": bool}
 
@@ -147,13 +147,13 @@ for arg in sys.argv[1:]:
         key, has_value, value = arg[2:].partition("=")
         if not has_value:
             raise UserError(f"{arg}: expected --key=value")
-        if type(defaults.get(key)) is not str or key in extra_types:  # str settings take the text
-            if len(value) > 1000:  # a huge literal would exhaust the parser's memory
+        if type(defaults.get(key)) is not str or key in extra_types:  # a str setting takes the text
+            if len(value) > 1000:  # a huge literal would exhaust the parser
                 raise UserError(f"--{key}: a value of at most 1,000 characters")
             try:
                 value = ast.literal_eval(value)
             except (ValueError, SyntaxError, MemoryError, RecursionError):
-                pass  # a bare word: the type check says what was expected
+                pass  # a bare word: the type check says what is expected
         set_setting(arg, key, value)
     elif not os.path.isfile(arg):
         raise UserError(f"no preset file {arg!r} (expected one like config/quickstart.py)")
@@ -172,14 +172,14 @@ for arg in sys.argv[1:]:
             if not key.startswith("_") and not callable(value) and type(value).__name__ != "module":
                 set_setting(arg, key, value)
 
-# each setting's range, then the rules across settings (GPTConfig checks the model's)
+# each setting's range, then rules across settings (GPTConfig checks the model's)
 for names, test, what in [
     ([k for k, v in defaults.items() if type(v) is float], math.isfinite, "finite"),
     (["batch_size", "block_size", "learning_rate", "eval_interval", "eval_iters", "log_interval",
       "timeout"], lambda v: v > 0, "positive"),
     (["total_batch_size"], lambda v: v is None or v > 0, "positive, or None"),
     (["max_iters", "warmup_iters", "lr_decay_iters", "min_lr", "weight_decay", "grad_clip",
-      "hellaswag_interval"], lambda v: v >= 0, "0 or more"),
+      "hellaswag_interval", "hellaswag_batch"], lambda v: v >= 0, "0 or more"),
     (["beta1", "beta2"], lambda v: 0 <= v < 1, "in [0, 1)"),
     (["seed"], lambda v: 0 <= v < 2**64, "in 0..2**64-1"),
     (["init_from"], lambda v: v in ("scratch", "resume", "auto"), "'scratch', 'resume' or 'auto'"),
@@ -216,7 +216,7 @@ if not os.path.exists(meta_path):
     hint = f" (see the top of {presets[-1]})" if presets else ""
     raise UserError(f"no dataset at {dataset!r}: make it with `python prepare_data.py --data "
                     f"<source> --tokenizer <dir|gpt2|char> --out {dataset}`{hint}")
-try:  # its numbers must fit each other and the shards' dtype
+try:  # its numbers must fit each other and the dtype
     meta = json.loads(read_whole(meta_path, 2**26))
     kind, shard_names = meta["tokenizer"]["kind"], meta["shards"]["train"] + meta["shards"]["val"]
     id_limit = {"uint16": 2**16, "uint32": 2**32}[meta["dtype"]]
@@ -233,7 +233,7 @@ except (OSError, ValueError, KeyError, TypeError):
 if not meta_ok:
     raise UserError(f"{meta_path} is not the meta.json of a finished prepare_data.py run; "
                     f"{fix_dataset}")
-if kind == "bpe":  # prepare_data.py copies the tokenizer's files beside the shards
+if kind == "bpe":  # prepare_data.py copies the tokenizer files beside the shards
     try:
         ranks_file = read_whole(os.path.join(dataset, "tokenizer.tiktoken"), 2**28)
         info = json.loads(read_whole(os.path.join(dataset, "tokenizer.json"), 2**26))
@@ -256,7 +256,7 @@ for split in ("train", "val"):
         path = os.path.join(dataset, name)
         if name != os.path.basename(name) or name in ("", ".", ".."):
             raise UserError(f"{meta_path} names the shard {name!r}: only plain file names are allowed")
-        try:  # the header only: get_batch checks the ids it reads
+        try:  # the header only: get_batch checks the ids
             tokens = np.load(path, mmap_mode="r")
         except (OSError, ValueError) as e:
             what = "unreadable" if os.path.exists(path) else "missing"
@@ -272,9 +272,9 @@ for split in ("train", "val"):
         shard_sizes[path], done = len(tokens), done + len(tokens)
 
 def check_ids(rows, path):
-    # An id past the vocabulary would fail deep in the embedding (on a GPU, a device assert).
-    # Checked on each batch's ids, it costs nothing; start-up reads no tokens.
-    largest = rows.max()  # (unsigned: no id is below 0)
+    # An id past the vocabulary would fail deep in the embedding (on a GPU: an assert).
+    # Checked per batch, it costs nothing; start-up reads no tokens.
+    largest = rows.max()  # (unsigned: none below 0)
     if largest >= meta["vocab_size"]:
         raise BatchError(f"{path} holds token id {largest}, past the vocabulary of meta.json "
                          f"(0..{meta['vocab_size'] - 1}): {fix_dataset}")
@@ -296,16 +296,16 @@ def hub_problem(timeout=3.0):  # None, or why the Hub can't be used: in 3 s (`da
 
 def hellaswag_examples(source):
     """HellaSwag's validation set as (context, endings, label) triples, from the Hub or a .jsonl;
-    None, after a note, if the Hub can't be reached."""
+    None (after a note) if the Hub is out of reach."""
     if source == "hub":
         problem = hub_problem()
-        if problem:  # offline, a copy in datasets' cache still serves
+        if problem:  # offline, datasets' cache still serves
             os.environ["HF_HUB_OFFLINE"] = os.environ["HF_DATASETS_OFFLINE"] = "1"
         try:
             import datasets
             rows = datasets.load_dataset("Rowan/hellaswag", split="validation")
             return [(row["ctx"], list(row["endings"]), int(row["label"])) for row in rows]
-        except Exception as error:  # not cached, a network failure, no datasets package, ...
+        except Exception as error:  # not cached, offline, no datasets package
             problem = problem or f"{type(error).__name__}: {str(error)[:100]}"
         if master:
             print(f"note: no HellaSwag figures ({problem}); --hellaswag=<file.jsonl> scores a "
@@ -349,13 +349,14 @@ device_type = device.split(":")[0]
 backend = torch.cuda if device_type == "cuda" else torch.backends.mps
 if device_type != "cpu" and not backend.is_available():
     raise UserError(f"device={device!r}, but this torch sees no {device_type.upper()} device")
-if device_type == "cuda":  # one GPU per process; srun may hide the others (CUDA_VISIBLE_DEVICES)
+if device_type == "cuda":  # a GPU per process; srun may hide the others (CUDA_VISIBLE_DEVICES)
     device = f"cuda:{local_rank % torch.cuda.device_count()}" if ddp or device == "cuda" else device
     torch.cuda.set_device(device)
-if dtype == "auto":  # never bfloat16 on a CPU: most emulate it, many times slower
+if dtype == "auto":  # no bfloat16 on a CPU: most emulate it, many times slower
     bfloat16_ok = device_type == "cuda" and torch.cuda.is_bf16_supported()
     dtype = "bfloat16" if bfloat16_ok else "float16" if device_type == "cuda" else "float32"
 compile = device_type == "cuda" if compile == "auto" else compile
+hellaswag_batch = hellaswag_batch or (32 if device_type == "cuda" else 1)  # CPU caches favour 1
 ckpt_path = os.path.join(out_dir, "ckpt.pt")
 if init_from == "auto":
     init_from = "resume" if os.path.exists(ckpt_path) else "scratch"
@@ -383,13 +384,14 @@ if (hellaswag_set or sample_prompt) and encoding is None:
 def token_ids(text, allowed_special=frozenset()):
     try:
         return encoding.encode(text, allowed_special=allowed_special)
-    except ValueError:  # a character the vocabulary lacks, or <|endoftext|> in HellaSwag's text
+    except ValueError:  # a character the vocabulary lacks, or <|endoftext|> in HellaSwag
         return None
 
 if hellaswag_set:
     examples = [([token_ids(context)] + [token_ids(" " + ending) for ending in endings], label)
                 for context, endings, label in hellaswag_set]
     hellaswag_set = [(ids[0], ids[1:], label) for ids, label in examples if None not in ids]
+    hellaswag_set.sort(key=lambda example: len(example[0]) + max(map(len, example[1])))
     if len(hellaswag_set) < len(examples) and master:
         print(f"note: HellaSwag: {len(examples) - len(hellaswag_set)} of {len(examples)} examples "
               "have text the tokenizer can't encode; they are left out")
@@ -441,7 +443,7 @@ if total_batch_size % tokens_per_micro_step:
     raise UserError(f"total_batch_size={total_batch_size} is not a multiple of batch_size*"
                     f"block_size*world_size = {batch_size}*{block_size}*{world_size} = "
                     f"{tokens_per_micro_step}: change one so that it divides")
-grad_accum_steps = total_batch_size // tokens_per_micro_step  # micro-steps per rank per step
+grad_accum_steps = total_batch_size // tokens_per_micro_step  # micro-steps per rank and step
 try:
     model_config = GPTConfig(**{f.name: globals()[f.name] for f in fields(GPTConfig)
                                 if f.name in defaults})
@@ -465,13 +467,13 @@ def get_batch(split, generator):
     offsets = starts - (window_ends[shard_of] - counts[shard_of])
     rows = np.empty((batch_size, block_size + 1), dtype=np.int64)
     for shard in np.unique(shard_of):
-        # opened anew for each batch: a memmap kept open keeps in memory every page it has read
+        # opened anew each batch: a memmap kept open keeps every page it has read in memory
         tokens = np.load(paths[shard], mmap_mode="r")
         for row in np.flatnonzero(shard_of == shard):
             rows[row] = tokens[offsets[row]:offsets[row] + block_size + 1]
         check_ids(rows[shard_of == shard], paths[shard])
     x, y = torch.from_numpy(rows[:, :-1].copy()), torch.from_numpy(rows[:, 1:].copy())
-    if device_type == "cuda":  # pinned memory: the copy runs while the GPU works on the last batch
+    if device_type == "cuda":  # pinned: the copy overlaps the GPU's work on the last batch
         x, y = x.pin_memory(), y.pin_memory()
     return x.to(device, non_blocking=True), y.to(device, non_blocking=True)
 
@@ -483,7 +485,7 @@ def get_lr(it):
     return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (learning_rate - min_lr)
 
 def log(line, **fields):
-    """Print a line, and append its fields to log.jsonl (and evals to wandb): the master only."""
+    """Print a line, append its fields to log.jsonl (evals to wandb too): the master only."""
     fields = {k: None if v != v else v for k, v in fields.items()}  # JSON has no NaN
     if master:
         print(line, flush=True)
@@ -495,7 +497,7 @@ def log(line, **fields):
 def percent(mfu):
     return "n/a" if mfu is None or mfu != mfu else f"{mfu * 100:.1f}%"  # NaN: no known peak
 
-config = {k: globals()[k] for k in defaults}  # the merged settings, with "auto" and None resolved
+config = {k: globals()[k] for k in defaults}  # the merged settings, "auto" and None resolved
 if master:
     print("config: " + ", ".join(f"{k}={v!r}" for k, v in config.items()))
     print(f"{world_size} process(es) on {device} in {dtype}; tokens per step: total_batch_size "
@@ -526,7 +528,7 @@ def lock_directory(path):
               "writes there", file=sys.stderr)
     return descriptor  # the lock lasts while this descriptor is open: keep it
 
-if master:  # locked for the whole run before anything in it is looked at
+if master:  # locked for the whole run before anything in it is read
     try:  # find out now, not at the first save
         os.makedirs(out_dir, exist_ok=True)
         tempfile.TemporaryFile(dir=out_dir).close()
@@ -537,36 +539,36 @@ if master:  # locked for the whole run before anything in it is looked at
         raise UserError(f"can't write in out_dir={out_dir!r} ({reason})")
     out_dir_lock = lock_directory(out_dir)
 checkpoints_there = glob.glob(os.path.join(glob.escape(out_dir), "ckpt*.pt"))
-if init_from == "scratch" and checkpoints_there:  # a milestone alone too: resume reads only ckpt.pt
+if init_from == "scratch" and checkpoints_there:  # a milestone alone too: resume reads ckpt.pt
     copy_hint = " once it is copied to ckpt.pt" if ckpt_path not in checkpoints_there else ""
     raise UserError(f"{min(checkpoints_there)} exists and a run from scratch would overwrite it: "
                     f"go on from it with --init_from=resume{copy_hint}, or give another --out_dir")
 if master:
     for temp in glob.glob(os.path.join(glob.escape(out_dir), "ckpt*.pt.tmp.*")):
-        os.remove(temp)  # left by a save killed mid-write: the lock says no other run writes here
+        os.remove(temp)  # a save killed mid-write left it: no other run writes here (the lock)
     if checkpoint is None and os.path.exists(os.path.join(out_dir, "log.jsonl")):
-        os.remove(os.path.join(out_dir, "log.jsonl"))  # the log of a run that saved no checkpoint
+        os.remove(os.path.join(out_dir, "log.jsonl"))  # a run's that saved no checkpoint
 
 # === the processes together; the model, the optimizer, the random states
-if ddp:  # NCCL between GPUs, gloo on CPUs; the timeout turns a rank that hangs into an error
+if ddp:  # NCCL between GPUs, gloo on CPUs; the timeout makes a hanging rank an error
     dist.init_process_group("nccl" if device_type == "cuda" else "gloo", rank=rank,
                             world_size=world_size, timeout=timedelta(seconds=timeout))
-torch.manual_seed(seed)  # the same initial weights on every rank and in every run
-torch.set_float32_matmul_precision("high")  # TF32 matmuls on Ampere and later: ~free speed
+torch.manual_seed(seed)  # the same initial weights on every rank, in every run
+torch.set_float32_matmul_precision("high")  # TF32 matmuls (Ampere on): ~free speed
 autocast = torch.autocast(device_type, dtype=getattr(torch, dtype), enabled=dtype != "float32")
 raw_model = (GPT(model_config) if checkpoint is None else raw_model).to(device)
 optimizer = raw_model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), device_type,
                                            "muon" if muon else "adamw", verbose=master)
-# float16 only: small gradients would round to 0, so the loss is scaled up first
+# float16 only: small gradients would round to 0: the loss is scaled up first
 scaler = torch.amp.GradScaler(device_type, enabled=dtype == "float16")
-model = torch.compile(raw_model) if compile else raw_model  # for evaluation: no DDP machinery
+model = torch.compile(raw_model) if compile else raw_model  # evaluation: no DDP machinery
 train_model = model
 if ddp:
     train_model = DDP(model, device_ids=[torch.cuda.current_device()] if device_type == "cuda" else None)
 
 # The random states of dropout and of the data: a resumed run goes on as if it never stopped (a
 # fresh seed would repeat the first batches: nanoGPT's #467). Each of a step's num_slots
-# micro-batches has its own generator: 1 process with 2 micro-steps sees what 2 do.
+# micro-batches has a generator: 1 process with 2 micro-steps sees what 2 do.
 iter_num, best_val_loss = start_iter, checkpoint["best_val_loss"] if checkpoint else math.inf
 torch.manual_seed((seed + rank) % 2**64)  # dropout differs between ranks, as their data do
 num_slots = world_size * grad_accum_steps
@@ -590,7 +592,7 @@ if checkpoint is not None:
         print(f"note: the checkpoint has {len(saved_states['data'])} data streams, this run "
               f"{num_slots}")
 
-# === plumbing: the ranks' HellaSwag (one without the examples would shrink every count); SIGTERM
+# === plumbing: the ranks' HellaSwag (one without examples would shrink the counts); SIGTERM
 # (SLURM preemption, torchrun stopping) and Ctrl-C; diverged()
 if ddp and hellaswag_interval:
     sizes = torch.tensor([len(hellaswag_set or []), -len(hellaswag_set or [])], device=device)
@@ -604,7 +606,7 @@ if ddp and hellaswag_interval:
 def request_stop(signum, frame):
     global stop_signal
     if stop_signal == "SIGINT" and signum == signal.SIGINT:
-        raise KeyboardInterrupt  # Ctrl-C twice: stop now, unsaved (report() says so)
+        raise KeyboardInterrupt  # Ctrl-C twice: stop now, unsaved (report() says it)
     stop_signal = signal.Signals(signum).name
     if master:
         then = "stopping" if eval_only else "saving"
@@ -626,9 +628,9 @@ if master:
     if wandb_log:
         import wandb
         wandb.init(project=wandb_project, name=wandb_run_name, config=config)
-checkpoint = None  # free its memory: everything is loaded
+checkpoint = None  # free its memory: all is loaded
 step_seconds = []  # step times since the last eval
-stop_votes = 0  # ranks that had a signal when the last step ended
+stop_votes = 0  # ranks with a signal when the last step ended
 while True:
     lr = get_lr(iter_num)
     for group in optimizer.param_groups:
@@ -636,12 +638,12 @@ while True:
     last_iter, stopping, save_paths = iter_num >= max_iters, stop_votes > 0, []
 
     # The loss on eval_iters batches of each split, shared out among the ranks. Batch k has the same
-    # seed at every eval: evals compare like with like, whatever the number of processes.
+    # seed at every eval: evals compare like with like, whatever the process count.
     if (iter_num % eval_interval == 0 or last_iter or eval_only) and not stopping:
         model.eval()
         totals = torch.zeros(6, device=device)
         for k in range(rank, eval_iters, world_size):
-            if stop_signal:  # a long eval must not outlast a preemption's grace period
+            if stop_signal:  # a long eval must not outlast a preemption's grace
                 totals[2] = 1
                 break
             for split_index, split in enumerate(("train", "val")):
@@ -650,17 +652,22 @@ while True:
                 with torch.no_grad(), autocast:
                     totals[split_index] += model(x, y)[1].float()
         # HellaSwag as build-nanogpt and llm.c score it: the answer is the ending of lowest mean
-        # loss (acc_norm) or sum (acc). The raw model, here and for the sample: varying shapes
-        # would make torch.compile recompile.
+        # loss (acc_norm) or sum (acc). hellaswag_batch examples a forward, sorted by length (at
+        # loading): little padding. The raw model, here and for the sample: varying shapes would
+        # make torch.compile recompile.
         if hellaswag_set and (iter_num % hellaswag_interval == 0 or last_iter or eval_only):
-            for context, endings, label in hellaswag_set[rank::world_size]:
+            share = hellaswag_set[rank::world_size]
+            for batch in [share[i:i + hellaswag_batch] for i in range(0, len(share), hellaswag_batch)]:
                 if stop_signal:
                     totals[2] = 1
                     break
+                contexts = [context for context, endings, _ in batch for _ in endings]
+                all_endings = [ending for _, endings, _ in batch for ending in endings]
                 with torch.no_grad(), autocast:
-                    summed, mean = raw_model.continuation_losses([context] * 4, endings)
-                totals[3:] += torch.stack([torch.ones((), device=device), mean.argmin() == label,
-                                           summed.argmin() == label])
+                    summed, mean = raw_model.continuation_losses(contexts, all_endings)
+                labels = torch.tensor([label for _, _, label in batch], device=device)
+                right = [(losses.view(-1, 4).argmin(1) == labels).sum() for losses in (mean, summed)]
+                totals[3:] += torch.stack([torch.tensor(len(batch), device=device), *right])
         sample = None
         if sample_ids and master:  # 32 tokens, the same seed each time
             prompt = torch.tensor([sample_ids[-block_size:]], device=device)
@@ -692,7 +699,7 @@ while True:
                 tokens_per_sec=tokens_per_sec, mfu=mfu)
             if sample is not None:
                 log(f"sample iter {iter_num}: {sample!r}", iter=iter_num, sample=sample)
-        if iter_num > 0 and not stopping:  # iter 0's weights are never saved, so they set no best
+        if iter_num > 0 and not stopping:  # iter 0's weights are never saved: they set no best
             if val_loss < best_val_loss or always_save_checkpoint:
                 save_paths.append(ckpt_path)
             best_val_loss = min(best_val_loss, val_loss)
@@ -703,12 +710,12 @@ while True:
         break
     if stopping:
         save_paths = [ckpt_path]
-    elif iter_num in milestones and iter_num > 0:  # again after a resume here: the same state
+    elif iter_num in milestones and iter_num > 0:  # again if resumed here: the same state
         save_paths.append(os.path.join(out_dir, f"ckpt_{iter_num}.pt"))
 
     # checkpoints: the master writes every rank's random states
     if save_paths:
-        if not all(torch.isfinite(p).all() for p in raw_model.parameters()):  # cheap next to a save
+        if not all(torch.isfinite(p).all() for p in raw_model.parameters()):  # cheap beside a save
             raise diverged("the weights are not finite")
         cuda_state = torch.cuda.get_rng_state() if device_type == "cuda" else None
         rank_states = {"rng": {"torch": torch.get_rng_state(), "cuda": cuda_state},
@@ -731,10 +738,10 @@ while True:
     if stopping or last_iter:
         break
 
-    # one step: grad_accum_steps micro-steps, then the optimizer's update
+    # one step: grad_accum_steps micro-steps, then the update
     step_start, step_loss = time.time(), torch.zeros((), device=device)
     for micro_step in range(grad_accum_steps):
-        if ddp:  # the last micro-step's backward averages the gradients across ranks
+        if ddp:  # the last micro-step's backward averages the ranks' gradients
             train_model.require_backward_grad_sync = micro_step == grad_accum_steps - 1
         x, y = get_batch("train", train_generators[micro_step])
         with autocast:
@@ -748,7 +755,7 @@ while True:
     scaler.step(optimizer)
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
-    # one all-reduce a step: the mean loss, and whether a rank got a signal (all then stop)
+    # one all-reduce a step: the mean loss, and whether a rank got a signal (then all stop)
     signalled = torch.tensor(float(stop_signal is not None), device=device)
     step_status = torch.stack([step_loss.float(), signalled])
     if ddp:
@@ -767,11 +774,11 @@ while True:
             loss=step_loss_value, lr=lr, ms_per_step=seconds * 1000,
             tokens_per_sec=total_batch_size / seconds, mfu=mfu)
 
-# === plumbing: the end: nothing left for a Ctrl-C to stop
+# === plumbing: the end: nothing for a Ctrl-C to stop
 exit_on_ctrl_c(0)
 if stopping and master and not eval_only:
     print(f"stopped by {stop_signal or 'another rank'} after iter {iter_num}; {ckpt_path} "
           f"saved: go on with --init_from=resume", flush=True)
-if ddp:  # leave together: the master may still be writing the last checkpoint
+if ddp:  # together: the master may still be writing the last checkpoint
     dist.barrier()
     dist.destroy_process_group()

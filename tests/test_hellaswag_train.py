@@ -29,7 +29,7 @@ from model import load_checkpoint, model_from_checkpoint  # noqa: E402
 # vocab_size 320 pads the byte-level BPE's 257 ids: a sample may draw an id past the tokenizer
 SETTINGS = ["--max_iters=300", "--lr_decay_iters=300", "--eval_interval=150", "--hellaswag_interval=300",
             "--learning_rate=1e-2", "--total_batch_size=None", "--log_interval=50", "--sample_prompt=ROMEO:",
-            "--vocab_size=320"]
+            "--vocab_size=320", "--hellaswag_batch=32"]
 
 
 def shifted(text):
@@ -37,10 +37,14 @@ def shifted(text):
 
 
 def write_hellaswag(text, path, count=100, seed=0):
-    """count examples, each from its own passage of text; the true ending at a random place."""
+    """count examples, each from its own passage of text; the true ending at a random place. Contexts of 6-26
+    characters, endings of 10-16: rows of 18-44 bytes, some cut to the tests' block_size + 1 = 33, some padded
+    in a batch of examples."""
     rng, lines = random.Random(seed), []
     for start in range(1000, 1000 + 997 * count, 997):
-        context, ending = text[start:start + 40], text[start + 40:start + 60]
+        context_length, ending_length = 6 + start % 21, 10 + start % 7
+        context = text[start:start + context_length]
+        ending = text[start + context_length:start + context_length + ending_length]
         # (not its characters sorted: at GPT-2's init, tied embeddings predict the input token again, so an
         # untrained model prefers runs of one character and would pick that distractor every time)
         shuffled = "".join(rng.sample(ending, len(ending)))
@@ -109,13 +113,16 @@ def test_an_untrained_model_guesses_and_a_trained_one_knows(scored):
 
 
 def test_eval_only_two_processes_equal_one_and_the_checkpoint_is_untouched(scored):
+    # and batches of examples count what one example a forward counts: the training run scored 32 examples a
+    # forward, the one process scores one (4 rows: the scoring before batches, 0: the CPU's default), the two 7 each
     root, examples, _ = scored
     trained_evals, _ = evals_of(root / "out")
     runs = {}
     for world in (1, 2):
         out_dir = root / f"eval_only_{world}"
         shutil.copytree(root / "out", out_dir)
-        args = [*SETTINGS, f"--hellaswag={examples}", "--init_from=resume", "--eval_only=True"]
+        args = [*SETTINGS, f"--hellaswag={examples}", "--init_from=resume", "--eval_only=True",
+                f"--hellaswag_batch={0 if world == 1 else 7}"]
         env = ENV
         if world == 2:
             env = {**ENV, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
@@ -186,6 +193,7 @@ def test_transformers_on_the_export_scores_the_file_as_train_py_did(scored):
     theirs = transformers.LlamaForCausalLM.from_pretrained(str(root / "hf"), torch_dtype=torch.float32).eval()
     ours = model_from_checkpoint(load_checkpoint(root / "out" / "ckpt.pt")).eval()
     block_size, right_by_mean, right_by_sum = ours.config.block_size, 0, 0
+    ours_right = torch.zeros(2, dtype=torch.long)
     for line in examples.read_text().splitlines():
         example = json.loads(line)
         context, endings = list(example["ctx"].encode()), [list((" " + e).encode()) for e in example["endings"]]
@@ -197,8 +205,12 @@ def test_transformers_on_the_export_scores_the_file_as_train_py_did(scored):
             losses = F.cross_entropy(logits, ids[0, -len(ending):], reduction="none")
             means.append(losses.mean().item())
             sums.append(losses.sum().item())
-        assert ours.continuation_losses([context] * 4, endings)[1].tolist() == pytest.approx(means, abs=1e-4)
+        our_sums, our_means = ours.continuation_losses([context] * 4, endings)  # one example a forward
+        assert our_means.tolist() == pytest.approx(means, abs=1e-4)
         right_by_mean += int(np.argmin(means) == example["label"])
         right_by_sum += int(np.argmin(sums) == example["label"])
+        ours_right += torch.stack([our_means.argmin(), our_sums.argmin()]) == example["label"]
     evals, _ = evals_of(root / "out")
-    assert (right_by_mean / 100, right_by_sum / 100) == (evals[300]["hellaswag_acc_norm"], evals[300]["hellaswag_acc"])
+    logged = (evals[300]["hellaswag_acc_norm"], evals[300]["hellaswag_acc"])  # 32 examples a forward
+    assert (right_by_mean / 100, right_by_sum / 100) == logged
+    assert [count / 100 for count in ours_right.tolist()] == list(logged)

@@ -220,8 +220,14 @@ def test_torch_compile_fullgraph_training_forward_and_backward(backend):
     eager_loss.backward()
     eager_grads = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
-    _, compiled_loss = torch.compile(model, fullgraph=True, backend=backend)(idx, targets=idx)
-    compiled_loss.backward()
+    # Issue 36: the logits come back detached, so the compiled backward makes no zero gradient for them
+    # (AOTAutograd fills one, B x T x vocab, for an output with a graph that the loss's backward doesn't use).
+    with torch.profiler.profile(record_shapes=True) as profiler:
+        logits, compiled_loss = torch.compile(model, fullgraph=True, backend=backend)(idx, targets=idx)
+        compiled_loss.backward()
+    assert not logits.requires_grad
+    assert not [event.name for event in profiler.events() if [2, 32, 97] in event.input_shapes
+                and event.name in ("aten::zeros", "aten::zero_", "aten::fill_", "aten::new_zeros")]
     torch.testing.assert_close(compiled_loss, eager_loss, rtol=1e-5, atol=1e-5)
     for param, eager_grad in zip(model.parameters(), eager_grads):
         torch.testing.assert_close(param.grad, eager_grad, rtol=1e-4, atol=1e-6)
