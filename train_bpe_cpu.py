@@ -5,11 +5,11 @@ Train a byte-level BPE tokenizer on the CPU: exact, and fast enough for real dat
     python train_bpe_cpu.py --data ../shared/corpora/enwiki.jsonl -v 8192 -n 16777216
 
 On the first n characters of FineWeb, or of local files, it
-1. splits the text into chunks with a regex, and counts each distinct chunk once,
-2. counts adjacent token pairs in the distinct chunks, weighted by their counts,
-3. merges the most frequent pair, again and again, visiting only the places where it occurs,
-and writes tokenizers/<source>_v<vocab_size>/tokenizer.tiktoken (tiktoken's rank file) and
-tokenizer.json (pattern and special tokens), which the README loads into tiktoken.
+1. splits the text into chunks with a regex and counts each distinct chunk once,
+2. counts adjacent token pairs, each weighted by its chunk's count,
+3. merges the most frequent pair, again and again, visiting only where it occurs,
+and writes tokenizer.tiktoken (tiktoken's ranks) and tokenizer.json (pattern, special tokens)
+to tokenizers/<source>_v<vocab_size>.
 """
 
 import argparse, atexit, base64, codecs, fcntl, heapq, json, os, signal, socket, sys, sysconfig
@@ -26,19 +26,18 @@ vocab_size = 1000  # 256 byte tokens + merges; <|endoftext|> gets the next id
 num_chars = 1048576  # train on the first 2^20 characters
 data = "fineweb"  # fineweb | fineweb-edu | a .txt/.jsonl/.parquet file | a directory of them
 out = None  # output directory; default tokenizers/<source>_v<vocab_size>
-# GPT-4's split pattern: letters with their leading space, numbers in groups of up to 3, punctuation
-# runs, and whitespace, so that merges never glue a word to the punctuation or the space after it.
+# GPT-4's split pattern: letters with their leading space, up to 3 digits, punctuation runs,
+# whitespace; no merge glues a word to what follows it.
 pattern = r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]++[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+"""
 EOT = "<|endoftext|>"
 # ---
 
 
 # --- step 1: count distinct chunks
-# A million words hold only tens of thousands of distinct ones: on enwiki, 9x fewer distinct chunks
-# than chunks at 2^20 characters, 24x at 2^24 (the README), and all later work shrinks with them.
+# All later work is on distinct chunks, 9x fewer than chunks at 2^20 enwiki characters, 24x at 2^24.
 
 def count_chunks(documents, split_pattern, num_chars):
-    """Split each document with the pattern; count the distinct chunks (none spans 2 documents)."""
+    """The documents' chunks, each distinct one counted (none spans 2 documents)."""
     chunk_counts, chars_read = Counter(), 0
     with tqdm(total=num_chars, unit="char", unit_scale=True, desc="reading") as bar:
         for number, document in enumerate(documents, 1):
@@ -49,10 +48,9 @@ def count_chunks(documents, split_pattern, num_chars):
 
 
 # --- step 2: count pairs
-# The distinct chunks live in one flat list of token ids, as linked lists: next_pos[i] is the
-# position of the token after i in its chunk (-1 at its end), prev_pos[i] the one before. Merging
-# the pair at i is then O(1): i takes the new id and the right token is unlinked, nothing shifts.
-# A merge costs what its occurrences do, not what the chunks' lengths do.
+# The distinct chunks lie in one flat list of token ids, linked: next_pos[i] is the position after
+# i in its chunk (-1 at its end), prev_pos[i] the one before. Merging the pair at i is O(1) (i takes
+# the new id, the right token is unlinked): a merge costs its occurrences only.
 
 def build_symbols(chunk_counts):
     """The distinct chunks as (ids, prev_pos, next_pos, weight), one entry per UTF-8 byte."""
@@ -67,7 +65,7 @@ def build_symbols(chunk_counts):
 
 
 def count_pairs(ids, next_pos, weight):
-    """pair_counts[(a, b)]: weighted occurrences; pair_positions[(a, b)]: where each one starts."""
+    """pair_counts[(a, b)]: weighted occurrences; pair_positions[(a, b)]: their starts."""
     pair_counts, pair_positions = Counter(), defaultdict(list)
     for position, right in enumerate(next_pos):
         if right != -1:
@@ -80,17 +78,17 @@ def count_pairs(ids, next_pos, weight):
 # --- step 3: the merge loop
 
 def merge_pair(pair, new_id, ids, prev_pos, next_pos, weight, pair_counts, pair_positions):
-    """Replace each occurrence of `pair` by `new_id`, left to right, and update the pair counts.
-    Returns the pairs whose counts changed and the number of tokens saved (weighted)."""
+    """Replace each occurrence of `pair` by `new_id`, left to right, updating the pair counts.
+    Returns the pairs whose counts changed and the (weighted) tokens saved."""
     left, right = pair
     # the neighbours' deltas: (x, left) -> (x, new), (right, y) -> (new, y)
     changed, tokens_saved = Counter(), 0
-    # Positions can be stale (merged away since) or repeated: checking the ids here is cheaper than
-    # exact sets. Sorted, a chunk's occurrences go left to right, so "aaa" becomes [aa, a].
+    # Positions may be stale or repeated: checking ids is cheaper than exact sets. Sorted, a chunk's
+    # occurrences go left to right: "aaa" becomes [aa, a].
     for position in sorted(set(pair_positions.pop(pair))):
         second = next_pos[position]
         if ids[position] != left or second == -1 or ids[second] != right:
-            continue  # stale, or the right half of an occurrence just merged ("aaa")
+            continue  # stale, or the right half of one just merged ("aaa")
         count = weight[position]
         before, after = prev_pos[position], next_pos[second]
         if before != -1:
@@ -104,8 +102,8 @@ def merge_pair(pair, new_id, ids, prev_pos, next_pos, weight, pair_counts, pair_
             prev_pos[after] = position
         ids[position], ids[second], next_pos[position] = new_id, -1, after  # unlink the right token
         tokens_saved += count
-    # The pair is gone everywhere (merging left to right leaves no adjacent occurrence), and so are
-    # the deltas that touched it ("aaaa": the middle (a, a)).
+    # The pair is gone (left to right leaves none adjacent), and so are its deltas ("aaaa": the
+    # middle (a, a)).
     del pair_counts[pair]
     changed.pop(pair, None)
     changed = {other: delta for other, delta in changed.items() if delta}
@@ -114,13 +112,12 @@ def merge_pair(pair, new_id, ids, prev_pos, next_pos, weight, pair_counts, pair_
 
 
 def train(chunk_counts, vocab_size):
-    """The merges, in order, as ((left id, right id), new id); and the text's tokens after them."""
+    """The merges, ((left, right), new id) in order, and the text's tokens after them."""
     ids, prev_pos, next_pos, weight = build_symbols(chunk_counts)
     total_tokens = sum(weight)  # before any merge: the text's UTF-8 bytes
     pair_counts, pair_positions = count_pairs(ids, next_pos, weight)
-    # A heap of (-count, pair) pops the highest count, and the smallest pair among equal ones: our
-    # tie-break. An entry whose count changed is not fixed: the new count is pushed, and an entry
-    # that no longer matches is skipped when it comes out ("lazy deletion").
+    # A heap of (-count, pair) pops the highest count, ties to the smallest pair. A changed count is
+    # pushed anew; an entry that no longer matches is skipped when popped ("lazy deletion").
     heap = [(-count, pair) for pair, count in pair_counts.items()]
     heapq.heapify(heap)
     merges = []
@@ -172,7 +169,7 @@ def run(argv):
     split_pattern = validate(args)
     documents, source_name, source = open_source(args.data or data, args.data is not None)
     out_dir = Path(args.out or f"tokenizers/{source_name}_v{args.vocab_size}")
-    out_lock = check_out_dir(out_dir)  # held to the end: a second run into out_dir refuses
+    out_lock = check_out_dir(out_dir)  # held to the end: one run per out_dir
 
     t0 = time.time()
     first_documents = first_chars(documents, args.num_chars)
@@ -184,7 +181,7 @@ def run(argv):
     merges, total_tokens = train(chunk_counts, args.vocab_size)
     t2 = time.time()
 
-    num_merges, eot_id = len(merges), 256 + len(merges)  # <|endoftext|>: the first id after them
+    num_merges, eot_id = len(merges), 256 + len(merges)  # <|endoftext|>: the next id
     stop_reason = "vocab_size reached" if eot_id == args.vocab_size else "no pairs left to merge"
     if eot_id < args.vocab_size:
         print(f"stopped early after {num_merges} merges: {stop_reason} "
@@ -203,11 +200,11 @@ def run(argv):
     os.close(out_lock)
 
 
-# === plumbing: the checks, one line per bad input (a first read can skip to the next # === banner)
+# === plumbing: the checks, one line per bad input
 
 
 class UserError(Exception):
-    """A mistake in the input: printed as one line, never as a traceback."""
+    """A mistake in the input: one line, never a traceback."""
 
 
 def parse_args(argv):
@@ -221,18 +218,17 @@ def parse_args(argv):
 
 
 def validate(args):
-    """The settings, checked before any work. Returns the compiled split pattern."""
+    """The settings, checked before any work; returns the compiled pattern."""
     try:
         split_pattern = regex.compile(args.pattern)
     except regex.error as error:
         raise UserError(f"--pattern does not compile ({error}); fix it, or leave it out")
-    for failed, message in [
-            (not 256 <= args.vocab_size < 2**31,
-             f"-v {args.vocab_size}: vocab_size must be between 256 (the bytes) and 2^31-1"),
-            (args.num_chars <= 0, f"-n {args.num_chars}: must be positive")]:
-        if failed:
-            raise UserError(message)
-    # '' or 'x*' matches the empty text: refused here, before any reading
+    if not 256 <= args.vocab_size < 2**31:
+        raise UserError(f"-v {args.vocab_size}: vocab_size must be between 256 (the bytes) "
+                        "and 2^31-1")
+    if args.num_chars <= 0:
+        raise UserError(f"-n {args.num_chars}: must be positive")
+    # '' or 'x*' matches empty text: refused before any reading
     split_in_time(split_pattern, "", 0)
     return split_pattern
 
@@ -242,9 +238,8 @@ def time_is_up(signum, frame):
 
 
 def split_in_time(split_pattern, document, number):
-    """The document's chunks, under a CPU-time alarm that stops a pattern that backtracks without
-    end ((a|a)+b on a run of a's): 1 s plus 10 s per million characters, where GPT-4's needs 0.3 s.
-    (regex's own timeout= would slow every match 3x.)"""
+    """The document's chunks, under a CPU-time alarm (1 s + 10 s per million characters; GPT-4's:
+    0.3 s) against a pattern backtracking without end ((a|a)+b); regex's timeout= is 3x slower."""
     signal.signal(signal.SIGPROF, time_is_up)
     signal.setitimer(signal.ITIMER_PROF, 1 + len(document) / 1e5)
     try:
@@ -270,9 +265,9 @@ def check_text(args, source, chunk_counts, chars_read):
               file=sys.stderr)
     matched = sum(len(chunk) * count for chunk, count in chunk_counts.items())
     if matched < chars_read:
-        share = 1 - matched / chars_read
         print(f"warning: the split pattern matched {matched:,} of {chars_read:,} characters; "
-              f"the other {share:.1%} are dropped (tiktoken drops them too)", file=sys.stderr)
+              f"the other {1 - matched / chars_read:.1%} are dropped (tiktoken drops them too)",
+              file=sys.stderr)
     if chars_read < args.num_chars:
         print(f"the source ran out after {chars_read:,} characters (asked for {args.num_chars:,}); "
               "training on those")

@@ -441,6 +441,21 @@ def merges_done(state):
     return bool(slots[DONE.value]), slots[NEXT.value] - 256
 
 
+# === the batch rule: several merges in one step, exactly the sequential ones
+def merge_batch(ranked_pairs, max_batch):
+    """The longest prefix p1..pk of ranked_pairs, k <= max_batch, sharing no token, (a, a) only
+    last. Merging pi = (ai, bi) changes only counts with ai or bi; a new (x, new_i) or (new_i, y)
+    counts at most (x, ai) or (bi, y), after pk; new_i, the largest id, loses the same ties."""
+    batch = []
+    for left, right in ranked_pairs[:max_batch]:
+        if any(left in pair or right in pair for pair in batch):
+            break
+        batch.append((left, right))
+        if left == right:  # (AA, a) of "aaa" can count half as much: it may come next
+            break
+    return batch
+
+
 # === plumbing: pre-tokenizing on every core, the same in both GPU trainers (counting chunks is
 # train_bpe_cpu.py's lesson). The regex is the slow part, and holds the GIL: worker processes count
 # batches of the parent's documents, in any order (BPE depends only on the multiset of chunks), then
