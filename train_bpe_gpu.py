@@ -6,10 +6,10 @@ Train a byte-level BPE tokenizer, merging on a GPU: the same merges as train_bpe
     python train_bpe_gpu.py -v 300 -n 65536 --device cpu    # no GPU: Triton's interpreter (tests)
 
 Flags and outputs are train_bpe_cpu.py's, the readable reference. This file shows how a sequential
-algorithm gets fast on a GPU: merge k needs the counts left by merge k-1, so merges can't run in
-parallel, but the work inside a merge can, and the host must stay out of the way. A merge is four
-small Triton kernels, one per step; the host launches them (on CUDA, 16 merges as one CUDA graph)
-and reads once per 16 merges: "done?".
+algorithm gets fast on a GPU: merge k needs the counts left by merge k-1, yet the work inside a
+merge runs in parallel, so can pairs that share no token, and the host stays out of the way. A
+round (a batch of merges) is four Triton kernels; the host launches 16 rounds (on CUDA, as one
+CUDA graph) and reads once: "done?".
 """
 
 import argparse, atexit, base64, codecs, fcntl, json, multiprocessing, os, queue, resource, signal
@@ -73,35 +73,27 @@ PARALLEL_CHARS = 1 << 24  # from this many characters on, all cores pre-tokenize
 #   counts[l*V+r]  the weighted count of pair (l, r): a dense V x V matrix
 #   list_buffer[list_start[t]:list_start[t] + list_len[t]]   the positions holding token t:
 #                  merging (a, b) visits only a's positions.
-# Choosing must not scan V^2 counts. A pair's key is count << 20 | (2^20 - 1 - r); row_key[l] is
-# row l's largest (its largest count, ties to the smallest r; across rows, the smallest l) and
-# row_second[l] the next. Keys hold counts to 2^43. A falling count leaves a row's keys wrong only
-# if it was one of the two: the row is "dirty" (rare), recomputed into zeroed fresh keys, which the
-# next choice copies over. block_key[k], the largest key of rows k*KEY_BLOCK..(k+1)*KEY_BLOCK-1,
-# is recomputed for a dirty row: choosing reads V/KEY_BLOCK block keys and one block's row keys.
-# A round merges a batch: the longest prefix of the exact order (largest count first, ties to the
-# smallest (l, r)) whose pairs share no token, a pair (a, a) only last, at most max_batch. It is
-# what sequential merges make: merging (a_i, b_i) changes only pairs holding a_i or b_i, so the
-# later pairs of the batch keep their counts and order, and a pair it makes ranks below them:
-# (x, new_i) counts at most what (x, a_i) did, which is not in the batch (it shares a_i) so ranks
-# below them, and new_i, the largest id yet, loses ties (likewise (new_i, y)).
-# The loop's state (the batch, list bounds) stays on the device. Programs stride over blocks, so
-# every grid's size is known before the data: CUDA records 16 rounds as one graph. No kernel needs
-# a lock; each docstring says why. A merge costs its kernels' latency more than their work (the
-# median one visits 132 positions on enwiki at V=65534): a batch shares one round's latency. Every
-# atomic is relaxed: each needs only atomicity, and the stream orders the kernels (acq_rel, the
-# default, fences the whole device around each atomic: MEMBAR.ALL.GPU on an H100).
-
-# `state`, the loop's scalars on the device:
-#   NEXT   the next id to give out (256 + the merges made): ids below it are the columns in use
-#   DONE   1 once no pair is left or V is reached: every kernel then does nothing
-#   DIRTY  dirty_rows' length; FIRST, the round's first new id: its PAIRS pairs make FIRST + i
-#   BLOCKS, TOTAL  the blocks and the positions of the pairs' lists, walked as one list
-NEXT, DONE, DIRTY, FIRST, PAIRS, BLOCKS, TOTAL = (tl.constexpr(i) for i in range(7))
-# `batch`, a row of SLOTS per field, pair i of the round in slot i: its tokens (A, B), a's list
-# (START, LENGTH), its positions' place in scratch (OFFSET), its first block (FIRST_BLOCK), and
-# how many of a's positions stay a (SURVIVORS) and merge (MERGED)
-A, B, START, LENGTH, OFFSET, FIRST_BLOCK, SURVIVORS, MERGED = (tl.constexpr(i) for i in range(8))
+# Choosing must not scan V^2 counts. A pair's key is count << 20 | (2^20 - 1 - r) (counts to 2^43);
+# row_keys[2l] is row l's largest (ties to the smallest r; across rows, the smallest l), [2l+1] the
+# next. A falling count leaves them wrong only if it was one: the row is "dirty" (rare), recomputed
+# into zeroed fresh_keys, copied by the next choice. block_key[k], the largest of rows k*KEY_BLOCK..,
+# is recomputed for a dirty row: a pick reads V/KEY_BLOCK block keys and one block's row keys.
+# A round merges a batch: the longest prefix of the exact order (largest count, ties to the
+# smallest (l, r)) whose pairs share no token, (a, a) only last, at most max_batch: what sequential
+# merges make. Merging (a_i, b_i) changes only pairs holding a_i or b_i: the later pairs keep their
+# counts, and the pairs it makes rank below them ((x, new_i) counts at most what (x, a_i) did, not
+# in the batch, and new_i, the largest id yet, loses ties; likewise (new_i, y)).
+# A merge costs its kernels' latency, not their work (the median one visits 132 positions, enwiki
+# at V=65534): a batch shares a round's. Programs stride over blocks, so grids are known before the
+# data: CUDA records 16 rounds as one graph. No kernel needs a lock (each docstring says why). Each
+# atomic is relaxed (acq_rel fences the device around it); the stream orders the kernels.
+# `state`, on the device: NEXT, the next id (256 + the merges made: the columns in use); DONE, 1
+# once no pair is left or V is reached (every kernel then does nothing); DIRTY, dirty_rows' length;
+# PAIRS and BLOCKS, the round's pairs (pair i makes NEXT - PAIRS + i) and blocks of positions
+NEXT, DONE, DIRTY, PAIRS, BLOCKS = (tl.constexpr(i) for i in range(5))
+# `batch`: pair i in slot i of each field: (A, B), a's list (START, LENGTH), its first block and
+# region in scratch (FIRST_BLOCK, OFFSET), how many positions stay a (SURVIVORS) and merge (MERGED)
+A, B, START, LENGTH, FIRST_BLOCK, OFFSET, SURVIVORS, MERGED = (tl.constexpr(i) for i in range(8))
 DEAD = tl.constexpr(-2)  # the token of an unlinked position (the right half of a merged pair)
 ID_BITS = tl.constexpr(20)  # a key's low bits hold 2^20 - 1 - right id: V is at most 2^20
 LOW = tl.constexpr((1 << 20) - 1)
@@ -116,11 +108,11 @@ def append(length, buffer, values, keep):
 
 
 @triton.jit
-def choose_batch(state, batch, row_key, row_second, block_key, fresh_key, fresh_second, dirty_flag,
-                 dirty_rows, list_start, list_len, merge_log, V, max_batch, BLOCK: tl.constexpr,
-                 KEY_BLOCK: tl.constexpr, POSITIONS: tl.constexpr, SLOTS: tl.constexpr):
-    """Step 1: picks the round's pairs and starts their merges (the batch, merge_log, the new lists'
-    start), or sets DONE. One program, alone on the device (kernels run in order)."""
+def choose_batch(state, batch, row_keys, block_key, fresh_keys, dirty_flag, dirty_rows, list_start,
+                 list_len, merge_log, V, max_batch, BLOCK: tl.constexpr, KEY_BLOCK: tl.constexpr,
+                 POSITIONS: tl.constexpr, SLOTS: tl.constexpr):
+    """Step 1: picks the round's pairs (batch, merge_log, the new lists' start), or sets DONE. One
+    program, alone on the device (kernels run in order)."""
     if tl.load(state + DONE) != 0:
         return
     # the dirty rows take the keys refresh recomputed
@@ -128,35 +120,34 @@ def choose_batch(state, batch, row_key, row_second, block_key, fresh_key, fresh_
     for first in range(0, dirty, BLOCK):
         i = first + tl.arange(0, BLOCK)
         rows = tl.load(dirty_rows + i, mask=i < dirty, other=0)
-        tl.store(row_key + rows, tl.load(fresh_key + rows, mask=i < dirty), mask=i < dirty)
-        tl.store(row_second + rows, tl.load(fresh_second + rows, mask=i < dirty), mask=i < dirty)
-        tl.store(fresh_key + rows, 0, mask=i < dirty)
-        tl.store(fresh_second + rows, 0, mask=i < dirty)
+        both = 2 * rows[:, None] + tl.arange(0, 2)[None, :]
+        keys = tl.load(fresh_keys + both, mask=(i < dirty)[:, None])
+        tl.store(row_keys + both, keys, mask=(i < dirty)[:, None])
+        tl.store(fresh_keys + both, 0, mask=(i < dirty)[:, None])
         tl.store(dirty_flag + rows, 0, mask=i < dirty)
-    # Triton orders global memory only within a thread: without a barrier, a thread could scan a
-    # dirty row's key before another's copy. A dirty row's key may have dropped: its block key is
-    # recomputed (a block with two dirty rows is written twice, alike). A barrier again.
+    # Triton orders memory only within a thread: a barrier, or a thread could read a dirty row's key
+    # before another's copy. Its block key is recomputed (twice for two rows, alike); a barrier.
     tl.debug_barrier()
     tl.static_assert(BLOCK >= KEY_BLOCK)
     for first in range(0, dirty, BLOCK // KEY_BLOCK):
         i = first + tl.arange(0, BLOCK // KEY_BLOCK)
         blocks = tl.load(dirty_rows + i, mask=i < dirty, other=0) // KEY_BLOCK
         rows = blocks[:, None] * KEY_BLOCK + tl.arange(0, KEY_BLOCK)[None, :]
-        keys = tl.load(row_key + rows, mask=(i < dirty)[:, None] & (rows < V), other=0)
+        keys = tl.load(row_keys + 2 * rows, mask=(i < dirty)[:, None] & (rows < V), other=0)
         tl.store(block_key + blocks, tl.max(keys, axis=1), mask=i < dirty)
+    tl.store(batch + SURVIVORS * SLOTS + tl.arange(0, 2 * SLOTS), 0)  # and MERGED's
     tl.debug_barrier()
-    # Each pick: the best row key of the rows not chosen (the first block with the largest count,
-    # then its first row with it). The exact order's next pair is that one or a chosen row's second
-    # key (it shares a token): the batch ends where one of those ranks above the pick (count first,
-    # then the smaller row), or where the pick shares a token, follows (a, a), or makes max_batch.
+    # A pick: the largest key of the rows not chosen (the first block with the largest count, its
+    # first row with it). The exact order's next pair is that or a chosen row's second key (sharing
+    # a token): the batch ends where that ranks above (count, then row), or the pick shares a token.
     first_new = tl.load(state + NEXT)
     slots = tl.arange(0, SLOTS)
     chosen_a, chosen_b = tl.full([SLOTS], -1, tl.int64), tl.full([SLOTS], -1, tl.int64)
-    hidden_count, hidden_row = tl.full((), 0, tl.int64), tl.full((), 0, tl.int64) + V
-    dirty, pairs, total, blocks = dirty * 0, tl.full((), 0, tl.int32), dirty * 0, dirty * 0
+    hidden_count, hidden_row = dirty * 0, dirty * 0 + V
+    dirty, pairs, blocks, offset = dirty * 0, tl.full((), 0, tl.int32), dirty * 0, dirty * 0
     going = first_new < V
     while going:
-        best_count, best_block = tl.full((), 0, tl.int64), tl.full((), 0, tl.int64)
+        best_count, best_block = dirty * 0, dirty * 0
         for first in range(0, tl.cdiv(first_new, KEY_BLOCK), BLOCK):
             keyed = first + tl.arange(0, BLOCK)
             count = tl.load(block_key + keyed, mask=keyed * KEY_BLOCK < first_new, other=0) >> ID_BITS
@@ -165,7 +156,7 @@ def choose_batch(state, batch, row_key, row_second, block_key, fresh_key, fresh_
             best_block = tl.where(most > best_count, first_most, best_block)
             best_count = tl.maximum(most, best_count)
         rows = best_block * KEY_BLOCK + tl.arange(0, KEY_BLOCK)
-        keys = tl.load(row_key + rows, mask=rows < first_new, other=0)
+        keys = tl.load(row_keys + 2 * rows, mask=rows < first_new, other=0)
         a = tl.min(tl.where(keys >> ID_BITS == best_count, rows, V), axis=0)
         b = LOW - (tl.max(tl.where(rows == a, keys, 0), axis=0) & LOW)
         shared = (chosen_a == a) | (chosen_b == a) | (chosen_a == b) | (chosen_b == b)
@@ -177,68 +168,60 @@ def choose_batch(state, batch, row_key, row_second, block_key, fresh_key, fresh_
             tl.store(batch + B * SLOTS + pairs, b)
             tl.store(batch + START * SLOTS + pairs, tl.load(list_start + a))
             tl.store(batch + LENGTH * SLOTS + pairs, length)
-            tl.store(batch + OFFSET * SLOTS + pairs, total)
             tl.store(batch + FIRST_BLOCK * SLOTS + pairs, blocks)
-            tl.store(batch + SURVIVORS * SLOTS + pairs, 0)
-            tl.store(batch + MERGED * SLOTS + pairs, 0)
+            tl.store(batch + OFFSET * SLOTS + pairs, offset)
             tl.store(merge_log + 2 * (new - 256), a)
             tl.store(merge_log + 2 * (new - 256) + 1, b)
-            # Row a leaves the picks (its key zeroed, its block's key without it). Rows a and new
-            # are dirty: refresh makes their keys (apply's lose_pair then never lists them).
-            tl.store(row_key + a, 0)
+            # Row a leaves the picks (key zeroed, its block's without it); rows a, new are dirty
+            tl.store(row_keys + 2 * a, 0)
             tl.store(block_key + best_block, tl.max(tl.where(rows == a, 0, keys), axis=0))
-            tl.store(dirty_flag + a, 1)
-            tl.store(dirty_flag + new, 1)
-            tl.store(dirty_rows + dirty, a)
-            tl.store(dirty_rows + dirty + 1, new)
-            second = tl.load(row_second + a) >> ID_BITS
+            a_new = tl.where(tl.arange(0, 2) == 0, a, new)
+            tl.store(dirty_flag + a_new, 1)
+            tl.store(dirty_rows + dirty + tl.arange(0, 2), a_new)
+            second = tl.load(row_keys + 2 * a + 1) >> ID_BITS
             above = (second > hidden_count) | ((second == hidden_count) & (a < hidden_row))
-            hidden_count = tl.where(above, second, hidden_count)
-            hidden_row = tl.where(above, a, hidden_row)
+            hidden_count, hidden_row = tl.where(above, second, hidden_count), tl.where(above, a, hidden_row)
             chosen_a = tl.where(slots == pairs, a, chosen_a)
             chosen_b = tl.where(slots == pairs, b, chosen_b)
-            dirty, pairs, total = dirty + 2, pairs + 1, total + length
-            blocks += tl.cdiv(length, POSITIONS)
+            dirty, pairs, offset = dirty + 2, pairs + 1, offset + 2 * length
+            blocks += (length + POSITIONS - 1) // POSITIONS
             going = (pairs < max_batch) & (new + 1 < V) & (a != b)
             tl.debug_barrier()  # the next pick reads the keys just written
     tl.store(state + DIRTY, dirty)
-    tl.store(state + FIRST, first_new)
     tl.store(state + PAIRS, pairs)
     tl.store(state + BLOCKS, blocks)
-    tl.store(state + TOTAL, total)
     tl.store(state + NEXT, first_new + pairs)
-    if pairs == 0:
-        tl.store(state + DONE, 1)
-    else:  # the new lists go after the last list made: first_new - 1's (the bytes' for 256)
-        tl.store(list_start + first_new,
-                 tl.load(list_start + first_new - 1) + tl.load(list_len + first_new - 1))
+    tl.store(state + DONE, pairs == 0)
+    # the new lists go after the last list made: first_new - 1's (the bytes' for 256)
+    end = tl.load(list_start + first_new - 1) + tl.load(list_len + first_new - 1)
+    tl.store(list_start + first_new, end, mask=pairs > 0)
 
 
 @triton.jit
-def pair_block(state, batch, block, BLOCK: tl.constexpr, SLOTS: tl.constexpr):
-    """The lists of the round's pairs, walked as one in blocks, each block of one pair: block
-    `block`'s pair i and its indexes j into a_i's list."""
-    slots = tl.arange(0, SLOTS)
-    firsts = tl.load(batch + FIRST_BLOCK * SLOTS + slots, mask=slots < tl.load(state + PAIRS),
-                     other=block + 1)
+def pair_block(state, batch, list_buffer, block, END, BLOCK: tl.constexpr, SLOTS: tl.constexpr):
+    """The round's lists, walked as one in blocks of one pair each: block `block`'s pair i, its
+    indexes j into a_i's list and positions p there (END past it), a, b, new, and its region in
+    scratch (a_i's length for survivors, then for merged ones)."""
+    slots, pairs = tl.arange(0, SLOTS), tl.load(state + PAIRS)
+    firsts = tl.load(batch + FIRST_BLOCK * SLOTS + slots, mask=slots < pairs, other=block + 1)
     i = tl.sum((firsts <= block).to(tl.int32), axis=0) - 1
-    return i, (block - tl.load(batch + FIRST_BLOCK * SLOTS + i)) * BLOCK + tl.arange(0, BLOCK)
+    j = (block - tl.load(batch + FIRST_BLOCK * SLOTS + i)) * BLOCK + tl.arange(0, BLOCK)
+    a, b = tl.load(batch + A * SLOTS + i), tl.load(batch + B * SLOTS + i)
+    length = tl.load(batch + LENGTH * SLOTS + i)
+    p = tl.load(list_buffer + tl.load(batch + START * SLOTS + i) + j, mask=j < length, other=END)
+    return i, j, p, a, b, tl.load(state + NEXT) - pairs + i, length, tl.load(batch + OFFSET * SLOTS + i)
 
 
 @triton.jit
 def find_occurrences(state, batch, list_buffer, tokens, next_pos, prev_pos, mark, END,
                      BLOCK: tl.constexpr, SLOTS: tl.constexpr):
-    """Step 2: marks the occurrences that merge: mark[p] = 2 new_i, mark[next_pos[p]] = 2 new_i + 1
-    (marks from 2 FIRST up are this round's: none is cleared). A lane writes only its p's two marks,
-    distinct for distinct p: merged occurrences don't overlap (the pairs share no token), next_pos
-    is one-to-one."""
+    """Step 2: marks the occurrences that merge: mark[p] = 2 new, mark[next_pos[p]] = 2 new + 1 (marks
+    below the round's first are older: none is cleared). A lane writes only its p's two marks, not
+    another's: occurrences that merge share no position, and next_pos is one-to-one."""
     if tl.load(state + DONE) != 0:
         return
     for block in range(tl.program_id(0), tl.load(state + BLOCKS), tl.num_programs(0)):
-        i, j = pair_block(state, batch, block, BLOCK, SLOTS)
-        a, b = tl.load(batch + A * SLOTS + i), tl.load(batch + B * SLOTS + i)
-        new, length = tl.load(state + FIRST) + i, tl.load(batch + LENGTH * SLOTS + i)
-        p = tl.load(list_buffer + tl.load(batch + START * SLOTS + i) + j, mask=j < length, other=END)
+        _, _, p, a, b, new, _, _ = pair_block(state, batch, list_buffer, block, END, BLOCK, SLOTS)
         second = tl.load(next_pos + p)
         merge = (tl.load(tokens + p) == a) & (tl.load(tokens + second) == b)
         # A run "aaaa" merges left to right without overlap: p merges when an even number of
@@ -258,41 +241,36 @@ def find_occurrences(state, batch, list_buffer, tokens, next_pos, prev_pos, mark
 
 @triton.jit
 def apply_merges(state, batch, list_buffer, scratch, tokens, next_pos, prev_pos, mark, weight,
-                 counts, row_key, row_second, dirty_flag, dirty_rows, merge_log, V, END,
-                 BLOCK: tl.constexpr, SLOTS: tl.constexpr):
+                 counts, row_keys, dirty_flag, dirty_rows, merge_log, V, END, BLOCK: tl.constexpr,
+                 SLOTS: tl.constexpr):
     """Step 3: merges the marked occurrences. The lane of (p, second) writes only what it owns: the
     tokens and links of p and second, and prev_pos of the position after second unless that one
-    merges too (its lane links it then). A token belongs to one pair of the batch, whose lanes
-    alone write it: a lane reads a neighbour's token only where the marks say none does. Counts
-    change by atomic adds, which commute; no key changes, so lose_pair reads them safely."""
+    merges too (its lane links it then). It reads a neighbour's token only where the marks say no
+    lane writes it. Counts change by atomic adds, which commute; no key changes."""
     if tl.load(state + DONE) != 0:
         return
-    first_new, total = tl.load(state + FIRST), tl.load(state + TOTAL)
     for block in range(tl.program_id(0), tl.load(state + BLOCKS), tl.num_programs(0)):
-        i, j = pair_block(state, batch, block, BLOCK, SLOTS)
-        a, b, new = tl.load(batch + A * SLOTS + i), tl.load(batch + B * SLOTS + i), first_new + i
-        length, offset = tl.load(batch + LENGTH * SLOTS + i), tl.load(batch + OFFSET * SLOTS + i)
-        p = tl.load(list_buffer + tl.load(batch + START * SLOTS + i) + j, mask=j < length, other=END)
+        i, j, p, a, b, new, length, offset = pair_block(state, batch, list_buffer, block, END, BLOCK,
+                                                        SLOTS)
         mark_p = tl.load(mark + p)
         merged = (j < length) & (mark_p == 2 * new)
         # a's list keeps the positions still holding a, new's gets the merged ones: they wait in
-        # scratch, in the pair's own regions (the a's lists are disjoint), for refresh
+        # the pair's own regions of scratch (the a's lists are disjoint) for refresh
         unmarked = (j < length) & (mark_p != 2 * new) & (mark_p != 2 * new + 1)
         survives = unmarked & (tl.load(tokens + p, mask=unmarked, other=-1) == a)
         append(batch + SURVIVORS * SLOTS + i, scratch + offset, p, survives)
-        append(batch + MERGED * SLOTS + i, scratch + total + offset, p, merged)
+        append(batch + MERGED * SLOTS + i, scratch + offset + length, p, merged)
         second = tl.load(next_pos + p, mask=merged, other=END)
         before = tl.load(prev_pos + p, mask=merged, other=END)
         after = tl.load(next_pos + second, mask=merged, other=END)
         w = tl.load(weight + p, mask=merged, other=0)
-        # A neighbour merged in this round, by any pair j: its mark, odd before p, even after.
-        # x = -1: none (the chunk's start), or an occurrence merged before, whose lane counts the
-        # pair between the two, as (new_j, new): y is a_j then, from merge_log (tokens[after] is
-        # its lane's to write), and y_new new_j: "a b c d" leaves (b, c) for (new_i, new_j).
+        # A neighbour merged in this round (by pair j) has its mark: odd before, even after. x = -1:
+        # none (the chunk's start), or one merged before, whose lane counts the pair between as
+        # (new_j, new); after: y = a_j, from merge_log (its lane writes tokens[after]), y_new = new_j.
         mark_before = tl.load(mark + before, mask=merged, other=0)
         mark_after = tl.load(mark + after, mask=merged, other=0)
-        before_merged = merged & (mark_before >= 2 * first_new) & (mark_before % 2 == 1)
-        after_merged = merged & (mark_after >= 2 * first_new) & (mark_after % 2 == 0)
+        before_merged = merged & (mark_before >= 2 * (new - i)) & (mark_before % 2 == 1)
+        after_merged = merged & (mark_after >= 2 * (new - i)) & (mark_after % 2 == 0)
         x = tl.load(tokens + before, mask=merged & ~before_merged, other=-1)
         y_new = tl.where(after_merged, mark_after // 2,
                          tl.load(tokens + after, mask=merged & ~after_merged, other=-1))
@@ -307,68 +285,65 @@ def apply_merges(state, batch, list_buffer, scratch, tokens, next_pos, prev_pos,
         # a, b and new are scalars, broadcast by adding a zero block; int64: row * V + col > 2^31
         x, y, y_new = x.to(tl.int64), y.to(tl.int64), y_new.to(tl.int64)
         zero = 0 * x
-        lose_pair(state, counts, row_key, row_second, dirty_flag, dirty_rows, V, a + zero, b + zero,
-                  w, merged)
-        lose_pair(state, counts, row_key, row_second, dirty_flag, dirty_rows, V, x, a + zero, w,
-                  has_x)
-        lose_pair(state, counts, row_key, row_second, dirty_flag, dirty_rows, V, b + zero, y, w,
-                  has_y)
-        # Only the new tokens' pairs gain, and rows new are dirty. Row x's keys can't rise: (x, new)
-        # ends at most at (x, a)'s count before, in a larger column; (x, a) was one of row x's two
-        # keys (and x is dirty) or ranks below them.
+        lose_pair(state, counts, row_keys, dirty_flag, dirty_rows, V, a + zero, b + zero, w, merged)
+        lose_pair(state, counts, row_keys, dirty_flag, dirty_rows, V, x, a + zero, w, has_x)
+        lose_pair(state, counts, row_keys, dirty_flag, dirty_rows, V, b + zero, y, w, has_y)
+        # Only pairs with a new token gain (rows new are dirty). Row x's keys can't rise: (x, new) ends
+        # below (x, a) before, one of row x's two (x is dirty then) or below them.
         tl.atomic_add(counts + x * V + new, w, mask=has_x, sem="relaxed")
         tl.atomic_add(counts + new * V + y_new, w, mask=has_y, sem="relaxed")
 
 
 @triton.jit
-def lose_pair(state, counts, row_key, row_second, dirty_flag, dirty_rows, V, row, col, w, lose):
-    """Pair (row, col) loses w where lose: (a, b), (x, a) and (b, y) in a merge, all of tokens made
-    before the round. A row whose first or second key that pair was is listed as dirty, once: by the
-    lane that flips dirty_flag."""
+def lose_pair(state, counts, row_keys, dirty_flag, dirty_rows, V, row, col, w, lose):
+    """Pair (row, col) of old tokens loses w where lose: (a, b), (x, a) and (b, y). A row whose first
+    or second key it was is listed as dirty, once: by the lane that flips dirty_flag."""
     tl.atomic_add(counts + row * V + col, -w, mask=lose, sem="relaxed")
-    first = tl.load(row_key + row, mask=lose, other=0) & LOW
-    second = tl.load(row_second + row, mask=lose, other=0) & LOW
+    first = tl.load(row_keys + 2 * row, mask=lose, other=0) & LOW
+    second = tl.load(row_keys + 2 * row + 1, mask=lose, other=0) & LOW
     was_key = lose & ((first == LOW - col) | (second == LOW - col))
-    flag = tl.atomic_xchg(dirty_flag + row, 1, mask=was_key, sem="relaxed")
-    append(state + DIRTY, dirty_rows, row.to(tl.int32), was_key & (flag == 0))
+    flipped = was_key & (tl.atomic_xchg(dirty_flag + row, 1, mask=was_key, sem="relaxed") == 0)
+    # rare: an atomic a listed row (append's one per block would run for every block)
+    slot = tl.atomic_add(state + DIRTY + 0 * row, 1, mask=flipped, sem="relaxed")
+    tl.store(dirty_rows + slot, row, mask=flipped)
 
 
 @triton.jit
-def largest_key(count, col, columns):
-    """Each row's largest count and first column with it, as a key (0: none), and that column."""
+def two_keys(count, col, columns):
+    """Each row's two largest keys (0: none): its largest count at its first column, then the
+    largest count elsewhere at its first column."""
     most = tl.max(count, axis=1)
     first_col = tl.min(tl.where(count == most[:, None], col[None, :], columns), axis=1)
-    return tl.where(most > 0, (most.to(tl.int64) << ID_BITS) | (LOW - first_col), 0), first_col
+    rest = tl.where(col[None, :] == first_col[:, None], 0, count)
+    next_most = tl.max(rest, axis=1)
+    next_col = tl.min(tl.where(rest == next_most[:, None], col[None, :], columns), axis=1)
+    return (tl.where(most > 0, (most.to(tl.int64) << ID_BITS) | (LOW - first_col), 0),
+            tl.where(next_most > 0, (next_most.to(tl.int64) << ID_BITS) | (LOW - next_col), 0))
 
 
 @triton.jit
-def refresh_rows(state, batch, list_buffer, scratch, list_start, list_len, counts, fresh_key,
-                 fresh_second, dirty_rows, V, ROWS: tl.constexpr, BLOCK: tl.constexpr,
-                 SLOTS: tl.constexpr):
-    """Step 4: moves each pair's positions into place: a_i's survivors back to a_i's list, the
-    merged ones to new_i's, right after new_{i-1}'s (a merge appends as many positions as it kills:
-    the buffer holds them all). Then recomputes the dirty rows' two keys into fresh keys, in items
-    of ROWS rows x BLOCK columns over the programs (a row of 65534 columns: 256 items). Nothing
-    writes counts or lists now; atomic_max makes the order free."""
+def refresh_rows(state, batch, list_buffer, scratch, list_start, list_len, counts, fresh_keys,
+                 dirty_rows, V, ROWS: tl.constexpr, BLOCK: tl.constexpr, SLOTS: tl.constexpr):
+    """Step 4: moves a_i's survivors back to its list, the merged positions to new_i's, after new_(i-1)'s
+    (a merge appends as many as it kills: the buffer holds them). Then the dirty rows' two keys into
+    fresh_keys, in items of ROWS rows x BLOCK columns over the programs; atomic_max: any order."""
     if tl.load(state + DONE) != 0:
         return
     program, programs = tl.program_id(0), tl.num_programs(0)
-    first_new, total, pairs = tl.load(state + FIRST), tl.load(state + TOTAL), tl.load(state + PAIRS)
-    slots = tl.arange(0, SLOTS)
+    pairs, slots = tl.load(state + PAIRS), tl.arange(0, SLOTS)
+    first_new = tl.load(state + NEXT) - pairs
     merged = tl.load(batch + MERGED * SLOTS + slots, mask=slots < pairs, other=0)
     new_start = tl.load(list_start + first_new) + tl.cumsum(merged, axis=0) - merged
     for block in range(program, tl.load(state + BLOCKS), programs):
-        i, j = pair_block(state, batch, block, BLOCK, SLOTS)
-        offset, kept = tl.load(batch + OFFSET * SLOTS + i), tl.load(batch + SURVIVORS * SLOTS + i)
-        made = tl.load(batch + MERGED * SLOTS + i)
+        i, j, _, _, _, _, length, offset = pair_block(state, batch, list_buffer, block, 0, BLOCK, SLOTS)
+        kept, made = tl.load(batch + SURVIVORS * SLOTS + i), tl.load(batch + MERGED * SLOTS + i)
         a_list = list_buffer + tl.load(batch + START * SLOTS + i)
         new_list = list_buffer + tl.sum(tl.where(slots == i, new_start, 0), axis=0)
         tl.store(a_list + j, tl.load(scratch + offset + j, mask=j < kept), mask=j < kept)
-        tl.store(new_list + j, tl.load(scratch + total + offset + j, mask=j < made), mask=j < made)
+        tl.store(new_list + j, tl.load(scratch + offset + length + j, mask=j < made), mask=j < made)
     if program == 0:
         a = tl.load(batch + A * SLOTS + slots, mask=slots < pairs, other=0)
-        kept = tl.load(batch + SURVIVORS * SLOTS + slots, mask=slots < pairs)
-        tl.store(list_len + a, kept, mask=slots < pairs)
+        tl.store(list_len + a, tl.load(batch + SURVIVORS * SLOTS + slots), mask=slots < pairs)
         tl.store(list_start + first_new + slots, new_start, mask=slots < pairs)
         tl.store(list_len + first_new + slots, merged, mask=slots < pairs)
     columns, dirty = tl.load(state + NEXT), tl.load(state + DIRTY)
@@ -381,14 +356,13 @@ def refresh_rows(state, batch, list_buffer, scratch, list_start, list_len, count
         col = (item % slices) * BLOCK + tl.arange(0, BLOCK)
         inside = (i < dirty)[:, None] & (col < columns)[None, :]
         count = tl.load(counts + row[:, None] * V + col[None, :], mask=inside, other=0)
-        key, first_col = largest_key(count, col, columns)
-        second, _ = largest_key(tl.where(col[None, :] == first_col[:, None], 0, count), col, columns)
-        # A row's two largest keys, over items in any order: the first by atomic max; the second is
-        # the largest of the items' seconds and of the smaller of each first and the key it met
-        # (inserting one by one, the second largest is the smaller of the two at some insertion).
-        met = tl.atomic_max(fresh_key + row, key, mask=i < dirty, sem="relaxed")
-        tl.atomic_max(fresh_second + row, tl.maximum(second, tl.minimum(met, key)), mask=i < dirty,
-                      sem="relaxed")
+        key, second = two_keys(count, col, columns)
+        # A row's two largest keys, items in any order: the first by atomic max; the second, of the
+        # items' seconds and of the smaller of each first and the key it met (keys inserted one by
+        # one: the second largest is the smaller of the two at some insertion).
+        met = tl.atomic_max(fresh_keys + 2 * row, key, mask=i < dirty, sem="relaxed")
+        tl.atomic_max(fresh_keys + 2 * row + 1, tl.maximum(second, tl.minimum(met, key)),
+                      mask=i < dirty, sem="relaxed")
 
 
 def chunks_to_arrays(chunk_counts, vocab_size):
@@ -453,9 +427,9 @@ def merge_on_device(arrays, vocab_size, device, max_batch=max_batch):
                      block=256, rows=4, choose_block=256, key_block=256)
     programs, block, rows = shape["programs"], shape["block"], shape["rows"]
     choose_block, key_block = shape["choose_block"], shape["key_block"]
-    row_key, row_second, fresh_key, fresh_second = zeros(V), zeros(V), zeros(V), zeros(V)
     slots = triton.next_power_of_2(max_batch)
-    state, batch, merge_log = zeros(7), zeros(8 * slots), zeros(2 * V)
+    row_keys, fresh_keys, state, batch = zeros(2 * V), zeros(2 * V), zeros(5), zeros(8 * slots)
+    merge_log = zeros(2 * V)
     block_key = zeros(triton.cdiv(V, key_block))
     dirty_flag, dirty_rows = zeros(V, torch.int32), zeros(V, torch.int32)
     # the first refresh makes all rows' keys
@@ -465,20 +439,18 @@ def merge_on_device(arrays, vocab_size, device, max_batch=max_batch):
 
     def launch_refresh():
         refresh_rows[grid](state, batch, list_buffer, scratch, list_start, list_len, counts,
-                           fresh_key, fresh_second, dirty_rows, V, ROWS=rows, BLOCK=block,
-                           SLOTS=slots)
+                           fresh_keys, dirty_rows, V, ROWS=rows, BLOCK=block, SLOTS=slots)
 
     def merge_group():  # past the last merge, choose_batch sets DONE: every kernel does nothing
         for _ in range(ROUNDS_PER_READ):
-            choose_batch[(1,)](state, batch, row_key, row_second, block_key, fresh_key,
-                               fresh_second, dirty_flag, dirty_rows, list_start, list_len,
-                               merge_log, V, max_batch, BLOCK=choose_block, KEY_BLOCK=key_block,
-                               POSITIONS=block, SLOTS=slots)
+            choose_batch[(1,)](state, batch, row_keys, block_key, fresh_keys, dirty_flag, dirty_rows,
+                               list_start, list_len, merge_log, V, max_batch, BLOCK=choose_block,
+                               KEY_BLOCK=key_block, POSITIONS=block, SLOTS=slots)
             find_occurrences[grid](state, batch, list_buffer, tokens, next_pos, prev_pos, mark,
                                    END, BLOCK=block, SLOTS=slots)
             apply_merges[grid](state, batch, list_buffer, scratch, tokens, next_pos, prev_pos,
-                               mark, weight, counts, row_key, row_second, dirty_flag, dirty_rows,
-                               merge_log, V, END, BLOCK=block, SLOTS=slots)
+                               mark, weight, counts, row_keys, dirty_flag, dirty_rows, merge_log,
+                               V, END, BLOCK=block, SLOTS=slots)
             launch_refresh()
 
     launch_refresh()
@@ -766,6 +738,7 @@ def validate(args):
         (not 256 <= args.vocab_size <= 2**20,
          f"-v {args.vocab_size}: vocab_size must be between 256 (the bytes) and 2^20"),
         (args.num_chars <= 0, f"-n {args.num_chars}: must be positive"),
+        (args.max_batch < 1, f"--max_batch {args.max_batch}: must be 1 (a merge a round) or more"),
         (matches_empty, f"--pattern {args.pattern!r} matches the empty string; each match must "
                         "take a character (x+, not x*)"),
         (kind not in ("cpu", "cuda"),
@@ -842,6 +815,7 @@ def parse_args(argv):
     parser.add_argument("--out", default=out, help="default tokenizers/<source>_v<vocab_size>")
     parser.add_argument("--pattern", default=pattern, help="the split regex (default GPT-4's)")
     parser.add_argument("--device", default=device, help="cuda, or cpu (Triton's interpreter)")
+    parser.add_argument("--max_batch", type=int, default=max_batch, help="merges a round at most")
     return parser.parse_args(argv)
 
 
@@ -870,7 +844,8 @@ def run(argv):
     print(f"{len(arrays['tokens']) - 2:,} token positions in the distinct chunks, "
           f"on {train_device}")
     t_layout = time.time()
-    merges, total_tokens, seconds = merge_on_device(arrays, args.vocab_size, train_device)
+    merges, total_tokens, seconds = merge_on_device(arrays, args.vocab_size, train_device,
+                                                    args.max_batch)
     t2 = time.time()
 
     num_merges, eot_id = len(merges), 256 + len(merges)  # <|endoftext|>: the first id after them
