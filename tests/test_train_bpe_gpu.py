@@ -107,6 +107,10 @@ def test_many_programs_and_small_blocks_give_the_same_merges(monkeypatch):
     monkeypatch.setattr(bpe, "INTERPRETER_SHAPE", shape)
     docs = EDGE_CASES["alternating pairs"] + ["aaa aaaaa aaaaaaa aaaaaaaa " * 2, "qr qr qr st st st xy xy"]
     assert our_vocab(docs, 271) == cpu_trainer_vocab(docs, 271)
+    # Row a's second key, (a, B) (B is 66: another item of 32 columns than b's), ranks above (x, y): it ends
+    # the first round, so (a, B) is merged before (x, y).
+    chunk_counts = Counter({"ab": 10, "aB": 8, "xy": 6})
+    assert train(chunk_counts, 259) == train_bpe_cpu.train(chunk_counts, 259)
 
 
 def test_runs_are_merged_left_to_right_without_overlap():
@@ -202,13 +206,14 @@ def test_batched_rounds_make_rustbpes_merges(corpus, monkeypatch, max_batch):
 
 
 def test_adjacent_pairs_merge_in_one_round(monkeypatch):
-    # "ab" and "cd" count 10 each, "bc" 4: one round merges both, and in "abcd" the left occurrence's lane counts
-    # the pair between them as (ab, cd), which the next round merges.
-    chunk_counts = Counter({"ab": 6, "cd": 6, "abcd": 4})
+    # "ab" and "cd" count 10 each, "bc" and "da" 2: one round merges both, and in "abcd" and "cdab" the left
+    # occurrence's lane counts the pair between the two as (ab, cd) or (cd, ab). The interpreter runs the first
+    # pair's block first: in "cdab" the right occurrence's lane has already written its token.
+    chunk_counts = Counter({"ab": 6, "cd": 6, "abcd": 2, "cdab": 2})
     counter = CountRounds(monkeypatch)
-    merges, total_tokens = train(chunk_counts, 260)
-    assert merges[:3] == [((97, 98), 256), ((99, 100), 257), ((256, 257), 258)]
-    assert (merges, total_tokens) == train_bpe_cpu.train(chunk_counts, 260)
+    merges, total_tokens = train(chunk_counts, 262)
+    assert merges == [((97, 98), 256), ((99, 100), 257), ((256, 257), 258), ((257, 256), 259)]
+    assert (merges, total_tokens) == train_bpe_cpu.train(chunk_counts, 262)
     assert DEVICE != "cpu" or counter.rounds[0] == 2
 
 
