@@ -83,10 +83,10 @@ PARALLEL_CHARS = 1 << 24  # from this many characters on, all cores pre-tokenize
 # merges make. Merging (a_i, b_i) changes only pairs holding a_i or b_i: the later pairs keep their
 # counts, and the pairs it makes rank below them ((x, new_i) counts at most what (x, a_i) did, not
 # in the batch, and new_i, the largest id yet, loses ties; likewise (new_i, y)).
-# A merge costs its kernels' latency, not their work (the median one visits 132 positions, enwiki
-# at V=65534): a batch shares a round's. Programs stride over blocks, so grids are known before the
-# data: CUDA records 16 rounds as one graph. No kernel needs a lock (each docstring says why). Each
-# atomic is relaxed (acq_rel fences the device around it); the stream orders the kernels.
+# A merge costs its kernels' latency, not their work (the median visits 132 positions on enwiki):
+# a batch shares a round's. Grids are known before the data (programs stride over blocks): CUDA
+# records 16 rounds as one graph. No kernel needs a lock (each docstring says why); atomics are
+# relaxed (acq_rel fences the device around each), the stream orders the kernels.
 # `state`, on the device: NEXT, the next id (256 + the merges made: the columns in use); DONE, 1
 # once no pair is left or V is reached (every kernel then does nothing); DIRTY, dirty_rows' length;
 # PAIRS and BLOCKS, the round's pairs (pair i makes NEXT - PAIRS + i) and blocks of positions
@@ -120,10 +120,9 @@ def choose_batch(state, batch, row_keys, block_key, fresh_keys, dirty_flag, dirt
     for first in range(0, dirty, BLOCK):
         i = first + tl.arange(0, BLOCK)
         rows = tl.load(dirty_rows + i, mask=i < dirty, other=0)
-        both = 2 * rows[:, None] + tl.arange(0, 2)[None, :]
-        keys = tl.load(fresh_keys + both, mask=(i < dirty)[:, None])
-        tl.store(row_keys + both, keys, mask=(i < dirty)[:, None])
-        tl.store(fresh_keys + both, 0, mask=(i < dirty)[:, None])
+        both, copy = 2 * rows[:, None] + tl.arange(0, 2)[None, :], (i < dirty)[:, None]
+        tl.store(row_keys + both, tl.load(fresh_keys + both, mask=copy), mask=copy)
+        tl.store(fresh_keys + both, 0, mask=copy)
         tl.store(dirty_flag + rows, 0, mask=i < dirty)
     # Triton orders memory only within a thread: a barrier, or a thread could read a dirty row's key
     # before another's copy. Its block key is recomputed (twice for two rows, alike); a barrier.
@@ -140,8 +139,7 @@ def choose_batch(state, batch, row_keys, block_key, fresh_keys, dirty_flag, dirt
     # A pick: the largest key of the rows not chosen (the first block with the largest count, its
     # first row with it). The exact order's next pair is that or a chosen row's second key (sharing
     # a token): the batch ends where that ranks above (count, then row), or the pick shares a token.
-    first_new = tl.load(state + NEXT)
-    slots = tl.arange(0, SLOTS)
+    first_new, slots = tl.load(state + NEXT), tl.arange(0, SLOTS)
     chosen_a, chosen_b = tl.full([SLOTS], -1, tl.int64), tl.full([SLOTS], -1, tl.int64)
     hidden_count, hidden_row = dirty * 0, dirty * 0 + V
     dirty, pairs, blocks, offset = dirty * 0, tl.full((), 0, tl.int32), dirty * 0, dirty * 0
@@ -181,8 +179,7 @@ def choose_batch(state, batch, row_keys, block_key, fresh_keys, dirty_flag, dirt
             second = tl.load(row_keys + 2 * a + 1) >> ID_BITS
             above = (second > hidden_count) | ((second == hidden_count) & (a < hidden_row))
             hidden_count, hidden_row = tl.where(above, second, hidden_count), tl.where(above, a, hidden_row)
-            chosen_a = tl.where(slots == pairs, a, chosen_a)
-            chosen_b = tl.where(slots == pairs, b, chosen_b)
+            chosen_a, chosen_b = tl.where(slots == pairs, a, chosen_a), tl.where(slots == pairs, b, chosen_b)
             dirty, pairs, offset = dirty + 2, pairs + 1, offset + 2 * length
             blocks += (length + POSITIONS - 1) // POSITIONS
             going = (pairs < max_batch) & (new + 1 < V) & (a != b)
@@ -199,9 +196,8 @@ def choose_batch(state, batch, row_keys, block_key, fresh_keys, dirty_flag, dirt
 
 @triton.jit
 def pair_block(state, batch, list_buffer, block, END, BLOCK: tl.constexpr, SLOTS: tl.constexpr):
-    """The round's lists, walked as one in blocks of one pair each: block `block`'s pair i, its
-    indexes j into a_i's list and positions p there (END past it), a, b, new, and its region in
-    scratch (a_i's length for survivors, then for merged ones)."""
+    """The round's lists in blocks of one pair each: block `block`'s pair i, indexes j into a_i's list,
+    positions p (END past it), a, b, new, and its region in scratch (as large as list_buffer)."""
     slots, pairs = tl.arange(0, SLOTS), tl.load(state + PAIRS)
     firsts = tl.load(batch + FIRST_BLOCK * SLOTS + slots, mask=slots < pairs, other=block + 1)
     i = tl.sum((firsts <= block).to(tl.int32), axis=0) - 1
@@ -254,8 +250,7 @@ def apply_merges(state, batch, list_buffer, scratch, tokens, next_pos, prev_pos,
                                                         SLOTS)
         mark_p = tl.load(mark + p)
         merged = (j < length) & (mark_p == 2 * new)
-        # a's list keeps the positions still holding a, new's gets the merged ones: they wait in
-        # the pair's own regions of scratch (the a's lists are disjoint) for refresh
+        # survivors (still a) and merged ones wait for refresh in the pair's regions of scratch
         unmarked = (j < length) & (mark_p != 2 * new) & (mark_p != 2 * new + 1)
         survives = unmarked & (tl.load(tokens + p, mask=unmarked, other=-1) == a)
         append(batch + SURVIVORS * SLOTS + i, scratch + offset, p, survives)
@@ -303,15 +298,14 @@ def lose_pair(state, counts, row_keys, dirty_flag, dirty_rows, V, row, col, w, l
     second = tl.load(row_keys + 2 * row + 1, mask=lose, other=0) & LOW
     was_key = lose & ((first == LOW - col) | (second == LOW - col))
     flipped = was_key & (tl.atomic_xchg(dirty_flag + row, 1, mask=was_key, sem="relaxed") == 0)
-    # rare: an atomic a listed row (append's one per block would run for every block)
+    # rare: an atomic per row listed (append's, one a block, would run in every block)
     slot = tl.atomic_add(state + DIRTY + 0 * row, 1, mask=flipped, sem="relaxed")
     tl.store(dirty_rows + slot, row, mask=flipped)
 
 
 @triton.jit
 def two_keys(count, col, columns):
-    """Each row's two largest keys (0: none): its largest count at its first column, then the
-    largest count elsewhere at its first column."""
+    """Each row's two largest keys (0: none): its largest count at its first column, then the next."""
     most = tl.max(count, axis=1)
     first_col = tl.min(tl.where(count == most[:, None], col[None, :], columns), axis=1)
     rest = tl.where(col[None, :] == first_col[:, None], 0, count)
