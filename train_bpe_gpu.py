@@ -145,14 +145,10 @@ def choose_batch(state, batch, row_keys, block_key, fresh_keys, dirty_flag, dirt
     dirty, pairs, blocks, offset = dirty * 0, tl.full((), 0, tl.int32), dirty * 0, dirty * 0
     going = first_new < V
     while going:
-        best_count, best_block = dirty * 0, dirty * 0
-        for first in range(0, tl.cdiv(first_new, KEY_BLOCK), BLOCK):
-            keyed = first + tl.arange(0, BLOCK)
-            count = tl.load(block_key + keyed, mask=keyed * KEY_BLOCK < first_new, other=0) >> ID_BITS
-            most = tl.max(count, axis=0)
-            first_most = tl.min(tl.where(count == most, keyed, first_new), axis=0).to(tl.int64)
-            best_block = tl.where(most > best_count, first_most, best_block)
-            best_count = tl.maximum(most, best_count)
+        keyed = tl.arange(0, BLOCK)  # BLOCK x KEY_BLOCK rows cover V
+        count = tl.load(block_key + keyed, mask=keyed * KEY_BLOCK < first_new, other=0) >> ID_BITS
+        best_count = tl.max(count, axis=0)
+        best_block = tl.min(tl.where(count == best_count, keyed, BLOCK), axis=0).to(tl.int64)
         rows = best_block * KEY_BLOCK + tl.arange(0, KEY_BLOCK)
         keys = tl.load(row_keys + 2 * rows, mask=rows < first_new, other=0)
         a = tl.min(tl.where(keys >> ID_BITS == best_count, rows, V), axis=0)
@@ -304,18 +300,6 @@ def lose_pair(state, counts, row_keys, dirty_flag, dirty_rows, V, row, col, w, l
 
 
 @triton.jit
-def two_keys(count, col, columns):
-    """Each row's two largest keys (0: none): its largest count at its first column, then the next."""
-    most = tl.max(count, axis=1)
-    first_col = tl.min(tl.where(count == most[:, None], col[None, :], columns), axis=1)
-    rest = tl.where(col[None, :] == first_col[:, None], 0, count)
-    next_most = tl.max(rest, axis=1)
-    next_col = tl.min(tl.where(rest == next_most[:, None], col[None, :], columns), axis=1)
-    return (tl.where(most > 0, (most.to(tl.int64) << ID_BITS) | (LOW - first_col), 0),
-            tl.where(next_most > 0, (next_most.to(tl.int64) << ID_BITS) | (LOW - next_col), 0))
-
-
-@triton.jit
 def refresh_rows(state, batch, list_buffer, scratch, list_start, list_len, counts, fresh_keys,
                  dirty_rows, V, ROWS: tl.constexpr, BLOCK: tl.constexpr, SLOTS: tl.constexpr):
     """Step 4: moves a_i's survivors back to its list, the merged positions to new_i's, after new_(i-1)'s
@@ -350,7 +334,14 @@ def refresh_rows(state, batch, list_buffer, scratch, list_start, list_len, count
         col = (item % slices) * BLOCK + tl.arange(0, BLOCK)
         inside = (i < dirty)[:, None] & (col < columns)[None, :]
         count = tl.load(counts + row[:, None] * V + col[None, :], mask=inside, other=0)
-        key, second = two_keys(count, col, columns)
+        # the item's two largest keys (0: none), int64 only for them: half the registers
+        most = tl.max(count, axis=1)
+        first_col = tl.min(tl.where(count == most[:, None], col[None, :], columns), axis=1)
+        rest = tl.where(col[None, :] == first_col[:, None], 0, count)
+        next_most = tl.max(rest, axis=1)
+        next_col = tl.min(tl.where(rest == next_most[:, None], col[None, :], columns), axis=1)
+        key = tl.where(most > 0, (most.to(tl.int64) << ID_BITS) | (LOW - first_col), 0)
+        second = tl.where(next_most > 0, (next_most.to(tl.int64) << ID_BITS) | (LOW - next_col), 0)
         # A row's two largest keys, items in any order: the first by atomic max; the second, of the
         # items' seconds and of the smaller of each first and the key it met (keys inserted one by
         # one: the second largest is the smaller of the two at some insertion).
@@ -420,7 +411,9 @@ def merge_on_device(arrays, vocab_size, device, max_batch=max_batch):
         shape = dict(programs=4 * torch.cuda.get_device_properties(device).multi_processor_count,
                      block=256, rows=4, choose_block=256, key_block=256)
     programs, block, rows = shape["programs"], shape["block"], shape["rows"]
-    choose_block, key_block = shape["choose_block"], shape["key_block"]
+    # choose reads all block keys at once: choose_block x key_block rows must cover V
+    key_block = max(shape["key_block"], triton.next_power_of_2(triton.cdiv(V, shape["choose_block"])))
+    choose_block = max(shape["choose_block"], key_block)
     slots = triton.next_power_of_2(max_batch)
     row_keys, fresh_keys, state, batch = zeros(2 * V), zeros(2 * V), zeros(5), zeros(8 * slots)
     merge_log = zeros(2 * V)

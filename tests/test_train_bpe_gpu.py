@@ -101,9 +101,9 @@ def test_edge_cases_equal_rustbpe_and_cpu_trainer(name):
 def test_many_programs_and_small_blocks_give_the_same_merges(monkeypatch):
     # The interpreter's default is one program with one wide block: here 2 programs stride over blocks of 32
     # positions (a pair's list in several blocks, the batch's lists walked as one), appends to the lists cross
-    # blocks, dirty rows are refreshed 8 rows by 32 columns at a time, and choose_batch compares 16 block keys at
-    # a time, of 4 rows each (271 ids: the last block holds 3).
-    shape = dict(programs=2, block=32, rows=8, choose_block=16, key_block=4)
+    # blocks, dirty rows are refreshed 8 rows by 32 columns at a time, and choose_batch reads 32 block keys (17 in
+    # use) of 16 rows each (271 ids: the last block holds 15).
+    shape = dict(programs=2, block=32, rows=8, choose_block=32, key_block=16)
     monkeypatch.setattr(bpe, "INTERPRETER_SHAPE", shape)
     docs = EDGE_CASES["alternating pairs"] + ["aaa aaaaa aaaaaaa aaaaaaaa " * 2, "qr qr qr st st st xy xy"]
     assert our_vocab(docs, 271) == cpu_trainer_vocab(docs, 271)
