@@ -127,9 +127,8 @@ def choose_batch(state, batch, row_keys, block_key, fresh_keys, dirty_flag, dirt
     # Triton orders memory only within a thread: a barrier, or a thread could read a dirty row's key
     # before another's copy. Its block key is recomputed (twice for two rows, alike); a barrier.
     tl.debug_barrier()
-    tl.static_assert(BLOCK >= KEY_BLOCK)
-    for first in range(0, dirty, BLOCK // KEY_BLOCK):
-        i = first + tl.arange(0, BLOCK // KEY_BLOCK)
+    for first in range(0, dirty, 4):  # 4 rows' blocks at a time: one wait per 4
+        i = first + tl.arange(0, 4)
         blocks = tl.load(dirty_rows + i, mask=i < dirty, other=0) // KEY_BLOCK
         rows = blocks[:, None] * KEY_BLOCK + tl.arange(0, KEY_BLOCK)[None, :]
         keys = tl.load(row_keys + 2 * rows, mask=(i < dirty)[:, None] & (rows < V), other=0)
