@@ -415,8 +415,7 @@ def merge_on_device(arrays, vocab_size, device, max_batch=max_batch):
     choose_block = max(shape["choose_block"], key_block)
     slots = triton.next_power_of_2(max_batch)
     row_keys, fresh_keys, state, batch = zeros(2 * V), zeros(2 * V), zeros(5), zeros(8 * slots)
-    merge_log = zeros(2 * V)
-    block_key = zeros(triton.cdiv(V, key_block))
+    merge_log, block_key = zeros(2 * V), zeros(triton.cdiv(V, key_block))
     dirty_flag, dirty_rows = zeros(V, torch.int32), zeros(V, torch.int32)
     # the first refresh makes all rows' keys
     dirty_flag[:256], dirty_rows[:256] = 1, torch.arange(256, device=device)
