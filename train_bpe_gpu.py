@@ -6,10 +6,10 @@ Train a byte-level BPE tokenizer, merging on a GPU: the same merges as train_bpe
     python train_bpe_gpu.py -v 300 -n 65536 --device cpu    # no GPU: Triton's interpreter (tests)
 
 Flags and outputs are train_bpe_cpu.py's, the readable reference. This file shows how a sequential
-algorithm gets fast on a GPU: merge k needs the counts left by merge k-1, so merges can't run in
-parallel, but the work inside a merge can, and the host must stay out of the way. A merge is four
-small Triton kernels, one per step; the host launches them (on CUDA, 16 merges as one CUDA graph)
-and reads once per 16 merges: "done?".
+algorithm gets fast on a GPU: merge k needs the counts left by merge k-1, yet the work inside a
+merge runs in parallel, so can pairs that share no token, and the host stays out of the way. A
+round (a batch of merges) is four Triton kernels; the host launches 16 rounds (on CUDA, as one
+CUDA graph) and reads once: "done?".
 """
 
 import argparse, atexit, base64, codecs, fcntl, json, multiprocessing, os, queue, resource, signal
@@ -49,18 +49,21 @@ num_chars = 1048576  # train on the first 2^20 characters of the stream
 data = "fineweb"  # fineweb | fineweb-edu | a .txt/.jsonl/.parquet file | a directory of them
 out = None  # output directory; default tokenizers/<source>_v<vocab_size>
 device = None  # cuda; without a GPU, --device cpu: Triton's interpreter (exact, slow, for tests)
+# pairs merged in one round at most (1: one merge a round). Rounds shrink 1.8x at 2, 2.9x at 4,
+# 4.0x at 8, 5.0x at 32 (enwiki, V=65534); each pick costs choose a few dependent reads: 8
+max_batch = 8
 # GPT-4's split pattern (train_bpe_cpu.py says what it keeps apart)
 pattern = r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]++[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+"""
 EOT = "<|endoftext|>"
-# programs; positions per block; dirty rows per refresh item; keys choose_pair scans at once; rows
+# programs; positions per block; dirty rows per refresh item; keys choose_batch scans at once; rows
 # per block key (CUDA's shape is in merge_on_device)
 INTERPRETER_SHAPE = dict(programs=1, block=1024, rows=64, choose_block=1024, key_block=16)
-ROUNDS_PER_READ = 16  # rounds (a merge's four kernels) per host read of "done"
+ROUNDS_PER_READ = 16  # rounds (a batch's four kernels) per host read of "done"
 PARALLEL_CHARS = 1 << 24  # from this many characters on, all cores pre-tokenize (below: one)
 # ---
 
 
-# --- the lesson: one BPE merge as four steps
+# --- the lesson: a round of BPE merges as four steps
 # The distinct chunks lie in flat arrays, one slot per byte (a "position"), as in train_bpe_cpu.py:
 #   tokens[p]      the token at p; DEAD once merged away; -1 on the spare slots END and END+1
 #                  (END is real: a lane may read the token after any position unmasked)
@@ -70,29 +73,27 @@ PARALLEL_CHARS = 1 << 24  # from this many characters on, all cores pre-tokenize
 #   counts[l*V+r]  the weighted count of pair (l, r): a dense V x V matrix
 #   list_buffer[list_start[t]:list_start[t] + list_len[t]]   the positions holding token t:
 #                  merging (a, b) visits only a's positions.
-# Choosing must not scan V^2 counts. A pair's key is count << 20 | (2^20 - 1 - r); row_key[l] is
-# row l's largest: its largest count, ties to the smallest r (across rows, to the smallest l). Per
-# row, keys hold counts to 2^43 (a key naming both ids would leave 23 bits). Only pairs with the
-# new token grow: atomic_max raises their row's key. A shrinking count leaves a key too high only
-# if it was the row's maximum: that row is "dirty" (rare), recomputed into a zeroed fresh_key
-# (atomic_max can't lower a key), which the next pick copies over. block_key[k], the largest key
-# of rows k*KEY_BLOCK.. (k+1)*KEY_BLOCK-1, rises with theirs and is recomputed for a dirty row:
-# choosing reads V/KEY_BLOCK block keys, one block's row keys and the dirty rows' blocks.
-# The loop's state (a, b, list bounds) stays on the device, in `state`. Programs stride over blocks,
-# so every grid's size is known before the data: CUDA records 16 rounds as one graph. No kernel
-# needs a lock; each docstring says why.
-# A merge costs its kernels' latency more than their work (the median one visits 132 positions, on
-# enwiki at V=65534): ~25 us on an H100. Every atomic is relaxed: each needs only atomicity, and
-# the stream orders the kernels. The default, acq_rel, fences the whole device around each atomic
-# (MEMBAR.ALL.GPU on an H100), on apply's critical path.
-
-# `state`, the loop's scalars on the device:
-#   NEXT       the next id to give out (256 + the merges made): ids below it are the columns in use
-#   NEW, A, B  the merge being made, (a, b) -> new
-#   DONE       1 once no pair is left or V is reached: every kernel then does nothing
-#   START      where a's list lies in list_buffer; LENGTH, how long it is
-#   SURVIVORS  how many of a's positions stay a (they wait in scratch); DIRTY, dirty_rows' length
-NEXT, NEW, A, B, DONE, START, LENGTH, SURVIVORS, DIRTY = (tl.constexpr(i) for i in range(9))
+# Choosing must not scan V^2 counts. A pair's key is count << 20 | (2^20 - 1 - r) (counts to 2^43);
+# row_keys[2l] is row l's largest (ties to the smallest r; across rows, the smallest l), [2l+1] the
+# next. A falling count leaves them wrong only if it was one: the row is "dirty" (rare), recomputed
+# into zeroed fresh_keys, copied by the next choice. block_key[k], the largest of rows k*KEY_BLOCK..,
+# is recomputed for a dirty row: a pick reads V/KEY_BLOCK block keys and one block's row keys.
+# A round merges a batch: the longest prefix of the exact order (largest count, ties to the
+# smallest (l, r)) whose pairs share no token, (a, a) only last, at most max_batch: what sequential
+# merges make. Merging (a_i, b_i) changes only pairs holding a_i or b_i: the later pairs keep their
+# counts, and the pairs it makes rank below them ((x, new_i) counts at most what (x, a_i) did, not
+# in the batch, and new_i, the largest id yet, loses ties; likewise (new_i, y)).
+# A merge costs its kernels' latency, not their work (the median visits 132 positions on enwiki):
+# a batch shares a round's. Grids are known before the data (programs stride over blocks): CUDA
+# records 16 rounds as one graph. No kernel needs a lock (each docstring says why); atomics are
+# relaxed (acq_rel fences the device around each), the stream orders the kernels.
+# `state`, on the device: NEXT, the next id (256 + the merges made: the columns in use); DONE, 1
+# once no pair is left or V is reached (every kernel then does nothing); DIRTY, dirty_rows' length;
+# PAIRS and BLOCKS, the round's pairs (pair i makes NEXT - PAIRS + i) and blocks of positions
+NEXT, DONE, DIRTY, PAIRS, BLOCKS = (tl.constexpr(i) for i in range(5))
+# `batch`: pair i in slot i of each field: (A, B), a's list (START, LENGTH), its first block and
+# region in scratch (FIRST_BLOCK, OFFSET), how many positions stay a (SURVIVORS) and merge (MERGED)
+A, B, START, LENGTH, FIRST_BLOCK, OFFSET, SURVIVORS, MERGED = (tl.constexpr(i) for i in range(8))
 DEAD = tl.constexpr(-2)  # the token of an unlinked position (the right half of a merged pair)
 ID_BITS = tl.constexpr(20)  # a key's low bits hold 2^20 - 1 - right id: V is at most 2^20
 LOW = tl.constexpr((1 << 20) - 1)
@@ -107,89 +108,111 @@ def append(length, buffer, values, keep):
 
 
 @triton.jit
-def pick_pair(state, row_key, block_key, fresh_key, dirty_flag, dirty_rows, V, BLOCK: tl.constexpr,
-              KEY_BLOCK: tl.constexpr):
-    """The pair with the largest count (ties: the smallest left id, then right id), as (count, left
-    row); count 0: none. Makes the dirty rows' keys exact first: a second pick with no merge
-    between picks the same. One program, with its threads: it may read and write anything."""
+def choose_batch(state, batch, row_keys, block_key, fresh_keys, dirty_flag, dirty_rows, list_start,
+                 list_len, merge_log, V, max_batch, BLOCK: tl.constexpr, KEY_BLOCK: tl.constexpr,
+                 POSITIONS: tl.constexpr, SLOTS: tl.constexpr):
+    """Step 1: picks the round's pairs (batch, merge_log, the new lists' start), or sets DONE. One
+    program, alone on the device (kernels run in order)."""
+    if tl.load(state + DONE) != 0:
+        return
     # the dirty rows take the keys refresh recomputed
     dirty = tl.load(state + DIRTY)
     for first in range(0, dirty, BLOCK):
         i = first + tl.arange(0, BLOCK)
         rows = tl.load(dirty_rows + i, mask=i < dirty, other=0)
-        tl.store(row_key + rows, tl.load(fresh_key + rows, mask=i < dirty), mask=i < dirty)
-        tl.store(fresh_key + rows, 0, mask=i < dirty)
+        both, copy = 2 * rows[:, None] + tl.arange(0, 2)[None, :], (i < dirty)[:, None]
+        tl.store(row_keys + both, tl.load(fresh_keys + both, mask=copy), mask=copy)
+        tl.store(fresh_keys + both, 0, mask=copy)
         tl.store(dirty_flag + rows, 0, mask=i < dirty)
-    # Triton orders global memory only within a thread: without a barrier, a thread could scan a
-    # dirty row's key before another's copy (or read DIRTY after it is reset).
+    # Triton orders memory only within a thread: a barrier, or a thread could read a dirty row's key
+    # before another's copy. Its block key is recomputed (twice for two rows, alike); a barrier.
     tl.debug_barrier()
-    tl.store(state + DIRTY, 0)
-    # A dirty row's key may have dropped: its block key is recomputed (a block with two dirty rows
-    # is written twice, alike). A barrier again before the scan.
-    tl.static_assert(BLOCK >= KEY_BLOCK)
-    for first in range(0, dirty, BLOCK // KEY_BLOCK):
-        i = first + tl.arange(0, BLOCK // KEY_BLOCK)
+    for first in range(0, dirty, 4):  # 4 rows' blocks at a time: one wait per 4
+        i = first + tl.arange(0, 4)
         blocks = tl.load(dirty_rows + i, mask=i < dirty, other=0) // KEY_BLOCK
         rows = blocks[:, None] * KEY_BLOCK + tl.arange(0, KEY_BLOCK)[None, :]
-        keys = tl.load(row_key + rows, mask=(i < dirty)[:, None] & (rows < V), other=0)
+        keys = tl.load(row_keys + 2 * rows, mask=(i < dirty)[:, None] & (rows < V), other=0)
         tl.store(block_key + blocks, tl.max(keys, axis=1), mask=i < dirty)
+    tl.store(batch + SURVIVORS * SLOTS + tl.arange(0, 2 * SLOTS), 0)  # and MERGED's
     tl.debug_barrier()
-    # the first block with the largest count, then its first row with it: the first row of all
-    new = tl.load(state + NEXT)
-    best_count, best_block = tl.full((), 0, tl.int64), tl.full((), 0, tl.int64)
-    for first in range(0, tl.cdiv(new, KEY_BLOCK), BLOCK):
-        blocks = first + tl.arange(0, BLOCK)
-        count = tl.load(block_key + blocks, mask=blocks * KEY_BLOCK < new, other=0) >> ID_BITS
-        most = tl.max(count, axis=0)
-        first_most = tl.min(tl.where(count == most, blocks, new), axis=0).to(tl.int64)
-        best_block = tl.where(most > best_count, first_most, best_block)
-        best_count = tl.maximum(most, best_count)
-    rows = best_block * KEY_BLOCK + tl.arange(0, KEY_BLOCK)
-    count = tl.load(row_key + rows, mask=rows < new, other=0) >> ID_BITS
-    best_row = tl.min(tl.where(count == best_count, rows, new), axis=0).to(tl.int64)
-    return best_count, best_row
+    # A pick: the largest key of the rows not chosen (the first block with the largest count, its
+    # first row with it). The exact order's next pair is that or a chosen row's second key (sharing
+    # a token): the batch ends where that ranks above (count, then row), or the pick shares a token.
+    first_new, slots = tl.load(state + NEXT), tl.arange(0, SLOTS)
+    chosen_a, chosen_b = tl.full([SLOTS], -1, tl.int64), tl.full([SLOTS], -1, tl.int64)
+    hidden_count, hidden_row = dirty * 0, dirty * 0 + V
+    dirty, pairs, blocks, offset = dirty * 0, tl.full((), 0, tl.int32), dirty * 0, dirty * 0
+    going = first_new < V
+    while going:
+        keyed = tl.arange(0, BLOCK)  # BLOCK x KEY_BLOCK rows cover V
+        count = tl.load(block_key + keyed, mask=keyed * KEY_BLOCK < first_new, other=0) >> ID_BITS
+        best_count = tl.max(count, axis=0)
+        best_block = tl.min(tl.where(count == best_count, keyed, BLOCK), axis=0).to(tl.int64)
+        rows = best_block * KEY_BLOCK + tl.arange(0, KEY_BLOCK)
+        keys = tl.load(row_keys + 2 * rows, mask=rows < first_new, other=0)
+        a = tl.min(tl.where(keys >> ID_BITS == best_count, rows, V), axis=0)
+        b = LOW - (tl.max(tl.where(rows == a, keys, 0), axis=0) & LOW)
+        shared = (chosen_a == a) | (chosen_b == a) | (chosen_a == b) | (chosen_b == b)
+        hidden = (hidden_count > best_count) | ((hidden_count == best_count) & (hidden_row < a))
+        going = (best_count > 0) & (tl.max(shared.to(tl.int32), axis=0) == 0) & ~hidden
+        if going:
+            new, length = first_new + pairs, tl.load(list_len + a)
+            tl.store(batch + A * SLOTS + pairs, a)
+            tl.store(batch + B * SLOTS + pairs, b)
+            tl.store(batch + START * SLOTS + pairs, tl.load(list_start + a))
+            tl.store(batch + LENGTH * SLOTS + pairs, length)
+            tl.store(batch + FIRST_BLOCK * SLOTS + pairs, blocks)
+            tl.store(batch + OFFSET * SLOTS + pairs, offset)
+            tl.store(merge_log + 2 * (new - 256), a)
+            tl.store(merge_log + 2 * (new - 256) + 1, b)
+            # Row a leaves the picks (key zeroed, its block's without it); rows a, new are dirty
+            tl.store(row_keys + 2 * a, 0)
+            tl.store(block_key + best_block, tl.max(tl.where(rows == a, 0, keys), axis=0))
+            a_new = tl.where(tl.arange(0, 2) == 0, a, new)
+            tl.store(dirty_flag + a_new, 1)
+            tl.store(dirty_rows + dirty + tl.arange(0, 2), a_new)
+            second = tl.load(row_keys + 2 * a + 1) >> ID_BITS
+            above = (second > hidden_count) | ((second == hidden_count) & (a < hidden_row))
+            hidden_count, hidden_row = tl.where(above, second, hidden_count), tl.where(above, a, hidden_row)
+            chosen_a, chosen_b = tl.where(slots == pairs, a, chosen_a), tl.where(slots == pairs, b, chosen_b)
+            dirty, pairs, offset = dirty + 2, pairs + 1, offset + 2 * length
+            blocks += (length + POSITIONS - 1) // POSITIONS
+            going = (pairs < max_batch) & (new + 1 < V) & (a != b)
+            tl.debug_barrier()  # the next pick reads the keys just written
+    tl.store(state + DIRTY, dirty)
+    tl.store(state + PAIRS, pairs)
+    tl.store(state + BLOCKS, blocks)
+    tl.store(state + NEXT, first_new + pairs)
+    tl.store(state + DONE, pairs == 0)
+    # the new lists go after the last list made: first_new - 1's (the bytes' for 256)
+    end = tl.load(list_start + first_new - 1) + tl.load(list_len + first_new - 1)
+    tl.store(list_start + first_new, end, mask=pairs > 0)
 
 
 @triton.jit
-def choose_pair(state, row_key, block_key, fresh_key, dirty_flag, dirty_rows, list_start, list_len,
-                merge_log, V, BLOCK: tl.constexpr, KEY_BLOCK: tl.constexpr):
-    """Step 1: picks the next pair and starts its merge (a, b, the new id, a's list bounds), or
-    sets DONE. One program, alone on the device (kernels run in order)."""
-    if tl.load(state + DONE) == 0:
-        best_count, best_row = pick_pair(state, row_key, block_key, fresh_key, dirty_flag,
-                                         dirty_rows, V, BLOCK, KEY_BLOCK)
-        new = tl.load(state + NEXT)
-        if (best_count == 0) | (new >= V):
-            tl.store(state + DONE, 1)
-        else:
-            right = LOW - (tl.load(row_key + best_row) & LOW)
-            tl.store(merge_log + 2 * (new - 256), best_row)
-            tl.store(merge_log + 2 * (new - 256) + 1, right)
-            tl.store(state + NEW, new)
-            tl.store(state + NEXT, new + 1)
-            tl.store(state + A, best_row)
-            tl.store(state + B, right)
-            tl.store(state + START, tl.load(list_start + best_row))
-            tl.store(state + LENGTH, tl.load(list_len + best_row))
-            tl.store(state + SURVIVORS, 0)
-            # The new token's list goes after the last list made: new - 1's (the bytes' for 256).
-            tl.store(list_start + new, tl.load(list_start + new - 1) + tl.load(list_len + new - 1))
-            tl.store(list_len + new, 0)
+def pair_block(state, batch, list_buffer, block, END, BLOCK: tl.constexpr, SLOTS: tl.constexpr):
+    """The round's lists in blocks of one pair each: block `block`'s pair i, indexes j into a_i's list,
+    positions p (END past it), a, b, new, and its region in scratch (as large as list_buffer)."""
+    slots, pairs = tl.arange(0, SLOTS), tl.load(state + PAIRS)
+    firsts = tl.load(batch + FIRST_BLOCK * SLOTS + slots, mask=slots < pairs, other=block + 1)
+    i = tl.sum((firsts <= block).to(tl.int32), axis=0) - 1
+    j = (block - tl.load(batch + FIRST_BLOCK * SLOTS + i)) * BLOCK + tl.arange(0, BLOCK)
+    a, b = tl.load(batch + A * SLOTS + i), tl.load(batch + B * SLOTS + i)
+    length = tl.load(batch + LENGTH * SLOTS + i)
+    p = tl.load(list_buffer + tl.load(batch + START * SLOTS + i) + j, mask=j < length, other=END)
+    return i, j, p, a, b, tl.load(state + NEXT) - pairs + i, length, tl.load(batch + OFFSET * SLOTS + i)
 
 
 @triton.jit
-def find_occurrences(state, list_buffer, tokens, next_pos, prev_pos, mark, END,
-                     BLOCK: tl.constexpr):
-    """Step 2: marks the occurrences that merge: mark[p] = 2 new, mark[next_pos[p]] = 2 new + 1 (an
-    earlier merge's marks never match: none is cleared). A lane writes only its p's two marks,
-    distinct for distinct p: merged occurrences don't overlap, next_pos is one-to-one."""
+def find_occurrences(state, batch, list_buffer, tokens, next_pos, prev_pos, mark, END,
+                     BLOCK: tl.constexpr, SLOTS: tl.constexpr):
+    """Step 2: marks the occurrences that merge: mark[p] = 2 new, mark[next_pos[p]] = 2 new + 1 (marks
+    below the round's first are older: none is cleared). A lane writes only its p's two marks, not
+    another's: occurrences that merge share no position, and next_pos is one-to-one."""
     if tl.load(state + DONE) != 0:
         return
-    a, b, new = tl.load(state + A), tl.load(state + B), tl.load(state + NEW)
-    start, length = tl.load(state + START), tl.load(state + LENGTH)
-    for first in range(tl.program_id(0) * BLOCK, length, tl.num_programs(0) * BLOCK):
-        i = first + tl.arange(0, BLOCK)
-        p = tl.load(list_buffer + start + i, mask=i < length, other=END)
+    for block in range(tl.program_id(0), tl.load(state + BLOCKS), tl.num_programs(0)):
+        _, _, p, a, b, new, _, _ = pair_block(state, batch, list_buffer, block, END, BLOCK, SLOTS)
         second = tl.load(next_pos + p)
         merge = (tl.load(tokens + p) == a) & (tl.load(tokens + second) == b)
         # A run "aaaa" merges left to right without overlap: p merges when an even number of
@@ -208,40 +231,40 @@ def find_occurrences(state, list_buffer, tokens, next_pos, prev_pos, mark, END,
 
 
 @triton.jit
-def apply_merges(state, list_buffer, scratch, list_start, list_len, tokens, next_pos, prev_pos,
-                 mark, weight, counts, row_key, block_key, dirty_flag, dirty_rows, V, END,
-                 BLOCK: tl.constexpr, KEY_BLOCK: tl.constexpr):
+def apply_merges(state, batch, list_buffer, scratch, tokens, next_pos, prev_pos, mark, weight,
+                 counts, row_keys, dirty_flag, dirty_rows, merge_log, V, END, BLOCK: tl.constexpr,
+                 SLOTS: tl.constexpr):
     """Step 3: merges the marked occurrences. The lane of (p, second) writes only what it owns: the
     tokens and links of p and second, and prev_pos of the position after second unless that one
     merges too (its lane links it then). It reads a neighbour's token only where the marks say no
-    lane writes it. Counts change by atomic adds, which commute."""
+    lane writes it. Counts change by atomic adds, which commute; no key changes."""
     if tl.load(state + DONE) != 0:
         return
-    a, b, new = tl.load(state + A), tl.load(state + B), tl.load(state + NEW)
-    start, length = tl.load(state + START), tl.load(state + LENGTH)
-    new_list = list_buffer + tl.load(list_start + new)
-    for first in range(tl.program_id(0) * BLOCK, length, tl.num_programs(0) * BLOCK):
-        i = first + tl.arange(0, BLOCK)
-        p = tl.load(list_buffer + start + i, mask=i < length, other=END)
+    for block in range(tl.program_id(0), tl.load(state + BLOCKS), tl.num_programs(0)):
+        i, j, p, a, b, new, length, offset = pair_block(state, batch, list_buffer, block, END, BLOCK,
+                                                        SLOTS)
         mark_p = tl.load(mark + p)
-        merged = (i < length) & (mark_p == 2 * new)
-        # a's list keeps the positions still holding a; the merged ones join new's list
-        unmarked = (i < length) & (mark_p != 2 * new) & (mark_p != 2 * new + 1)
+        merged = (j < length) & (mark_p == 2 * new)
+        # survivors (still a) and merged ones wait for refresh in the pair's regions of scratch
+        unmarked = (j < length) & (mark_p != 2 * new) & (mark_p != 2 * new + 1)
         survives = unmarked & (tl.load(tokens + p, mask=unmarked, other=-1) == a)
-        append(state + SURVIVORS, scratch, p, survives)
-        append(list_len + new, new_list, p, merged)
+        append(batch + SURVIVORS * SLOTS + i, scratch + offset, p, survives)
+        append(batch + MERGED * SLOTS + i, scratch + offset + length, p, merged)
         second = tl.load(next_pos + p, mask=merged, other=END)
         before = tl.load(prev_pos + p, mask=merged, other=END)
         after = tl.load(next_pos + second, mask=merged, other=END)
         w = tl.load(weight + p, mask=merged, other=0)
-        before_merged = merged & (tl.load(mark + before, mask=merged, other=0) == 2 * new + 1)
-        after_merged = merged & (tl.load(mark + after, mask=merged, other=0) == 2 * new)
-        # The neighbours' tokens before this merge. x = -1: none (the chunk's start), or the
-        # previous merged occurrence, whose lane already counts the pair between the two.
+        # A neighbour merged in this round (by pair j) has its mark: odd before, even after. x = -1:
+        # none (the chunk's start), or one merged before, whose lane counts the pair between as
+        # (new_j, new); after: y = a_j, from merge_log (its lane writes tokens[after]), y_new = new_j.
+        mark_before = tl.load(mark + before, mask=merged, other=0)
+        mark_after = tl.load(mark + after, mask=merged, other=0)
+        before_merged = merged & (mark_before >= 2 * (new - i)) & (mark_before % 2 == 1)
+        after_merged = merged & (mark_after >= 2 * (new - i)) & (mark_after % 2 == 0)
         x = tl.load(tokens + before, mask=merged & ~before_merged, other=-1)
-        y = tl.where(after_merged, a,
-                     tl.load(tokens + after, mask=merged & ~after_merged, other=-1))
-        y_new = tl.where(after_merged, new, y)
+        y_new = tl.where(after_merged, mark_after // 2,
+                         tl.load(tokens + after, mask=merged & ~after_merged, other=-1))
+        y = tl.where(after_merged, tl.load(merge_log + 2 * (y_new - 256), mask=after_merged), y_new)
         has_x, has_y = merged & (x >= 0), merged & (y >= 0)
         tl.store(tokens + p, new, mask=merged)
         tl.store(tokens + second, DEAD, mask=merged)
@@ -252,55 +275,54 @@ def apply_merges(state, list_buffer, scratch, list_start, list_len, tokens, next
         # a, b and new are scalars, broadcast by adding a zero block; int64: row * V + col > 2^31
         x, y, y_new = x.to(tl.int64), y.to(tl.int64), y_new.to(tl.int64)
         zero = 0 * x
-        lose_pair(state, counts, row_key, dirty_flag, dirty_rows, V, a + zero, b + zero, w, merged)
-        lose_pair(state, counts, row_key, dirty_flag, dirty_rows, V, x, a + zero, w, has_x)
-        lose_pair(state, counts, row_key, dirty_flag, dirty_rows, V, b + zero, y, w, has_y)
-        gain_pair(counts, row_key, block_key, V, x, new + zero, w, has_x, KEY_BLOCK)
-        gain_pair(counts, row_key, block_key, V, new + zero, y_new, w, has_y, KEY_BLOCK)
+        lose_pair(state, counts, row_keys, dirty_flag, dirty_rows, V, a + zero, b + zero, w, merged)
+        lose_pair(state, counts, row_keys, dirty_flag, dirty_rows, V, x, a + zero, w, has_x)
+        lose_pair(state, counts, row_keys, dirty_flag, dirty_rows, V, b + zero, y, w, has_y)
+        # Only pairs with a new token gain (rows new are dirty). Row x's keys can't rise: (x, new) ends
+        # below (x, a) before, one of row x's two (x is dirty then) or below them.
+        tl.atomic_add(counts + x * V + new, w, mask=has_x, sem="relaxed")
+        tl.atomic_add(counts + new * V + y_new, w, mask=has_y, sem="relaxed")
 
 
 @triton.jit
-def lose_pair(state, counts, row_key, dirty_flag, dirty_rows, V, row, col, w, lose):
-    """Pair (row, col) loses w where lose: (a, b), (x, a) and (b, y) in a merge. A row whose
-    maximum that pair was is listed as dirty, once: by the lane that flips dirty_flag. Reading
-    row_key while other lanes run gain_pair is safe: only row new's key rises there, and no pair
-    of row new loses."""
+def lose_pair(state, counts, row_keys, dirty_flag, dirty_rows, V, row, col, w, lose):
+    """Pair (row, col) of old tokens loses w where lose: (a, b), (x, a) and (b, y). A row whose first
+    or second key it was is listed as dirty, once: by the lane that flips dirty_flag."""
     tl.atomic_add(counts + row * V + col, -w, mask=lose, sem="relaxed")
-    was_max = lose & ((tl.load(row_key + row, mask=lose, other=0) & LOW) == LOW - col)
-    flag = tl.atomic_xchg(dirty_flag + row, 1, mask=was_max, sem="relaxed")
-    flipped = was_max & (flag == 0)
-    append(state + DIRTY, dirty_rows, row.to(tl.int32), flipped)
+    first = tl.load(row_keys + 2 * row, mask=lose, other=0) & LOW
+    second = tl.load(row_keys + 2 * row + 1, mask=lose, other=0) & LOW
+    was_key = lose & ((first == LOW - col) | (second == LOW - col))
+    flipped = was_key & (tl.atomic_xchg(dirty_flag + row, 1, mask=was_key, sem="relaxed") == 0)
+    # rare: an atomic per row listed (append's, one a block, would run in every block)
+    slot = tl.atomic_add(state + DIRTY + 0 * row, 1, mask=flipped, sem="relaxed")
+    tl.store(dirty_rows + slot, row, mask=flipped)
 
 
 @triton.jit
-def gain_pair(counts, row_key, block_key, V, row, col, w, gain, KEY_BLOCK: tl.constexpr):
-    """Pair (row, col) gains w where gain: (x, new) and (new, y_new) in a merge. The lane whose add
-    comes last sees the final count, so the atomic max of every lane's key is the final key,
-    whatever the order; and likewise for the row's block. (Row x's key never rises this way:
-    (x, new) ends at most at (x, a)'s count before the merge, in a larger column.)"""
-    total = tl.atomic_add(counts + row * V + col, w, mask=gain, sem="relaxed") + w
-    key = (total.to(tl.int64) << ID_BITS) | (LOW - col)
-    tl.atomic_max(row_key + row, key, mask=gain, sem="relaxed")
-    tl.atomic_max(block_key + row // KEY_BLOCK, key, mask=gain, sem="relaxed")
-
-
-@triton.jit
-def refresh_rows(state, list_buffer, scratch, list_len, counts, fresh_key, dirty_rows, V,
-                 ROWS: tl.constexpr, BLOCK: tl.constexpr):
-    """Step 4: copies a's surviving positions back from scratch, then recomputes the dirty rows'
-    maxima into fresh_key, in items of ROWS rows x BLOCK columns over the programs (a dirty row of
-    65534 columns: 256 items). Nothing writes counts now; atomic_max makes the order free."""
+def refresh_rows(state, batch, list_buffer, scratch, list_start, list_len, counts, fresh_keys,
+                 dirty_rows, V, ROWS: tl.constexpr, BLOCK: tl.constexpr, SLOTS: tl.constexpr):
+    """Step 4: moves a_i's survivors back to its list, the merged positions to new_i's, after new_(i-1)'s
+    (a merge appends as many as it kills: the buffer holds them). Then the dirty rows' two keys into
+    fresh_keys, in items of ROWS rows x BLOCK columns over the programs; atomic_max: any order."""
     if tl.load(state + DONE) != 0:
         return
     program, programs = tl.program_id(0), tl.num_programs(0)
-    if tl.load(state + NEW) >= 256:
-        a, survivors = tl.load(state + A), tl.load(state + SURVIVORS)
-        a_list = list_buffer + tl.load(state + START)
-        for first in range(program * BLOCK, survivors, programs * BLOCK):
-            i = first + tl.arange(0, BLOCK)
-            tl.store(a_list + i, tl.load(scratch + i, mask=i < survivors), mask=i < survivors)
-        if program == 0:
-            tl.store(list_len + a, survivors)
+    pairs, slots = tl.load(state + PAIRS), tl.arange(0, SLOTS)
+    first_new = tl.load(state + NEXT) - pairs
+    merged = tl.load(batch + MERGED * SLOTS + slots, mask=slots < pairs, other=0)
+    new_start = tl.load(list_start + first_new) + tl.cumsum(merged, axis=0) - merged
+    for block in range(program, tl.load(state + BLOCKS), programs):
+        i, j, _, _, _, _, length, offset = pair_block(state, batch, list_buffer, block, 0, BLOCK, SLOTS)
+        kept, made = tl.load(batch + SURVIVORS * SLOTS + i), tl.load(batch + MERGED * SLOTS + i)
+        a_list = list_buffer + tl.load(batch + START * SLOTS + i)
+        new_list = list_buffer + tl.sum(tl.where(slots == i, new_start, 0), axis=0)
+        tl.store(a_list + j, tl.load(scratch + offset + j, mask=j < kept), mask=j < kept)
+        tl.store(new_list + j, tl.load(scratch + offset + length + j, mask=j < made), mask=j < made)
+    if program == 0:
+        a = tl.load(batch + A * SLOTS + slots, mask=slots < pairs, other=0)
+        tl.store(list_len + a, tl.load(batch + SURVIVORS * SLOTS + slots), mask=slots < pairs)
+        tl.store(list_start + first_new + slots, new_start, mask=slots < pairs)
+        tl.store(list_len + first_new + slots, merged, mask=slots < pairs)
     columns, dirty = tl.load(state + NEXT), tl.load(state + DIRTY)
     slices = tl.cdiv(columns, BLOCK)
     # Items are independent: num_stages=3 has the compiler load the next two while this one is
@@ -311,11 +333,20 @@ def refresh_rows(state, list_buffer, scratch, list_len, counts, fresh_key, dirty
         col = (item % slices) * BLOCK + tl.arange(0, BLOCK)
         inside = (i < dirty)[:, None] & (col < columns)[None, :]
         count = tl.load(counts + row[:, None] * V + col[None, :], mask=inside, other=0)
-        # the item's largest count and first column as a key; int64 only for it: half the registers
+        # the item's two largest keys (0: none), int64 only for them: half the registers
         most = tl.max(count, axis=1)
         first_col = tl.min(tl.where(count == most[:, None], col[None, :], columns), axis=1)
+        rest = tl.where(col[None, :] == first_col[:, None], 0, count)
+        next_most = tl.max(rest, axis=1)
+        next_col = tl.min(tl.where(rest == next_most[:, None], col[None, :], columns), axis=1)
         key = tl.where(most > 0, (most.to(tl.int64) << ID_BITS) | (LOW - first_col), 0)
-        tl.atomic_max(fresh_key + row, key, mask=i < dirty, sem="relaxed")
+        second = tl.where(next_most > 0, (next_most.to(tl.int64) << ID_BITS) | (LOW - next_col), 0)
+        # A row's two largest keys, items in any order: the first by atomic max; the second, of the
+        # items' seconds and of the smaller of each first and the key it met (keys inserted one by
+        # one: the second largest is the smaller of the two at some insertion).
+        met = tl.atomic_max(fresh_keys + 2 * row, key, mask=i < dirty, sem="relaxed")
+        tl.atomic_max(fresh_keys + 2 * row + 1, tl.maximum(second, tl.minimum(met, key)),
+                      mask=i < dirty, sem="relaxed")
 
 
 def chunks_to_arrays(chunk_counts, vocab_size):
@@ -356,7 +387,7 @@ def chunks_to_arrays(chunk_counts, vocab_size):
                 pair_weights=weight[left], total_bytes=total_bytes)
 
 
-def merge_on_device(arrays, vocab_size, device):
+def merge_on_device(arrays, vocab_size, device, max_batch=max_batch):
     """The merge loop, ROUNDS_PER_READ rounds per host read: the merges, the token count, and the
     seconds of the setup (uploads, the V x V zeros, compiling, recording) and of the loop alone."""
     V, device = vocab_size, torch.device(device)
@@ -377,11 +408,14 @@ def merge_on_device(arrays, vocab_size, device):
     shape = INTERPRETER_SHAPE
     if device.type == "cuda":
         shape = dict(programs=4 * torch.cuda.get_device_properties(device).multi_processor_count,
-                     block=256, rows=4, choose_block=4096, key_block=256)
+                     block=256, rows=4, choose_block=256, key_block=256)
     programs, block, rows = shape["programs"], shape["block"], shape["rows"]
-    choose_block, key_block = shape["choose_block"], shape["key_block"]
-    row_key, fresh_key, state, merge_log = zeros(V), zeros(V), zeros(9), zeros(2 * V)
-    block_key = zeros(triton.cdiv(V, key_block))
+    # choose reads all block keys at once: choose_block x key_block rows must cover V
+    key_block = max(shape["key_block"], triton.next_power_of_2(triton.cdiv(V, shape["choose_block"])))
+    choose_block = max(shape["choose_block"], key_block)
+    slots = triton.next_power_of_2(max_batch)
+    row_keys, fresh_keys, state, batch = zeros(2 * V), zeros(2 * V), zeros(5), zeros(8 * slots)
+    merge_log, block_key = zeros(2 * V), zeros(triton.cdiv(V, key_block))
     dirty_flag, dirty_rows = zeros(V, torch.int32), zeros(V, torch.int32)
     # the first refresh makes all rows' keys
     dirty_flag[:256], dirty_rows[:256] = 1, torch.arange(256, device=device)
@@ -389,19 +423,19 @@ def merge_on_device(arrays, vocab_size, device):
     grid = (programs,)
 
     def launch_refresh():
-        refresh_rows[grid](state, list_buffer, scratch, list_len, counts, fresh_key, dirty_rows, V,
-                           ROWS=rows, BLOCK=block)
+        refresh_rows[grid](state, batch, list_buffer, scratch, list_start, list_len, counts,
+                           fresh_keys, dirty_rows, V, ROWS=rows, BLOCK=block, SLOTS=slots)
 
-    def merge_group():  # past the last merge, choose_pair sets DONE: every kernel does nothing
+    def merge_group():  # past the last merge, choose_batch sets DONE: every kernel does nothing
         for _ in range(ROUNDS_PER_READ):
-            choose_pair[(1,)](state, row_key, block_key, fresh_key, dirty_flag, dirty_rows,
-                              list_start, list_len, merge_log, V, BLOCK=choose_block,
-                              KEY_BLOCK=key_block)
-            find_occurrences[grid](state, list_buffer, tokens, next_pos, prev_pos, mark, END,
-                                   BLOCK=block)
-            apply_merges[grid](state, list_buffer, scratch, list_start, list_len, tokens, next_pos,
-                               prev_pos, mark, weight, counts, row_key, block_key, dirty_flag,
-                               dirty_rows, V, END, BLOCK=block, KEY_BLOCK=key_block)
+            choose_batch[(1,)](state, batch, row_keys, block_key, fresh_keys, dirty_flag, dirty_rows,
+                               list_start, list_len, merge_log, V, max_batch, BLOCK=choose_block,
+                               KEY_BLOCK=key_block, POSITIONS=block, SLOTS=slots)
+            find_occurrences[grid](state, batch, list_buffer, tokens, next_pos, prev_pos, mark,
+                                   END, BLOCK=block, SLOTS=slots)
+            apply_merges[grid](state, batch, list_buffer, scratch, tokens, next_pos, prev_pos,
+                               mark, weight, counts, row_keys, dirty_flag, dirty_rows, merge_log,
+                               V, END, BLOCK=block, SLOTS=slots)
             launch_refresh()
 
     launch_refresh()
@@ -704,6 +738,7 @@ def validate(args):
         (not 256 <= args.vocab_size <= 2**20,
          f"-v {args.vocab_size}: vocab_size must be between 256 (the bytes) and 2^20"),
         (args.num_chars <= 0, f"-n {args.num_chars}: must be positive"),
+        (args.max_batch < 1, f"--max_batch {args.max_batch}: must be 1 (a merge a round) or more"),
         (matches_empty, f"--pattern {args.pattern!r} matches the empty string; each match must "
                         "take a character (x+, not x*)"),
         (kind not in ("cpu", "cuda"),
@@ -780,6 +815,7 @@ def parse_args(argv):
     parser.add_argument("--out", default=out, help="default tokenizers/<source>_v<vocab_size>")
     parser.add_argument("--pattern", default=pattern, help="the split regex (default GPT-4's)")
     parser.add_argument("--device", default=device, help="cuda, or cpu (Triton's interpreter)")
+    parser.add_argument("--max_batch", type=int, default=max_batch, help="merges a round at most")
     return parser.parse_args(argv)
 
 
@@ -808,7 +844,8 @@ def run(argv):
     print(f"{len(arrays['tokens']) - 2:,} token positions in the distinct chunks, "
           f"on {train_device}")
     t_layout = time.time()
-    merges, total_tokens, seconds = merge_on_device(arrays, args.vocab_size, train_device)
+    merges, total_tokens, seconds = merge_on_device(arrays, args.vocab_size, train_device,
+                                                    args.max_batch)
     t2 = time.time()
 
     num_merges, eot_id = len(merges), 256 + len(merges)  # <|endoftext|>: the first id after them

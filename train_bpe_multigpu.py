@@ -79,7 +79,7 @@ class UserError(Exception):
 
 # === the merge loop, split across ranks
 # train_bpe_gpu.py's layout, keys and kernel bodies (read it first), on this rank's distinct chunks.
-# Its choose_pair and apply_merges are each split in two around a collective: best_pair, then
+# Its choose (one pair here) and apply_merges are each split around a collective: best_pair, then
 # find_occurrences (decodes the reduced pick, starts the merge); apply_merges, then apply_owned.
 # Rank r owns the rows l with l % W == r, kept at l // W, and their row keys. A merge (a, b) -> new
 # changes only (a, b) and pairs in columns a and new, rows b and new: with x and y an occurrence's
@@ -101,7 +101,7 @@ ID_BITS = tl.constexpr(20)  # a row key's low bits hold 2^20 - 1 - right id
 LOW = tl.constexpr((1 << 20) - 1)
 
 
-# === plumbing: append and pick_pair, train_bpe_gpu.py's own (taught there)
+# === plumbing: append (train_bpe_gpu.py's, taught there), pick_pair
 
 @triton.jit
 def append(length, buffer, values, keep):

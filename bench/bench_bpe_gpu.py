@@ -14,7 +14,9 @@ command line, so their times are end to end (interpreter start, reading, pre-tok
 rustbpe gets the same documents from memory, so its time leaves out reading the file: a small edge for it.
 Every run's merges are compared with rustbpe's, byte for byte. We print medians over --repeats.
 --count_reads also runs the merge loop once in this process with every host read and kernel counted (the tests' counters),
-and --profile once under torch.profiler: each kernel's device time a merge, and the rest (gaps, host reads).
+and --profile once under torch.profiler: each kernel's device time a merge made and a round, and the rest (gaps, host
+reads), then once more reading "done?" after every round to count the rounds (steps) and merges per round.
+--max_batch goes to train_bpe_gpu.py (1: one merge a round, the sequential path).
 """
 
 import argparse
@@ -40,6 +42,7 @@ parser.add_argument("--data", default=str(REPO.parent / "shared" / "corpora" / "
 parser.add_argument("-n", "--num_chars", type=int, default=1048576)
 parser.add_argument("-v", "--vocab_size", type=int, default=1000)
 parser.add_argument("--device", default=None, help="passed to train_bpe_gpu.py (default: its own default)")
+parser.add_argument("--max_batch", type=int, default=None, help="passed to train_bpe_gpu.py (default: its own)")
 parser.add_argument("--repeats", type=int, default=3)
 parser.add_argument("--cpu_trainer", choices=["auto", "yes", "no"], default="auto",
                     help="also run train_bpe_cpu.py (auto: when n <= 2^24)")
@@ -50,6 +53,8 @@ parser.add_argument("--pack", default=None, help="write the first n characters t
 parser.add_argument("--host_side", action="store_true",
                     help="time what a GPU run pays before its merge loop, per format, against rustbpe's whole run")
 args = parser.parse_args()
+if args.max_batch is not None and args.max_batch < 1:
+    sys.exit(f"error: --max_batch {args.max_batch}: must be 1 (a merge a round) or more")
 if args.pack and not args.pack.endswith((".jsonl.xz", ".jsonl.gz")):
     sys.exit(f"error: --pack {args.pack}: name it .jsonl.xz or .jsonl.gz (the compression follows the name)")
 
@@ -172,7 +177,8 @@ with tempfile.TemporaryDirectory() as scratch:
 
         start = time.perf_counter()
         vocab, stdout = run_script("train_bpe_gpu.py", corpus, os.path.join(scratch, "gpu"),
-                                   ["--device", args.device] if args.device else [])
+                                   (["--device", args.device] if args.device else [])
+                                   + (["--max_batch", str(args.max_batch)] if args.max_batch else []))
         seconds = time.perf_counter() - start
         merges_per_second = float(re.search(r"\(([\d,]+) merges/s\)", stdout).group(1).replace(",", ""))
         phases = re.search(r"reading \+ pre-tokenizing.*", stdout).group(0)
@@ -213,10 +219,23 @@ if args.count_reads or args.profile:  # in this process, after the timed runs
     chunk_counts, _ = bpe.count_chunks(iter(docs), num_chars, GPT4_PATTERN, workers, None)
     arrays = bpe.chunks_to_arrays(chunk_counts, args.vocab_size)
     device = args.device or ("cuda" if bpe.torch.cuda.is_available() else "cpu")
+    max_batch = args.max_batch or bpe.max_batch
 
     def merge_loop():  # on the CPU the kernels work in the arrays themselves (no upload copies them): a copy a run
         fresh = {name: value.copy() if hasattr(value, "copy") else value for name, value in arrays.items()}
-        return bpe.merge_on_device(fresh, args.vocab_size, device)
+        return bpe.merge_on_device(fresh, args.vocab_size, device, max_batch)
+
+    def count_rounds():
+        """One more merge loop, a group of one round between reads: the rounds that merged (a round past the last
+        merge does nothing)."""
+        made, merges_done, rounds_per_read = [], bpe.merges_done, bpe.ROUNDS_PER_READ
+        bpe.merges_done = lambda state: made.append(merges_done(state)) or made[-1]
+        bpe.ROUNDS_PER_READ = 1
+        try:
+            merge_loop()
+        finally:
+            bpe.merges_done, bpe.ROUNDS_PER_READ = merges_done, rounds_per_read
+        return sum(after > before for (_, before), (_, after) in zip([(False, 0)] + made, made))
 if args.profile:
     # The kernels' own device time (CUPTI traces kernels inside graph replays too), a merge: what the cost
     # model in RESULTS estimates per kernel. The loop's wall time a merge less their sum is the gaps between
@@ -228,12 +247,14 @@ if args.profile:
     with profile(activities=activities) as profiler:
         merges, _, seconds = merge_loop()
     kernels = {event.key: event for event in profiler.key_averages()
-               if event.key in ("choose_pair", "find_occurrences", "apply_merges", "refresh_rows")}
+               if event.key in ("choose_batch", "find_occurrences", "apply_merges", "refresh_rows")}
     loop_us = seconds["loop"] / len(merges) * 1e6
-    print(f"\nprofiled merge loop: {len(merges)} merges, {loop_us:.1f} us a merge (wall, under the profiler)")
-    for kernel, event in kernels.items():
-        print(f"  {kernel}: {event.device_time_total / len(merges):.1f} us a merge on the device, "
-              f"{event.count} launches")
+    rounds = count_rounds()
+    print(f"\nprofiled merge loop: {len(merges)} merges in {rounds} rounds (steps), {len(merges) / rounds:.2f} merges "
+          f"a round at --max_batch {max_batch}; {loop_us:.1f} us a merge (wall, under the profiler)")
+    for kernel, event in kernels.items():  # every merge is made by the four kernels: divided by the merges made
+        print(f"  {kernel}: {event.device_time_total / len(merges):.1f} us a merge made on the device, "
+              f"{event.device_time_total / rounds:.1f} us a round, {event.count} launches")
     if kernels:
         device_us = sum(event.device_time_total for event in kernels.values()) / len(merges)
         print(f"  the kernels: {device_us:.1f} us a merge; gaps and host reads: {loop_us - device_us:.1f} us")
@@ -253,6 +274,6 @@ if args.count_reads:  # the counting modes slow every tensor operation
           f"({kinds}) over {len(merges)} merges")
     print(f"kernels in the merge loop: {launches.loop_kernels() / len(merges):.2f} per merge (4 a round, whole "
           f"groups of {bpe.ROUNDS_PER_READ} rounds, {launches.replays} graph replays); block barriers: 2 in "
-          "choose_pair")
+          "choose_batch, and one a pick")
 if any("DIFFERENT" in run[2] for runs in rows.values() for run in runs):
     sys.exit("some trainer's merges differ from rustbpe's")

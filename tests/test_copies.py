@@ -19,7 +19,6 @@ COPIES = [("lock_directory", WRITERS),
           ("time_is_up", GPU_TRAINERS),
           ("count_batch", GPU_TRAINERS),
           ("count_chunks", GPU_TRAINERS),
-          ("pick_pair", GPU_TRAINERS),  # the block keys' pick, a Triton function
           ("tokenizer_problem", ["model.py", "prepare_data.py"]),
           ("parse_settings", ["sample.py", "export_hf.py"]),  # their --key=value options
           ("hub_problem", [*TRAINERS, "prepare_data.py", "train.py"]),  # train.py: for HellaSwag

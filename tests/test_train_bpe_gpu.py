@@ -40,13 +40,14 @@ def chunk_counts_of(docs, pattern=bpe.pattern):
     return chunk_counts
 
 
-def train(chunk_counts, vocab_size):
-    merges, total_tokens, _ = bpe.merge_on_device(bpe.chunks_to_arrays(chunk_counts, vocab_size), vocab_size, DEVICE)
+def train(chunk_counts, vocab_size, max_batch=bpe.max_batch):
+    arrays = bpe.chunks_to_arrays(chunk_counts, vocab_size)
+    merges, total_tokens, _ = bpe.merge_on_device(arrays, vocab_size, DEVICE, max_batch)
     return merges, total_tokens
 
 
-def our_vocab(docs, vocab_size, pattern=bpe.pattern):
-    merges, _ = train(chunk_counts_of(docs, pattern), vocab_size)
+def our_vocab(docs, vocab_size, pattern=bpe.pattern, max_batch=bpe.max_batch):
+    merges, _ = train(chunk_counts_of(docs, pattern), vocab_size, max_batch)
     return train_bpe_cpu.vocab_bytes(merges)
 
 
@@ -98,13 +99,18 @@ def test_edge_cases_equal_rustbpe_and_cpu_trainer(name):
 
 
 def test_many_programs_and_small_blocks_give_the_same_merges(monkeypatch):
-    # The interpreter's default is one program with one wide block: here 2 programs stride over blocks of 16
-    # positions, appends to the lists cross blocks, dirty rows are refreshed 8 rows by 16 columns at a time, and
-    # choose_pair compares 16 block keys at a time, of 4 rows each (271 ids: the last block holds 3).
-    shape = dict(programs=2, block=16, rows=8, choose_block=16, key_block=4)
+    # The interpreter's default is one program with one wide block: here 2 programs stride over blocks of 32
+    # positions (a pair's list in several blocks, the batch's lists walked as one), appends to the lists cross
+    # blocks, dirty rows are refreshed 16 rows by 32 columns at a time, and choose_batch reads 32 block keys (17
+    # in use) of 16 rows each (271 ids: the last block holds 15).
+    shape = dict(programs=2, block=32, rows=16, choose_block=32, key_block=16)
     monkeypatch.setattr(bpe, "INTERPRETER_SHAPE", shape)
     docs = EDGE_CASES["alternating pairs"] + ["aaa aaaaa aaaaaaa aaaaaaaa " * 2, "qr qr qr st st st xy xy"]
     assert our_vocab(docs, 271) == cpu_trainer_vocab(docs, 271)
+    # Row a's second key, (a, B) (B is 66: another item of 32 columns than b's), ranks above (x, y): it ends
+    # the first round, so (a, B) is merged before (x, y).
+    chunk_counts = Counter({"ab": 10, "aB": 8, "xy": 6})
+    assert train(chunk_counts, 259) == train_bpe_cpu.train(chunk_counts, 259)
 
 
 def test_runs_are_merged_left_to_right_without_overlap():
@@ -150,6 +156,67 @@ def test_random_corpora_equal_rustbpe_and_cpu_trainer(docs, vocab_size):
     assert ours == cpu_trainer_vocab(docs, vocab_size)
 
 
+class CountRounds:
+    """The merges each round makes, read from `state` around each choose_batch launch (the interpreter only: on
+    CUDA a graph replays the launches, and reading the device while recording one would break it)."""
+
+    def __init__(self, monkeypatch):
+        self.rounds, choose = [], bpe.choose_batch
+        counter = self
+
+        class Counted:
+            def __getitem__(self, grid):
+                def launch(state, *args, **kwargs):
+                    before = int(state[bpe.NEXT.value])
+                    choose[grid](state, *args, **kwargs)
+                    if int(state[bpe.NEXT.value]) > before:
+                        counter.rounds.append(int(state[bpe.NEXT.value]) - before)
+                return launch
+        if DEVICE == "cpu":
+            monkeypatch.setattr(bpe, "choose_batch", Counted())
+
+
+def held_back_enwiki(corpus, num_chars):
+    """num_chars characters of enwiki from its 50,000,000th byte on: text no other test trains on."""
+    docs = []
+    with open(corpus("enwiki.jsonl"), "rb") as f:
+        f.seek(50_000_000)
+        f.readline()  # the rest of a line
+        while sum(map(len, docs)) < num_chars:
+            docs.append(json.loads(f.readline())["text"][:num_chars - sum(map(len, docs))])
+    return docs
+
+
+# Pairs whose occurrences touch: runs ("aaaa"), pairs merged in one round side by side ("ab" and "cd" rank above
+# "bc", and "abcd" holds both), and CJK's three-byte characters, whose bytes pair up across characters.
+OVERLAPS = ["aaaa aaaaaaa", "ab ab ab cd cd cd abcd abcdabcd", "人人生而 中中中中"]
+
+
+@pytest.mark.parametrize("max_batch", [1, 2, 8, 64])
+def test_batched_rounds_make_rustbpes_merges(corpus, monkeypatch, max_batch):
+    # Held-back real text and overlapping pairs, until no pair is left (73 merges, vocabulary 400 asked): each
+    # batch limit gives rustbpe's merges and the CPU trainer's, in fewer rounds than merges (but at 1).
+    docs = held_back_enwiki(corpus, 100) + OVERLAPS
+    counter = CountRounds(monkeypatch)
+    ours = our_vocab(docs, 400, max_batch=max_batch)
+    assert len(ours) == 256 + 73 and ours == rustbpe_vocab(docs, 400) == cpu_trainer_vocab(docs, 400)
+    if DEVICE == "cpu":
+        assert sum(counter.rounds) == 73 and max(counter.rounds) <= max_batch, counter.rounds
+        assert max(counter.rounds) == 1 if max_batch == 1 else len(counter.rounds) <= 73 - 15, counter.rounds
+
+
+def test_adjacent_pairs_merge_in_one_round(monkeypatch):
+    # "ab" and "cd" count 10 each, "bc" and "da" 2: one round merges both, and in "abcd" and "cdab" the left
+    # occurrence's lane counts the pair between the two as (ab, cd) or (cd, ab). The interpreter runs the first
+    # pair's block first: in "cdab" the right occurrence's lane has already written its token.
+    chunk_counts = Counter({"ab": 6, "cd": 6, "abcd": 2, "cdab": 2})
+    counter = CountRounds(monkeypatch)
+    merges, total_tokens = train(chunk_counts, 262)
+    assert merges == [((97, 98), 256), ((99, 100), 257), ((256, 257), 258), ((257, 256), 259)]
+    assert (merges, total_tokens) == train_bpe_cpu.train(chunk_counts, 262)
+    assert DEVICE != "cpu" or counter.rounds[0] == 2
+
+
 # The interpreter runs code that the GPU compiler refuses (`x = y = ...`, say): compile each kernel for an H100
 # (sm_90), which needs no GPU, only the ptxas that triton bundles; with int32 counts, and int64 where it matters.
 COMPILE_FOR_A_GPU = """
@@ -162,29 +229,29 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 barriers = lambda ttir: [found.start() for found in re.finditer(r'(gpu|ttg)[.]barrier', ttir)]  # 3.6: gpu.barrier
 
-INT64 = {"state", "row_key", "block_key", "fresh_key", "list_start", "list_len", "merge_log"}
-SHAPE = dict(BLOCK=256, ROWS=4, KEY_BLOCK=256)  # CUDA's
-KERNELS = (bpe.choose_pair, bpe.find_occurrences, bpe.apply_merges, bpe.refresh_rows)
+INT64 = {"state", "batch", "row_keys", "block_key", "fresh_keys", "list_start",
+         "list_len", "merge_log"}
+SHAPE = dict(BLOCK=256, ROWS=4, KEY_BLOCK=256, POSITIONS=256, SLOTS=8)  # CUDA's, at the default max_batch
+KERNELS = (bpe.choose_batch, bpe.find_occurrences, bpe.apply_merges, bpe.refresh_rows)
 assert INT64 | set(SHAPE) <= {name for kernel in KERNELS for name in kernel.arg_names}  # no stale name
 for counts in ("*i32", "*i64"):
     for kernel in KERNELS:
         names = kernel.arg_names
         if counts == "*i64" and "counts" not in names:
             continue
-        signature = {name: "constexpr" if name in SHAPE else "i32" if name in ("V", "END") else
+        signature = {name: "constexpr" if name in SHAPE else "i32" if name in ("V", "END", "max_batch") else
                      counts if name in ("counts", "weight") else "*i64" if name in INT64 else "*i32" for name in names}
-        shape = dict(SHAPE, BLOCK=4096 if kernel is bpe.choose_pair else 256)
-        constexprs = {(names.index(name),): value for name, value in shape.items() if name in names}
+        constexprs = {(names.index(name),): value for name, value in SHAPE.items() if name in names}
         asm = triton.compile(ASTSource(kernel, signature, constexprs), target=GPUTarget("cuda", 90, 32)).asm
         ttir, atomics = asm["ttir"], re.findall(r"\\batom[.][\\w.]+", asm["ptx"])
         print(kernel.fn.__name__, counts, "compiled;", len(atomics), "atomics;", "fenced:", sorted(
             {atomic for atomic in atomics if ".relaxed" not in atomic}))
-        if kernel is bpe.choose_pair:  # the dirty rows' keys are copied (stores), a barrier, their blocks' keys
-            # recomputed (reduce, store), a barrier, then the blocks scanned (reduce)
-            first, second = barriers(ttir)
+        if kernel is bpe.choose_batch:  # the dirty rows' keys are copied (stores), a barrier, their blocks' keys
+            # recomputed (reduce, store), a barrier, then the picks: each scans (reduce), stores, and a barrier
+            first, second, third = barriers(ttir)
             block_keys = ttir.index("tt.reduce", first) < ttir.rindex("tt.store", first, second)
-            print("barriers between copy, blocks and scan:",
-                  ttir.index("tt.store") < first and block_keys and "tt.reduce" in ttir[second:])
+            print("barriers between copy, blocks and scan:", ttir.index("tt.store") < first and block_keys
+                  and ttir.index("tt.reduce", second) < ttir.rindex("tt.store", second, third))
         if kernel is bpe.refresh_rows:  # the next items' loads in flight (cp.async)
             print(kernel.fn.__name__, "pipelined:", "cp.async" in asm["ptx"])
 """
@@ -252,22 +319,21 @@ class CountHostReads:
             mode.__exit__(*exc)
 
 
-def test_at_most_one_host_read_per_16_merges():
+def test_at_most_one_host_read_per_16_rounds(monkeypatch):
+    # 32 merges at batches of at most 2: 17 to 31 rounds, two groups of 16. One "done?" per group, then three
+    # reads after the loop: the merge count, the merges, the token count.
     arrays = bpe.chunks_to_arrays(chunk_counts_of(generated_docs(30, 8)), 288)
     with CountHostReads() as reads:
-        merges, _, _ = bpe.merge_on_device(arrays, 288, DEVICE)
+        merges, _, _ = bpe.merge_on_device(arrays, 288, DEVICE, 2)
     assert len(merges) == 32
-    # One "done?" per 16 rounds (a round merges once), then three reads after the loop: the merge count,
-    # the merges, the token count.
-    allowed = len(merges) // 16 + 3
-    assert reads.counts and max(reads.counts.values()) <= allowed, reads.counts
+    assert reads.counts and max(reads.counts.values()) <= 2 + 3, reads.counts
 
 
 class CountLaunches:
     """Counts the Triton kernels the merge loop runs: each launch from Python, and on CUDA each graph replay as
     the 4 x ROUNDS_PER_READ kernels it holds. The setup runs 4 x ROUNDS_PER_READ + 1 (a first refresh, then a
     group with DONE set, which compiles them) and on CUDA records a group: those are not the loop's."""
-    KERNELS = ("choose_pair", "find_occurrences", "apply_merges", "refresh_rows")
+    KERNELS = ("choose_batch", "find_occurrences", "apply_merges", "refresh_rows")
 
     def __init__(self, monkeypatch):
         self.launches, self.replays = 0, 0
@@ -297,12 +363,15 @@ class CountLaunches:
         return self.launches - setup + self.replays * group
 
 
-def test_four_kernels_a_merge(monkeypatch):
-    # A round is one merge, its four kernels: 32 merges are 32 rounds in two groups of 16, nothing else.
+def test_four_kernels_a_round(monkeypatch):
+    # A round is a batch's four kernels: at batches of at most 2, the 32 merges take 17 to 31 rounds, the loop
+    # two groups of 16 rounds, nothing else; at most 1, 32 rounds.
+    rounds = CountRounds(monkeypatch).rounds
     counter = CountLaunches(monkeypatch)
     arrays = bpe.chunks_to_arrays(chunk_counts_of(generated_docs(30, 8)), 288)
-    merges, _, _ = bpe.merge_on_device(arrays, 288, DEVICE)
-    assert len(merges) == 32 and counter.loop_kernels() == 4 * 32
+    merges, _, _ = bpe.merge_on_device(arrays, 288, DEVICE, 2)
+    assert len(merges) == 32 and counter.loop_kernels() == 4 * 2 * bpe.ROUNDS_PER_READ
+    assert DEVICE != "cpu" or 16 < len(rounds) < 32
 
 
 class SlowFirstLaunch:
@@ -325,12 +394,12 @@ def test_merges_per_second_times_the_loop_alone(monkeypatch):
     # The setup (uploads, zeros, compiling, recording the graph) is timed apart: a first launch made 0.5 s
     # slow, as compiling makes it, must end before the loop's clock starts, which is at the latest the loop's
     # own seconds before the return.
-    monkeypatch.setattr(bpe, "choose_pair", SlowFirstLaunch(bpe.choose_pair, 0.5))
+    monkeypatch.setattr(bpe, "choose_batch", SlowFirstLaunch(bpe.choose_batch, 0.5))
     arrays = bpe.chunks_to_arrays(chunk_counts_of(["abcabc abd abd"]), 260)
     merges, _, seconds = bpe.merge_on_device(arrays, 260, DEVICE)
     returned = time.time()
-    assert len(merges) == 4 and len(bpe.choose_pair.launches) > 1
-    assert seconds["setup"] >= 0.5 and bpe.choose_pair.launches[0] <= returned - seconds["loop"], seconds
+    assert len(merges) == 4 and len(bpe.choose_batch.launches) > 1
+    assert seconds["setup"] >= 0.5 and bpe.choose_batch.launches[0] <= returned - seconds["loop"], seconds
 
 
 def test_cuda_n_makes_gpu_n_current_before_anything_runs(monkeypatch):
@@ -369,7 +438,7 @@ def test_cuda_merge_loop_never_syncs_between_the_allowed_reads(corpus, monkeypat
             torch.cuda.set_sync_debug_mode("error")
         return reads[-1]
 
-    monkeypatch.setattr(bpe, "merges_done", read_then_forbid)  # 1744 merges: 109 groups of 16
+    monkeypatch.setattr(bpe, "merges_done", read_then_forbid)  # 1744 merges, in 20+ groups of 16 rounds
     try:
         ours = our_vocab(docs, 2000)
     finally:
@@ -569,6 +638,7 @@ BAD_INPUTS = {
     "vocab too large": (["-v", str(2**20 + 1)], "vocab_size must be between 256"),
     "vocab too large for the dense matrix": (["-v", "1000000"], "pair-count matrix"),
     "n zero": (["-n", "0"], "must be positive"),
+    "max_batch zero": (["--max_batch", "0"], "--max_batch 0: must be 1 (a merge a round) or more"),
     "bad pattern": (["--pattern", "(unclosed"], "--pattern does not compile"),
     "empty pattern": (["--pattern", ""], "matches the empty string"),
     "pattern matching nothing": (["--pattern", "x*"], "matches the empty string"),
