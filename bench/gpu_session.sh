@@ -8,7 +8,8 @@
 #
 #   bash bench/gpu_session.sh suite bpe_small        # then: bpe_big data step, then: train ddp sample
 #   (hellaswag, after train: one HellaSwag eval of the 124M checkpoint, timed)
-#   DEADLINE=560 bash bench/gpu_session.sh bpe_loop suite_cuda hellaswag_scratch step_lillm generate_b8
+#   DEADLINE=560 bash bench/gpu_session.sh suite_cuda bpe_loop generate_b8 step_lillm hellaswag_bench \
+#       hellaswag_scratch
 #                                                    # issue 39's one call (15 minutes of device time in all)
 #
 # Every step has its own time limit and goes on after a failure; its output goes to $OUT/log.txt and one
@@ -87,10 +88,16 @@ for phase in "$@"; do
     suite_cuda)  # the tests CI skips for want of a GPU (the interpreter's run in CI), at most 180 s
         step suite_cuda 180 python3 -m pytest -v -n 6 -p no:cacheprovider --timeout=170 --tb=short -rf \
             --durations=10 -k "cuda or nccl" ;;
-    bpe_loop)  # the merge loop at V=65534 on 2^27 characters beside rustbpe, each kernel's time a merge
+    bpe_loop)  # the merge loop at V=65534 on 2^27 characters beside rustbpe, each kernel's time a merge made:
+        # --max_batch 1 (one merge a round, the sequential path) and the default (8), issue 37
         [ -f $CORPORA/enwiki3.jsonl ] || cat $CORPORA/enwiki.jsonl{,,} > $CORPORA/enwiki3.jsonl
+        step bpe_loop_batch1 150 python3 bench/bench_bpe_gpu.py --data $CORPORA/enwiki3.jsonl \
+            -n 134217728 -v 65534 --repeats 1 --profile --max_batch 1
         step bpe_loop 200 python3 bench/bench_bpe_gpu.py --data $CORPORA/enwiki3.jsonl \
             -n 134217728 -v 65534 --repeats 1 --profile ;;
+    hellaswag_bench)  # issue 36: examples a forward, 1 (the old path) against 32 and 64, the 124M shape
+        step hellaswag_bench 150 python3 bench/bench_hellaswag.py config/gpt2_124m.py --device cuda \
+            --examples 1000 --batches 1,32,64 --repeats 3 ;;
     hellaswag_scratch)  # the 124M model's HellaSwag eval timed, fresh weights (time doesn't depend on them):
         # train.py --max_iters=0 evaluates once at iter 0 and exits; with HellaSwag less without is its cost
         [ -f data/enwiki_small_gpt2/meta.json ] || { head -n 3000 $CORPORA/enwiki.jsonl > /tmp/enwiki_small.jsonl
@@ -101,8 +108,9 @@ for phase in "$@"; do
             --eval_iters=1 --batch_size=8 --sample_prompt= --hellaswag=/tmp/hellaswag_10042.jsonl"
         step eval_without_hellaswag 60 python3 train.py $scratch --out_dir=out-hs0 --hellaswag_interval=0
         step eval_with_hellaswag 200 python3 train.py $scratch --out_dir=out-hs1 ;;
-    step_lillm)
-        step step_lillm 120 python3 bench/bench_step.py config/lillm.py ;;
+    step_lillm)  # the plain loss beside the detached logits (issue 36): MFU, how busy the GPU is
+        step step_lillm 120 python3 bench/bench_step.py config/lillm.py
+        step step_gpt2 150 python3 bench/bench_step.py config/gpt2_124m.py ;;
     generate_b8)  # batch 8, 1024 new tokens: where the KV cache should pay
         step generate_b8_1024 150 python3 bench/bench_model.py --part generate --device cuda \
             --dtype bfloat16 --presets lillm,gpt2_124m --new_tokens 1024 --batch_size 8 --repeats 1 ;;
