@@ -95,22 +95,21 @@ class CausalSelfAttention(nn.Module):
         self.resid_dropout = nn.Dropout(config.dropout)
         self.kv_cache = None  # generating: (keys, values), each (B, n_kv_head, block_size, head_dim)
 
-    def forward(self, x, cos, sin, start_pos=0):
+    def forward(self, x, cos, sin, position=None, mask=None):
         B, T, C = x.size()
         q = self.c_q(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)
         k = self.c_k(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
         v = self.c_v(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        mask, is_causal = None, True  # training, or no cache: the whole sequence at once
         if self.kv_cache is not None:
-            (cached_keys, cached_values), end = self.kv_cache, start_pos + T
-            cached_keys[:, :, start_pos:end], cached_values[:, :, start_pos:end] = k, v
-            k, v = cached_keys[:, :, :end], cached_values[:, :, :end]
-            is_causal = start_pos == 0 and T > 1  # the prefill; one new token sees all the cache
-            if start_pos > 0 and T > 1:  # a chunk after a prefix: query i sees keys 0..start_pos+i
-                query_positions = start_pos + torch.arange(T, device=x.device)
-                mask = torch.arange(end, device=x.device) <= query_positions[:, None]
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal,
+            cached_keys, cached_values = self.kv_cache
+            if position is None:  # the prefill, from position 0: causal over its own keys
+                cached_keys[:, :, :T], cached_values[:, :, :T] = k, v
+            else:  # one token at `position`: it sees the cache's first mask.size(-1) masked
+                cached_keys.index_copy_(2, position, k)
+                cached_values.index_copy_(2, position, v)
+                k, v = cached_keys[:, :, :mask.size(-1)], cached_values[:, :, :mask.size(-1)]
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
                                            dropout_p=self.dropout if self.training else 0.0,
                                            enable_gqa=self.n_kv_head != self.n_head)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
@@ -142,8 +141,8 @@ class Block(nn.Module):
         self.ln_2 = RMSNorm(config.n_embd, config.norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x, cos, sin, start_pos=0):
-        x = x + self.attn(self.ln_1(x), cos, sin, start_pos)
+    def forward(self, x, cos, sin, position=None, mask=None):
+        x = x + self.attn(self.ln_1(x), cos, sin, position, mask)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -180,18 +179,17 @@ class GPT(nn.Module):
     def get_num_params(self):
         return sum(p.numel() for p in self.parameters())  # the tied embedding counted once
 
-    def forward(self, idx, targets=None, start_pos=0):
+    def forward(self, idx, targets=None):
         """idx: (B, T) token ids. With targets (B, T) (-1 = ignore): logits (B, T, vocab) and the
         mean cross-entropy. Without: the last position's logits (B, 1, vocab), all generation needs,
-        and None. start_pos, idx[:, 0]'s position, is > 0 only with a KV cache."""
+        and None."""
         B, T = idx.size()
-        if start_pos + T > self.config.block_size:
-            raise ValueError(f"sequence of {start_pos + T} tokens is longer than "
-                             f"block_size={self.config.block_size}")
-        cos, sin = self.rope_cos[start_pos:start_pos + T], self.rope_sin[start_pos:start_pos + T]
+        if T > self.config.block_size:
+            raise ValueError(f"sequence of {T} tokens is longer than block_size={self.config.block_size}")
+        cos, sin = self.rope_cos[:T], self.rope_sin[:T]
         x = self.transformer.drop(self.transformer.wte(idx))
         for block in self.transformer.h:
-            x = block(x, cos, sin, start_pos)
+            x = block(x, cos, sin)
         x = self.transformer.ln_f(x)
         if targets is None:
             return self.lm_head(x[:, [-1], :]), None
@@ -242,21 +240,29 @@ class GPT(nn.Module):
         return flops_per_token * cfg.block_size * fwdbwd_per_iter / dt / peak
 
     # ---- generation ----
+    # The KV cache keeps each token's keys and values: a step then runs only the newest token. It is
+    # static: allocated once for block_size positions (and kept), each step writing its position in
+    # place. On a GPU the decode step attends to the whole cache, masked to the filled part: its
+    # shapes and addresses never change (the position is a tensor, not a Python int), so it is
+    # captured once and replayed as a CUDA graph, one launch instead of ~40 a layer: at batch 1
+    # they are the step's whole cost. The plain step reads only the filled part. The prefill stays
+    # apart: prompts vary in length, and it runs once a prompt.
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None, use_cache=True,
-                 generator=None):
-        """idx (B, T) -> (B, T + max_new_tokens), with generate_tokens's sampling settings."""
+                 generator=None, compile_decode=None):
+        """idx (B, T) -> (B, T + max_new_tokens), with generate_tokens's settings."""
         return torch.cat([idx, *self.generate_tokens(idx, max_new_tokens, temperature, top_k, top_p,
-                                                      use_cache, generator)], dim=1)
+                                                      use_cache, generator, compile_decode)], dim=1)
 
     @torch.no_grad()
     def generate_tokens(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None,
-                        use_cache=True, generator=None):
+                        use_cache=True, generator=None, compile_decode=None):
         """Yields the new tokens, each (B, 1). With the cache the prompt runs once (prefill), then
         each step only the newest token; a full cache is refilled from the last block_size//2
         tokens. use_cache=False recomputes the whole context each step: slower, the same tokens
-        while it fits."""
+        while it fits. compile_decode: torch.compile's options for the decode step (None: CUDA
+        graphs on a GPU, else plain; False: plain)."""
         block_size = self.config.block_size
         if idx.size(1) > block_size:
             warnings.warn(f"the prompt has {idx.size(1)} tokens, more than "
@@ -264,10 +270,14 @@ class GPT(nn.Module):
             idx = idx[:, -block_size:]
         if max_new_tokens <= 0:
             return
+        if compile_decode is None and idx.device.type == "cuda":
+            compile_decode = {"mode": "reduce-overhead"}  # CUDA graphs
+        decode_step = self._compiled_decode_step(compile_decode) if compile_decode else self._decode_step
         if use_cache:
-            self._allocate_kv_cache(idx.size(0), idx.device)
+            self._attach_kv_cache(idx.size(0), idx.device, static=bool(compile_decode))
         try:
             window = idx  # the context; with the cache, the tokens it holds
+            position = torch.zeros(1, dtype=torch.long, device=idx.device)
             logits, _ = self(window)
             for step in range(max_new_tokens):
                 next_token = sample_next_token(logits[:, -1], temperature, top_k, top_p, generator)
@@ -276,25 +286,58 @@ class GPT(nn.Module):
                     break
                 window = torch.cat((window, next_token), dim=1)
                 if use_cache and window.size(1) <= block_size:
-                    logits, _ = self(next_token, start_pos=window.size(1) - 1)
+                    length = block_size if compile_decode else window.size(1)
+                    logits = decode_step(next_token, position.fill_(window.size(1) - 1), length)
                 else:
                     keep = max(1, block_size // 2) if use_cache else block_size
                     window = window[:, -keep:]
                     logits, _ = self(window)
         finally:
             for block in self.transformer.h:
-                block.attn.kv_cache = None
+                block.attn.kv_cache = None  # the tensors stay, for the next call
 
-    def _allocate_kv_cache(self, batch_size, device):
-        # One preallocated buffer per layer: torch.cat would copy the whole cache every token.
+    def _decode_step(self, token, position, length):
+        """token (B, 1) at position (a (1,) tensor), attending to the cache's first length
+        positions -> logits (B, 1, vocab)."""
+        mask = (torch.arange(length, device=token.device) <= position).view(1, 1, 1, length)
+        cos, sin = self.rope_cos[position], self.rope_sin[position]
+        x = self.transformer.drop(self.transformer.wte(token))
+        for block in self.transformer.h:
+            x = block(x, cos, sin, position, mask)
+        return self.lm_head(self.transformer.ln_f(x))
+
+    def _compiled_decode_step(self, options):
+        # Why torch.compile, not torch.cuda.CUDAGraph by hand: it also fuses the step's small
+        # kernels (norms, rotary), copies the inputs into the graph's, handles autocast (a hand
+        # capture must turn off its weight cache), and the same traced code runs on a CPU with
+        # backend="eager", where the tests check it. fullgraph: a graph break would split it.
+        if getattr(self, "_decode_options", None) != options:  # compiled once, not each call
+            self._decode_options = options
+            self._decode_compiled = torch.compile(self._decode_step, fullgraph=True, **options)
+        compiled = self._decode_compiled
+
+        def step(*args):
+            torch.compiler.cudagraph_mark_step_begin()  # a new step: the last logits are spent
+            return compiled(*args)
+        return step
+
+    def _attach_kv_cache(self, batch_size, device, static):
+        # One buffer per layer, made once: its addresses are in the CUDA graph, which static
+        # marks (then they are not copied in each replay; new ones would be recaptured).
         cfg = self.config
         dtype = self.lm_head.weight.dtype
         if torch.is_autocast_enabled(device.type):  # then keys/values come out in its dtype
             dtype = torch.get_autocast_dtype(device.type)
         shape = (batch_size, cfg.n_kv_head, cfg.block_size, cfg.n_embd // cfg.n_head)
-        for block in self.transformer.h:
-            block.attn.kv_cache = (torch.zeros(shape, dtype=dtype, device=device),
-                                   torch.zeros(shape, dtype=dtype, device=device))
+        caches = getattr(self, "_kv_caches", None)
+        if not caches or (caches[0][0].shape, caches[0][0].dtype, caches[0][0].device) != (shape, dtype, device):
+            caches = [tuple(torch.zeros(shape, dtype=dtype, device=device) for _ in "kv")
+                      for _ in self.transformer.h]
+            self._kv_caches = caches
+        for block, cache in zip(self.transformer.h, caches):
+            block.attn.kv_cache = cache
+            for tensor in cache if static else ():
+                torch._dynamo.mark_static_address(tensor)
 
     # ---- scoring continuations (HellaSwag) ----
 
