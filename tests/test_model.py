@@ -301,16 +301,17 @@ def test_the_cache_is_allocated_once_and_kept_while_the_batch_size_holds():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU here: the CPU tests above cover the code")
 def test_cuda_kv_cache_equals_full_recompute_and_the_cpu():
-    # On a GPU: the same logits as the CPU (float32; TF32 off by default), the cache's greedy tokens equal the
-    # recompute's, and under bf16 autocast the cache takes autocast's dtype and decodes.
+    # On a GPU: the same logits as the CPU (float32; TF32 off by default), the cache's greedy tokens (graphed and
+    # plain) equal the recompute's, and under bf16 autocast the cache takes autocast's dtype and decodes.
     model = scrambled_model(n_kv_head=2)
     idx = torch.randint(0, 97, (3, 20), generator=torch.Generator().manual_seed(8))
     on_cpu = all_logits(model, idx)
     model.cuda()
     torch.testing.assert_close(all_logits(model, idx.cuda()).cpu(), on_cpu, rtol=1e-3, atol=1e-4)
     prompt = idx[:, :5].cuda()
-    cached = model.generate(prompt, max_new_tokens=27, temperature=0)
+    cached = model.generate(prompt, max_new_tokens=27, temperature=0)  # the decode step in CUDA graphs
     assert torch.equal(cached, model.generate(prompt, max_new_tokens=27, temperature=0, use_cache=False))
+    assert torch.equal(cached, model.generate(prompt, max_new_tokens=27, temperature=0, compile_decode=False))
     with torch.autocast("cuda", dtype=torch.bfloat16):
         in_bf16 = model.generate(prompt, max_new_tokens=27, temperature=0)
     assert in_bf16.shape == (3, 32) and torch.equal(in_bf16[:, :5], prompt)
