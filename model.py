@@ -105,7 +105,7 @@ class CausalSelfAttention(nn.Module):
             cached_keys, cached_values = self.kv_cache
             if position is None:  # the prefill, from position 0: causal over its own keys
                 cached_keys[:, :, :T], cached_values[:, :, :T] = k, v
-            else:  # one token at `position`: it sees the cache's first mask.size(-1) masked
+            else:  # one token at `position`, seeing the cache's first mask.size(-1)
                 cached_keys.index_copy_(2, position, k)
                 cached_values.index_copy_(2, position, v)
                 k, v = cached_keys[:, :, :mask.size(-1)], cached_values[:, :, :mask.size(-1)]
@@ -240,20 +240,20 @@ class GPT(nn.Module):
         return flops_per_token * cfg.block_size * fwdbwd_per_iter / dt / peak
 
     # ---- generation ----
-    # The KV cache keeps each token's keys and values: a step then runs only the newest token. It is
-    # static: allocated once for block_size positions (and kept), each step writing its position in
-    # place. On a GPU the decode step attends to the whole cache, masked to the filled part: its
-    # shapes and addresses never change (the position is a tensor, not a Python int), so it is
-    # captured once and replayed as a CUDA graph, one launch instead of ~40 a layer: at batch 1
-    # they are the step's whole cost. The plain step reads only the filled part. The prefill stays
-    # apart: prompts vary in length, and it runs once a prompt.
+    # The KV cache keeps each token's keys and values: a step runs only the newest token. It is
+    # static, made once for block_size positions, a step writing its own in place. On a GPU the
+    # decode step attends to the whole cache, masked to the filled part: its shapes and addresses
+    # never change (the position is a tensor, not an int), so it is captured once and replayed as a
+    # CUDA graph: one launch for hundreds of kernels, whose launches are a batch-1 step's cost. The
+    # prefill stays apart (prompts vary); the plain step reads the filled part only. We capture with
+    # torch.compile, not torch.cuda.CUDAGraph by hand: it fuses the small kernels too, handles
+    # autocast (whose weight cache breaks a hand capture), and the same traced code runs on a CPU
+    # with backend="eager", as the tests do; fullgraph: a graph break would split it.
 
     @torch.no_grad()
-    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None, use_cache=True,
-                 generator=None, compile_decode=None):
+    def generate(self, idx, max_new_tokens, **settings):
         """idx (B, T) -> (B, T + max_new_tokens), with generate_tokens's settings."""
-        return torch.cat([idx, *self.generate_tokens(idx, max_new_tokens, temperature, top_k, top_p,
-                                                      use_cache, generator, compile_decode)], dim=1)
+        return torch.cat([idx, *self.generate_tokens(idx, max_new_tokens, **settings)], dim=1)
 
     @torch.no_grad()
     def generate_tokens(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None,
@@ -262,7 +262,7 @@ class GPT(nn.Module):
         each step only the newest token; a full cache is refilled from the last block_size//2
         tokens. use_cache=False recomputes the whole context each step: slower, the same tokens
         while it fits. compile_decode: torch.compile's options for the decode step (None: CUDA
-        graphs on a GPU, else plain; False: plain)."""
+        graphs on a GPU, else none)."""
         block_size = self.config.block_size
         if idx.size(1) > block_size:
             warnings.warn(f"the prompt has {idx.size(1)} tokens, more than "
@@ -272,7 +272,12 @@ class GPT(nn.Module):
             return
         if compile_decode is None and idx.device.type == "cuda":
             compile_decode = {"mode": "reduce-overhead"}  # CUDA graphs
-        decode_step = self._compiled_decode_step(compile_decode) if compile_decode else self._decode_step
+        decode_step = self._decode_step
+        if compile_decode:  # compiled once per model and options, not each call
+            if getattr(self, "_decode_options", None) != compile_decode:
+                self._decode_options = compile_decode
+                self._decode_compiled = torch.compile(decode_step, fullgraph=True, **compile_decode)
+            decode_step = self._decode_compiled
         if use_cache:
             self._attach_kv_cache(idx.size(0), idx.device, static=bool(compile_decode))
         try:
@@ -286,6 +291,8 @@ class GPT(nn.Module):
                     break
                 window = torch.cat((window, next_token), dim=1)
                 if use_cache and window.size(1) <= block_size:
+                    if compile_decode:  # a new step: the graph may overwrite the last logits
+                        torch.compiler.cudagraph_mark_step_begin()
                     length = block_size if compile_decode else window.size(1)
                     logits = decode_step(next_token, position.fill_(window.size(1) - 1), length)
                 else:
@@ -294,11 +301,11 @@ class GPT(nn.Module):
                     logits, _ = self(window)
         finally:
             for block in self.transformer.h:
-                block.attn.kv_cache = None  # the tensors stay, for the next call
+                block.attn.kv_cache = None  # kept in self._kv_caches for the next call
 
     def _decode_step(self, token, position, length):
-        """token (B, 1) at position (a (1,) tensor), attending to the cache's first length
-        positions -> logits (B, 1, vocab)."""
+        """token (B, 1) at position (a (1,) tensor), seeing the cache's first length positions ->
+        logits (B, 1, vocab)."""
         mask = (torch.arange(length, device=token.device) <= position).view(1, 1, 1, length)
         cos, sin = self.rope_cos[position], self.rope_sin[position]
         x = self.transformer.drop(self.transformer.wte(token))
@@ -306,35 +313,18 @@ class GPT(nn.Module):
             x = block(x, cos, sin, position, mask)
         return self.lm_head(self.transformer.ln_f(x))
 
-    def _compiled_decode_step(self, options):
-        # Why torch.compile, not torch.cuda.CUDAGraph by hand: it also fuses the step's small
-        # kernels (norms, rotary), copies the inputs into the graph's, handles autocast (a hand
-        # capture must turn off its weight cache), and the same traced code runs on a CPU with
-        # backend="eager", where the tests check it. fullgraph: a graph break would split it.
-        if getattr(self, "_decode_options", None) != options:  # compiled once, not each call
-            self._decode_options = options
-            self._decode_compiled = torch.compile(self._decode_step, fullgraph=True, **options)
-        compiled = self._decode_compiled
-
-        def step(*args):
-            torch.compiler.cudagraph_mark_step_begin()  # a new step: the last logits are spent
-            return compiled(*args)
-        return step
-
     def _attach_kv_cache(self, batch_size, device, static):
-        # One buffer per layer, made once: its addresses are in the CUDA graph, which static
-        # marks (then they are not copied in each replay; new ones would be recaptured).
+        # Made once, kept: a CUDA graph reads it where it was captured (static: marked so).
         cfg = self.config
         dtype = self.lm_head.weight.dtype
         if torch.is_autocast_enabled(device.type):  # then keys/values come out in its dtype
             dtype = torch.get_autocast_dtype(device.type)
         shape = (batch_size, cfg.n_kv_head, cfg.block_size, cfg.n_embd // cfg.n_head)
-        caches = getattr(self, "_kv_caches", None)
-        if not caches or (caches[0][0].shape, caches[0][0].dtype, caches[0][0].device) != (shape, dtype, device):
-            caches = [tuple(torch.zeros(shape, dtype=dtype, device=device) for _ in "kv")
-                      for _ in self.transformer.h]
-            self._kv_caches = caches
-        for block, cache in zip(self.transformer.h, caches):
+        kept = getattr(self, "_kv_caches", [[torch.empty(0)]])[0][0]
+        if (kept.shape, kept.dtype, kept.device) != (shape, dtype, device):
+            self._kv_caches = [[torch.zeros(shape, dtype=dtype, device=device) for _ in "kv"]
+                               for _ in self.transformer.h]
+        for block, cache in zip(self.transformer.h, self._kv_caches):
             block.attn.kv_cache = cache
             for tensor in cache if static else ():
                 torch._dynamo.mark_static_address(tensor)
