@@ -2,9 +2,8 @@
 lilLM's model: a Llama-3-style GPT in one file, shared by train.py, sample.py and export_hf.py.
 
 Compared with GPT-2 (nanoGPT), it swaps in what later models settled on: RMSNorm, rotary position
-embeddings, a SwiGLU MLP and grouped-query attention, with tied embeddings and no biases. Then:
-generation with a KV cache, the Muon optimizer, and plumbing a first read skips (config checks,
-checkpoints and their tokenizer).
+embeddings, a SwiGLU MLP, grouped-query attention, tied embeddings, no biases. Then generation,
+the Muon optimizer, and plumbing a first read skips (config checks, checkpoints, tokenizers).
 
     from model import GPTConfig, GPT
     model = GPT(GPTConfig())             # the lilLM preset, 39,596,544 parameters
@@ -25,7 +24,7 @@ import torch.nn.functional as F
 
 @dataclass
 class GPTConfig:
-    vocab_size: int = 8192       # 2^13; a multiple of 64 keeps the output matmul on fast GPU tiles
+    vocab_size: int = 8192       # 2^13; a multiple of 64 keeps the output matmul on fast tiles
     n_embd: int = 512
     n_layer: int = 12
     block_size: int = 512        # longest context; RoPE tables and the KV cache are sized to it
@@ -39,7 +38,7 @@ class GPTConfig:
     bias: bool = False           # biases in the Linear layers; off, like Llama
 
     def __post_init__(self):
-        check_config(self)  # a bad config fails here, in one line, not deep in a layer
+        check_config(self)  # a bad config fails here, in one line
 
     @property
     def ffn_hidden_size(self):
@@ -63,8 +62,7 @@ class RMSNorm(nn.Module):
 
 
 def rope_tables(head_dim, length, theta):
-    """Each (position, channel)'s rotation for apply_rope: cos for both halves, sin with the first
-    half negated."""
+    """Each (position, channel)'s rotation: cos for both halves, sin with the first negated."""
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
     angles = torch.outer(torch.arange(length, dtype=torch.float32), inv_freq)  # (length, head_dim/2)
     return torch.cat([angles.cos()] * 2, dim=-1), torch.cat([-angles.sin(), angles.sin()], dim=-1)
@@ -164,7 +162,7 @@ class GPT(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         # GPT-2 init: N(0, 0.02); the residual stream's 2 writes a layer 0.02/sqrt(2*n_layer), so
-        # that depth does not grow its variance.
+        # depth does not grow its variance.
         self.apply(self._init_weights)
         for name, param in self.named_parameters():
             if name.endswith("c_proj.weight"):
@@ -185,7 +183,8 @@ class GPT(nn.Module):
         and None."""
         B, T = idx.size()
         if T > self.config.block_size:
-            raise ValueError(f"sequence of {T} tokens is longer than block_size={self.config.block_size}")
+            raise ValueError(f"sequence of {T} tokens is longer than "
+                             f"block_size={self.config.block_size}")
         cos, sin = self.rope_cos[:T], self.rope_sin[:T]
         x = self.transformer.drop(self.transformer.wte(idx))
         for block in self.transformer.h:
@@ -242,13 +241,11 @@ class GPT(nn.Module):
     # ---- generation ----
     # The KV cache keeps each token's keys and values: a step runs only the newest token. It is
     # static, made once for block_size positions, a step writing its own in place. On a GPU the
-    # decode step attends to the whole cache, masked to the filled part: its shapes and addresses
-    # never change (the position is a tensor, not an int), so it is captured once and replayed as a
-    # CUDA graph: one launch for hundreds of kernels, whose launches are a batch-1 step's cost. The
-    # prefill stays apart (prompts vary); the plain step reads the filled part only. We capture with
-    # torch.compile, not torch.cuda.CUDAGraph by hand: it fuses the small kernels too, handles
-    # autocast (whose weight cache breaks a hand capture), and the same traced code runs on a CPU
-    # with backend="eager", as the tests do; fullgraph: a graph break would split it.
+    # decode step reads the whole cache, masked to the filled part: its shapes never change (the
+    # position is a tensor), so torch.compile captures it once as a CUDA graph, one launch for the
+    # hundreds of kernels whose launches are a batch-1 step's cost (not by hand: compile fuses
+    # kernels, copes with autocast, and runs the same trace on a CPU with backend="eager", as the
+    # tests do). The plain step reads the filled part only. The prefill stays apart: prompts vary.
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, **settings):
@@ -258,10 +255,9 @@ class GPT(nn.Module):
     @torch.no_grad()
     def generate_tokens(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None,
                         use_cache=True, generator=None, compile_decode=None):
-        """Yields the new tokens, each (B, 1). With the cache the prompt runs once (prefill), then
-        each step only the newest token; a full cache is refilled from the last block_size//2
-        tokens. use_cache=False recomputes the whole context each step: slower, the same tokens
-        while it fits. compile_decode: torch.compile's options for the decode step (None: CUDA
+        """Yields the new tokens, each (B, 1). A full cache is refilled from the last block_size//2
+        tokens; use_cache=False recomputes the whole context each step (slower, the same tokens
+        while it fits). compile_decode: torch.compile's options for the decode step (None: CUDA
         graphs on a GPU, else none)."""
         block_size = self.config.block_size
         if idx.size(1) > block_size:
@@ -272,12 +268,11 @@ class GPT(nn.Module):
             return
         if compile_decode is None and idx.device.type == "cuda":
             compile_decode = {"mode": "reduce-overhead"}  # CUDA graphs
-        decode_step = self._decode_step
-        if compile_decode:  # compiled once per model and options, not each call
-            if getattr(self, "_decode_options", None) != compile_decode:
-                self._decode_options = compile_decode
-                self._decode_compiled = torch.compile(decode_step, fullgraph=True, **compile_decode)
-            decode_step = self._decode_compiled
+        if compile_decode and getattr(self, "_decode_options", None) != compile_decode:
+            self._decode_options = compile_decode  # compiled once, not each call
+            self._decode_compiled = torch.compile(self._decode_step, fullgraph=True,
+                                                  **compile_decode)
+        decode_step = self._decode_compiled if compile_decode else self._decode_step
         if use_cache:
             self._attach_kv_cache(idx.size(0), idx.device, static=bool(compile_decode))
         try:
@@ -399,9 +394,8 @@ def sample_next_token(logits, temperature=1.0, top_k=None, top_p=None, generator
 def orthogonalize(matrices, steps=5):
     """Roughly the nearest orthogonal matrix to each of a stack (n, rows, cols): U V^T of its SVD
     U S V^T. A Newton-Schulz step maps X to a X + b (X X^T) X + c (X X^T)^2 X, each singular value
-    s to a s + b s^3 + c s^5; Keller Jordan's coefficients make that steep at 0 and near 1 beyond:
-    five steps take singular values 0.003..1 to about 0.7..1.2. Only matmuls: bfloat16 on a GPU,
-    float32 on a CPU (bf16 emulated: ~27x slower)."""
+    s to a s + b s^3 + c s^5; Keller Jordan's coefficients take 0.003..1 to about 0.7..1.2 in five
+    steps. Only matmuls: bfloat16 on a GPU, float32 on a CPU (bf16 emulated: ~27x slower)."""
     a, b, c = 3.4445, -4.7750, 2.0315
     x = matrices.bfloat16() if matrices.is_cuda else matrices.float()
     wide = x.size(-2) <= x.size(-1)
@@ -420,11 +414,10 @@ class MuonAdamW(torch.optim.Optimizer):
 
     Why Muon (Jordan et al. 2024): a few directions dominate a matrix's gradient, and AdamW's step
     follows them. Muon steps along the momentum's nearest orthogonal matrix: the same directions,
-    all moved alike (CPU Shakespeare recipe: val loss 1.59, AdamW 1.68). Its entries are
-    ~1/sqrt(max(rows, cols)): scaled by 0.2 * sqrt(max(rows, cols)), the step's RMS is 0.2, about
-    AdamW's (Liu et al. 2025), so one learning rate drives both. ns_every=k orthogonalizes every
-    k-th step after ns_warmup steps, reusing the direction in between (the momentum moves ~5% a
-    step)."""
+    all moved alike (CPU Shakespeare recipe: val loss 1.59, AdamW 1.68). Scaled by 0.2 *
+    sqrt(max(rows, cols)), its RMS is 0.2, about AdamW's (Liu et al. 2025): one learning rate
+    drives both. ns_every=k orthogonalizes every k-th step after ns_warmup, reusing the direction
+    between (the momentum moves ~5% a step)."""
 
     def __init__(self, param_groups, lr, betas=(0.9, 0.95), eps=1e-8, momentum=0.95, ns_steps=5,
                  ns_every=1, ns_warmup=0):
@@ -441,8 +434,8 @@ class MuonAdamW(torch.optim.Optimizer):
 
     def _muon_step(self, group, params):
         lr, momentum, every = group["lr"], group["momentum"], group.get("ns_every", 1)
-        # Matrices of one shape (a tall one joins the wide ones of its transposed shape) share
-        # batched matmuls: CPU steps 1.05-1.15x faster (bench/bench_muon.py).
+        # Matrices of one shape (a tall one transposed) share batched matmuls: CPU steps
+        # 1.05-1.15x faster (bench/bench_muon.py).
         by_shape = {}
         for p in params:
             by_shape.setdefault((min(p.shape), max(p.shape)), []).append(p)
@@ -455,7 +448,7 @@ class MuonAdamW(torch.optim.Optimizer):
             step = states[0].get("step", 0)
             fresh = step % every == 0 or step < group.get("ns_warmup", 0)
             if fresh or "direction" not in states[0]:
-                # Nesterov: step along the gradient plus the buffer, where the momentum goes.
+                # Nesterov: step where the momentum goes, the gradient plus the buffer.
                 nesterov = torch._foreach_lerp(grads, buffers, momentum)
                 wide = torch.stack([g if g.size(0) == rows else g.mT for g in nesterov])
                 directions = orthogonalize(wide, group["ns_steps"]).to(same_shape[0].dtype)
@@ -478,7 +471,7 @@ class MuonAdamW(torch.optim.Optimizer):
             step, exp_avg, exp_avg_sq = state["step"], state["exp_avg"], state["exp_avg_sq"]
             exp_avg.lerp_(p.grad, 1 - beta1)  # running means of the gradient and its square
             exp_avg_sq.mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
-            # Both averages start at 0, biased to it for ~1/(1 - beta) steps: divide that out.
+            # Both start at 0, biased to it for ~1/(1 - beta) steps: divided out.
             denominator = (exp_avg_sq / (1 - beta2 ** step)).sqrt_().add_(eps)
             p.mul_(1 - lr * group["weight_decay"])
             p.addcdiv_(exp_avg, denominator, value=-lr / (1 - beta1 ** step))
@@ -514,8 +507,7 @@ PEAK_FLOPS = {"GB200": 2.5e15, "B200": 2.25e15, "GH200": 989e12, "H200": 989e12,
 
 
 def peak_flops(device):
-    """(peak FLOP/s, label): None on a CPU (its peak isn't in its name); an unknown GPU counts as
-    an A100, and says so."""
+    """(peak FLOP/s, label): None on a CPU; an unknown GPU counts as an A100, and says so."""
     device = torch.device(device)
     if device.type != "cuda":
         return None, f"n/a on {device.type}"
@@ -537,7 +529,7 @@ class CheckpointError(Exception):
 
 def save_checkpoint(path, checkpoint):
     """Write the checkpoint, less torch.compile's "_orig_mod." and DDP's "module." prefixes, to a
-    temporary file, then rename it: never half a ckpt.pt."""
+    temporary file, renamed: never half a ckpt.pt."""
     checkpoint = {"version": CHECKPOINT_VERSION, **checkpoint}
     if "model" in checkpoint:
         checkpoint["model"] = {re.sub(r"^(_orig_mod\.|module\.)+", "", key): value
@@ -559,8 +551,8 @@ def save_checkpoint(path, checkpoint):
 
 
 def load_checkpoint(path, map_location="cpu"):
-    """Read a save_checkpoint file with weights_only=True (loading never runs code);
-    CheckpointError, one line, if it can't be used."""
+    """Read a save_checkpoint file, weights_only (loading runs no code); CheckpointError if it
+    can't be used."""
     if not os.path.isfile(path):
         raise CheckpointError(f"no checkpoint at {path}: train one with train.py, or point "
                               "--out_dir at the directory that holds it")
@@ -643,7 +635,7 @@ def tokenizer_problem(ranks, special_tokens):
 def encoding_from_checkpoint(checkpoint):
     """A checkpoint's tokenizer: a tiktoken.Encoding (our BPE, or a tiktoken name) or a
     CharTokenizer. CheckpointError, one line, if it can't be one or outgrows the model's vocab."""
-    import tiktoken  # here: training or a benchmark needs only the model
+    import tiktoken  # here: training needs only the model
 
     tokenizer = checkpoint.get("tokenizer")
     kind = tokenizer.get("kind") if isinstance(tokenizer, dict) else None
@@ -685,6 +677,6 @@ def encoding_from_checkpoint(checkpoint):
 
 
 def bytes_of_id(encoding, token_id):
-    """A token's bytes; b"" for an id in the vocab's padding, past the tokenizer (never trained on,
-    but sampling can draw it)."""
+    """A token's bytes; b"" for an id in the vocab's padding past the tokenizer (sampling can
+    draw it)."""
     return encoding.decode_single_token_bytes(token_id) if token_id < encoding.n_vocab else b""
