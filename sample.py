@@ -62,7 +62,7 @@ def main():
     prompt_ids = encode_prompt(encoding, prompt, model.config.block_size)
     idx = torch.tensor([prompt_ids], device=device_name)
 
-    with ctx:  # untimed: on a GPU the first decode steps compile and capture a CUDA graph
+    with ctx:  # untimed: on a GPU the first decode steps compile a CUDA graph
         list(model.generate_tokens(idx, 4, temperature=0))
 
     # Generate, printing each token once it is complete text.
