@@ -239,13 +239,13 @@ class GPT(nn.Module):
         return flops_per_token * cfg.block_size * fwdbwd_per_iter / dt / peak
 
     # ---- generation ----
-    # The KV cache keeps each token's keys and values: a step runs only the newest token. It is
-    # static, made once for block_size positions, a step writing its own in place. On a GPU the
-    # decode step reads the whole cache, masked to the filled part: its shapes never change (the
-    # position is a tensor), so torch.compile captures it once as a CUDA graph, one launch for the
-    # hundreds of kernels whose launches are a batch-1 step's cost (not by hand: compile fuses
-    # kernels, copes with autocast, and runs the same trace on a CPU with backend="eager", as the
-    # tests do). The plain step reads the filled part only. The prefill stays apart: prompts vary.
+    # The KV cache holds each token's keys and values: a step runs only the newest token. It is
+    # static, made once for block_size positions, each step writing its own in place. On a GPU the
+    # decode step reads all of it, masked to the filled part, so its shapes never change (the
+    # position is a tensor): torch.compile captures it as a CUDA graph, one launch for the hundreds
+    # of kernels whose launches are a batch-1 step's cost (not by hand: compile fuses, copes with
+    # autocast, and runs the same trace on a CPU for the tests). The prefill, of varied prompts,
+    # runs apart.
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, **settings):
@@ -258,7 +258,7 @@ class GPT(nn.Module):
         """Yields the new tokens, each (B, 1). A full cache is refilled from the last block_size//2
         tokens; use_cache=False recomputes the whole context each step (slower, the same tokens
         while it fits). compile_decode: torch.compile's options for the decode step (None: CUDA
-        graphs on a GPU, else none)."""
+        graphs on a GPU)."""
         block_size = self.config.block_size
         if idx.size(1) > block_size:
             warnings.warn(f"the prompt has {idx.size(1)} tokens, more than "
@@ -288,7 +288,7 @@ class GPT(nn.Module):
                 if use_cache and window.size(1) <= block_size:
                     if compile_decode:  # a new step: the graph may overwrite the last logits
                         torch.compiler.cudagraph_mark_step_begin()
-                    length = block_size if compile_decode else window.size(1)
+                    length = block_size if compile_decode else window.size(1)  # plain: the filled
                     logits = decode_step(next_token, position.fill_(window.size(1) - 1), length)
                 else:
                     keep = max(1, block_size // 2) if use_cache else block_size
@@ -296,7 +296,7 @@ class GPT(nn.Module):
                     logits, _ = self(window)
         finally:
             for block in self.transformer.h:
-                block.attn.kv_cache = None  # kept in self._kv_caches for the next call
+                block.attn.kv_cache = None  # kept in self._kv_caches
 
     def _decode_step(self, token, position, length):
         """token (B, 1) at position (a (1,) tensor), seeing the cache's first length positions ->
