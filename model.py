@@ -91,7 +91,7 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.dropout = config.dropout
         self.resid_dropout = nn.Dropout(config.dropout)
-        self.kv_cache = None  # generating: (keys, values), each (B, n_kv_head, block_size, head_dim)
+        self.kv_cache = None  # generating: [keys, values], each (B, n_kv_head, block_size, head_dim)
 
     def forward(self, x, cos, sin, position=None, mask=None):
         B, T, C = x.size()
