@@ -245,7 +245,7 @@ class GPT(nn.Module):
     # position is a tensor): torch.compile captures it as a CUDA graph, one launch for the hundreds
     # of kernels whose launches are a batch-1 step's cost (not by hand: compile fuses, copes with
     # autocast, and runs the same trace on a CPU for the tests). The prefill, of varied prompts,
-    # runs apart.
+    # stays apart.
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, **settings):
@@ -267,7 +267,7 @@ class GPT(nn.Module):
         if max_new_tokens <= 0:
             return
         if compile_decode is None and idx.device.type == "cuda":
-            compile_decode = {"mode": "reduce-overhead"}  # CUDA graphs
+            compile_decode = {"mode": "reduce-overhead"}
         if compile_decode and getattr(self, "_decode_options", None) != compile_decode:
             self._decode_options = compile_decode  # compiled once, not each call
             self._decode_compiled = torch.compile(self._decode_step, fullgraph=True,
@@ -299,8 +299,7 @@ class GPT(nn.Module):
                 block.attn.kv_cache = None  # kept in self._kv_caches
 
     def _decode_step(self, token, position, length):
-        """token (B, 1) at position (a (1,) tensor), seeing the cache's first length positions ->
-        logits (B, 1, vocab)."""
+        """token (B, 1) at position (a (1,) tensor), seeing length cache positions -> logits."""
         mask = (torch.arange(length, device=token.device) <= position).view(1, 1, 1, length)
         cos, sin = self.rope_cos[position], self.rope_sin[position]
         x = self.transformer.drop(self.transformer.wte(token))

@@ -8,8 +8,8 @@ Sample text from a model trained by train.py, streaming it token by token.
 
 Each setting below can be overridden with --key=value. The checkpoint holds the model and its
 tokenizer. --start="" starts from <|endoftext|>, which begins every training document (a char
-model: from "\\n"); in a prompt, "<|endoftext|>" is that token. A temperature below 1e-4 is greedy.
-Samples go to stdout, each followed by a separator line; the rest goes to stderr.
+model: "\\n"); in a prompt, "<|endoftext|>" is that token. A temperature below 1e-4 is greedy.
+Samples go to stdout, each followed by a separator line; the rest to stderr.
 """
 import ast
 import codecs
