@@ -79,9 +79,8 @@ def main():
           f"AutoModelForCausalLM.from_pretrained({hf_path!r})", file=sys.stderr)
 
 
-# The matrices are [out, in] in both models. HF's Llama converter permutes q's and k's rows: Meta's
-# checkpoints rotate channel pairs (2i, 2i+1), HF's (i, i + head_dim/2), as apply_rope does, so q
-# and k are copied as is.
+# The matrices are [out, in] in both. HF's converter permutes q and k for Meta's pairs (2i, 2i+1);
+# HF rotates (i, i + head_dim/2), as apply_rope does: q and k are copied as is.
 LAYER_NAMES = {"ln_1": "input_layernorm", "ln_2": "post_attention_layernorm",
                "attn.c_q": "self_attn.q_proj", "attn.c_k": "self_attn.k_proj",
                "attn.c_v": "self_attn.v_proj", "attn.c_proj": "self_attn.o_proj",
@@ -101,8 +100,8 @@ def llama_name(name):
 
 
 def byte_to_char():
-    """GPT-2's printable stand-in for each byte (a space is 'Ġ'): HF's ByteLevel pre-tokenizer and
-    decoder use it, so the vocabulary and merges are written in it."""
+    """GPT-2's printable stand-in for each byte (a space is 'Ġ'), in which HF's ByteLevel writes
+    the vocabulary and merges."""
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), 256)]
     # The others (control characters, space, ...) move past 255, in order.
     others = [byte for byte in range(256) if byte not in printable]
@@ -117,9 +116,9 @@ def hf_tokenizer_json(ranks, pattern, special_tokens):
     tiktoken keeps no merge list: in each regex chunk it joins the adjacent pair whose bytes form
     the lowest-ranked token (the leftmost on a tie); HF's BPE joins listed pairs, first listed
     first. So the list holds every cut of each token into two tokens, in rank order. A chunk that
-    is a token stays whole in both (HF: ignore_merges). (Two cuts of one token meeting in a chunk:
-    tiktoken joins the leftmost, HF the first listed, as transformers' converter; never in the
-    test's 435 languages.)"""
+    is a token stays whole in both (HF: ignore_merges). (Two cuts of one token in a chunk: tiktoken
+    joins the leftmost, HF the first listed, as transformers' converter; never in the test's 435
+    languages.)"""
     table = byte_to_char()
 
     def text(token):
@@ -152,7 +151,7 @@ def hf_tokenizer_json(ranks, pattern, special_tokens):
 
 
 def llama_config(cfg, eot_id):
-    """config.json: the sizes, and two constants easy to miss (rope_theta, norm_eps); rope_theta
+    """config.json: the sizes and two constants easy to miss (rope_theta, norm_eps); rope_theta
     top-level (transformers 4, vLLM, llama.cpp) and in rope_parameters (5.x)."""
     return {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama",
@@ -174,8 +173,8 @@ def llama_config(cfg, eot_id):
 # === plumbing: writing hf_dir, the settings' checks (a first read stops here)
 
 def write_directory(hf_path, weights, files):
-    """model.safetensors and the JSON files into hf_path, all or nothing: hf_path is made (empty),
-    locked (one writer at a time), checked again, then replaced by a complete copy."""
+    """model.safetensors and the JSON files into hf_path, all or nothing: hf_path is made empty,
+    locked, checked again, then replaced by a complete copy."""
     made = not os.path.lexists(hf_path)
     temp_dir = f"{hf_path}.tmp.{os.getpid()}"
     try:

@@ -2,9 +2,8 @@
 lilLM's model: a Llama-3-style GPT in one file, shared by train.py, sample.py and export_hf.py.
 
 Compared with GPT-2 (nanoGPT), it swaps in what later models settled on: RMSNorm, rotary position
-embeddings, a SwiGLU MLP and grouped-query attention, with tied embeddings and no biases. Then:
-generation with a KV cache, the Muon optimizer, and plumbing a first read skips (config checks,
-checkpoints and their tokenizer).
+embeddings, a SwiGLU MLP, grouped-query attention, tied embeddings, no biases. Then generation,
+the Muon optimizer, and plumbing a first read skips (config checks, checkpoints, tokenizers).
 
     from model import GPTConfig, GPT
     model = GPT(GPTConfig())             # the lilLM preset, 39,596,544 parameters
@@ -25,7 +24,7 @@ import torch.nn.functional as F
 
 @dataclass
 class GPTConfig:
-    vocab_size: int = 8192       # 2^13; a multiple of 64 keeps the output matmul on fast GPU tiles
+    vocab_size: int = 8192       # 2^13; a multiple of 64 keeps the output matmul on fast tiles
     n_embd: int = 512
     n_layer: int = 12
     block_size: int = 512        # longest context; RoPE tables and the KV cache are sized to it
@@ -39,7 +38,7 @@ class GPTConfig:
     bias: bool = False           # biases in the Linear layers; off, like Llama
 
     def __post_init__(self):
-        check_config(self)  # a bad config fails here, in one line, not deep in a layer
+        check_config(self)  # a bad config fails here, in one line
 
     @property
     def ffn_hidden_size(self):
@@ -63,8 +62,7 @@ class RMSNorm(nn.Module):
 
 
 def rope_tables(head_dim, length, theta):
-    """Each (position, channel)'s rotation for apply_rope: cos for both halves, sin with the first
-    half negated."""
+    """Each (position, channel)'s rotation: cos for both halves, sin with the first negated."""
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
     angles = torch.outer(torch.arange(length, dtype=torch.float32), inv_freq)  # (length, head_dim/2)
     return torch.cat([angles.cos()] * 2, dim=-1), torch.cat([-angles.sin(), angles.sin()], dim=-1)
@@ -93,24 +91,23 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.dropout = config.dropout
         self.resid_dropout = nn.Dropout(config.dropout)
-        self.kv_cache = None  # generating: (keys, values), each (B, n_kv_head, block_size, head_dim)
+        self.kv_cache = None  # generating: [keys, values], each (B, n_kv_head, block_size, head_dim)
 
-    def forward(self, x, cos, sin, start_pos=0):
+    def forward(self, x, cos, sin, position=None, mask=None):
         B, T, C = x.size()
         q = self.c_q(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)
         k = self.c_k(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
         v = self.c_v(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        mask, is_causal = None, True  # training, or no cache: the whole sequence at once
         if self.kv_cache is not None:
-            (cached_keys, cached_values), end = self.kv_cache, start_pos + T
-            cached_keys[:, :, start_pos:end], cached_values[:, :, start_pos:end] = k, v
-            k, v = cached_keys[:, :, :end], cached_values[:, :, :end]
-            is_causal = start_pos == 0 and T > 1  # the prefill; one new token sees all the cache
-            if start_pos > 0 and T > 1:  # a chunk after a prefix: query i sees keys 0..start_pos+i
-                query_positions = start_pos + torch.arange(T, device=x.device)
-                mask = torch.arange(end, device=x.device) <= query_positions[:, None]
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal,
+            cached_keys, cached_values = self.kv_cache
+            if position is None:  # the prefill, from position 0: causal over its own keys
+                cached_keys[:, :, :T], cached_values[:, :, :T] = k, v
+            else:  # one token at `position`, seeing the cache's first mask.size(-1)
+                cached_keys.index_copy_(2, position, k)
+                cached_values.index_copy_(2, position, v)
+                k, v = cached_keys[:, :, :mask.size(-1)], cached_values[:, :, :mask.size(-1)]
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
                                            dropout_p=self.dropout if self.training else 0.0,
                                            enable_gqa=self.n_kv_head != self.n_head)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
@@ -142,8 +139,8 @@ class Block(nn.Module):
         self.ln_2 = RMSNorm(config.n_embd, config.norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x, cos, sin, start_pos=0):
-        x = x + self.attn(self.ln_1(x), cos, sin, start_pos)
+    def forward(self, x, cos, sin, position=None, mask=None):
+        x = x + self.attn(self.ln_1(x), cos, sin, position, mask)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -165,7 +162,7 @@ class GPT(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         # GPT-2 init: N(0, 0.02); the residual stream's 2 writes a layer 0.02/sqrt(2*n_layer), so
-        # that depth does not grow its variance.
+        # depth does not grow its variance.
         self.apply(self._init_weights)
         for name, param in self.named_parameters():
             if name.endswith("c_proj.weight"):
@@ -180,18 +177,18 @@ class GPT(nn.Module):
     def get_num_params(self):
         return sum(p.numel() for p in self.parameters())  # the tied embedding counted once
 
-    def forward(self, idx, targets=None, start_pos=0):
+    def forward(self, idx, targets=None):
         """idx: (B, T) token ids. With targets (B, T) (-1 = ignore): logits (B, T, vocab) and the
         mean cross-entropy. Without: the last position's logits (B, 1, vocab), all generation needs,
-        and None. start_pos, idx[:, 0]'s position, is > 0 only with a KV cache."""
+        and None."""
         B, T = idx.size()
-        if start_pos + T > self.config.block_size:
-            raise ValueError(f"sequence of {start_pos + T} tokens is longer than "
+        if T > self.config.block_size:
+            raise ValueError(f"sequence of {T} tokens is longer than "
                              f"block_size={self.config.block_size}")
-        cos, sin = self.rope_cos[start_pos:start_pos + T], self.rope_sin[start_pos:start_pos + T]
+        cos, sin = self.rope_cos[:T], self.rope_sin[:T]
         x = self.transformer.drop(self.transformer.wte(idx))
         for block in self.transformer.h:
-            x = block(x, cos, sin, start_pos)
+            x = block(x, cos, sin)
         x = self.transformer.ln_f(x)
         if targets is None:
             return self.lm_head(x[:, [-1], :]), None
@@ -243,21 +240,26 @@ class GPT(nn.Module):
         return flops_per_token * cfg.block_size * fwdbwd_per_iter / dt / peak
 
     # ---- generation ----
+    # The KV cache holds each token's keys and values: a step runs only the newest token. It is
+    # static, made once for block_size positions, each step writing its own in place. On a GPU the
+    # decode step reads all of it, masked to the filled part, so its shapes never change (the
+    # position is a tensor): torch.compile captures it as a CUDA graph, one launch for the hundreds
+    # of kernels whose launches are a batch-1 step's cost (not by hand: compile fuses, copes with
+    # autocast, and runs the same trace on a CPU for the tests). The prefill, of varied prompts,
+    # stays apart.
 
     @torch.no_grad()
-    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None, use_cache=True,
-                 generator=None):
-        """idx (B, T) -> (B, T + max_new_tokens), with generate_tokens's sampling settings."""
-        return torch.cat([idx, *self.generate_tokens(idx, max_new_tokens, temperature, top_k, top_p,
-                                                      use_cache, generator)], dim=1)
+    def generate(self, idx, max_new_tokens, **settings):
+        """idx (B, T) -> (B, T + max_new_tokens), with generate_tokens's settings."""
+        return torch.cat([idx, *self.generate_tokens(idx, max_new_tokens, **settings)], dim=1)
 
     @torch.no_grad()
     def generate_tokens(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None,
-                        use_cache=True, generator=None):
-        """Yields the new tokens, each (B, 1). With the cache the prompt runs once (prefill), then
-        each step only the newest token; a full cache is refilled from the last block_size//2
-        tokens. use_cache=False recomputes the whole context each step: slower, the same tokens
-        while it fits."""
+                        use_cache=True, generator=None, compile_decode=None):
+        """Yields the new tokens, each (B, 1). A full cache is refilled from the last block_size//2
+        tokens; use_cache=False recomputes the whole context each step (slower, the same tokens
+        while it fits). compile_decode: torch.compile's options for the decode step (None: CUDA
+        graphs on a GPU)."""
         block_size = self.config.block_size
         if idx.size(1) > block_size:
             warnings.warn(f"the prompt has {idx.size(1)} tokens, more than "
@@ -265,10 +267,18 @@ class GPT(nn.Module):
             idx = idx[:, -block_size:]
         if max_new_tokens <= 0:
             return
+        if compile_decode is None and idx.device.type == "cuda":
+            compile_decode = {"mode": "reduce-overhead"}
+        if compile_decode and getattr(self, "_decode_options", None) != compile_decode:
+            self._decode_options = compile_decode  # compiled once, not each call
+            self._decode_compiled = torch.compile(self._decode_step, fullgraph=True,
+                                                  **compile_decode)
+        decode_step = self._decode_compiled if compile_decode else self._decode_step
         if use_cache:
-            self._allocate_kv_cache(idx.size(0), idx.device)
+            self._attach_kv_cache(idx.size(0), idx.device, static=bool(compile_decode))
         try:
             window = idx  # the context; with the cache, the tokens it holds
+            position = torch.zeros(1, dtype=torch.long, device=idx.device)
             logits, _ = self(window)
             for step in range(max_new_tokens):
                 next_token = sample_next_token(logits[:, -1], temperature, top_k, top_p, generator)
@@ -277,25 +287,42 @@ class GPT(nn.Module):
                     break
                 window = torch.cat((window, next_token), dim=1)
                 if use_cache and window.size(1) <= block_size:
-                    logits, _ = self(next_token, start_pos=window.size(1) - 1)
+                    if compile_decode:  # a new step: the graph may overwrite the last logits
+                        torch.compiler.cudagraph_mark_step_begin()
+                    length = block_size if compile_decode else window.size(1)  # plain: the filled
+                    logits = decode_step(next_token, position.fill_(window.size(1) - 1), length)
                 else:
                     keep = max(1, block_size // 2) if use_cache else block_size
                     window = window[:, -keep:]
                     logits, _ = self(window)
         finally:
             for block in self.transformer.h:
-                block.attn.kv_cache = None
+                block.attn.kv_cache = None  # kept in self._kv_caches
 
-    def _allocate_kv_cache(self, batch_size, device):
-        # One preallocated buffer per layer: torch.cat would copy the whole cache every token.
+    def _decode_step(self, token, position, length):
+        """token (B, 1) at position (a (1,) tensor), seeing length cache positions -> logits."""
+        mask = (torch.arange(length, device=token.device) <= position).view(1, 1, 1, length)
+        cos, sin = self.rope_cos[position], self.rope_sin[position]
+        x = self.transformer.drop(self.transformer.wte(token))
+        for block in self.transformer.h:
+            x = block(x, cos, sin, position, mask)
+        return self.lm_head(self.transformer.ln_f(x))
+
+    def _attach_kv_cache(self, batch_size, device, static):
+        # Made once, kept: a CUDA graph reads it where it was captured (static: marked so).
         cfg = self.config
         dtype = self.lm_head.weight.dtype
         if torch.is_autocast_enabled(device.type):  # then keys/values come out in its dtype
             dtype = torch.get_autocast_dtype(device.type)
         shape = (batch_size, cfg.n_kv_head, cfg.block_size, cfg.n_embd // cfg.n_head)
-        for block in self.transformer.h:
-            block.attn.kv_cache = (torch.zeros(shape, dtype=dtype, device=device),
-                                   torch.zeros(shape, dtype=dtype, device=device))
+        kept = getattr(self, "_kv_caches", [[torch.empty(0)]])[0][0]
+        if (kept.shape, kept.dtype, kept.device) != (shape, dtype, device):
+            self._kv_caches = [[torch.zeros(shape, dtype=dtype, device=device) for _ in "kv"]
+                               for _ in self.transformer.h]
+        for block, cache in zip(self.transformer.h, self._kv_caches):
+            block.attn.kv_cache = cache
+            for tensor in cache if static else ():
+                torch._dynamo.mark_static_address(tensor)
 
     # ---- scoring continuations (HellaSwag) ----
 
@@ -367,9 +394,8 @@ def sample_next_token(logits, temperature=1.0, top_k=None, top_p=None, generator
 def orthogonalize(matrices, steps=5):
     """Roughly the nearest orthogonal matrix to each of a stack (n, rows, cols): U V^T of its SVD
     U S V^T. A Newton-Schulz step maps X to a X + b (X X^T) X + c (X X^T)^2 X, each singular value
-    s to a s + b s^3 + c s^5; Keller Jordan's coefficients make that steep at 0 and near 1 beyond:
-    five steps take singular values 0.003..1 to about 0.7..1.2. Only matmuls: bfloat16 on a GPU,
-    float32 on a CPU (bf16 emulated: ~27x slower)."""
+    s to a s + b s^3 + c s^5; Keller Jordan's coefficients take 0.003..1 to about 0.7..1.2 in five
+    steps. Only matmuls: bfloat16 on a GPU, float32 on a CPU (bf16 emulated: ~27x slower)."""
     a, b, c = 3.4445, -4.7750, 2.0315
     x = matrices.bfloat16() if matrices.is_cuda else matrices.float()
     wide = x.size(-2) <= x.size(-1)
@@ -388,11 +414,10 @@ class MuonAdamW(torch.optim.Optimizer):
 
     Why Muon (Jordan et al. 2024): a few directions dominate a matrix's gradient, and AdamW's step
     follows them. Muon steps along the momentum's nearest orthogonal matrix: the same directions,
-    all moved alike (CPU Shakespeare recipe: val loss 1.59, AdamW 1.68). Its entries are
-    ~1/sqrt(max(rows, cols)): scaled by 0.2 * sqrt(max(rows, cols)), the step's RMS is 0.2, about
-    AdamW's (Liu et al. 2025), so one learning rate drives both. ns_every=k orthogonalizes every
-    k-th step after ns_warmup steps, reusing the direction in between (the momentum moves ~5% a
-    step)."""
+    all moved alike (CPU Shakespeare recipe: val loss 1.59, AdamW 1.68). Scaled by 0.2 *
+    sqrt(max(rows, cols)), its RMS is 0.2, about AdamW's (Liu et al. 2025): one learning rate
+    drives both. ns_every=k orthogonalizes every k-th step after ns_warmup, reusing the direction
+    between (the momentum moves ~5% a step)."""
 
     def __init__(self, param_groups, lr, betas=(0.9, 0.95), eps=1e-8, momentum=0.95, ns_steps=5,
                  ns_every=1, ns_warmup=0):
@@ -409,8 +434,8 @@ class MuonAdamW(torch.optim.Optimizer):
 
     def _muon_step(self, group, params):
         lr, momentum, every = group["lr"], group["momentum"], group.get("ns_every", 1)
-        # Matrices of one shape (a tall one joins the wide ones of its transposed shape) share
-        # batched matmuls: CPU steps 1.05-1.15x faster (bench/bench_muon.py).
+        # Matrices of one shape (a tall one transposed) share batched matmuls: CPU steps
+        # 1.05-1.15x faster (bench/bench_muon.py).
         by_shape = {}
         for p in params:
             by_shape.setdefault((min(p.shape), max(p.shape)), []).append(p)
@@ -423,7 +448,7 @@ class MuonAdamW(torch.optim.Optimizer):
             step = states[0].get("step", 0)
             fresh = step % every == 0 or step < group.get("ns_warmup", 0)
             if fresh or "direction" not in states[0]:
-                # Nesterov: step along the gradient plus the buffer, where the momentum goes.
+                # Nesterov: step where the momentum goes, the gradient plus the buffer.
                 nesterov = torch._foreach_lerp(grads, buffers, momentum)
                 wide = torch.stack([g if g.size(0) == rows else g.mT for g in nesterov])
                 directions = orthogonalize(wide, group["ns_steps"]).to(same_shape[0].dtype)
@@ -446,7 +471,7 @@ class MuonAdamW(torch.optim.Optimizer):
             step, exp_avg, exp_avg_sq = state["step"], state["exp_avg"], state["exp_avg_sq"]
             exp_avg.lerp_(p.grad, 1 - beta1)  # running means of the gradient and its square
             exp_avg_sq.mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
-            # Both averages start at 0, biased to it for ~1/(1 - beta) steps: divide that out.
+            # Both start at 0, biased to it for ~1/(1 - beta) steps: divided out.
             denominator = (exp_avg_sq / (1 - beta2 ** step)).sqrt_().add_(eps)
             p.mul_(1 - lr * group["weight_decay"])
             p.addcdiv_(exp_avg, denominator, value=-lr / (1 - beta1 ** step))
@@ -482,8 +507,7 @@ PEAK_FLOPS = {"GB200": 2.5e15, "B200": 2.25e15, "GH200": 989e12, "H200": 989e12,
 
 
 def peak_flops(device):
-    """(peak FLOP/s, label): None on a CPU (its peak isn't in its name); an unknown GPU counts as
-    an A100, and says so."""
+    """(peak FLOP/s, label): None on a CPU; an unknown GPU counts as an A100, and says so."""
     device = torch.device(device)
     if device.type != "cuda":
         return None, f"n/a on {device.type}"
@@ -505,7 +529,7 @@ class CheckpointError(Exception):
 
 def save_checkpoint(path, checkpoint):
     """Write the checkpoint, less torch.compile's "_orig_mod." and DDP's "module." prefixes, to a
-    temporary file, then rename it: never half a ckpt.pt."""
+    temporary file, renamed: never half a ckpt.pt."""
     checkpoint = {"version": CHECKPOINT_VERSION, **checkpoint}
     if "model" in checkpoint:
         checkpoint["model"] = {re.sub(r"^(_orig_mod\.|module\.)+", "", key): value
@@ -527,8 +551,8 @@ def save_checkpoint(path, checkpoint):
 
 
 def load_checkpoint(path, map_location="cpu"):
-    """Read a save_checkpoint file with weights_only=True (loading never runs code);
-    CheckpointError, one line, if it can't be used."""
+    """Read a save_checkpoint file, weights_only (loading runs no code); CheckpointError if it
+    can't be used."""
     if not os.path.isfile(path):
         raise CheckpointError(f"no checkpoint at {path}: train one with train.py, or point "
                               "--out_dir at the directory that holds it")
@@ -611,7 +635,7 @@ def tokenizer_problem(ranks, special_tokens):
 def encoding_from_checkpoint(checkpoint):
     """A checkpoint's tokenizer: a tiktoken.Encoding (our BPE, or a tiktoken name) or a
     CharTokenizer. CheckpointError, one line, if it can't be one or outgrows the model's vocab."""
-    import tiktoken  # here: training or a benchmark needs only the model
+    import tiktoken  # here: training needs only the model
 
     tokenizer = checkpoint.get("tokenizer")
     kind = tokenizer.get("kind") if isinstance(tokenizer, dict) else None
@@ -653,6 +677,6 @@ def encoding_from_checkpoint(checkpoint):
 
 
 def bytes_of_id(encoding, token_id):
-    """A token's bytes; b"" for an id in the vocab's padding, past the tokenizer (never trained on,
-    but sampling can draw it)."""
+    """A token's bytes; b"" for an id in the vocab's padding past the tokenizer (sampling can
+    draw it)."""
     return encoding.decode_single_token_bytes(token_id) if token_id < encoding.n_vocab else b""

@@ -8,8 +8,8 @@ Sample text from a model trained by train.py, streaming it token by token.
 
 Each setting below can be overridden with --key=value. The checkpoint holds the model and its
 tokenizer. --start="" starts from <|endoftext|>, which begins every training document (a char
-model: from "\\n"); in a prompt, "<|endoftext|>" is that token. A temperature below 1e-4 is greedy.
-Samples go to stdout, each followed by a separator line; the rest goes to stderr.
+model: "\\n"); in a prompt, "<|endoftext|>" is that token. A temperature below 1e-4 is greedy.
+Samples go to stdout, each followed by a separator line; the rest to stderr.
 """
 import ast
 import codecs
@@ -38,7 +38,6 @@ top_p = 1.0            # nucleus: the fewest tokens that hold this much probabil
 seed = 1337            # same seed, checkpoint, device and settings: same samples
 device = "auto"        # "auto": cuda if there is a GPU, else cpu; or "cuda:1", "mps"
 dtype = "auto"         # "auto": bfloat16 (float16 on old GPUs); float32 on a CPU
-compile = False        # torch.compile the model: slow to start, faster per token on a GPU
 # -----------------------------------------------------------------------------
 defaults = {k: v for k, v in globals().items() if k not in _names_before_settings and k[0] != "_"}
 EOT = "<|endoftext|>"
@@ -60,10 +59,11 @@ def main():
     model = model_from_checkpoint(checkpoint)
     encoding = encoding_from_checkpoint(checkpoint)
     model.eval().to(device_name)
-    if compile:
-        model.compile()  # in place: generate_tokens calls self(...), not a wrapper
     prompt_ids = encode_prompt(encoding, prompt, model.config.block_size)
     idx = torch.tensor([prompt_ids], device=device_name)
+
+    with ctx:  # untimed: on a GPU the first decode steps compile a CUDA graph
+        list(model.generate_tokens(idx, 4, temperature=0))
 
     # Generate, printing each token once it is complete text.
     torch.manual_seed(seed)

@@ -1,15 +1,18 @@
 """
-Benchmark model.py: generation with the KV cache against recomputing the whole context every token (what
-nanoGPT's generate does), and the forward+backward time of a training step for each preset.
+Benchmark model.py: generation by its routes (the decode step in CUDA graphs on a GPU, the plain step with the static KV
+cache, and recomputing the whole context every token, as nanoGPT's generate does), and the forward+backward time of a
+training step for each preset.
 
     python bench/bench_model.py                                   # CPU: both parts, tiny and lilLM presets
     python bench/bench_model.py --part generate --presets tiny,lillm,gpt2_124m --repeats 5
     python bench/bench_model.py --part train --device cuda --dtype bfloat16 --compile   # on a GPU
-    python bench/bench_model.py --part generate --device cuda --dtype bfloat16 --batch_size 8 --new_tokens 1024
+    python bench/bench_model.py --part generate --device cuda --dtype bfloat16 --new_tokens 1024
 
-Medians over --repeats runs, after one warm-up run; the two generation routes alternate, run by run. Generation is
-greedy, batch 1 (--batch_size rows at once), a 16-token random prompt and 256 new tokens; both routes must give the
-same tokens while the context fits in block_size (checked).
+Medians over --repeats runs, after one warm-up run (the graphed route compiles in it); the routes alternate, run by
+run. Generation is greedy, batch 1 and 8 (--batch_size: one), a 16-token random prompt and 256 new tokens; the routes
+must give the same tokens while the context fits in block_size (checked; in bfloat16 rounding may part them). Beside
+tokens/s: the share of the memory-bandwidth limit, where each step reads every weight once (params x the bytes of
+--dtype; batch B makes B tokens of it): GPUs by name, a CPU with --bandwidth (GB/s), else n/a.
 The training step is one forward+backward (no optimizer step) at block_size tokens per row.
 """
 import argparse
@@ -23,6 +26,12 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from model import GPT, GPTConfig, peak_flops  # noqa: E402
+
+# HBM bandwidth in GB/s from data sheets; the first key in the GPU's name wins (as model.py's PEAK_FLOPS).
+BANDWIDTH = {"GB200": 8000, "B200": 8000, "GH200": 4000, "H200": 4800, "H100 PCIe": 2000, "H100 NVL": 3900,
+             "H100": 3350, "H800": 3350, "A100-SXM4-40GB": 1555, "A100-PCIE-40GB": 1555, "A100": 2039,
+             "L40S": 864, "L40": 864, "L4": 300, "A10G": 600, "A10": 600, "A6000": 768, "4090": 1008,
+             "3090": 936, "V100": 900, "T4": 320}
 
 # The presets of config/ (shakespeare_char.py, lillm.py, gpt2_124m.py), as model dimensions.
 PRESETS = {
@@ -42,6 +51,7 @@ parser.add_argument("--batch_size", type=int, default=None,
 parser.add_argument("--device", default="cpu")
 parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
 parser.add_argument("--compile", action="store_true", help="torch.compile the training step")
+parser.add_argument("--bandwidth", type=float, default=None, help="memory bandwidth in GB/s (default: by GPU name)")
 parser.add_argument("--threads", type=int, default=None,
                     help="torch CPU threads (default: torch's choice). On a machine shared with other jobs, 1 thread "
                          "avoids threads spinning while they wait for a core, which made 2 threads 10x slower here")
@@ -72,33 +82,44 @@ print(f"torch {torch.__version__}, device {args.device} ({peak_flops(args.device
 
 if args.part in ("generate", "all"):
     names = (args.presets or "tiny,lillm").split(",")
-    generate_batch = args.batch_size or 1
-    print(f"\ngeneration: batch {generate_batch}, {args.prompt_tokens}-token prompt, {args.new_tokens} new tokens, "
-          f"greedy; median of {args.repeats}")
-    print(f"{'preset':<10} {'params':>8} {'KV cache tok/s':>15} {'recompute tok/s':>16} {'speedup':>8}  same tokens")
+    bandwidth = args.bandwidth
+    if bandwidth is None and device_type == "cuda":
+        gpu = torch.cuda.get_device_name(args.device)
+        bandwidth = next((gbs for key, gbs in BANDWIDTH.items() if key in gpu), None)
+    routes = {"graphed": dict(compile_decode=None), "cache": dict(compile_decode=False),
+              "recompute": dict(use_cache=False)}
+    if device_type != "cuda":  # CUDA graphs only replay on a GPU
+        routes.pop("graphed")
+    print(f"\ngeneration: {args.prompt_tokens}-token prompt, {args.new_tokens} new tokens, greedy; median of "
+          f"{args.repeats}; bandwidth {f'{bandwidth:,.0f} GB/s' if bandwidth else 'unknown (n/a)'}")
+    columns = "".join(f" {route + ' tok/s':>16} {'of BW':>6}" for route in routes)
+    print(f"{'preset':<10} {'params':>8} {'batch':>5}{columns}  same tokens")
     for name in names:
         config = PRESETS[name]
         torch.manual_seed(0)
         model = GPT(config).to(args.device).eval()
-        prompt = torch.randint(0, config.vocab_size, (generate_batch, args.prompt_tokens), device=args.device)
-        routes = {"cache": lambda: model.generate(prompt, args.new_tokens, temperature=0, use_cache=True),
-                  "recompute": lambda: model.generate(prompt, args.new_tokens, temperature=0, use_cache=False)}
-        # The routes alternate within each repeat, so that both see the same load on a shared machine.
-        times, outputs = {route: [] for route in routes}, {}
-        with autocast:
-            for route in routes:  # warm-up: allocator, threads
-                timed(lambda: model.generate(prompt, 8, temperature=0, use_cache=(route == "cache")))
-            for _ in range(args.repeats):
-                for route, run in routes.items():
-                    elapsed, outputs[route] = timed(run)
-                    times[route].append(elapsed)
-        seconds = {route: statistics.median(route_times) for route, route_times in times.items()}
-        fits = args.prompt_tokens + args.new_tokens <= config.block_size
-        same = ("yes" if torch.equal(outputs["cache"], outputs["recompute"]) else "NO") if fits else "n/a (past block_size)"
-        new_tokens = generate_batch * args.new_tokens  # tokens/s over the whole batch
-        cache_rate, recompute_rate = new_tokens / seconds["cache"], new_tokens / seconds["recompute"]
-        print(f"{name:<10} {model.get_num_params() / 1e6:>7.1f}M {cache_rate:>15.1f} {recompute_rate:>16.1f} "
-              f"{cache_rate / recompute_rate:>7.1f}x  {same}", flush=True)
+        weight_bytes_per_step = model.get_num_params() * torch.finfo(getattr(torch, args.dtype)).bits // 8
+        for batch_size in [args.batch_size] if args.batch_size else [1, 8]:
+            prompt = torch.randint(0, config.vocab_size, (batch_size, args.prompt_tokens), device=args.device)
+            # The routes alternate within each repeat, so that all see the same load on a shared machine.
+            times, outputs = {route: [] for route in routes}, {}
+            with autocast:
+                for route, options in routes.items():  # warm-up: allocator, threads, compilation
+                    timed(lambda: model.generate(prompt, 8, temperature=0, **options))
+                for _ in range(args.repeats):
+                    for route, options in routes.items():
+                        elapsed, outputs[route] = timed(
+                            lambda: model.generate(prompt, args.new_tokens, temperature=0, **options))
+                        times[route].append(elapsed)
+            row = f"{name:<10} {model.get_num_params() / 1e6:>7.1f}M {batch_size:>5}"
+            for route, route_times in times.items():
+                rate = batch_size * args.new_tokens / statistics.median(route_times)  # over the whole batch
+                limit = bandwidth * 1e9 / weight_bytes_per_step * batch_size if bandwidth else None
+                row += f" {rate:>16.1f} {f'{rate / limit:.1%}' if limit else 'n/a':>6}"
+            fits = args.prompt_tokens + args.new_tokens <= config.block_size
+            differ = [route for route in routes if not torch.equal(outputs[route], outputs["recompute"])]
+            same = ("yes" if not differ else f"NO: {', '.join(differ)}") if fits else "n/a (past block_size)"
+            print(f"{row}  {same}", flush=True)
         del model
 
 if args.part in ("train", "all"):

@@ -248,36 +248,76 @@ def test_kv_cache_greedy_decoding_equals_full_recompute(n_kv_head):
     assert all(len(set(row[5:].tolist())) > 5 for row in cached)  # varied output, not one token repeated
 
 
-def test_kv_cache_logits_match_full_forward_logits():
-    model = scrambled_model()
-    idx = torch.randint(0, 97, (2, 20), generator=torch.Generator().manual_seed(6))
-    full = all_logits(model, idx)
-    model._allocate_kv_cache(2, idx.device)
-    try:
-        step_logits = [model(idx[:, :8], start_pos=0)[0]]            # prefill 8 tokens
-        step_logits.append(model(idx[:, 8:13], start_pos=8)[0])       # a chunk of 5 after them (masked path)
-        for pos in range(13, 20):                                      # then one token at a time
-            step_logits.append(model(idx[:, pos:pos + 1], start_pos=pos)[0])
-    finally:
-        for block in model.transformer.h:
-            block.attn.kv_cache = None
-    expected_positions = [7, 12] + list(range(13, 20))
-    for logits, pos in zip(step_logits, expected_positions):
-        torch.testing.assert_close(logits[:, 0], full[:, pos], rtol=1e-4, atol=1e-5)
+def greedy_by_full_forward(model, prompt, max_new_tokens):
+    """The cache's tokens and logits by another route: a full forward of the context the cache holds each step
+    (it grows by a token, and past block_size keeps its last block_size//2)."""
+    window, tokens, step_logits = prompt, [], []
+    for _ in range(max_new_tokens):
+        step_logits.append(model(window)[0][:, -1])
+        tokens.append(step_logits[-1].argmax(dim=-1, keepdim=True))
+        window = torch.cat((window, tokens[-1]), dim=1)
+        if window.size(1) > model.config.block_size:
+            window = window[:, -(model.config.block_size // 2):]
+    return torch.cat(tokens, dim=1), step_logits
+
+
+def count_graphs(graphs):
+    """A torch.compile backend that runs the traced graph as it is (as backend="eager" does) and counts them."""
+    def backend(graph_module, example_inputs):
+        graphs.append(graph_module)
+        return graph_module.forward
+    return backend
+
+
+@pytest.mark.parametrize("graphed", [False, True], ids=["plain", "graphed"])
+def test_static_cache_equals_the_full_forward_across_prompts_batches_and_refills(graphed, monkeypatch):
+    # The decode step on the GPU's path (graphed: compiled with fullgraph=True, the whole cache masked) or the
+    # CPU's (plain): each step's logits equal a full forward's, through two refills, batch 1 and 3, prompts from
+    # 1 token to block_size. A long prompt runs first: the shorter ones' cache holds stale keys past them.
+    import model as model_module
+    torch._dynamo.reset()
+    model, graphs, seen_logits = scrambled_model(block_size=16), [], []
+    compile_decode = {"backend": count_graphs(graphs)} if graphed else False
+    sample = model_module.sample_next_token
+    monkeypatch.setattr(model_module, "sample_next_token",
+                        lambda logits, *args: seen_logits.append(logits) or sample(logits, *args))
+    for batch_size, prompt_length in [(3, 16), (3, 5), (1, 15), (1, 1)]:
+        prompt = torch.randint(0, 97, (batch_size, prompt_length), generator=torch.Generator().manual_seed(6))
+        seen_logits.clear()
+        tokens = model.generate(prompt, 30, temperature=0, compile_decode=compile_decode)
+        expected_tokens, expected_logits = greedy_by_full_forward(model, prompt, 30)
+        assert torch.equal(tokens[:, prompt_length:], expected_tokens)
+        for got, expected in zip(seen_logits, expected_logits, strict=True):
+            torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+    # One graph for batch 3, one for batch 1: never one a position (CUDA graphs need the shapes fixed).
+    assert len(graphs) == (2 if graphed else 0)
+    torch._dynamo.reset()
+
+
+def test_the_cache_is_allocated_once_and_kept_while_the_batch_size_holds():
+    # A CUDA graph reads the cache at the addresses it was captured with: a new cache each call would be recaptured.
+    model = tiny_model()
+    model.generate(torch.zeros(2, 3, dtype=torch.long), 5, temperature=0)
+    first = [cache[0].data_ptr() for cache in model._kv_caches]
+    model.generate(torch.ones(2, 7, dtype=torch.long), 5, temperature=0)
+    assert [cache[0].data_ptr() for cache in model._kv_caches] == first
+    model.generate(torch.ones(1, 7, dtype=torch.long), 5, temperature=0)
+    assert model._kv_caches[0][0].shape == (1, 2, 32, 12)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU here: the CPU tests above cover the code")
 def test_cuda_kv_cache_equals_full_recompute_and_the_cpu():
-    # On a GPU: the same logits as the CPU (float32; TF32 off by default), the cache's greedy tokens equal the
-    # recompute's, and under bf16 autocast the cache takes autocast's dtype and decodes.
+    # On a GPU: the same logits as the CPU (float32; TF32 off by default), the cache's greedy tokens (graphed and
+    # plain) equal the recompute's, and under bf16 autocast the cache takes autocast's dtype and decodes.
     model = scrambled_model(n_kv_head=2)
     idx = torch.randint(0, 97, (3, 20), generator=torch.Generator().manual_seed(8))
     on_cpu = all_logits(model, idx)
     model.cuda()
     torch.testing.assert_close(all_logits(model, idx.cuda()).cpu(), on_cpu, rtol=1e-3, atol=1e-4)
     prompt = idx[:, :5].cuda()
-    cached = model.generate(prompt, max_new_tokens=27, temperature=0)
+    cached = model.generate(prompt, max_new_tokens=27, temperature=0)  # the decode step in CUDA graphs
     assert torch.equal(cached, model.generate(prompt, max_new_tokens=27, temperature=0, use_cache=False))
+    assert torch.equal(cached, model.generate(prompt, max_new_tokens=27, temperature=0, compile_decode=False))
     with torch.autocast("cuda", dtype=torch.bfloat16):
         in_bf16 = model.generate(prompt, max_new_tokens=27, temperature=0)
     assert in_bf16.shape == (3, 32) and torch.equal(in_bf16[:, :5], prompt)

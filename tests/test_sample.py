@@ -145,6 +145,18 @@ def test_char_level_sample_from_a_file_prompt_and_from_empty(checkpoints, tmp_pa
     assert finish(from_empty).stdout == "".join(chars[t] for t in samples[0]) + SEPARATOR
 
 
+
+def test_the_graphed_decode_step_draws_what_sample_py_prints(checkpoints):
+    # sample.py on a GPU compiles the decode step for CUDA graphs; compiled here with backend="eager" (the same
+    # traced graph, on the CPU), it draws the tokens of the plain step, which the tests above compare with
+    # sample.py's output: seeded top-k/top-p sampling, through the cache's refill (block_size 64).
+    chars = load_checkpoint(str(checkpoints / "char" / "ckpt.pt"))["tokenizer"]["chars"]
+    prompt = [chars.index(c) for c in "ROMEO:"]
+    _, plain = generate_here(checkpoints / "char", prompt, 2, 100, 9, temperature=0.8, top_k=5, top_p=0.9)
+    _, graphed = generate_here(checkpoints / "char", prompt, 2, 100, 9, temperature=0.8, top_k=5, top_p=0.9,
+                               compile_decode={"backend": "eager"})
+    assert graphed == plain and len(set(plain[0])) > 5
+
 # A checkpoint's own faults (truncated, a future version, not ours) are model.py's errors, tested in test_model.py;
 # the first case here shows that they reach the user as sample.py's one line.
 BAD_INPUTS = {
