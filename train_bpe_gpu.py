@@ -8,7 +8,7 @@ Train a byte-level BPE tokenizer, merging on a GPU: the same merges as train_bpe
 Flags and outputs are train_bpe_cpu.py's, the readable reference. This file shows how a sequential
 algorithm gets fast on a GPU: merge k needs merge k-1's counts, yet a merge's work runs in parallel,
 as do merges of pairs sharing no token, and the host stays out of the way: it launches 16 rounds of
-four Triton kernels (one CUDA graph) and reads once.
+four Triton kernels (a CUDA graph), then reads once.
 """
 
 import argparse, atexit, base64, codecs, fcntl, json, multiprocessing, os, queue, resource, signal
@@ -47,49 +47,49 @@ num_chars = 1048576  # train on the first 2^20 characters of the stream
 data = "fineweb"  # fineweb | fineweb-edu | a .txt/.jsonl/.parquet file | a directory of them
 out = None  # output directory; default tokenizers/<source>_v<vocab_size>
 device = None  # cuda, or cpu: Triton's interpreter (exact, slow, for tests)
-# merges a round at most (1: one). Rounds fall 1.8x at 2, 2.9x at 4, 4.0x at 8, 5.0x at 32
-# (enwiki, V=65534); a pick costs a few dependent reads: 8
+# merges a round at most (1: one). Rounds fall 1.8x at 2, 4.0x at 8, 5.0x at 32 (enwiki,
+# V=65534); a pick costs a few dependent reads: 8
 max_batch = 8
 # GPT-4's split pattern (train_bpe_cpu.py says what it keeps apart)
 pattern = r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]++[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+"""
 EOT = "<|endoftext|>"
-# programs; positions a block; dirty rows a refresh item; block keys choose_batch scans at once;
-# rows a block key (CUDA's shape is in merge_on_device)
+# programs; positions a block; dirty rows a refresh item; block keys choose_batch reads at once;
+# rows a block key (CUDA's shape: merge_on_device)
 INTERPRETER_SHAPE = dict(programs=1, block=1024, rows=64, choose_block=1024, key_block=16)
-ROUNDS_PER_READ = 16  # rounds per host read of "done"
-PARALLEL_CHARS = 1 << 24  # from this many characters on, all cores pre-tokenize (below: one)
+ROUNDS_PER_READ = 16  # rounds per host read
+PARALLEL_CHARS = 1 << 24  # from this many characters on, all cores pre-tokenize
 # ---
 
 
 # --- the lesson: a round of BPE merges as four steps
 # The distinct chunks lie in flat arrays, one slot per byte (a "position"), as in train_bpe_cpu.py:
-#   tokens[p]      the token at p; DEAD once merged away; -1 on the spare slots END and END+1
-#                  (END is real: a lane may read the token after any position unmasked)
-#   next_pos[p]    the next live position of p's chunk, or END; prev_pos[p] likewise. A merge
-#                  unlinks a pair's right half: tokens never move, positions stay valid names.
-#   weight[p]      how often p's chunk occurs in the corpus
-#   counts[l*V+r]  the weighted count of pair (l, r): a dense V x V matrix
-#   list_buffer[list_start[t]:list_start[t] + list_len[t]]   the positions holding token t:
-#                  merging (a, b) visits only a's positions.
+#   tokens[p]: the token at p; DEAD once merged away; -1 on the spare slots END and END+1 (END is
+#     real: a lane may read the token after any position unmasked)
+#   next_pos[p]: the next live position of p's chunk, or END; prev_pos[p] likewise. A merge unlinks
+#     a pair's right half: tokens never move, positions stay valid names.
+#   weight[p]: how often p's chunk occurs in the corpus
+#   counts[l*V+r]: the weighted count of pair (l, r): a dense V x V matrix
+#   list_buffer[list_start[t]:list_start[t] + list_len[t]]: the positions holding token t: merging
+#     (a, b) visits only a's positions.
 # Choosing must not scan V^2 counts. A pair's key is count << 20 | (2^20 - 1 - r) (counts to 2^43);
 # row_keys[2l] is row l's largest (ties to the smallest r; across rows, the smallest l), [2l+1] the
 # next. A falling count spoils them only if it was one: the row is "dirty" (rare), recomputed into
-# zeroed fresh_keys for the next choice, which copies them and remakes its block_key (the largest
-# of KEY_BLOCK rows): a pick reads V/KEY_BLOCK block keys and one block's row keys.
+# zeroed fresh_keys; the next choice copies them and remakes its block_key (the largest of KEY_BLOCK
+# rows): a pick reads V/KEY_BLOCK block keys and one block's row keys.
 # A round merges a batch (merge_batch says which pairs, and why exactly): a merge costs its
 # kernels' latency, not their work (the median visits 132 positions on enwiki); a batch shares it.
 # Grids are known before the data (programs stride over blocks): CUDA records rounds. No kernel
 # needs a lock (each docstring says why); atomics are relaxed (acq_rel fences the device around
 # each), the stream orders the kernels.
 # `state`: NEXT, the next id (256 + the merges made: the columns in use); DONE, 1 once no pair is
-# left or V is reached (every kernel then does nothing); DIRTY, dirty_rows' length; PAIRS and
-# BLOCKS, the round's pairs (pair i makes NEXT - PAIRS + i) and blocks of positions
+# left or V is reached (then every kernel does nothing); DIRTY, dirty_rows' length; PAIRS, BLOCKS:
+# the round's pairs (pair i makes NEXT - PAIRS + i) and blocks of positions
 NEXT, DONE, DIRTY, PAIRS, BLOCKS = (tl.constexpr(i) for i in range(5))
 # `batch`: pair i in slot i of each field: (A, B), a's list (START, LENGTH), its first block and
 # scratch region (FIRST_BLOCK, OFFSET), how many positions stay a (SURVIVORS) and merge (MERGED)
 A, B, START, LENGTH, FIRST_BLOCK, OFFSET, SURVIVORS, MERGED = (tl.constexpr(i) for i in range(8))
 DEAD = tl.constexpr(-2)  # the token of an unlinked position
-ID_BITS = tl.constexpr(20)  # a key's low bits hold 2^20 - 1 - right id: V is at most 2^20
+ID_BITS = tl.constexpr(20)  # V is at most 2^20
 LOW = tl.constexpr((1 << 20) - 1)
 
 
@@ -106,7 +106,7 @@ def choose_batch(state, batch, row_keys, block_key, fresh_keys, dirty_flag, dirt
                  list_len, merge_log, V, max_batch, BLOCK: tl.constexpr, KEY_BLOCK: tl.constexpr,
                  POSITIONS: tl.constexpr, SLOTS: tl.constexpr):
     """Step 1: picks the round's pairs (batch, merge_log, the new lists' start), or sets DONE. One
-    program, alone on the device."""
+    program, alone."""
     if tl.load(state + DONE) != 0:
         return
     # the dirty rows take their refreshed keys
@@ -129,9 +129,9 @@ def choose_batch(state, batch, row_keys, block_key, fresh_keys, dirty_flag, dirt
         tl.store(block_key + blocks, tl.max(keys, axis=1), mask=i < dirty)
     tl.store(batch + SURVIVORS * SLOTS + tl.arange(0, 2 * SLOTS), 0)  # and MERGED's
     tl.debug_barrier()
-    # A pick: the largest key of the rows not chosen (the first block with the largest count, its
-    # first row with it). The exact order's next pair is that or a chosen row's second key (which
-    # shares a token): the batch ends where that ranks above (count, then row), or at a shared token.
+    # A pick: the largest key of the rows not chosen (the first block, then row, with the largest
+    # count). The exact order's next pair is that or a chosen row's second key (sharing a token):
+    # the batch ends where that ranks above (count, then row), or at a shared token.
     first_new, slots = tl.load(state + NEXT), tl.arange(0, SLOTS)
     chosen_a, chosen_b = tl.full([SLOTS], -1, tl.int64), tl.full([SLOTS], -1, tl.int64)
     hidden_count, hidden_row = dirty * 0, dirty * 0 + V
@@ -186,7 +186,7 @@ def choose_batch(state, batch, row_keys, block_key, fresh_keys, dirty_flag, dirt
 @triton.jit
 def pair_block(state, batch, list_buffer, block, END, BLOCK: tl.constexpr, SLOTS: tl.constexpr):
     """The round's lists in blocks of one pair each: block `block`'s pair i, indexes j into a_i's
-    list, positions p (END past it), a, b, new, and its scratch region (list_buffer's size)."""
+    list, positions p (END past it), a, b, new, and its scratch region."""
     slots, pairs = tl.arange(0, SLOTS), tl.load(state + PAIRS)
     firsts = tl.load(batch + FIRST_BLOCK * SLOTS + slots, mask=slots < pairs, other=block + 1)
     i = tl.sum((firsts <= block).to(tl.int32), axis=0) - 1
@@ -235,8 +235,8 @@ def apply_merges(state, batch, list_buffer, scratch, tokens, next_pos, prev_pos,
     if tl.load(state + DONE) != 0:
         return
     for block in range(tl.program_id(0), tl.load(state + BLOCKS), tl.num_programs(0)):
-        i, j, p, a, b, new, length, offset = pair_block(state, batch, list_buffer, block, END, BLOCK,
-                                                        SLOTS)
+        i, j, p, a, b, new, length, offset = pair_block(
+            state, batch, list_buffer, block, END, BLOCK, SLOTS)
         mark_p = tl.load(mark + p)
         merged = (j < length) & (mark_p == 2 * new)
         # survivors (still a) and merged ones wait in the pair's scratch regions for refresh
@@ -266,7 +266,7 @@ def apply_merges(state, batch, list_buffer, scratch, tokens, next_pos, prev_pos,
         tl.store(prev_pos + after, p, mask=has_y & ~after_merged)
         tl.store(prev_pos + p, tl.load(prev_pos + before, mask=before_merged, other=END),
                  mask=before_merged)
-        # scalars a, b, new broadcast by adding a zero block; int64: row * V + col > 2^31
+        # scalars broadcast by adding a zero block; int64: row * V + col > 2^31
         x, y, y_new = x.to(tl.int64), y.to(tl.int64), y_new.to(tl.int64)
         zero = 0 * x
         lose_pair(state, counts, row_keys, dirty_flag, dirty_rows, V, a + zero, b + zero, w, merged)
@@ -297,7 +297,7 @@ def refresh_rows(state, batch, list_buffer, scratch, list_start, list_len, count
                  dirty_rows, V, ROWS: tl.constexpr, BLOCK: tl.constexpr, SLOTS: tl.constexpr):
     """Step 4: moves a_i's survivors back to its list, the merged positions to new_i's, after
     new_(i-1)'s. Then the dirty rows' two keys into fresh_keys, in items of ROWS rows x BLOCK
-    columns; atomic_max: any order."""
+    columns, in any order (atomic_max)."""
     if tl.load(state + DONE) != 0:
         return
     program, programs = tl.program_id(0), tl.num_programs(0)
@@ -334,9 +334,9 @@ def refresh_rows(state, batch, list_buffer, scratch, list_start, list_len, count
         next_col = tl.min(tl.where(rest == next_most[:, None], col[None, :], columns), axis=1)
         key = tl.where(most > 0, (most.to(tl.int64) << ID_BITS) | (LOW - first_col), 0)
         second = tl.where(next_most > 0, (next_most.to(tl.int64) << ID_BITS) | (LOW - next_col), 0)
-        # A row's two largest keys, items in any order: the first by atomic max; the second, of the
-        # items' seconds and the smaller of each first and the key it met (inserted one by one, the
-        # second largest is the smaller of the two at some insertion).
+        # A row's two largest keys: the first by atomic max; the second, of the items' seconds and
+        # the smaller of each first and the key it met (keys inserted one by one, the second largest
+        # is the smaller of the two at some insertion).
         met = tl.atomic_max(fresh_keys + 2 * row, key, mask=i < dirty, sem="relaxed")
         tl.atomic_max(fresh_keys + 2 * row + 1, tl.maximum(second, tl.minimum(met, key)),
                       mask=i < dirty, sem="relaxed")
@@ -367,7 +367,7 @@ def chunks_to_arrays(chunk_counts, vocab_size):
     left = np.flatnonzero(next_pos[:L] != END)
     # the 256 byte lists in turn: on uint8, numpy's stable sort is a linear radix sort
     order = np.argsort(tokens[left].astype(np.uint8), kind="stable")
-    # the byte lists, then the new tokens': each merge appends as many positions as it kills
+    # the byte lists, then the new tokens': a merge appends as many positions as it kills
     list_buffer = np.zeros(2 * len(left) + 1, np.int32)
     list_buffer[:len(left)] = left[order]
     list_len = np.zeros(vocab_size, np.int64)
@@ -381,12 +381,12 @@ def chunks_to_arrays(chunk_counts, vocab_size):
 
 
 def merge_on_device(arrays, vocab_size, device, max_batch=max_batch):
-    """The merge loop, ROUNDS_PER_READ rounds per host read: the merges, the token count, and the
-    seconds of the setup (uploads, the V x V zeros, compiling, recording) and of the loop."""
+    """The merge loop: the merges, the token count, and the seconds of the setup (uploads, the
+    V x V zeros, compiling, recording) and of the loop."""
     V, device = vocab_size, torch.device(device)
     started = time.time()
     if device.type == "cuda":
-        # kernels launch, and a graph records, on the current GPU: make it this one
+        # kernels launch, and graphs record, on the current GPU: make it this one
         if device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(device)
@@ -397,13 +397,13 @@ def merge_on_device(arrays, vocab_size, device, max_batch=max_batch):
     counts = zeros(V * V, weight.dtype).index_add_(0, upload("pairs"), upload("pair_weights"))
     END = len(tokens) - 2
     mark, scratch = zeros(END + 2, torch.int32), torch.empty_like(list_buffer)
-    # a GPU runs a few programs per SM; the interpreter runs them in turn: one wide is fastest
+    # a GPU runs a few programs per SM; the interpreter, in turn: one wide is fastest
     shape = INTERPRETER_SHAPE
     if device.type == "cuda":
         shape = dict(programs=4 * torch.cuda.get_device_properties(device).multi_processor_count,
                      block=256, rows=4, choose_block=256, key_block=256)
     programs, block, rows = shape["programs"], shape["block"], shape["rows"]
-    # choose_batch reads all block keys at once: choose_block x key_block rows cover V
+    # choose_batch reads all block keys at once: choose_block x key_block rows must cover V
     key_block = max(shape["key_block"], triton.next_power_of_2(triton.cdiv(V, shape["choose_block"])))
     choose_block = max(shape["choose_block"], key_block)
     slots = triton.next_power_of_2(max_batch)
@@ -419,7 +419,7 @@ def merge_on_device(arrays, vocab_size, device, max_batch=max_batch):
         refresh_rows[grid](state, batch, list_buffer, scratch, list_start, list_len, counts,
                            fresh_keys, dirty_rows, V, ROWS=rows, BLOCK=block, SLOTS=slots)
 
-    def merge_group():  # past the last merge, choose_batch sets DONE: the kernels do nothing
+    def merge_group():
         for _ in range(ROUNDS_PER_READ):
             choose_batch[(1,)](state, batch, row_keys, block_key, fresh_keys, dirty_flag, dirty_rows,
                                list_start, list_len, merge_log, V, max_batch, BLOCK=choose_block,
@@ -433,7 +433,7 @@ def merge_on_device(arrays, vocab_size, device, max_batch=max_batch):
 
     launch_refresh()
     # The setup compiles every kernel (a group with DONE set does nothing else) and, on CUDA,
-    # records a group as a graph: the loop's clock times merges alone.
+    # records a group as a graph: the loop times merges alone.
     state[DONE.value] = 1
     merge_group()
     state[DONE.value] = 0
@@ -468,13 +468,13 @@ def merges_done(state):
     return bool(slots[DONE.value]), slots[NEXT.value] - 256
 
 
-# === the batch rule: several merges in a round, exactly the sequential ones
+# === the batch rule: several merges a round, exactly the sequential ones
 def merge_batch(ranked_pairs, max_batch):
     """The pairs a round merges: the longest prefix of ranked_pairs (largest count first, ties to
-    the smallest (l, r)) sharing no token, (a, a) only last, at most max_batch. Sequential merges
-    make the same: merging (a_i, b_i) changes only pairs holding a_i or b_i, so the later pairs keep
-    their counts, and those it makes rank below them ((x, new_i) counts at most what (x, a_i) did,
-    not in the batch, and new_i, the largest id yet, loses ties; likewise (new_i, y))."""
+    the smallest (l, r)) sharing no token, (a, a) only last, at most max_batch: what sequential
+    merges make. Merging (a_i, b_i) changes only pairs holding a_i or b_i: later pairs keep their
+    counts, and those it makes rank below them ((x, new_i) counts at most what (x, a_i) did, not in
+    the batch, and new_i, the largest id yet, loses ties; likewise (new_i, y))."""
     batch = []
     for left, right in ranked_pairs[:max_batch]:
         if any(left in pair or right in pair for pair in batch):
@@ -489,14 +489,13 @@ def merge_batch(ranked_pairs, max_batch):
 # train_bpe_cpu.py's lesson). The regex, the slow part, holds the GIL: workers count batches of
 # documents in any order (BPE sees only the multiset of chunks), then worker i sums the chunks with
 # hash(chunk) % workers == i (forked, they hash alike): the parent only joins disjoint sums (adding
-# Counters, ~0.5 us a chunk, would not scale). A CPU-time alarm per document, as in
-# train_bpe_cpu.py, makes a pattern that backtracks catastrophically one line.
+# Counters there would not scale). A CPU-time alarm per document, as in train_bpe_cpu.py, makes a
+# pattern that backtracks catastrophically one line.
 BATCH_CHARS = 1 << 20  # characters of documents per batch sent to a pre-tokenizing worker
-# A longer document (a .txt file) is cut only where the pattern can't match across, so the pieces'
-# chunks are the document's: for GPT-4's, before a line break after a letter or digit X. No match
-# holds X and the break: letter and digit runs stop at it, and the alternatives that take a break
-# need whitespace or punctuation before it ("end.\n" is one chunk: no cut after punctuation, or a
-# combining mark). A match begun before the break stops there as at the text's end; with no
+# A longer document (a .txt file) is cut only where the pattern can't match across: for GPT-4's,
+# before a line break after a letter or digit. No match holds both: letter and digit runs stop at
+# the break, and the alternatives that take one need whitespace or punctuation before it ("end.\n"
+# is one chunk). A match begun before the break stops there as at the text's end; with no
 # lookbehind or anchor, those after it see nothing before it. No other --pattern is ever cut.
 SAFE_CUTS = {pattern: regex.compile(r"[\p{L}\p{N}](?=[\r\n])")}  # the cut: the match's end
 
@@ -736,7 +735,6 @@ def validate(args):
          "interpreter (slow, for tests), or use train_bpe_cpu.py"),
         (kind == "cuda" and index is not None and index >= gpus,
          f"--device {chosen}: this machine has {gpus} CUDA GPU(s), cuda:0 to cuda:{gpus - 1}"),
-        # the environment variable counts when triton is imported
         ((kind == "cpu") != bool(triton.knobs.runtime.interpret),
          f"--device {chosen} with TRITON_INTERPRET={os.environ['TRITON_INTERPRET']}: the kernels "
          "run compiled on cuda, in Triton's interpreter on cpu; set it to 1 for cpu, 0 for cuda"),
@@ -766,8 +764,8 @@ def check_text(args, source, chunk_counts, chars_read):
 
 
 def check_memory(vocab_size, itemsize, device):
-    """The V x V count matrix is the budget: 16 GiB at V = 65534. The ~40 bytes a position are little
-    beside it (2.5 M positions for all of enwiki's 56 M characters)."""
+    """The V x V count matrix is the budget (16 GiB at V = 65534): the ~40 bytes a position are
+    little beside it (2.5 M positions for all of enwiki)."""
     if device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory
     else:
@@ -807,18 +805,18 @@ def parse_args(argv):
     return parser.parse_args(argv)
 
 
-# === the run: read, pre-tokenize, lay out, merge on the device, write
+# === the run: read, pre-tokenize, lay out, merge, write
 def run(argv):
     args = parse_args(argv)
     train_device = validate(args)
     documents, source_name, source = open_source(args.data or data, args.data is not None)
     out_dir = Path(args.out or f"tokenizers/{source_name}_v{args.vocab_size}")
-    out_lock = check_out_dir(out_dir)  # held to the end: a second run into out_dir refuses
+    out_lock = check_out_dir(out_dir)  # held to the end: a second run there refuses
 
     t0 = time.time()
     workers = len(os.sched_getaffinity(0)) if args.num_chars >= PARALLEL_CHARS else 1
-    chunk_counts, read = count_chunks(documents(args.num_chars), args.num_chars, args.pattern,
-                                      workers, "reading")
+    chunk_counts, read = count_chunks(
+        documents(args.num_chars), args.num_chars, args.pattern, workers, "reading")
     chars_read = read["chars"]
     t1 = time.time()
     check_text(args, source, chunk_counts, chars_read)
@@ -827,14 +825,13 @@ def run(argv):
     arrays = chunks_to_arrays(chunk_counts, args.vocab_size)
     # int64 counts past 2^31 pairs: twice what validate() checked
     check_memory(args.vocab_size, arrays["weight"].itemsize, train_device)
-    print(f"{len(arrays['tokens']) - 2:,} token positions in the distinct chunks, "
-          f"on {train_device}")
+    print(f"{len(arrays['tokens']) - 2:,} token positions in the distinct chunks, on {train_device}")
     t_layout = time.time()
-    merges, total_tokens, seconds = merge_on_device(arrays, args.vocab_size, train_device,
-                                                    args.max_batch)
+    merges, total_tokens, seconds = merge_on_device(
+        arrays, args.vocab_size, train_device, args.max_batch)
     t2 = time.time()
 
-    num_merges, eot_id = len(merges), 256 + len(merges)  # <|endoftext|>: the first id after them
+    num_merges, eot_id = len(merges), 256 + len(merges)  # <|endoftext|>: the next id
     stop_reason = "vocab_size reached" if eot_id == args.vocab_size else "no pairs left to merge"
     if eot_id < args.vocab_size:
         print(f"stopped early after {num_merges} merges: {stop_reason} "
@@ -844,7 +841,7 @@ def run(argv):
         "num_merges": num_merges, "num_chars": chars_read, "source": source,
         "trainer": "train_bpe_gpu.py", "device": str(train_device), "seconds": round(t2 - t0, 3),
         "stop_reason": stop_reason})
-    # merges/s over the loop: the setup (compiling on a machine's first run) isn't merging
+    # merges/s over the loop: the setup (compiling, on a machine's first run) isn't merging
     merges_per_second = num_merges / max(seconds["loop"], 1e-9)
     print(f"reading + pre-tokenizing {t1 - t0:.2f}s | layout {t_layout - t1:.2f}s | setup "
           f"{seconds['setup']:.2f}s | merging {seconds['loop']:.2f}s ({merges_per_second:,.0f} "
