@@ -106,7 +106,7 @@ def choose_batch(state, batch, row_keys, block_key, fresh_keys, dirty_flag, dirt
                  list_len, merge_log, V, max_batch, BLOCK: tl.constexpr, KEY_BLOCK: tl.constexpr,
                  POSITIONS: tl.constexpr, SLOTS: tl.constexpr):
     """Step 1: picks the round's pairs (batch, merge_log, the new lists' start), or sets DONE. One
-    program, alone."""
+    program, alone on the device."""
     if tl.load(state + DONE) != 0:
         return
     # the dirty rows take their refreshed keys
@@ -266,7 +266,7 @@ def apply_merges(state, batch, list_buffer, scratch, tokens, next_pos, prev_pos,
         tl.store(prev_pos + after, p, mask=has_y & ~after_merged)
         tl.store(prev_pos + p, tl.load(prev_pos + before, mask=before_merged, other=END),
                  mask=before_merged)
-        # scalars broadcast by adding a zero block; int64: row * V + col > 2^31
+        # scalars a, b, new broadcast by adding a zero block; int64: row * V + col > 2^31
         x, y, y_new = x.to(tl.int64), y.to(tl.int64), y_new.to(tl.int64)
         zero = 0 * x
         lose_pair(state, counts, row_keys, dirty_flag, dirty_rows, V, a + zero, b + zero, w, merged)
@@ -492,7 +492,7 @@ def merge_batch(ranked_pairs, max_batch):
 # Counters there would not scale). A CPU-time alarm per document, as in train_bpe_cpu.py, makes a
 # pattern that backtracks catastrophically one line.
 BATCH_CHARS = 1 << 20  # characters of documents per batch sent to a pre-tokenizing worker
-# A longer document (a .txt file) is cut only where the pattern can't match across: for GPT-4's,
+# A long document (a .txt file) is cut only where the pattern can't match across: for GPT-4's,
 # before a line break after a letter or digit. No match holds both: letter and digit runs stop at
 # the break, and the alternatives that take one need whitespace or punctuation before it ("end.\n"
 # is one chunk). A match begun before the break stops there as at the text's end; with no
