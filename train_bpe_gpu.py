@@ -488,9 +488,8 @@ def merge_batch(ranked_pairs, max_batch):
 # === plumbing: pre-tokenizing on every core, the same in both GPU trainers (counting chunks is
 # train_bpe_cpu.py's lesson). The regex, the slow part, holds the GIL: workers count batches of
 # documents in any order (BPE sees only the multiset of chunks), then worker i sums the chunks with
-# hash(chunk) % workers == i (forked, they hash alike): the parent only joins disjoint sums (adding
-# Counters there would not scale). A CPU-time alarm per document, as in train_bpe_cpu.py, makes a
-# pattern that backtracks catastrophically one line.
+# hash(chunk) % workers == i (forked, they hash alike), so the parent only joins disjoint sums. A
+# CPU-time alarm per document makes a pattern that backtracks catastrophically one line.
 BATCH_CHARS = 1 << 20  # characters of documents per batch sent to a pre-tokenizing worker
 # A long document (a .txt file) is cut only where the pattern can't match across: for GPT-4's,
 # before a line break after a letter or digit. No match holds both: letter and digit runs stop at
