@@ -6,10 +6,9 @@ Train a byte-level BPE tokenizer, merging on a GPU: the same merges as train_bpe
     python train_bpe_gpu.py -v 300 -n 65536 --device cpu    # no GPU: Triton's interpreter (tests)
 
 Flags and outputs are train_bpe_cpu.py's, the readable reference. This file shows how a sequential
-algorithm gets fast on a GPU: merge k needs the counts left by merge k-1, yet the work inside a
-merge runs in parallel, so can pairs that share no token, and the host stays out of the way. A
-round (a batch of merges) is four Triton kernels; the host launches 16 rounds (on CUDA, as one
-CUDA graph) and reads once: "done?".
+algorithm gets fast on a GPU: merge k needs merge k-1's counts, yet a merge's work runs in parallel,
+as do merges of pairs sharing no token, and the host stays out of the way: it launches 16 rounds of
+four Triton kernels (a CUDA graph), then reads once.
 """
 
 import argparse, atexit, base64, codecs, fcntl, json, multiprocessing, os, queue, resource, signal
@@ -42,60 +41,55 @@ if os.environ["TRITON_INTERPRET"] == "1":
         tensor.__index__ = lambda self: int(self.handle.data.squeeze())
     interpreter._patch_lang_tensor = patch_tensor
 
-# === settings
-# defaults, each overridable from the command line
+# === settings: defaults, each overridable from the command line
 vocab_size = 1000  # byte tokens (256) + merges; <|endoftext|> gets the next id
 num_chars = 1048576  # train on the first 2^20 characters of the stream
 data = "fineweb"  # fineweb | fineweb-edu | a .txt/.jsonl/.parquet file | a directory of them
 out = None  # output directory; default tokenizers/<source>_v<vocab_size>
-device = None  # cuda; without a GPU, --device cpu: Triton's interpreter (exact, slow, for tests)
-# pairs merged in one round at most (1: one merge a round). Rounds shrink 1.8x at 2, 2.9x at 4,
-# 4.0x at 8, 5.0x at 32 (enwiki, V=65534); each pick costs choose a few dependent reads: 8
+device = None  # cuda, or cpu: Triton's interpreter (exact, slow, for tests)
+# merges a round at most (1: one). Rounds fall 1.8x at 2, 4.0x at 8, 5.0x at 32 (enwiki,
+# V=65534); a pick costs a few dependent reads: 8
 max_batch = 8
 # GPT-4's split pattern (train_bpe_cpu.py says what it keeps apart)
 pattern = r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]++[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+"""
 EOT = "<|endoftext|>"
-# programs; positions per block; dirty rows per refresh item; keys choose_batch scans at once; rows
-# per block key (CUDA's shape is in merge_on_device)
+# programs; positions a block; dirty rows a refresh item; block keys choose_batch reads at once;
+# rows a block key (CUDA's shape: merge_on_device)
 INTERPRETER_SHAPE = dict(programs=1, block=1024, rows=64, choose_block=1024, key_block=16)
-ROUNDS_PER_READ = 16  # rounds (a batch's four kernels) per host read of "done"
-PARALLEL_CHARS = 1 << 24  # from this many characters on, all cores pre-tokenize (below: one)
+ROUNDS_PER_READ = 16  # rounds per host read
+PARALLEL_CHARS = 1 << 24  # from this many characters on, all cores pre-tokenize
 # ---
 
 
 # --- the lesson: a round of BPE merges as four steps
 # The distinct chunks lie in flat arrays, one slot per byte (a "position"), as in train_bpe_cpu.py:
-#   tokens[p]      the token at p; DEAD once merged away; -1 on the spare slots END and END+1
-#                  (END is real: a lane may read the token after any position unmasked)
-#   next_pos[p]    the next live position of p's chunk, or END; prev_pos[p] likewise. A merge
-#                  unlinks a pair's right half: tokens never move, positions stay valid names.
-#   weight[p]      how often p's chunk occurs in the corpus
-#   counts[l*V+r]  the weighted count of pair (l, r): a dense V x V matrix
-#   list_buffer[list_start[t]:list_start[t] + list_len[t]]   the positions holding token t:
-#                  merging (a, b) visits only a's positions.
+#   tokens[p]: the token at p; DEAD once merged away; -1 on the spare slots END and END+1 (END is
+#     real: a lane may read the token after any position unmasked)
+#   next_pos[p]: the next live position of p's chunk, or END; prev_pos[p] likewise. A merge unlinks
+#     a pair's right half: tokens never move, positions stay valid names.
+#   weight[p]: how often p's chunk occurs in the corpus
+#   counts[l*V+r]: the weighted count of pair (l, r): a dense V x V matrix
+#   list_buffer[list_start[t]:list_start[t] + list_len[t]]: the positions holding token t: merging
+#     (a, b) visits only a's positions.
 # Choosing must not scan V^2 counts. A pair's key is count << 20 | (2^20 - 1 - r) (counts to 2^43);
 # row_keys[2l] is row l's largest (ties to the smallest r; across rows, the smallest l), [2l+1] the
-# next. A falling count leaves them wrong only if it was one: the row is "dirty" (rare), recomputed
-# into zeroed fresh_keys, copied by the next choice. block_key[k], the largest of rows k*KEY_BLOCK..,
-# is recomputed for a dirty row: a pick reads V/KEY_BLOCK block keys and one block's row keys.
-# A round merges a batch: the longest prefix of the exact order (largest count, ties to the
-# smallest (l, r)) whose pairs share no token, (a, a) only last, at most max_batch: what sequential
-# merges make. Merging (a_i, b_i) changes only pairs holding a_i or b_i: the later pairs keep their
-# counts, and the pairs it makes rank below them ((x, new_i) counts at most what (x, a_i) did, not
-# in the batch, and new_i, the largest id yet, loses ties; likewise (new_i, y)).
-# A merge costs its kernels' latency, not their work (the median visits 132 positions on enwiki):
-# a batch shares a round's. Grids are known before the data (programs stride over blocks): CUDA
-# records 16 rounds as one graph. No kernel needs a lock (each docstring says why); atomics are
-# relaxed (acq_rel fences the device around each), the stream orders the kernels.
-# `state`, on the device: NEXT, the next id (256 + the merges made: the columns in use); DONE, 1
-# once no pair is left or V is reached (every kernel then does nothing); DIRTY, dirty_rows' length;
-# PAIRS and BLOCKS, the round's pairs (pair i makes NEXT - PAIRS + i) and blocks of positions
+# next. A falling count spoils them only if it was one: the row is "dirty" (rare), recomputed into
+# zeroed fresh_keys; the next choice copies them and remakes its block_key (the largest of KEY_BLOCK
+# rows): a pick reads V/KEY_BLOCK block keys and one block's row keys.
+# A round merges a batch (merge_batch says which pairs, and why exactly): a merge costs its
+# kernels' latency, not their work (the median visits 132 positions on enwiki); a batch shares it.
+# Grids are known before the data (programs stride over blocks): CUDA records rounds. No kernel
+# needs a lock (each docstring says why); atomics are relaxed (acq_rel fences the device around
+# each), the stream orders the kernels.
+# `state`: NEXT, the next id (256 + the merges made: the columns in use); DONE, 1 once no pair is
+# left or V is reached (then every kernel does nothing); DIRTY, dirty_rows' length; PAIRS, BLOCKS:
+# the round's pairs (pair i makes NEXT - PAIRS + i) and blocks of positions
 NEXT, DONE, DIRTY, PAIRS, BLOCKS = (tl.constexpr(i) for i in range(5))
 # `batch`: pair i in slot i of each field: (A, B), a's list (START, LENGTH), its first block and
-# region in scratch (FIRST_BLOCK, OFFSET), how many positions stay a (SURVIVORS) and merge (MERGED)
+# scratch region (FIRST_BLOCK, OFFSET), how many positions stay a (SURVIVORS) and merge (MERGED)
 A, B, START, LENGTH, FIRST_BLOCK, OFFSET, SURVIVORS, MERGED = (tl.constexpr(i) for i in range(8))
-DEAD = tl.constexpr(-2)  # the token of an unlinked position (the right half of a merged pair)
-ID_BITS = tl.constexpr(20)  # a key's low bits hold 2^20 - 1 - right id: V is at most 2^20
+DEAD = tl.constexpr(-2)  # the token of an unlinked position
+ID_BITS = tl.constexpr(20)  # V is at most 2^20
 LOW = tl.constexpr((1 << 20) - 1)
 
 
@@ -112,10 +106,10 @@ def choose_batch(state, batch, row_keys, block_key, fresh_keys, dirty_flag, dirt
                  list_len, merge_log, V, max_batch, BLOCK: tl.constexpr, KEY_BLOCK: tl.constexpr,
                  POSITIONS: tl.constexpr, SLOTS: tl.constexpr):
     """Step 1: picks the round's pairs (batch, merge_log, the new lists' start), or sets DONE. One
-    program, alone on the device (kernels run in order)."""
+    program, alone on the device."""
     if tl.load(state + DONE) != 0:
         return
-    # the dirty rows take the keys refresh recomputed
+    # the dirty rows take their refreshed keys
     dirty = tl.load(state + DIRTY)
     for first in range(0, dirty, BLOCK):
         i = first + tl.arange(0, BLOCK)
@@ -124,10 +118,10 @@ def choose_batch(state, batch, row_keys, block_key, fresh_keys, dirty_flag, dirt
         tl.store(row_keys + both, tl.load(fresh_keys + both, mask=copy), mask=copy)
         tl.store(fresh_keys + both, 0, mask=copy)
         tl.store(dirty_flag + rows, 0, mask=i < dirty)
-    # Triton orders memory only within a thread: a barrier, or a thread could read a dirty row's key
-    # before another's copy. Its block key is recomputed (twice for two rows, alike); a barrier.
+    # a barrier (Triton orders memory only within a thread), then each dirty row's block key (twice
+    # for two rows of a block, alike), a barrier
     tl.debug_barrier()
-    for first in range(0, dirty, 4):  # 4 rows' blocks at a time: one wait per 4
+    for first in range(0, dirty, 4):  # 4 rows at a time: one wait per 4
         i = first + tl.arange(0, 4)
         blocks = tl.load(dirty_rows + i, mask=i < dirty, other=0) // KEY_BLOCK
         rows = blocks[:, None] * KEY_BLOCK + tl.arange(0, KEY_BLOCK)[None, :]
@@ -135,16 +129,16 @@ def choose_batch(state, batch, row_keys, block_key, fresh_keys, dirty_flag, dirt
         tl.store(block_key + blocks, tl.max(keys, axis=1), mask=i < dirty)
     tl.store(batch + SURVIVORS * SLOTS + tl.arange(0, 2 * SLOTS), 0)  # and MERGED's
     tl.debug_barrier()
-    # A pick: the largest key of the rows not chosen (the first block with the largest count, its
-    # first row with it). The exact order's next pair is that or a chosen row's second key (sharing
-    # a token): the batch ends where that ranks above (count, then row), or the pick shares a token.
+    # A pick: the largest key of the rows not chosen (the first block, then row, with the largest
+    # count). The exact order's next pair is that or a chosen row's second key (sharing a token):
+    # the batch ends where that ranks above (count, then row), or at a shared token.
     first_new, slots = tl.load(state + NEXT), tl.arange(0, SLOTS)
     chosen_a, chosen_b = tl.full([SLOTS], -1, tl.int64), tl.full([SLOTS], -1, tl.int64)
     hidden_count, hidden_row = dirty * 0, dirty * 0 + V
     dirty, pairs, blocks, offset = dirty * 0, tl.full((), 0, tl.int32), dirty * 0, dirty * 0
     going = first_new < V
     while going:
-        keyed = tl.arange(0, BLOCK)  # BLOCK x KEY_BLOCK rows cover V
+        keyed = tl.arange(0, BLOCK)
         count = tl.load(block_key + keyed, mask=keyed * KEY_BLOCK < first_new, other=0) >> ID_BITS
         best_count = tl.max(count, axis=0)
         best_block = tl.min(tl.where(count == best_count, keyed, BLOCK), axis=0).to(tl.int64)
@@ -165,7 +159,7 @@ def choose_batch(state, batch, row_keys, block_key, fresh_keys, dirty_flag, dirt
             tl.store(batch + OFFSET * SLOTS + pairs, offset)
             tl.store(merge_log + 2 * (new - 256), a)
             tl.store(merge_log + 2 * (new - 256) + 1, b)
-            # Row a leaves the picks (key zeroed, its block's without it); rows a, new are dirty
+            # row a leaves the picks (key zeroed, its block's without it); rows a, new are dirty
             tl.store(row_keys + 2 * a, 0)
             tl.store(block_key + best_block, tl.max(tl.where(rows == a, 0, keys), axis=0))
             a_new = tl.where(tl.arange(0, 2) == 0, a, new)
@@ -184,15 +178,15 @@ def choose_batch(state, batch, row_keys, block_key, fresh_keys, dirty_flag, dirt
     tl.store(state + BLOCKS, blocks)
     tl.store(state + NEXT, first_new + pairs)
     tl.store(state + DONE, pairs == 0)
-    # the new lists go after the last list made: first_new - 1's (the bytes' for 256)
+    # the new lists go after first_new - 1's (the bytes' for 256)
     end = tl.load(list_start + first_new - 1) + tl.load(list_len + first_new - 1)
     tl.store(list_start + first_new, end, mask=pairs > 0)
 
 
 @triton.jit
 def pair_block(state, batch, list_buffer, block, END, BLOCK: tl.constexpr, SLOTS: tl.constexpr):
-    """The round's lists in blocks of one pair each: block `block`'s pair i, indexes j into a_i's list,
-    positions p (END past it), a, b, new, and its region in scratch (as large as list_buffer)."""
+    """The round's lists in blocks of one pair each: block `block`'s pair i, indexes j into a_i's
+    list, positions p (END past it), a, b, new, and its scratch region."""
     slots, pairs = tl.arange(0, SLOTS), tl.load(state + PAIRS)
     firsts = tl.load(batch + FIRST_BLOCK * SLOTS + slots, mask=slots < pairs, other=block + 1)
     i = tl.sum((firsts <= block).to(tl.int32), axis=0) - 1
@@ -207,16 +201,16 @@ def pair_block(state, batch, list_buffer, block, END, BLOCK: tl.constexpr, SLOTS
 def find_occurrences(state, batch, list_buffer, tokens, next_pos, prev_pos, mark, END,
                      BLOCK: tl.constexpr, SLOTS: tl.constexpr):
     """Step 2: marks the occurrences that merge: mark[p] = 2 new, mark[next_pos[p]] = 2 new + 1 (marks
-    below the round's first are older: none is cleared). A lane writes only its p's two marks, not
-    another's: occurrences that merge share no position, and next_pos is one-to-one."""
+    below the round's first are older: none is cleared). A lane writes only its two marks: merging
+    occurrences share no position, and next_pos is one-to-one."""
     if tl.load(state + DONE) != 0:
         return
     for block in range(tl.program_id(0), tl.load(state + BLOCKS), tl.num_programs(0)):
         _, _, p, a, b, new, _, _ = pair_block(state, batch, list_buffer, block, END, BLOCK, SLOTS)
         second = tl.load(next_pos + p)
         merge = (tl.load(tokens + p) == a) & (tl.load(tokens + second) == b)
-        # A run "aaaa" merges left to right without overlap: p merges when an even number of
-        # a's come before it in its run (walking prev_pos, as far as the block's longest run).
+        # a run "aaaa" merges left to right: p merges after an even number of a's in its run
+        # (walking prev_pos, as far as the block's longest run)
         if a == b:
             odd = merge & False
             q = tl.load(prev_pos + p)
@@ -236,16 +230,16 @@ def apply_merges(state, batch, list_buffer, scratch, tokens, next_pos, prev_pos,
                  SLOTS: tl.constexpr):
     """Step 3: merges the marked occurrences. The lane of (p, second) writes only what it owns: the
     tokens and links of p and second, and prev_pos of the position after second unless that one
-    merges too (its lane links it then). It reads a neighbour's token only where the marks say no
-    lane writes it. Counts change by atomic adds, which commute; no key changes."""
+    merges too (its lane links it). It reads a neighbour's token only where no lane writes it (the
+    marks say). Counts change by atomic adds, which commute; no key changes."""
     if tl.load(state + DONE) != 0:
         return
     for block in range(tl.program_id(0), tl.load(state + BLOCKS), tl.num_programs(0)):
-        i, j, p, a, b, new, length, offset = pair_block(state, batch, list_buffer, block, END, BLOCK,
-                                                        SLOTS)
+        i, j, p, a, b, new, length, offset = pair_block(
+            state, batch, list_buffer, block, END, BLOCK, SLOTS)
         mark_p = tl.load(mark + p)
         merged = (j < length) & (mark_p == 2 * new)
-        # survivors (still a) and merged ones wait for refresh in the pair's regions of scratch
+        # survivors (still a) and merged ones wait in the pair's scratch regions for refresh
         unmarked = (j < length) & (mark_p != 2 * new) & (mark_p != 2 * new + 1)
         survives = unmarked & (tl.load(tokens + p, mask=unmarked, other=-1) == a)
         append(batch + SURVIVORS * SLOTS + i, scratch + offset, p, survives)
@@ -254,9 +248,9 @@ def apply_merges(state, batch, list_buffer, scratch, tokens, next_pos, prev_pos,
         before = tl.load(prev_pos + p, mask=merged, other=END)
         after = tl.load(next_pos + second, mask=merged, other=END)
         w = tl.load(weight + p, mask=merged, other=0)
-        # A neighbour merged in this round (by pair j) has its mark: odd before, even after. x = -1:
+        # A neighbour merged this round (by pair j) has its mark: odd before, even after. x = -1:
         # none (the chunk's start), or one merged before, whose lane counts the pair between as
-        # (new_j, new); after: y = a_j, from merge_log (its lane writes tokens[after]), y_new = new_j.
+        # (new_j, new); after: y = a_j, from merge_log (its lane writes tokens[after]), y_new = new_j
         mark_before = tl.load(mark + before, mask=merged, other=0)
         mark_after = tl.load(mark + after, mask=merged, other=0)
         before_merged = merged & (mark_before >= 2 * (new - i)) & (mark_before % 2 == 1)
@@ -272,14 +266,14 @@ def apply_merges(state, batch, list_buffer, scratch, tokens, next_pos, prev_pos,
         tl.store(prev_pos + after, p, mask=has_y & ~after_merged)
         tl.store(prev_pos + p, tl.load(prev_pos + before, mask=before_merged, other=END),
                  mask=before_merged)
-        # a, b and new are scalars, broadcast by adding a zero block; int64: row * V + col > 2^31
+        # scalars a, b, new broadcast by adding a zero block; int64: row * V + col > 2^31
         x, y, y_new = x.to(tl.int64), y.to(tl.int64), y_new.to(tl.int64)
         zero = 0 * x
         lose_pair(state, counts, row_keys, dirty_flag, dirty_rows, V, a + zero, b + zero, w, merged)
         lose_pair(state, counts, row_keys, dirty_flag, dirty_rows, V, x, a + zero, w, has_x)
         lose_pair(state, counts, row_keys, dirty_flag, dirty_rows, V, b + zero, y, w, has_y)
-        # Only pairs with a new token gain (rows new are dirty). Row x's keys can't rise: (x, new) ends
-        # below (x, a) before, one of row x's two (x is dirty then) or below them.
+        # Only pairs with a new token gain (rows new are dirty). Row x's keys can't rise: (x, new)
+        # ends below (x, a) before, one of row x's two (x is dirty then) or below them.
         tl.atomic_add(counts + x * V + new, w, mask=has_x, sem="relaxed")
         tl.atomic_add(counts + new * V + y_new, w, mask=has_y, sem="relaxed")
 
@@ -287,13 +281,13 @@ def apply_merges(state, batch, list_buffer, scratch, tokens, next_pos, prev_pos,
 @triton.jit
 def lose_pair(state, counts, row_keys, dirty_flag, dirty_rows, V, row, col, w, lose):
     """Pair (row, col) of old tokens loses w where lose: (a, b), (x, a) and (b, y). A row whose first
-    or second key it was is listed as dirty, once: by the lane that flips dirty_flag."""
+    or second key it was is listed dirty by the one lane that flips dirty_flag."""
     tl.atomic_add(counts + row * V + col, -w, mask=lose, sem="relaxed")
     first = tl.load(row_keys + 2 * row, mask=lose, other=0) & LOW
     second = tl.load(row_keys + 2 * row + 1, mask=lose, other=0) & LOW
     was_key = lose & ((first == LOW - col) | (second == LOW - col))
     flipped = was_key & (tl.atomic_xchg(dirty_flag + row, 1, mask=was_key, sem="relaxed") == 0)
-    # rare: an atomic per row listed (append's, one a block, would run in every block)
+    # rare: an atomic per row listed (append's one a block would run in every block)
     slot = tl.atomic_add(state + DIRTY + 0 * row, 1, mask=flipped, sem="relaxed")
     tl.store(dirty_rows + slot, row, mask=flipped)
 
@@ -301,9 +295,9 @@ def lose_pair(state, counts, row_keys, dirty_flag, dirty_rows, V, row, col, w, l
 @triton.jit
 def refresh_rows(state, batch, list_buffer, scratch, list_start, list_len, counts, fresh_keys,
                  dirty_rows, V, ROWS: tl.constexpr, BLOCK: tl.constexpr, SLOTS: tl.constexpr):
-    """Step 4: moves a_i's survivors back to its list, the merged positions to new_i's, after new_(i-1)'s
-    (a merge appends as many as it kills: the buffer holds them). Then the dirty rows' two keys into
-    fresh_keys, in items of ROWS rows x BLOCK columns over the programs; atomic_max: any order."""
+    """Step 4: moves a_i's survivors back to its list, the merged positions to new_i's, after
+    new_(i-1)'s. Then the dirty rows' two keys into fresh_keys, in items of ROWS rows x BLOCK
+    columns, in any order (atomic_max)."""
     if tl.load(state + DONE) != 0:
         return
     program, programs = tl.program_id(0), tl.num_programs(0)
@@ -325,8 +319,7 @@ def refresh_rows(state, batch, list_buffer, scratch, list_start, list_len, count
         tl.store(list_len + first_new + slots, merged, mask=slots < pairs)
     columns, dirty = tl.load(state + NEXT), tl.load(state + DIRTY)
     slices = tl.cdiv(columns, BLOCK)
-    # Items are independent: num_stages=3 has the compiler load the next two while this one is
-    # reduced (cp.async into shared memory), or one program would wait out each load in turn.
+    # items are independent: num_stages=3 loads the next two (cp.async) while this one is reduced
     for item in tl.range(program, tl.cdiv(dirty, ROWS) * slices, programs, num_stages=3):
         i = (item // slices) * ROWS + tl.arange(0, ROWS)
         row = tl.load(dirty_rows + i, mask=i < dirty, other=0).to(tl.int64)
@@ -341,20 +334,20 @@ def refresh_rows(state, batch, list_buffer, scratch, list_start, list_len, count
         next_col = tl.min(tl.where(rest == next_most[:, None], col[None, :], columns), axis=1)
         key = tl.where(most > 0, (most.to(tl.int64) << ID_BITS) | (LOW - first_col), 0)
         second = tl.where(next_most > 0, (next_most.to(tl.int64) << ID_BITS) | (LOW - next_col), 0)
-        # A row's two largest keys, items in any order: the first by atomic max; the second, of the
-        # items' seconds and of the smaller of each first and the key it met (keys inserted one by
-        # one: the second largest is the smaller of the two at some insertion).
+        # A row's two largest keys: the first by atomic max; the second, of the items' seconds and
+        # the smaller of each first and the key it met (keys inserted one by one, the second largest
+        # is the smaller of the two at some insertion).
         met = tl.atomic_max(fresh_keys + 2 * row, key, mask=i < dirty, sem="relaxed")
         tl.atomic_max(fresh_keys + 2 * row + 1, tl.maximum(second, tl.minimum(met, key)),
                       mask=i < dirty, sem="relaxed")
 
 
 def chunks_to_arrays(chunk_counts, vocab_size):
-    """The distinct chunks (2+ bytes: a single byte has no pair) as the arrays above."""
+    """The distinct chunks of 2+ bytes (one has no pair) as the arrays above."""
     chunks = [chunk.encode("utf-8") for chunk in chunk_counts]
     lengths = np.fromiter(map(len, chunks), np.int64, len(chunks))
     occurrences = np.fromiter(chunk_counts.values(), np.int64, len(chunks))
-    total_bytes = int((lengths * occurrences).sum())  # tokens of the training text before any merge
+    total_bytes = int((lengths * occurrences).sum())  # the text's tokens before any merge
     keep = lengths >= 2
     chunks = [chunk for chunk, kept in zip(chunks, keep) if kept]
     lengths, occurrences = lengths[keep], occurrences[keep]
@@ -366,15 +359,15 @@ def chunks_to_arrays(chunk_counts, vocab_size):
     next_pos, prev_pos = np.arange(1, L + 3, dtype=np.int32), np.arange(-1, L + 1, dtype=np.int32)
     next_pos[ends - 1], prev_pos[ends - lengths] = END, END
     next_pos[L:], prev_pos[L:] = END, END
-    # Counts are sums of weights: int32 holds them, and halves the matrix, below 2^31 pairs of text.
+    # int32 counts (half the matrix) below 2^31 pairs of text
     total_pairs = int(((lengths - 1) * occurrences).sum())
     count_dtype = np.int32 if total_pairs < 2**31 else np.int64
     weight = np.zeros(L + 2, count_dtype)
     weight[:L] = np.repeat(occurrences, lengths)
     left = np.flatnonzero(next_pos[:L] != END)
-    # the 256 byte lists, one after another: as uint8, numpy's stable sort is a radix sort, linear
+    # the 256 byte lists in turn: on uint8, numpy's stable sort is a linear radix sort
     order = np.argsort(tokens[left].astype(np.uint8), kind="stable")
-    # the byte lists, then the new tokens' lists: each merge appends as many positions as it kills
+    # the byte lists, then the new tokens': a merge appends as many positions as it kills
     list_buffer = np.zeros(2 * len(left) + 1, np.int32)
     list_buffer[:len(left)] = left[order]
     list_len = np.zeros(vocab_size, np.int64)
@@ -388,12 +381,12 @@ def chunks_to_arrays(chunk_counts, vocab_size):
 
 
 def merge_on_device(arrays, vocab_size, device, max_batch=max_batch):
-    """The merge loop, ROUNDS_PER_READ rounds per host read: the merges, the token count, and the
-    seconds of the setup (uploads, the V x V zeros, compiling, recording) and of the loop alone."""
+    """The merge loop: the merges, the token count, and the seconds of the setup (uploads, the
+    V x V zeros, compiling, recording) and of the loop."""
     V, device = vocab_size, torch.device(device)
     started = time.time()
     if device.type == "cuda":
-        # kernels launch, and a graph records, on the current GPU: make it this one, by index
+        # kernels launch, and graphs record, on the current GPU: make it this one
         if device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(device)
@@ -404,20 +397,20 @@ def merge_on_device(arrays, vocab_size, device, max_batch=max_batch):
     counts = zeros(V * V, weight.dtype).index_add_(0, upload("pairs"), upload("pair_weights"))
     END = len(tokens) - 2
     mark, scratch = zeros(END + 2, torch.int32), torch.empty_like(list_buffer)
-    # a GPU runs a few programs per SM; the interpreter runs them in turn: one, wide, is fastest
+    # a GPU runs a few programs per SM; the interpreter, in turn: one wide is fastest
     shape = INTERPRETER_SHAPE
     if device.type == "cuda":
         shape = dict(programs=4 * torch.cuda.get_device_properties(device).multi_processor_count,
                      block=256, rows=4, choose_block=256, key_block=256)
     programs, block, rows = shape["programs"], shape["block"], shape["rows"]
-    # choose reads all block keys at once: choose_block x key_block rows must cover V
+    # choose_batch reads all block keys at once: choose_block x key_block rows must cover V
     key_block = max(shape["key_block"], triton.next_power_of_2(triton.cdiv(V, shape["choose_block"])))
     choose_block = max(shape["choose_block"], key_block)
     slots = triton.next_power_of_2(max_batch)
     row_keys, fresh_keys, state, batch = zeros(2 * V), zeros(2 * V), zeros(5), zeros(8 * slots)
     merge_log, block_key = zeros(2 * V), zeros(triton.cdiv(V, key_block))
     dirty_flag, dirty_rows = zeros(V, torch.int32), zeros(V, torch.int32)
-    # the first refresh makes all rows' keys
+    # the first refresh makes every row's keys
     dirty_flag[:256], dirty_rows[:256] = 1, torch.arange(256, device=device)
     state[NEXT.value], state[DIRTY.value] = 256, 256
     grid = (programs,)
@@ -426,7 +419,7 @@ def merge_on_device(arrays, vocab_size, device, max_batch=max_batch):
         refresh_rows[grid](state, batch, list_buffer, scratch, list_start, list_len, counts,
                            fresh_keys, dirty_rows, V, ROWS=rows, BLOCK=block, SLOTS=slots)
 
-    def merge_group():  # past the last merge, choose_batch sets DONE: every kernel does nothing
+    def merge_group():
         for _ in range(ROUNDS_PER_READ):
             choose_batch[(1,)](state, batch, row_keys, block_key, fresh_keys, dirty_flag, dirty_rows,
                                list_start, list_len, merge_log, V, max_batch, BLOCK=choose_block,
@@ -439,8 +432,8 @@ def merge_on_device(arrays, vocab_size, device, max_batch=max_batch):
             launch_refresh()
 
     launch_refresh()
-    # The setup ends with every kernel compiled (a group run with DONE set does nothing else) and,
-    # on CUDA, a group recorded as a graph: the loop's clock then times merges alone.
+    # The setup compiles every kernel (a group with DONE set does nothing else) and, on CUDA,
+    # records a group as a graph: the loop times merges alone.
     state[DONE.value] = 1
     merge_group()
     state[DONE.value] = 0
@@ -463,23 +456,25 @@ def merge_on_device(arrays, vocab_size, device, max_batch=max_batch):
     seconds = dict(setup=loop_started - started, loop=time.time() - loop_started)
     num_merges = int(state[NEXT.value]) - 256
     merged_pairs = merge_log[:2 * num_merges].view(-1, 2).tolist()
-    # a merged occurrence saves one token per use of its chunk
+    # a merged occurrence saves a token per use of its chunk
     tokens_saved = int(weight[tokens == DEAD.value].sum())
     merges = [((left, right), 256 + i) for i, (left, right) in enumerate(merged_pairs)]
     return merges, arrays["total_bytes"] - tokens_saved, seconds
 
 
 def merges_done(state):
-    """Whether the merges are done, and how many: a group's one host read, the host's one wait."""
+    """Whether the merges are done, and how many: a group's one read and wait."""
     slots = state[:DONE.value + 1].tolist()
     return bool(slots[DONE.value]), slots[NEXT.value] - 256
 
 
-# === the batch rule: several merges in one step, exactly the sequential ones
+# === the batch rule: several merges a round, exactly the sequential ones
 def merge_batch(ranked_pairs, max_batch):
-    """The longest prefix p1..pk of ranked_pairs, k <= max_batch, sharing no token, (a, a) only
-    last. Merging pi = (ai, bi) changes only counts with ai or bi; a new (x, new_i) or (new_i, y)
-    counts at most (x, ai) or (bi, y), after pk; new_i, the largest id, loses the same ties."""
+    """The pairs a round merges: the longest prefix of ranked_pairs (largest count first, ties to
+    the smallest (l, r)) sharing no token, (a, a) only last, at most max_batch: what sequential
+    merges make. Merging (a_i, b_i) changes only pairs holding a_i or b_i: later pairs keep their
+    counts, and those it makes rank below them ((x, new_i) counts at most what (x, a_i) did, not in
+    the batch, and new_i, the largest id yet, loses ties; likewise (new_i, y))."""
     batch = []
     for left, right in ranked_pairs[:max_batch]:
         if any(left in pair or right in pair for pair in batch):
@@ -491,19 +486,15 @@ def merge_batch(ranked_pairs, max_batch):
 
 
 # === plumbing: pre-tokenizing on every core, the same in both GPU trainers (counting chunks is
-# train_bpe_cpu.py's lesson). The regex is the slow part, and holds the GIL: worker processes count
-# batches of the parent's documents, in any order (BPE depends only on the multiset of chunks), then
-# worker i sums the chunks with hash(chunk) % workers == i, sent by all (forked, they hash alike);
-# the parent only joins disjoint sums (adding Counters, ~0.5 us a chunk, there alone would not scale
-# with the cores). A CPU-time alarm per document, as in train_bpe_cpu.py's split_in_time, turns a
-# pattern that backtracks catastrophically into one line.
+# train_bpe_cpu.py's lesson). The regex, the slow part, holds the GIL: workers count batches of
+# documents in any order (BPE sees only the multiset of chunks), then worker i sums the chunks with
+# hash(chunk) % workers == i (forked, they hash alike), so the parent only joins disjoint sums. A
+# CPU-time alarm per document makes a pattern that backtracks catastrophically one line.
 BATCH_CHARS = 1 << 20  # characters of documents per batch sent to a pre-tokenizing worker
-# A longer document (a .txt file) is cut only where the split pattern can't match across, so the
-# pieces' chunks are the document's: for GPT-4's pattern, just before a line break (\r or \n) after
-# a letter or digit X. No match holds both: letter and digit runs stop at the break, and the
-# alternatives that take a break need whitespace (\s*[\r\n]) or punctuation before it
-# (` ?[^\s\p{L}\p{N}]++[\r\n]*`: "end.\n" is one chunk, so a cut after punctuation, or a combining
-# mark, would be wrong). A match begun before the break stops there as at the text's end; with no
+# A long document (a .txt file) is cut only where the pattern can't match across: for GPT-4's,
+# before a line break after a letter or digit. No match holds both: letter and digit runs stop at
+# the break, and the alternatives that take one need whitespace or punctuation before it ("end.\n"
+# is one chunk). A match begun before the break stops there as at the text's end; with no
 # lookbehind or anchor, those after it see nothing before it. No other --pattern is ever cut.
 SAFE_CUTS = {pattern: regex.compile(r"[\p{L}\p{N}](?=[\r\n])")}  # the cut: the match's end
 
@@ -638,9 +629,7 @@ def document_pieces(document, pattern_text):
     yield document[start:]
 
 
-# === output: the tokenizer's files
-
-
+# === plumbing: the tokenizer's files (every trainer's), the settings' and --out's checks
 def vocab_bytes(merges):
     """Every token's bytes, in rank order: 0-255 are the bytes, a merge is its two halves glued."""
     vocab = [bytes([byte]) for byte in range(256)]
@@ -658,9 +647,6 @@ def save_tokenizer(out_dir, merges, info):
     for name, text in [("tokenizer.tiktoken", ranks), ("tokenizer.json", settings)]:
         (out_dir / f"{name}.tmp").write_text(text, encoding="utf-8")
         os.replace(out_dir / f"{name}.tmp", out_dir / name)
-
-
-# === plumbing: the settings' and the output directory's checks
 
 
 class UserError(Exception):
@@ -726,7 +712,7 @@ def validate(args):
         matches_empty = regex.compile(args.pattern).fullmatch("") is not None
     except regex.error as error:
         raise UserError(f"--pattern does not compile ({error}); fix it, or leave it out")
-    # never cpu by default: Triton's interpreter is ~1,000x slower
+    # never cpu by default: the interpreter is ~1,000x slower
     chosen = args.device or "cuda"
     try:
         parsed = torch.device(chosen)
@@ -748,7 +734,6 @@ def validate(args):
          "interpreter (slow, for tests), or use train_bpe_cpu.py"),
         (kind == "cuda" and index is not None and index >= gpus,
          f"--device {chosen}: this machine has {gpus} CUDA GPU(s), cuda:0 to cuda:{gpus - 1}"),
-        # the environment variable counts when triton is imported
         ((kind == "cpu") != bool(triton.knobs.runtime.interpret),
          f"--device {chosen} with TRITON_INTERPRET={os.environ['TRITON_INTERPRET']}: the kernels "
          "run compiled on cuda, in Triton's interpreter on cpu; set it to 1 for cpu, 0 for cuda"),
@@ -778,8 +763,8 @@ def check_text(args, source, chunk_counts, chars_read):
 
 
 def check_memory(vocab_size, itemsize, device):
-    """The V x V count matrix is the budget: 16 GiB at V = 65534. The ~40 bytes per position of the
-    distinct chunks are little beside it (2.5 M positions for all of enwiki's 56 M characters)."""
+    """The V x V count matrix is the budget (16 GiB at V = 65534): the ~40 bytes a position are
+    little beside it (2.5 M positions for all of enwiki)."""
     if device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory
     else:
@@ -791,7 +776,7 @@ def check_memory(vocab_size, itemsize, device):
                         "train_bpe_cpu.py")
 
 
-MAX_POSITIONS = 2**31 - 2  # positions are int32: the distinct chunks' bytes + 2 spare slots
+MAX_POSITIONS = 2**31 - 2  # int32 positions: the distinct chunks' bytes + 2 spare slots
 
 
 def check_positions(L):
@@ -819,36 +804,33 @@ def parse_args(argv):
     return parser.parse_args(argv)
 
 
-# === the run: read, pre-tokenize, lay out, merge on the device, write
-
-
+# === the run: read, pre-tokenize, lay out, merge, write
 def run(argv):
     args = parse_args(argv)
     train_device = validate(args)
     documents, source_name, source = open_source(args.data or data, args.data is not None)
     out_dir = Path(args.out or f"tokenizers/{source_name}_v{args.vocab_size}")
-    out_lock = check_out_dir(out_dir)  # held to the end: a second run into out_dir refuses
+    out_lock = check_out_dir(out_dir)  # held to the end: a second run there refuses
 
     t0 = time.time()
     workers = len(os.sched_getaffinity(0)) if args.num_chars >= PARALLEL_CHARS else 1
-    chunk_counts, read = count_chunks(documents(args.num_chars), args.num_chars, args.pattern,
-                                      workers, "reading")
+    chunk_counts, read = count_chunks(
+        documents(args.num_chars), args.num_chars, args.pattern, workers, "reading")
     chars_read = read["chars"]
     t1 = time.time()
     check_text(args, source, chunk_counts, chars_read)
     print(f"read {chars_read:,} characters: {sum(chunk_counts.values()):,} chunks, "
           f"{len(chunk_counts):,} distinct")
     arrays = chunks_to_arrays(chunk_counts, args.vocab_size)
-    # int64 counts past 2^31 pairs: twice the matrix validate() checked
+    # int64 counts past 2^31 pairs: twice what validate() checked
     check_memory(args.vocab_size, arrays["weight"].itemsize, train_device)
-    print(f"{len(arrays['tokens']) - 2:,} token positions in the distinct chunks, "
-          f"on {train_device}")
+    print(f"{len(arrays['tokens']) - 2:,} token positions in the distinct chunks, on {train_device}")
     t_layout = time.time()
-    merges, total_tokens, seconds = merge_on_device(arrays, args.vocab_size, train_device,
-                                                    args.max_batch)
+    merges, total_tokens, seconds = merge_on_device(
+        arrays, args.vocab_size, train_device, args.max_batch)
     t2 = time.time()
 
-    num_merges, eot_id = len(merges), 256 + len(merges)  # <|endoftext|>: the first id after them
+    num_merges, eot_id = len(merges), 256 + len(merges)  # <|endoftext|>: the next id
     stop_reason = "vocab_size reached" if eot_id == args.vocab_size else "no pairs left to merge"
     if eot_id < args.vocab_size:
         print(f"stopped early after {num_merges} merges: {stop_reason} "
@@ -858,7 +840,7 @@ def run(argv):
         "num_merges": num_merges, "num_chars": chars_read, "source": source,
         "trainer": "train_bpe_gpu.py", "device": str(train_device), "seconds": round(t2 - t0, 3),
         "stop_reason": stop_reason})
-    # merges/s over the loop alone: the setup (compiling on a machine's first run) isn't merging
+    # merges/s over the loop: the setup (compiling, on a machine's first run) isn't merging
     merges_per_second = num_merges / max(seconds["loop"], 1e-9)
     print(f"reading + pre-tokenizing {t1 - t0:.2f}s | layout {t_layout - t1:.2f}s | setup "
           f"{seconds['setup']:.2f}s | merging {seconds['loop']:.2f}s ({merges_per_second:,.0f} "
