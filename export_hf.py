@@ -45,7 +45,7 @@ def main():
     hf_path = os.path.realpath(hf_dir)  # a link: where it points
     validate(hf_path)
 
-    # 1. The checkpoint: the model and its tokenizer.
+    # 1. The model and its tokenizer.
     checkpoint = load_checkpoint(os.path.join(out_dir, ckpt))
     model = model_from_checkpoint(checkpoint)
     encoding = encoding_from_checkpoint(checkpoint)
@@ -71,7 +71,7 @@ def main():
              "tokenizer.json": hf_tokenizer_json(ranks, encoding._pat_str, special_tokens),
              "tokenizer_config.json": tokenizer_config}
 
-    # 4. The files, all at once.
+    # 4. The files.
     write_directory(hf_path, weights, files)
     print(f"wrote {hf_path}: LlamaForCausalLM with {model.get_num_params():,} parameters "
           f"({dtype}), tokenizer of {len(ranks) + len(special_tokens):,} ids "
@@ -151,8 +151,8 @@ def hf_tokenizer_json(ranks, pattern, special_tokens):
 
 
 def llama_config(cfg, eot_id):
-    """config.json: the sizes and two constants easy to miss (rope_theta, norm_eps); rope_theta
-    top-level (transformers 4, vLLM, llama.cpp) and in rope_parameters (5.x)."""
+    """config.json; rope_theta and norm_eps are easy to miss. rope_theta is top-level (transformers
+    4, vLLM, llama.cpp) and in rope_parameters (5.x)."""
     return {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama",
         "vocab_size": cfg.vocab_size,  # the model's: it may be padded past the tokenizer
@@ -170,11 +170,10 @@ def llama_config(cfg, eot_id):
     }
 
 
-# === plumbing: writing hf_dir, the settings' checks (a first read stops here)
+# === plumbing: writing hf_dir, the settings' checks
 
 def write_directory(hf_path, weights, files):
-    """model.safetensors and the JSON files into hf_path, all or nothing: hf_path is made empty,
-    locked, checked again, then replaced by a complete copy."""
+    """hf_path is made empty, locked, checked again, then replaced by the complete copy."""
     made = not os.path.lexists(hf_path)
     temp_dir = f"{hf_path}.tmp.{os.getpid()}"
     try:
@@ -187,11 +186,11 @@ def write_directory(hf_path, weights, files):
             with open(os.path.join(temp_dir, name), "w", encoding="utf-8") as f:
                 json.dump(content, f, indent=2, ensure_ascii=False)
                 f.write("\n")
-        os.rename(temp_dir, hf_path)  # replaces the empty, locked one
+        os.rename(temp_dir, hf_path)
     except (OSError, SafetensorError) as err:  # safetensors' own error for a full disk
         raise UserError(f"can't write {hf_path}: {getattr(err, 'strerror', None) or err}") from None
     finally:
-        shutil.rmtree(temp_dir, ignore_errors=True)  # a failure, or Ctrl-C, leaves nothing it made
+        shutil.rmtree(temp_dir, ignore_errors=True)  # a failure, or Ctrl-C, leaves nothing
         if made and os.path.isdir(hf_path) and not os.listdir(hf_path):
             os.rmdir(hf_path)
 

@@ -3,7 +3,7 @@ lilLM's model: a Llama-3-style GPT in one file, shared by train.py, sample.py an
 
 Compared with GPT-2 (nanoGPT), it swaps in what later models settled on: RMSNorm, rotary position
 embeddings, a SwiGLU MLP, grouped-query attention, tied embeddings, no biases. Then generation,
-the Muon optimizer, and plumbing a first read skips (config checks, checkpoints, tokenizers).
+the Muon optimizer, and plumbing (config checks, checkpoints, tokenizers).
 
     from model import GPTConfig, GPT
     model = GPT(GPTConfig())             # the lilLM preset, 39,596,544 parameters
@@ -24,21 +24,21 @@ import torch.nn.functional as F
 
 @dataclass
 class GPTConfig:
-    vocab_size: int = 8192       # 2^13; a multiple of 64 keeps the output matmul on fast tiles
+    vocab_size: int = 8192       # a multiple of 64 keeps the output matmul on fast tiles
     n_embd: int = 512
     n_layer: int = 12
     block_size: int = 512        # longest context; RoPE tables and the KV cache are sized to it
     n_head: int = 16             # query heads (head_dim = n_embd // n_head = 32)
-    n_kv_head: int = 8           # key/value heads, shared by n_head // n_kv_head query heads each
+    n_kv_head: int = 8           # key/value heads (grouped-query attention)
     rope_theta: float = 10000.0  # base of the rotary frequencies
     norm_eps: float = 1e-5
     ffn_ratio: float = 8 / 3     # SwiGLU hidden size: ffn_ratio * n_embd, up to a multiple of:
     ffn_multiple_of: int = 128
     dropout: float = 0.0         # pretraining on lots of data doesn't need it
-    bias: bool = False           # biases in the Linear layers; off, like Llama
+    bias: bool = False           # in the Linear layers; off, like Llama
 
     def __post_init__(self):
-        check_config(self)  # a bad config fails here, in one line
+        check_config(self)  # a bad config fails here
 
     @property
     def ffn_hidden_size(self):
@@ -55,7 +55,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
-        # The mean of squares in float32: bf16 loses too many bits.
+        # float32: bf16 loses too many bits.
         x_float = x.float()
         normed = x_float * torch.rsqrt(x_float.pow(2).mean(-1, keepdim=True) + self.eps)
         return normed.type_as(x) * self.weight
@@ -72,7 +72,7 @@ def apply_rope(x, cos, sin):
     # Why rotary over GPT-2's learned positions: rotating query and key channel pairs by an angle
     # proportional to the position makes q.k depend only on the tokens' distance, with no
     # parameters. Pair (i, i + head_dim/2) = (x1, x2) becomes (x1 cos - x2 sin, x2 cos + x1 sin)
-    # = x * cos + (x2, x1) * sin (the sin table holds the sign).
+    # = x * cos + (x2, x1) * sin.
     x_float = x.float()
     x1, x2 = x_float.chunk(2, dim=-1)
     return (x_float * cos + torch.cat([x2, x1], dim=-1) * sin).type_as(x)
@@ -91,7 +91,7 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.dropout = config.dropout
         self.resid_dropout = nn.Dropout(config.dropout)
-        self.kv_cache = None  # generating: [keys, values], each (B, n_kv_head, block_size, head_dim)
+        self.kv_cache = None  # generating: [keys, values], (B, n_kv_head, block_size, head_dim)
 
     def forward(self, x, cos, sin, position=None, mask=None):
         B, T, C = x.size()
@@ -101,7 +101,7 @@ class CausalSelfAttention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if self.kv_cache is not None:
             cached_keys, cached_values = self.kv_cache
-            if position is None:  # the prefill, from position 0: causal over its own keys
+            if position is None:  # the prefill, from 0: causal over its own keys
                 cached_keys[:, :, :T], cached_values[:, :, :T] = k, v
             else:  # one token at `position`, seeing the cache's first mask.size(-1)
                 cached_keys.index_copy_(2, position, k)
@@ -161,8 +161,8 @@ class GPT(nn.Module):
         cos, sin = rope_tables(config.n_embd // config.n_head, config.block_size, config.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
-        # GPT-2 init: N(0, 0.02); the residual stream's 2 writes a layer 0.02/sqrt(2*n_layer), so
-        # depth does not grow its variance.
+        # GPT-2 init: N(0, 0.02); the residual stream's 2 writes a layer 0.02/sqrt(2*n_layer): depth
+        # does not grow its variance.
         self.apply(self._init_weights)
         for name, param in self.named_parameters():
             if name.endswith("c_proj.weight"):
@@ -179,12 +179,10 @@ class GPT(nn.Module):
 
     def forward(self, idx, targets=None):
         """idx: (B, T) token ids. With targets (B, T) (-1 = ignore): logits (B, T, vocab) and the
-        mean cross-entropy. Without: the last position's logits (B, 1, vocab), all generation needs,
-        and None."""
+        mean cross-entropy. Without: the last position's logits (B, 1, vocab) and None."""
         B, T = idx.size()
         if T > self.config.block_size:
-            raise ValueError(f"sequence of {T} tokens is longer than "
-                             f"block_size={self.config.block_size}")
+            raise ValueError(f"sequence of {T} tokens is longer than block_size={self.config.block_size}")
         cos, sin = self.rope_cos[:T], self.rope_sin[:T]
         x = self.transformer.drop(self.transformer.wte(idx))
         for block in self.transformer.h:
@@ -201,8 +199,8 @@ class GPT(nn.Module):
 
     def configure_optimizers(self, weight_decay, learning_rate, betas, device_type,
                              optimizer="adamw", verbose=True):
-        """"adamw": AdamW, decaying the matrices, not the 1-D gains and biases (decaying a gain only
-        fights the norm). "muon": Muon for the blocks' matrices, AdamW for the rest."""
+        """"adamw": AdamW, decaying the matrices, not the 1-D gains and biases (that only fights
+        the norm). "muon": Muon for the blocks' matrices, AdamW for the rest."""
         log = print if verbose else (lambda *args, **kwargs: None)
         if optimizer not in ("adamw", "muon"):
             raise ValueError(f"optimizer must be 'adamw' or 'muon', got {optimizer!r}")
@@ -218,12 +216,12 @@ class GPT(nn.Module):
             log(f"optimizer: Muon for {len(block_matrices)} matrices in the blocks "
                 f"({sum(p.numel() for p in block_matrices):,} params), AdamW for {len(others)} "
                 f"other tensors ({sum(p.numel() for p in others):,} params)")
-            # Newton-Schulz is ~1% of a GPU step (bf16), up to half a CPU one (float32): there, every
-            # step for the first 250 (the momentum turns fast), then every 2nd (CPU val loss 1.584).
+            # Newton-Schulz is ~1% of a GPU step, up to half a CPU one: there, every step for the
+            # first 250 (the momentum turns fast), then every 2nd (CPU val loss 1.584).
             schedule = {} if device_type == "cuda" else {"ns_every": 2, "ns_warmup": 250}
             muon = {"params": block_matrices, "weight_decay": weight_decay, "use_muon": True, **schedule}
             return MuonAdamW([muon] + groups, lr=learning_rate, betas=betas)
-        fused = device_type in ("cuda", "cpu")  # the update in one kernel
+        fused = device_type in ("cuda", "cpu")
         log(f"optimizer: {len(decay)} decayed tensors ({sum(p.numel() for p in decay):,} params), "
             f"{len(no_decay)} not decayed ({sum(p.numel() for p in no_decay):,} params)\n"
             f"optimizer: using fused AdamW: {fused}")
@@ -231,7 +229,7 @@ class GPT(nn.Module):
 
     def estimate_mfu(self, fwdbwd_per_iter, dt):
         """Model FLOPs utilization: 0.4 = 40% of the device's bf16 peak (NaN on a CPU). FLOPs per
-        token as in PaLM: 6N (matmuls) + 12*L*H*Q*T (attention, not halved for causality)."""
+        token as in PaLM: 6N (matmuls) + 12*L*H*Q*T (attention)."""
         cfg = self.config
         flops_per_token = 6 * self.get_num_params() + 12 * cfg.n_layer * cfg.n_embd * cfg.block_size
         peak, _ = peak_flops(self.lm_head.weight.device)
@@ -242,11 +240,10 @@ class GPT(nn.Module):
     # ---- generation ----
     # The KV cache holds each token's keys and values: a step runs only the newest token. It is
     # static, made once for block_size positions, each step writing its own in place. On a GPU the
-    # decode step reads all of it, masked to the filled part, so its shapes never change (the
-    # position is a tensor): torch.compile captures it as a CUDA graph, one launch for the hundreds
-    # of kernels whose launches are a batch-1 step's cost (not by hand: compile fuses, copes with
-    # autocast, and runs the same trace on a CPU for the tests). The prefill, of varied prompts,
-    # stays apart.
+    # decode step reads all of it, masked to the filled part: its shapes never change (the position
+    # is a tensor), so torch.compile captures it as one CUDA graph, one launch for the hundreds of
+    # kernel launches that are a batch-1 step's cost (compile also fuses, and runs on a CPU too).
+    # The prefill, of varied prompt lengths, stays apart.
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, **settings):
@@ -257,9 +254,8 @@ class GPT(nn.Module):
     def generate_tokens(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None,
                         use_cache=True, generator=None, compile_decode=None):
         """Yields the new tokens, each (B, 1). A full cache is refilled from the last block_size//2
-        tokens; use_cache=False recomputes the whole context each step (slower, the same tokens
-        while it fits). compile_decode: torch.compile's options for the decode step (None: CUDA
-        graphs on a GPU)."""
+        tokens; use_cache=False recomputes the context each step (the same tokens while it fits).
+        compile_decode: torch.compile's options for the decode step (None: CUDA graphs on a GPU)."""
         block_size = self.config.block_size
         if idx.size(1) > block_size:
             warnings.warn(f"the prompt has {idx.size(1)} tokens, more than "
@@ -271,8 +267,7 @@ class GPT(nn.Module):
             compile_decode = {"mode": "reduce-overhead"}
         if compile_decode and getattr(self, "_decode_options", None) != compile_decode:
             self._decode_options = compile_decode  # compiled once, not each call
-            self._decode_compiled = torch.compile(self._decode_step, fullgraph=True,
-                                                  **compile_decode)
+            self._decode_compiled = torch.compile(self._decode_step, fullgraph=True, **compile_decode)
         decode_step = self._decode_compiled if compile_decode else self._decode_step
         if use_cache:
             self._attach_kv_cache(idx.size(0), idx.device, static=bool(compile_decode))
@@ -289,7 +284,7 @@ class GPT(nn.Module):
                 if use_cache and window.size(1) <= block_size:
                     if compile_decode:  # a new step: the graph may overwrite the last logits
                         torch.compiler.cudagraph_mark_step_begin()
-                    length = block_size if compile_decode else window.size(1)  # plain: the filled
+                    length = block_size if compile_decode else window.size(1)
                     logits = decode_step(next_token, position.fill_(window.size(1) - 1), length)
                 else:
                     keep = max(1, block_size // 2) if use_cache else block_size
@@ -309,7 +304,7 @@ class GPT(nn.Module):
         return self.lm_head(self.transformer.ln_f(x))
 
     def _attach_kv_cache(self, batch_size, device, static):
-        # Made once, kept: a CUDA graph reads it where it was captured (static: marked so).
+        # Kept: a CUDA graph reads it where it was captured (static: marked so).
         cfg = self.config
         dtype = self.lm_head.weight.dtype
         if torch.is_autocast_enabled(device.type):  # then keys/values come out in its dtype
@@ -329,8 +324,8 @@ class GPT(nn.Module):
     @torch.no_grad()
     def continuation_losses(self, contexts, continuations):
         """For each (context, continuation) pair of token-id lists: the continuation's summed and
-        mean cross-entropy given the context, two (B,) float32 tensors. A pair keeps its last
-        block_size + 1 tokens."""
+        mean cross-entropy given the context, two (B,) float32 tensors (of the last block_size + 1
+        tokens)."""
         pairs = []
         for context, continuation in zip(contexts, continuations):
             if not context or not continuation:
@@ -353,7 +348,7 @@ class GPT(nn.Module):
         return summed, summed / (targets >= 0).sum(dim=1)
 
 
-# ---- sampling: the next token from the logits ----
+# ---- sampling the next token ----
 
 def top_k_filter(logits, k):
     """Set every logit below the k-th largest to -inf (ties with the k-th are kept)."""
@@ -378,7 +373,7 @@ GREEDY_BELOW = 1e-4
 
 
 def sample_next_token(logits, temperature=1.0, top_k=None, top_p=None, generator=None):
-    """logits (B, vocab) -> next token ids (B, 1). A temperature near 0 or below, or None: greedy."""
+    """logits (B, vocab) -> next token ids (B, 1)."""
     if temperature is None or temperature < GREEDY_BELOW:
         return torch.argmax(logits, dim=-1, keepdim=True)
     logits = logits.float() / temperature
@@ -395,7 +390,7 @@ def orthogonalize(matrices, steps=5):
     """Roughly the nearest orthogonal matrix to each of a stack (n, rows, cols): U V^T of its SVD
     U S V^T. A Newton-Schulz step maps X to a X + b (X X^T) X + c (X X^T)^2 X, each singular value
     s to a s + b s^3 + c s^5; Keller Jordan's coefficients take 0.003..1 to about 0.7..1.2 in five
-    steps. Only matmuls: bfloat16 on a GPU, float32 on a CPU (bf16 emulated: ~27x slower)."""
+    steps. bfloat16 on a GPU, float32 on a CPU (bf16 emulated: ~27x slower)."""
     a, b, c = 3.4445, -4.7750, 2.0315
     x = matrices.bfloat16() if matrices.is_cuda else matrices.float()
     wide = x.size(-2) <= x.size(-1)
@@ -411,7 +406,6 @@ def orthogonalize(matrices, steps=5):
 
 class MuonAdamW(torch.optim.Optimizer):
     """Muon for the groups marked use_muon (2-D weight matrices), AdamW for the others.
-
     Why Muon (Jordan et al. 2024): a few directions dominate a matrix's gradient, and AdamW's step
     follows them. Muon steps along the momentum's nearest orthogonal matrix: the same directions,
     all moved alike (CPU Shakespeare recipe: val loss 1.59, AdamW 1.68). Scaled by 0.2 *
@@ -434,8 +428,7 @@ class MuonAdamW(torch.optim.Optimizer):
 
     def _muon_step(self, group, params):
         lr, momentum, every = group["lr"], group["momentum"], group.get("ns_every", 1)
-        # Matrices of one shape (a tall one transposed) share batched matmuls: CPU steps
-        # 1.05-1.15x faster (bench/bench_muon.py).
+        # One shape's matrices (a tall one transposed) share batched matmuls: CPU 1.05-1.15x faster.
         by_shape = {}
         for p in params:
             by_shape.setdefault((min(p.shape), max(p.shape)), []).append(p)
@@ -444,7 +437,7 @@ class MuonAdamW(torch.optim.Optimizer):
             grads = [p.grad for p in same_shape]
             buffers = [state.setdefault("momentum_buffer", torch.zeros_like(p))
                        for state, p in zip(states, same_shape)]
-            torch._foreach_lerp_(buffers, grads, 1 - momentum)  # a momentum-weighted mean of grads
+            torch._foreach_lerp_(buffers, grads, 1 - momentum)
             step = states[0].get("step", 0)
             fresh = step % every == 0 or step < group.get("ns_warmup", 0)
             if fresh or "direction" not in states[0]:
@@ -469,7 +462,7 @@ class MuonAdamW(torch.optim.Optimizer):
                 state.update(step=0, exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
             state["step"] += 1
             step, exp_avg, exp_avg_sq = state["step"], state["exp_avg"], state["exp_avg_sq"]
-            exp_avg.lerp_(p.grad, 1 - beta1)  # running means of the gradient and its square
+            exp_avg.lerp_(p.grad, 1 - beta1)
             exp_avg_sq.mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
             # Both start at 0, biased to it for ~1/(1 - beta) steps: divided out.
             denominator = (exp_avg_sq / (1 - beta2 ** step)).sqrt_().add_(eps)
@@ -528,8 +521,8 @@ class CheckpointError(Exception):
 
 
 def save_checkpoint(path, checkpoint):
-    """Write the checkpoint, less torch.compile's "_orig_mod." and DDP's "module." prefixes, to a
-    temporary file, renamed: never half a ckpt.pt."""
+    """Write the checkpoint, less torch.compile's "_orig_mod." and DDP's "module." prefixes, via a
+    temporary file: never half a ckpt.pt."""
     checkpoint = {"version": CHECKPOINT_VERSION, **checkpoint}
     if "model" in checkpoint:
         checkpoint["model"] = {re.sub(r"^(_orig_mod\.|module\.)+", "", key): value
@@ -551,8 +544,7 @@ def save_checkpoint(path, checkpoint):
 
 
 def load_checkpoint(path, map_location="cpu"):
-    """Read a save_checkpoint file, weights_only (loading runs no code); CheckpointError if it
-    can't be used."""
+    """Read a save_checkpoint file, weights_only (running no code); else CheckpointError."""
     if not os.path.isfile(path):
         raise CheckpointError(f"no checkpoint at {path}: train one with train.py, or point "
                               "--out_dir at the directory that holds it")
@@ -578,7 +570,6 @@ def load_checkpoint(path, map_location="cpu"):
 
 
 def first_line(error):
-    """An exception as one short line."""
     return f"{type(error).__name__}: {str(error)[:100]}".splitlines()[0]
 
 
@@ -586,13 +577,13 @@ def model_from_checkpoint(checkpoint):
     """The GPT a checkpoint describes, with its weights; CheckpointError if they don't fit."""
     try:
         settings = dict(checkpoint["model_config"])
-        for retired in ("max_batch_size", "ffn_hidden"):  # older checkpoints' settings, now gone
+        for retired in ("max_batch_size", "ffn_hidden"):  # older checkpoints' settings
             settings.pop(retired, None)
         model = GPT(GPTConfig(**settings))
         model.load_state_dict(checkpoint["model"])
     except (TypeError, ValueError, RuntimeError) as err:
-        message = f"the checkpoint's model does not fit this model.py: {first_line(err)}"
-        raise CheckpointError(message) from None
+        raise CheckpointError("the checkpoint's model does not fit this model.py: "
+                              f"{first_line(err)}") from None
     diverged = [name for name, param in model.named_parameters() if not param.isfinite().all()]
     if diverged:
         raise CheckpointError(f"the checkpoint's {diverged[0]} holds inf or NaN: use an earlier "
@@ -601,7 +592,7 @@ def model_from_checkpoint(checkpoint):
 
 
 class CharTokenizer:
-    """One id per character of `chars`, with the tiktoken.Encoding methods the scripts use."""
+    """One id per character, with the tiktoken.Encoding methods the scripts use."""
     special_tokens_set = frozenset()  # no <|endoftext|>: a char-level dataset is one text
 
     def __init__(self, chars):
@@ -634,7 +625,7 @@ def tokenizer_problem(ranks, special_tokens):
 
 def encoding_from_checkpoint(checkpoint):
     """A checkpoint's tokenizer: a tiktoken.Encoding (our BPE, or a tiktoken name) or a
-    CharTokenizer. CheckpointError, one line, if it can't be one or outgrows the model's vocab."""
+    CharTokenizer; CheckpointError if it can't be one or outgrows the model's vocab."""
     import tiktoken  # here: training needs only the model
 
     tokenizer = checkpoint.get("tokenizer")
@@ -677,6 +668,5 @@ def encoding_from_checkpoint(checkpoint):
 
 
 def bytes_of_id(encoding, token_id):
-    """A token's bytes; b"" for an id in the vocab's padding past the tokenizer (sampling can
-    draw it)."""
+    """A token's bytes; b"" for a padding id past the tokenizer (sampling can draw one)."""
     return encoding.decode_single_token_bytes(token_id) if token_id < encoding.n_vocab else b""

@@ -31,7 +31,7 @@ out_dir = "out"        # the directory train.py wrote (its --out_dir)
 ckpt = "ckpt.pt"       # file name inside out_dir; milestones are ckpt_<iter>.pt
 start = ""             # the prompt, or "FILE:path" to read it from a file
 num_samples = 3
-max_new_tokens = 256   # tokens to generate per sample
+max_new_tokens = 256
 temperature = 0.8      # < 1 sharpens the distribution, > 1 flattens it
 top_k = 200            # sample among the k most likely tokens (None or 0: all)
 top_p = 1.0            # nucleus: the fewest tokens that hold this much probability (1.0: off)
@@ -65,7 +65,6 @@ def main():
     with ctx:  # untimed: on a GPU the first decode steps compile a CUDA graph
         list(model.generate_tokens(idx, 4, temperature=0))
 
-    # Generate, printing each token once it is complete text.
     torch.manual_seed(seed)
     sys.stdout.reconfigure(errors="replace")  # a character the terminal lacks becomes '?'
     seconds = 0.0
@@ -86,7 +85,6 @@ def main():
 
 
 def encode_prompt(encoding, prompt, block_size):
-    """The prompt's last block_size token ids."""
     if prompt:
         try:
             prompt_ids = encoding.encode(prompt, allowed_special="all")
@@ -104,7 +102,7 @@ def encode_prompt(encoding, prompt, block_size):
     return prompt_ids[-block_size:]
 
 
-# === plumbing: the settings' checks, the prompt file, the device (a first read stops here)
+# === plumbing: the settings' checks, the prompt file, the device
 
 class UserError(Exception):
     """A mistake in the input: printed as one line, never as a traceback."""
@@ -168,7 +166,7 @@ def read_prompt(text):
         return text
     path = text[len("FILE:"):]
     try:
-        if os.path.getsize(path) > 10**7 or not os.path.isfile(path):  # a FIFO, a device: endless
+        if os.path.getsize(path) > 10**7 or not os.path.isfile(path):  # a FIFO: endless
             raise ValueError("not a regular file of at most 10 MB")
         with open(path, encoding="utf-8") as f:
             return f.read(10**7)
@@ -177,7 +175,7 @@ def read_prompt(text):
 
 
 def check_device(name):
-    """(device, its type), checked: cpu, cuda or mps, one this machine has."""
+    """(device, its type), one this machine has."""
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     device_type = name.split(":")[0]

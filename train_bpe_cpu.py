@@ -25,7 +25,7 @@ from tqdm import tqdm
 vocab_size = 1000  # 256 byte tokens + merges; <|endoftext|> gets the next id
 num_chars = 1048576  # train on the first 2^20 characters
 data = "fineweb"  # fineweb | fineweb-edu | a .txt/.jsonl/.parquet file | a directory of them
-out = None  # output directory; default tokenizers/<source>_v<vocab_size>
+out = None  # output directory
 # GPT-4's split pattern: letters with their leading space, up to 3 digits, punctuation runs,
 # whitespace; no merge glues a word to what follows it.
 pattern = r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]++[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+"""
@@ -49,8 +49,8 @@ def count_chunks(documents, split_pattern, num_chars):
 
 # --- step 2: count pairs
 # The distinct chunks lie in one flat list of token ids, linked: next_pos[i] is the position after
-# i in its chunk (-1 at its end), prev_pos[i] the one before. Merging the pair at i is O(1) (i takes
-# the new id, the right token is unlinked): a merge costs its occurrences only.
+# i in its chunk (-1 at its end), prev_pos[i] the one before. Merging the pair at i is O(1): a merge
+# costs its occurrences only.
 
 def build_symbols(chunk_counts):
     """The distinct chunks as (ids, prev_pos, next_pos, weight), one entry per UTF-8 byte."""
@@ -78,8 +78,8 @@ def count_pairs(ids, next_pos, weight):
 # --- step 3: the merge loop
 
 def merge_pair(pair, new_id, ids, prev_pos, next_pos, weight, pair_counts, pair_positions):
-    """Replace each occurrence of `pair` by `new_id`, left to right, updating the pair counts.
-    Returns the pairs whose counts changed and the (weighted) tokens saved."""
+    """Replace each occurrence of `pair` by `new_id`, left to right, updating the pair counts ->
+    the pairs whose counts changed, the (weighted) tokens saved."""
     left, right = pair
     # the neighbours' deltas: (x, left) -> (x, new), (right, y) -> (new, y)
     changed, tokens_saved = Counter(), 0
@@ -218,18 +218,16 @@ def parse_args(argv):
 
 
 def validate(args):
-    """The settings, checked before any work; returns the compiled pattern."""
+    """The settings, checked before any work -> the compiled pattern."""
     try:
         split_pattern = regex.compile(args.pattern)
     except regex.error as error:
         raise UserError(f"--pattern does not compile ({error}); fix it, or leave it out")
     if not 256 <= args.vocab_size < 2**31:
-        raise UserError(f"-v {args.vocab_size}: vocab_size must be between 256 (the bytes) "
-                        "and 2^31-1")
+        raise UserError(f"-v {args.vocab_size}: vocab_size must be between 256 (the bytes) and 2^31-1")
     if args.num_chars <= 0:
         raise UserError(f"-n {args.num_chars}: must be positive")
-    # '' or 'x*' matches empty text: refused before any reading
-    split_in_time(split_pattern, "", 0)
+    split_in_time(split_pattern, "", 0)  # '' or 'x*': refused before any reading
     return split_pattern
 
 
