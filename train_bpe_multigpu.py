@@ -57,7 +57,7 @@ device = "cuda"  # cuda: NCCL; cpu: gloo and Triton's interpreter
 cache_dir = "tokenizers/.cache"  # per-rank counted chunks
 workers = 0  # pre-tokenizing processes per rank; 0: its share of the node's cores
 timeout = 1800  # seconds a rank waits for the others (reading a big part takes a while)
-# GPT-4's split pattern (train_bpe_cpu.py says what it keeps apart)
+# GPT-4's split pattern
 pattern = r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]++[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+"""
 EOT = "<|endoftext|>"
 HUB_DATASETS = {"fineweb": ("HuggingFaceFW/fineweb", "sample-10BT"),
