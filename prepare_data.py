@@ -5,8 +5,8 @@ Turn text into token shards for train.py: fast, in flat memory, and resumable.
     python prepare_data.py --tokenizer gpt2 --data fineweb-edu --max_tokens 1000000000
     python prepare_data.py --tokenizer char --data ../shared/corpora/tinyshakespeare.txt
 
-It writes DIR/val_000000.npy, ..., DIR/train_000000.npy, ... and, last, DIR/meta.json (DIR: --out,
-or data/<source>_<tokenizer>). Killed and rerun, it resumes where it stopped.
+It writes DIR/val_000000.npy, ..., DIR/train_000000.npy, ... and, last, DIR/meta.json (DIR: --out).
+Killed and rerun, it resumes where it stopped.
 On many machines: --part K/N on each, then --merge N.
 """
 
@@ -112,7 +112,7 @@ class Shards:
             self.split = split
         while start < end:
             if self.file is None:
-                if not (self.out_dir / "progress.json").exists():  # a rerun resumes
+                if not (self.out_dir / "progress.json").exists():
                     write_json(self.out_dir / "progress.json", self.state)
                 name = f"{split}_{len(self.state['shards'][split]):06d}.npy"
                 self.file = open(self.out_dir / f"{name}.tmp", "wb")
@@ -143,7 +143,7 @@ class Shards:
         self.file, self.filled = None, 0
 
 
-def write_json(path, obj):  # a temporary name, then renamed: never half a file
+def write_json(path, obj):  # never half a file
     with open(f"{path}.tmp", "w") as f:
         json.dump(obj, f, indent=1, ensure_ascii=False)
         f.flush()
@@ -177,7 +177,7 @@ def complete(out_dir, tokenizer_files, meta=None):
         leftover.unlink(missing_ok=True)
 
 
-# === the run: steps 1 to 4, in order; what no step defines is plumbing, below
+# === the run: steps 1 to 4, in order
 def run(argv):
     args, t0 = parse_args(argv), time.time()
     documents, source_name, source = open_source(args.data or data, args.data is not None, args.part)
@@ -196,13 +196,12 @@ def run(argv):
     def texts():  # an empty text is no document
         return (text for text in first_chars(documents, budget) if text)
 
-    # the state: meta.json to be, where to resume
     state = {"version": 1, "max_token_id": -1, "tokenizer": tokenizer_meta, "source": source,
              "num_chars": 0, "tokens": {"val": 0, "train": 0}, "shards": {"val": [], "train": []},
              "args": settings, "resume": {"document": 0, "offset": 0}}
-    with writing_to(out_dir):  # one run at a time writes there
-        state = resume_state(out_dir, state, encoder)  # or a killed run's; None: complete
-        if state is None:  # the tokenizer files back; clear what a killed run left
+    with writing_to(out_dir):
+        state = resume_state(out_dir, state, encoder)
+        if state is None:
             complete(out_dir, tokenizer_files)
             return print(f"{out_dir} is already complete with these arguments; nothing to do")
 
@@ -492,7 +491,7 @@ def merge_parts(out_dir, count, now, encoder, tokenizer_files):
                 for name in names:
                     link = out_dir / f"{split}_{len(merged['shards'][split]):06d}.npy"
                     Path(f"{link}.tmp").unlink(missing_ok=True)
-                    os.link(path / name, f"{link}.tmp")  # no copy
+                    os.link(path / name, f"{link}.tmp")
                     os.replace(f"{link}.tmp", link)
                     merged["shards"][split].append(link.name)
         complete(out_dir, tokenizer_files, merged)
@@ -536,7 +535,7 @@ def lock_directory(path):
     return descriptor  # the lock lasts while this descriptor is open: keep it
 
 
-# === plumbing: reading text (a function that stands in several scripts is the same in each)
+# === plumbing: reading text
 
 def open_source(data, data_was_named, part):  # (documents(budget) -> texts, name, description)
     if data not in HUB_DATASETS:
@@ -552,7 +551,7 @@ def open_source(data, data_was_named, part):  # (documents(budget) -> texts, nam
     if problem is None:
         description = f"{repository} {config}" if config else repository
         return (lambda budget: datasets_texts(repository, **load)), data, description
-    if data_was_named:  # the default falls back to the offline corpus; a named one refuses
+    if data_was_named:
         raise UserError(f"{problem}, needed for --data {data}; use --data path/to/files instead")
     print(f"warning: {problem}: using the offline corpus, Python's stdlib", file=sys.stderr)
     return stdlib_documents, "stdlib", "Python standard library source (offline fallback)"
@@ -669,7 +668,7 @@ def first_chars(documents, num_chars):  # the last document is cut to fit
         if num_chars == 0:
             return  # before the source is asked for one more document: it may be slow, or malformed
 
-# === plumbing: the command line runs run(), and prints each error as one line, never a traceback
+# === plumbing: the command line runs run(); an error is one line
 def stopped(signum, frame):  # kill, scancel, SLURM's time limit: as Ctrl-C
     raise KeyboardInterrupt(f"stopped by {signal.Signals(signum).name}")
 

@@ -32,7 +32,7 @@ hellaswag = "hub"               # "hub" (Rowan/hellaswag: 10,042 examples) or a 
 hellaswag_batch = 0             # examples (4 rows each) a forward; 0: 32 on CUDA, else 1
 sample_prompt = ""              # each eval prints and logs 32 tokens sampled after it; "": off
 eval_only = False               # with init_from="resume": the evals once, then exit
-# batch: total_batch_size is what matters to the optimization; the others fit the hardware
+# batch: total_batch_size matters to the optimization; the others fit the hardware
 batch_size = 64                 # sequences per device in one forward/backward (micro-step)
 block_size = 512                # tokens per sequence: the model's context length
 total_batch_size = 524288       # tokens per step, over ranks and micro-steps (None: one micro-step)
@@ -69,7 +69,7 @@ names = "SLURM_PROCID SLURM_NTASKS SLURM_LOCALID" if slurm else "RANK WORLD_SIZE
 rank, world_size, local_rank = [int(os.environ.get(n, d)) for n, d in zip(names.split(), (0, 1, 0))]
 ddp, master = world_size > 1, rank == 0  # only the master prints, logs and writes
 
-# === plumbing: errors, the command line, settings' checks (a first read skips plumbing blocks)
+# === plumbing: errors, the command line, settings' checks
 import ast, difflib, importlib.util, re, signal, stat, sys
 
 class UserError(Exception):
@@ -102,7 +102,7 @@ def report(error_type, error, traceback):
         print(f"error: {error}", file=sys.stderr, flush=True)
     else:
         time.sleep(3)  # torchrun must not stop the master before it prints
-    if issubclass(error_type, KeyboardInterrupt):  # at once, with status 1
+    if issubclass(error_type, KeyboardInterrupt):
         sys.stdout.flush()
         os._exit(1)
 
@@ -129,7 +129,7 @@ def set_setting(source, key, value):
         raise UserError(f"{source}: unknown setting {key!r}{hint}; --help lists them")
     allowed = {type(defaults[key]), extra_types.get(key, type(defaults[key]))}
     if type(value) is int and float in allowed:
-        value = float(value)  # 3 is fine for 3.0
+        value = float(value)
     if type(value) not in allowed:
         names = " or ".join(sorted("None" if t is type(None) else t.__name__ for t in allowed))
         raise UserError(f"{source}: {key} must be {names}, got {value!r} ({type(value).__name__})")
@@ -207,7 +207,7 @@ for ok, message in [
         raise UserError(message)
 n_kv_head = n_head if n_kv_head is None else n_kv_head
 
-# === plumbing: the dataset: meta (meta.json), tokenizer (the checkpoint carries it), shard_sizes
+# === plumbing: the dataset: meta, tokenizer (the checkpoint carries it), shard_sizes
 import hashlib
 
 fix_dataset = f"run prepare_data.py again, or delete {dataset} and rerun it"
@@ -241,7 +241,7 @@ if kind == "bpe":  # prepare_data.py copies the tokenizer files beside the shard
                      "special_tokens": info["special_tokens"]}
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise UserError(f"{dataset} lacks readable tokenizer files ({e}): {fix_dataset}")
-    if hashlib.sha256(ranks_file).hexdigest() != meta["tokenizer"]["sha256"]:  # a trainer's --out?
+    if hashlib.sha256(ranks_file).hexdigest() != meta["tokenizer"]["sha256"]:
         raise UserError(f"{dataset}/tokenizer.tiktoken is not the tokenizer the shards were made "
                         f"with (see meta.json's sha256): copy it back from "
                         f"{meta['tokenizer'].get('path', 'its directory')}, or {fix_dataset}")
@@ -256,7 +256,7 @@ for split in ("train", "val"):
         path = os.path.join(dataset, name)
         if name != os.path.basename(name) or name in ("", ".", ".."):
             raise UserError(f"{meta_path} names the shard {name!r}: only plain file names are allowed")
-        try:  # the header only: get_batch checks the ids
+        try:
             tokens = np.load(path, mmap_mode="r")
         except (OSError, ValueError) as e:
             what = "unreadable" if os.path.exists(path) else "missing"
@@ -305,7 +305,7 @@ def hellaswag_examples(source):
             import datasets
             rows = datasets.load_dataset("Rowan/hellaswag", split="validation")
             return [(row["ctx"], list(row["endings"]), int(row["label"])) for row in rows]
-        except Exception as error:  # not cached, offline, no datasets package
+        except Exception as error:
             problem = problem or f"{type(error).__name__}: {str(error)[:100]}"
         if master:
             print(f"note: no HellaSwag figures ({problem}); --hellaswag=<file.jsonl> scores a "
@@ -361,7 +361,7 @@ ckpt_path = os.path.join(out_dir, "ckpt.pt")
 if init_from == "auto":
     init_from = "resume" if os.path.exists(ckpt_path) else "scratch"
 
-# === plumbing: the tokenizer (encoding; hellaswag_set's, sample_prompt's ids); load_for_resume
+# === plumbing: the tokenizer and the ids it gives; load_for_resume
 from model import CheckpointError, encoding_from_checkpoint, load_checkpoint, model_from_checkpoint
 
 encoding = None
@@ -545,12 +545,12 @@ if init_from == "scratch" and checkpoints_there:  # a milestone alone too: resum
                     f"go on from it with --init_from=resume{copy_hint}, or give another --out_dir")
 if master:
     for temp in glob.glob(os.path.join(glob.escape(out_dir), "ckpt*.pt.tmp.*")):
-        os.remove(temp)  # a save killed mid-write left it: no other run writes here (the lock)
+        os.remove(temp)  # a killed save's: no other run writes here (the lock)
     if checkpoint is None and os.path.exists(os.path.join(out_dir, "log.jsonl")):
         os.remove(os.path.join(out_dir, "log.jsonl"))  # a run's that saved no checkpoint
 
 # === the processes together; the model, the optimizer, the random states
-if ddp:  # NCCL between GPUs, gloo on CPUs; the timeout makes a hanging rank an error
+if ddp:  # the timeout makes a hanging rank an error
     dist.init_process_group("nccl" if device_type == "cuda" else "gloo", rank=rank,
                             world_size=world_size, timeout=timedelta(seconds=timeout))
 torch.manual_seed(seed)  # the same initial weights on every rank, in every run
@@ -592,8 +592,7 @@ if checkpoint is not None:
         print(f"note: the checkpoint has {len(saved_states['data'])} data streams, this run "
               f"{num_slots}")
 
-# === plumbing: the ranks' HellaSwag (one without examples would shrink the counts); SIGTERM
-# (SLURM preemption, torchrun stopping) and Ctrl-C; diverged()
+# === plumbing: the ranks' HellaSwag; SIGTERM (SLURM preemption, torchrun stopping) and Ctrl-C
 if ddp and hellaswag_interval:
     sizes = torch.tensor([len(hellaswag_set or []), -len(hellaswag_set or [])], device=device)
     dist.all_reduce(sizes, op=dist.ReduceOp.MIN)
@@ -606,13 +605,13 @@ if ddp and hellaswag_interval:
 def request_stop(signum, frame):
     global stop_signal
     if stop_signal == "SIGINT" and signum == signal.SIGINT:
-        raise KeyboardInterrupt  # Ctrl-C twice: stop now, unsaved (report() says it)
+        raise KeyboardInterrupt  # Ctrl-C twice: stop now, unsaved
     stop_signal = signal.Signals(signum).name
     if master:
         then = "stopping" if eval_only else "saving"
         print(f"{stop_signal}: finishing this step or eval batch, then {then}", flush=True)
 
-stop_signal = None  # the first stop signal's name
+stop_signal = None
 signal.signal(signal.SIGTERM, request_stop)
 signal.signal(signal.SIGINT, request_stop)
 
@@ -652,9 +651,8 @@ while True:
                 with torch.no_grad(), autocast:
                     totals[split_index] += model(x, y)[1].float()
         # HellaSwag as build-nanogpt and llm.c score it: the answer is the ending of lowest mean
-        # loss (acc_norm) or sum (acc). hellaswag_batch examples a forward, sorted by length (at
-        # loading): little padding. The raw model, here and for the sample: varying shapes would
-        # make torch.compile recompile.
+        # loss (acc_norm) or sum (acc). Sorted by length (at loading): little padding. The raw
+        # model, here and for the sample: varying shapes would make torch.compile recompile.
         if hellaswag_set and (iter_num % hellaswag_interval == 0 or last_iter or eval_only):
             share = hellaswag_set[rank::world_size]
             for batch in [share[i:i + hellaswag_batch] for i in range(0, len(share), hellaswag_batch)]:
@@ -738,7 +736,6 @@ while True:
     if stopping or last_iter:
         break
 
-    # one step: grad_accum_steps micro-steps, then the update
     step_start, step_loss = time.time(), torch.zeros((), device=device)
     for micro_step in range(grad_accum_steps):
         if ddp:  # the last micro-step's backward averages the ranks' gradients

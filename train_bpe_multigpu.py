@@ -7,7 +7,7 @@ Train a byte-level BPE tokenizer on many GPUs (or CPU processes) at once: one to
 
 The tokenizer is rustbpe's and train_bpe_gpu.py's, byte for byte, on the text the ranks read
 together (all of it, at any world size, if -n is past its end): BPE depends only on the multiset of
-chunks. tokenizer.json also says what each rank read.
+chunks.
 
 Not data-parallel training: a merge chosen from one rank's counts would be wrong. The ranks split
 the text (about n / W characters each, documents whole), the distinct chunks (each merges its own)
@@ -37,7 +37,7 @@ try:
 except ImportError:
     sys.exit("error: train_bpe_multigpu.py needs triton (pip install triton)")
 
-# === plumbing: train_bpe_gpu.py's interpreter fix (a first read can skip to the next # === banner)
+# === plumbing: train_bpe_gpu.py's interpreter fix
 if os.environ["TRITON_INTERPRET"] == "1":
     # Triton 3.6's interpreter (CUDA torch 2.11 pins it) takes a loop bound as int() of a 1-element
     # array, which NumPy 2.4 refuses (triton-lang/triton#9171); later Tritons take the element.
@@ -50,14 +50,14 @@ if os.environ["TRITON_INTERPRET"] == "1":
 
 # === defaults, each overridable from the command line
 vocab_size = 65534  # 256 bytes + merges; <|endoftext|> gets the next id (ids fit a uint16)
-num_chars = 2**27  # characters to train on, all ranks together (about n / W each)
+num_chars = 2**27  # characters to train on, all ranks together
 data = "fineweb"  # fineweb | fineweb-edu | a .txt/.jsonl/.parquet file | a directory of them
 out = None  # output directory; default tokenizers/<source>_v<vocab_size>
-device = "cuda"  # cuda: NCCL; cpu: gloo, the kernels in Triton's interpreter (slow: for testing)
-cache_dir = "tokenizers/.cache"  # per-rank counted chunks, keyed by data/n/pattern/world size
-workers = 0  # pre-tokenizing processes per rank; 0: its share of the node's cores (2^24+ chars)
+device = "cuda"  # cuda: NCCL; cpu: gloo and Triton's interpreter
+cache_dir = "tokenizers/.cache"  # per-rank counted chunks
+workers = 0  # pre-tokenizing processes per rank; 0: its share of the node's cores
 timeout = 1800  # seconds a rank waits for the others (reading a big part takes a while)
-# GPT-4's split pattern (train_bpe_cpu.py says what it keeps apart)
+# GPT-4's split pattern
 pattern = r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]++[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+"""
 EOT = "<|endoftext|>"
 HUB_DATASETS = {"fineweb": ("HuggingFaceFW/fineweb", "sample-10BT"),
@@ -78,9 +78,9 @@ class UserError(Exception):
 
 
 # === the merge loop, split across ranks
-# train_bpe_gpu.py's layout, keys and kernel bodies (read it first), on this rank's distinct chunks.
+# train_bpe_gpu.py's layout, keys and kernel bodies, on this rank's distinct chunks.
 # Its choose (one pair here) and apply_merges are each split around a collective: best_pair, then
-# find_occurrences (decodes the reduced pick, starts the merge); apply_merges, then apply_owned.
+# find_occurrences; apply_merges, then apply_owned.
 # Rank r owns the rows l with l % W == r, kept at l // W, and their row keys. A merge (a, b) -> new
 # changes only (a, b) and pairs in columns a and new, rows b and new: with x and y an occurrence's
 # neighbours (y' = new if y merged too), (x, a) and (b, y) lose, (x, new) and (new, y') gain. Each
@@ -185,7 +185,6 @@ def find_occurrences(state, best, list_start, list_len, merge_log, list_buffer, 
     """Decodes the reduced key, the same on every rank: the pair to merge. Each program decodes it,
     so none waits on program 0, which writes the merge's state for the next kernels (apply_owned
     moves NEXT on). Then marks this rank's occurrences, as train_bpe_gpu.py does."""
-    # best[0] is the packed key (ONE_KEY) or the count; best[1] the tie-break
     count, tie, new = tl.load(best), tl.load(best + 1), tl.load(state + NEXT)
     if ONE_KEY:
         count, tie = count >> (2 * BITS), count & ((1 << (2 * BITS)) - 1)
@@ -263,7 +262,6 @@ def apply_merges(state, list_buffer, scratch, list_start, list_len, tokens, next
             tl.atomic_add(delta + 1 + 3 * x, w, mask=has_x, sem="relaxed")
             tl.atomic_add(delta + 2 + 3 * y, w, mask=has_y, sem="relaxed")
             tl.atomic_add(delta + 3 + 3 * y_new, w, mask=has_y, sem="relaxed")
-            # one atomic a block for the one pair (a, b)
             tl.atomic_add(delta, tl.sum(w, axis=0), sem="relaxed")
 
 
@@ -279,7 +277,7 @@ def apply_owned(state, delta, counts, row_key, block_key, dirty_flag, dirty_rows
         a, b, new = tl.load(state + A), tl.load(state + B), tl.load(state + NEW)
         if tl.program_id(0) == 0:
             tl.store(state + NEXT, new + 1)  # nothing here reads NEXT
-        live = 1 + 3 * (new + 1)  # no lane past it was written
+        live = 1 + 3 * (new + 1)
         for first in range(tl.program_id(0) * BLOCK, live, tl.num_programs(0) * BLOCK):
             i = first + tl.arange(0, BLOCK)
             change = tl.load(delta + i, mask=i < live, other=0).to(tl.int64)
@@ -404,14 +402,13 @@ def merge_on_device(arrays, vocab_size, total_pairs, device, show_progress):
         refresh_rows[grid](state, list_buffer, scratch, list_len, counts, fresh_key, dirty_rows, V,
                            W, ROWS=rows, BLOCK=block)
 
-    # One merge: five kernels, the host's collectives between them (each waits at most --timeout).
-    # Merge m makes id 256 + m at most: delta's prefix up to that id is all it sends. Past the last
-    # merge, find_occurrences sets DONE and every kernel does nothing.
+    # One merge: five kernels, the host's collectives between them.
+    # Merge m makes id 256 + m at most: the prefix of delta it sends.
     def merge(m):
         best_pair[(1,)](state, row_key, block_key, fresh_key, dirty_flag, dirty_rows, V, best,
                         BITS=bits, ONE_KEY=one_key, BLOCK=choose_block, KEY_BLOCK=key_block)
         dist.all_reduce(best[:1], op=dist.ReduceOp.MAX)
-        # the count first, then the tie-break among the ranks that have that count
+        # the tie-break among the ranks with the best count
         if not one_key:
             best[1:2] = torch.where(best[2:] == best[:1], best[1:2], -1)
             dist.all_reduce(best[1:2], op=dist.ReduceOp.MAX)
@@ -441,7 +438,7 @@ def merge_on_device(arrays, vocab_size, total_pairs, device, show_progress):
             for m in range(group, group + MERGES_PER_READ):
                 merge(m)
             progress.update(min(MERGES_PER_READ, V - 256 - group))
-            # the one host read of a group: the host launches ahead, and waits only here
+            # the host launches ahead, and waits only here
             loop_counts.update(host_reads=1)
             if state[DONE.value].item():
                 break
@@ -472,12 +469,12 @@ def rank_documents(name, files, budget):
         # a file that starts before lo is ours too where it is split: by lines, or by row groups
         split_into_ours = first < lo < first + size and path.suffix in (".jsonl", ".parquet")
         if size and (lo <= first < hi or split_into_ours):
-            part_files.append((path, first, size))
+            part_files.append((path, first))
     return read_part(part_files, lo, hi, budget), [lo, hi]
 
 
 def read_part(part_files, lo, hi, budget):
-    for path, first, _ in part_files:
+    for path, first in part_files:
         if path.suffix == ".jsonl":
             yield from read_jsonl(path, max(lo - first, 0), hi - first)
         elif path.suffix == ".parquet":
@@ -511,16 +508,14 @@ def run(argv):
 
     # --- the process group. Its timeout bounds each wait for the others, in joining (each counts
     # its part first) and in every collective: a hung rank becomes an error on the others (a dead
-    # one sooner: its sockets close); on NCCL, its watchdog ends the process.
+    # one sooner: its sockets close).
     if args.device == "cuda":
         torch.cuda.set_device(LOCAL_RANK)
     # small ops: waking OpenMP threads for each costs more than it saves
     elif "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(1)
-    if "RANK" in os.environ:  # torchrun's environment says where the others are
-        group_options = {}
-    else:  # plain python: a world of one
-        group_options = dict(store=dist.HashStore(), rank=0, world_size=1)
+    # torchrun's environment says where the others are; plain python: a world of one
+    group_options = {} if "RANK" in os.environ else dict(store=dist.HashStore(), rank=0, world_size=1)
     dist.init_process_group("nccl" if args.device == "cuda" else "gloo",
                             timeout=datetime.timedelta(seconds=args.timeout), **group_options)
     say(f"{WORLD} rank(s), backend {dist.get_backend()}, device {args.device}")
@@ -537,7 +532,7 @@ def run(argv):
     cache_statuses = [stats["cache"] for stats in rank_stats]
     t1 = time.time()
     check_text(args, source, total, chars, cache_statuses, prefix)
-    # no count exceeds the total: int32 below 2^31 pairs, else int64 (twice validate()'s check)
+    # no count exceeds the total: int32 below 2^31 pairs, else int64
     count_dtype = np.dtype(np.int32 if total["total_pairs"] < 2**31 else np.int64)
     check_count_rows(args.vocab_size, count_dtype.itemsize,
                      min(stats["memory"] for stats in rank_stats), args.device)
@@ -775,7 +770,7 @@ def write_cache(prefix, chunk_counts, part):
     chunks = [chunk.encode("utf-8") for chunk in chunk_counts]
     lengths = np.fromiter(map(len, chunks), np.int64, len(chunks))
     counts = np.fromiter(chunk_counts.values(), np.int64, len(chunks))
-    # single-byte chunks hold no pair: they only count in the statistics
+    # single-byte chunks hold no pair
     keep = lengths >= 2
     blob = np.frombuffer(b"".join(chunk for chunk, kept in zip(chunks, keep) if kept), np.uint8)
     arrays = [blob, lengths[keep], counts[keep]]
@@ -785,7 +780,6 @@ def write_cache(prefix, chunk_counts, part):
              "matched": sum(len(chunk) * count for chunk, count in chunk_counts.items()),
              "part": part}
     prefix.parent.mkdir(parents=True, exist_ok=True)
-    # until it is written again, the cache is incomplete
     prefix.with_suffix(".json").unlink(missing_ok=True)
     for name, array in zip(("bytes", "lengths", "counts"), arrays):
         np.save(prefix.with_suffix(f".{name}.npy"), array)
@@ -853,13 +847,13 @@ def validate(args):
     for failed, message in problems:
         if failed:
             raise UserError(message)
-    # int32 counts; int64 past 2^31 pairs of text: checked again in run()
+    # int32 counts (run() checks again, knowing the text)
     check_count_rows(args.vocab_size, 4, device_memory(args.device), args.device)
-    # one warning (the Hub is off: the offline corpus instead), rank 0's
+    # rank 0's warning alone (the Hub is off)
     with contextlib.redirect_stderr(io.StringIO()) if RANK else contextlib.nullcontext():
         source_name, source, files = find_source(args.data or data, args.data is not None)
     out_dir = Path(args.out or f"tokenizers/{source_name}_v{args.vocab_size}")
-    if RANK == 0:  # the one writer (check_out_dir returns its lock)
+    if RANK == 0:
         check_out_dir(out_dir)
     return source, files, out_dir
 
@@ -872,7 +866,7 @@ def device_memory(device_name):
 
 def check_count_rows(V, itemsize, memory, device_name):
     """Rank 0 holds the most rows, (V - 1) // W + 1: every rank checks that number, for one
-    verdict (one refusing alone would leave the others waiting)."""
+    verdict."""
     need = itemsize * V * ((V - 1) // WORLD + 1)
     if need > 0.8 * memory:
         raise UserError(f"-v {V} on {WORLD} rank(s) needs {need / 2**30:.1f} GiB of pair counts "
@@ -881,11 +875,9 @@ def check_count_rows(V, itemsize, memory, device_name):
 
 
 def check_text(args, source, total, chars, cache_statuses, prefix):
-    """No text, or too much for a row key, is an error; bytes not UTF-8, text the pattern skips, a
-    cache not used, a warning (rank 0's)."""
     if chars == 0:
         raise UserError(f"the corpus {source} is empty; point --data at text")
-    if total["total_pairs"] >= 2**43:  # a row key holds a count in 43 bits
+    if total["total_pairs"] >= 2**43:
         raise UserError(f"{total['total_pairs']:,} pairs of text: more than 2^43, the most the row "
                         "keys hold; lower -n")
     if "tampered" in cache_statuses:
@@ -906,7 +898,7 @@ def check_text(args, source, total, chars, cache_statuses, prefix):
             "n / W from its own part, and some parts ran out; training on those")
 
 
-# === plumbing: the output directory and the files written there (as in every trainer)
+# === plumbing: the output directory and the files written there
 
 def vocab_bytes(merges):
     """Every token's bytes, in rank order: 0-255 are the bytes, a merge is its two halves glued."""
@@ -980,8 +972,7 @@ def lock_directory(path):
     return descriptor  # the lock lasts while this descriptor is open: keep it
 
 
-# === plumbing: reading text, as in train_bpe_cpu.py (a function that stands in several scripts is
-# the same in each); byte ranges and Hub shares are this file's own.
+# === plumbing: reading text, as in train_bpe_cpu.py; byte ranges and Hub shares are this file's own
 
 def find_source(data, data_was_named):  # (name, description, files); no files: a Hub dataset
     if data not in HUB_DATASETS:
@@ -1099,7 +1090,7 @@ if __name__ == "__main__":
         run(sys.argv[1:])
     except (UserError, OSError) as error:  # OSError: an unreadable file, a full disk
         say(f"error: {error}", file=sys.stderr)
-        # only rank 0 speaks; were this rank to exit first, torchrun could stop rank 0 too soon
+        # were this rank to exit first, torchrun could stop rank 0 before it speaks
         if RANK != 0:
             time.sleep(5)
         sys.exit(1)
