@@ -651,8 +651,8 @@ while True:
                 with torch.no_grad(), autocast:
                     totals[split_index] += model(x, y)[1].float()
         # HellaSwag as build-nanogpt and llm.c score it: the answer is the ending of lowest mean
-        # loss (acc_norm) or sum (acc). Sorted by length (at loading): little padding. The raw
-        # model, here and for the sample: varying shapes would make torch.compile recompile.
+        # loss (acc_norm) or sum (acc). Sorted by length: little padding. The raw model, here and
+        # for the sample: varying shapes would make torch.compile recompile.
         if hellaswag_set and (iter_num % hellaswag_interval == 0 or last_iter or eval_only):
             share = hellaswag_set[rank::world_size]
             for batch in [share[i:i + hellaswag_batch] for i in range(0, len(share), hellaswag_batch)]:

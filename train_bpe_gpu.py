@@ -47,14 +47,14 @@ num_chars = 1048576  # train on the first 2^20 characters of the stream
 data = "fineweb"  # fineweb | fineweb-edu | a .txt/.jsonl/.parquet file | a directory of them
 out = None  # output directory; default tokenizers/<source>_v<vocab_size>
 device = None  # cuda, or cpu: Triton's interpreter (exact, slow, for tests)
-# merges a round at most (1: one). Rounds fall 1.8x at 2, 4.0x at 8, 5.0x at 32 (enwiki,
-# V=65534); a pick costs a few dependent reads: 8
+# merges a round at most (1: one). Rounds fall 4.0x at 8, 5.0x at 32 (enwiki, V=65534); a pick
+# costs a few dependent reads: 8
 max_batch = 8
-# GPT-4's split pattern (train_bpe_cpu.py says what it keeps apart)
+# GPT-4's split pattern (train_bpe_cpu.py explains it)
 pattern = r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]++[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+"""
 EOT = "<|endoftext|>"
 # programs; positions a block; dirty rows a refresh item; block keys choose_batch reads at once;
-# rows a block key (CUDA's shape: merge_on_device)
+# rows a block key (CUDA's: merge_on_device)
 INTERPRETER_SHAPE = dict(programs=1, block=1024, rows=64, choose_block=1024, key_block=16)
 ROUNDS_PER_READ = 16  # rounds per host read
 PARALLEL_CHARS = 1 << 24  # from this many characters on, all cores pre-tokenize
@@ -764,7 +764,7 @@ def check_text(args, source, chunk_counts, chars_read):
 
 def check_memory(vocab_size, itemsize, device):
     """The V x V count matrix is the budget (16 GiB at V = 65534): the ~40 bytes a position are
-    little beside it (2.5 M positions for all of enwiki)."""
+    little beside it (2.5 M positions: enwiki)."""
     if device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory
     else:
