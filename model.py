@@ -264,10 +264,10 @@ class GPT(nn.Module):
         if max_new_tokens <= 0:
             return
         if compile_decode is None and idx.device.type == "cuda":
-            compile_decode = {"mode": "reduce-overhead"}
+            compile_decode = {"mode": "reduce-overhead"}  # 9+ shapes: eager, no error
         if compile_decode and getattr(self, "_decode_options", None) != compile_decode:
-            self._decode_options = compile_decode  # compiled once, not each call
-            self._decode_compiled = torch.compile(self._decode_step, fullgraph=True, **compile_decode)
+            self._decode_options = compile_decode  # once, not per call
+            self._decode_compiled = torch.compile(self._decode_step, **compile_decode)
         decode_step = self._decode_compiled if compile_decode else self._decode_step
         if use_cache:
             self._attach_kv_cache(idx.size(0), idx.device, static=bool(compile_decode))

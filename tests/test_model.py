@@ -277,7 +277,7 @@ def test_static_cache_equals_the_full_forward_across_prompts_batches_and_refills
     import model as model_module
     torch._dynamo.reset()
     model, graphs, seen_logits = scrambled_model(block_size=16), [], []
-    compile_decode = {"backend": count_graphs(graphs)} if graphed else False
+    compile_decode = {"backend": count_graphs(graphs), "fullgraph": True} if graphed else False
     sample = model_module.sample_next_token
     monkeypatch.setattr(model_module, "sample_next_token",
                         lambda logits, *args: seen_logits.append(logits) or sample(logits, *args))

@@ -154,7 +154,7 @@ def test_the_graphed_decode_step_draws_what_sample_py_prints(checkpoints):
     prompt = [chars.index(c) for c in "ROMEO:"]
     _, plain = generate_here(checkpoints / "char", prompt, 2, 100, 9, temperature=0.8, top_k=5, top_p=0.9)
     _, graphed = generate_here(checkpoints / "char", prompt, 2, 100, 9, temperature=0.8, top_k=5, top_p=0.9,
-                               compile_decode={"backend": "eager"})
+                               compile_decode={"backend": "eager", "fullgraph": True})
     assert graphed == plain and len(set(plain[0])) > 5
 
 # A checkpoint's own faults (truncated, a future version, not ours) are model.py's errors, tested in test_model.py;
