@@ -129,21 +129,21 @@ def finalize(status):
     """What Py_FinalizeEx does that a run can see: non-daemon threads joined, atexit, stdio flushed (else 120),
     the script's globals dropped (their files closed) and collected."""
     import gc, threading, atexit
+
+    def flushed(status):  # a stream that can't be flushed makes the status 120, as Python's exit does
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:
+                status = 120
+        return status
+
     threading._shutdown()
     atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except Exception:
-            status = 120
+    status = flushed(status)
     sys.modules["__main__"].__dict__.clear()
-    gc.collect()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except Exception:
-            status = 120
-    return status
+    gc.collect()  # the globals' finalizers may print: flushed again
+    return flushed(status)
 
 
 def run_child(request):
