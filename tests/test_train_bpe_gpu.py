@@ -229,8 +229,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 barriers = lambda ttir: [found.start() for found in re.finditer(r'(gpu|ttg)[.]barrier', ttir)]  # 3.6: gpu.barrier
 
-INT64 = {"state", "batch", "row_keys", "block_key", "fresh_keys", "list_start",
-         "list_len", "merge_log"}
+INT64 = {"batch", "row_keys", "block_key", "fresh_keys", "list_start", "list_len", "merge_log"}
 SHAPE = dict(BLOCK=256, ROWS=4, KEY_BLOCK=256, POSITIONS=256, SLOTS=8)  # CUDA's, at the default max_batch
 KERNELS = (bpe.choose_batch, bpe.find_occurrences, bpe.apply_merges, bpe.refresh_rows)
 assert INT64 | set(SHAPE) <= {name for kernel in KERNELS for name in kernel.arg_names}  # no stale name
