@@ -229,7 +229,7 @@ if args.count_reads or args.profile:  # in this process, after the timed runs
         """One more merge loop, a group of one round between reads: the rounds that merged (a round past the last
         merge does nothing)."""
         made, merges_done, rounds_per_read = [], bpe.merges_done, bpe.ROUNDS_PER_READ
-        bpe.merges_done = lambda state: made.append(merges_done(state)) or made[-1]
+        bpe.merges_done = lambda *copy: made.append(merges_done(*copy)) or made[-1]
         bpe.ROUNDS_PER_READ = 1
         try:
             merge_loop()
