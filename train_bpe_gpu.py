@@ -30,7 +30,7 @@ try:
 except ImportError:
     sys.exit("error: train_bpe_gpu.py needs triton (pip install triton)")
 
-# === plumbing: a fix for Triton's interpreter (a first read can skip to the next # === banner)
+# === plumbing: a fix for Triton's interpreter
 if os.environ["TRITON_INTERPRET"] == "1":
     # Triton 3.6's interpreter (CUDA torch 2.11 pins it) takes a loop bound as int() of a 1-element
     # array, which NumPy 2.4 refuses (triton-lang/triton#9171); later Tritons take the element.
@@ -54,17 +54,17 @@ max_batch = 8
 pattern = r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]++[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+"""
 EOT = "<|endoftext|>"
 # programs; positions a block; dirty rows a refresh item; block keys choose_batch reads at once;
-# rows a block key (CUDA's: merge_on_device)
+# rows a block key
 INTERPRETER_SHAPE = dict(programs=1, block=1024, rows=64, choose_block=1024, key_block=16)
-ROUNDS_PER_READ = 16  # rounds per host read
+ROUNDS_PER_READ = 16
 PARALLEL_CHARS = 1 << 24  # from this many characters on, all cores pre-tokenize
 # ---
 
 
 # --- the lesson: a round of BPE merges as four steps
 # The distinct chunks lie in flat arrays, one slot per byte (a "position"), as in train_bpe_cpu.py:
-#   tokens[p]: the token at p; DEAD once merged away; -1 on the spare slots END and END+1 (END is
-#     real: a lane may read the token after any position unmasked)
+#   tokens[p]: DEAD once merged away; -1 on the spare slots END and END+1 (END is real: a lane may
+#     read the token after any position unmasked)
 #   next_pos[p]: the next live position of p's chunk, or END; prev_pos[p] likewise. A merge unlinks
 #     a pair's right half: tokens never move, positions stay valid names.
 #   weight[p]: how often p's chunk occurs in the corpus
@@ -77,19 +77,21 @@ PARALLEL_CHARS = 1 << 24  # from this many characters on, all cores pre-tokenize
 # zeroed fresh_keys; the next choice copies them and remakes its block_key (the largest of KEY_BLOCK
 # rows): a pick reads V/KEY_BLOCK block keys and one block's row keys.
 # A round merges a batch (merge_batch says which pairs, and why exactly): a merge costs its
-# kernels' latency, not their work (the median visits 132 positions on enwiki); a batch shares it.
+# kernels' latency, not their work (the median visits 132 positions); a batch shares it.
 # Grids are known before the data (programs stride over blocks): CUDA records rounds. No kernel
 # needs a lock (each docstring says why); atomics are relaxed (acq_rel fences the device around
-# each), the stream orders the kernels.
-# `state`: NEXT, the next id (256 + the merges made: the columns in use); DONE, 1 once no pair is
-# left or V is reached (then every kernel does nothing); DIRTY, dirty_rows' length; PAIRS, BLOCKS:
-# the round's pairs (pair i makes NEXT - PAIRS + i) and blocks of positions
+# each): the stream orders the kernels.
+# `state` (int32, as the kernels' ids and counts: fewer registers than int64): NEXT, the next id
+# (256 + the merges made: the columns in use); DONE, 1 once no pair is left or V is reached (then
+# every kernel does nothing); DIRTY, dirty_rows' length; PAIRS, BLOCKS: the round's pairs (pair i
+# makes NEXT - PAIRS + i) and blocks of positions
 NEXT, DONE, DIRTY, PAIRS, BLOCKS = (tl.constexpr(i) for i in range(5))
-# `batch`: pair i in slot i of each field: (A, B), a's list (START, LENGTH), its first block and
-# scratch region (FIRST_BLOCK, OFFSET), how many positions stay a (SURVIVORS) and merge (MERGED)
+# `batch` (int64: START, OFFSET reach 2 x positions): pair i in slot i of each field: (A, B), a's
+# list (START, LENGTH), its first block and scratch region (FIRST_BLOCK, OFFSET), how many
+# positions stay a (SURVIVORS) and merge (MERGED)
 A, B, START, LENGTH, FIRST_BLOCK, OFFSET, SURVIVORS, MERGED = (tl.constexpr(i) for i in range(8))
-DEAD = tl.constexpr(-2)  # the token of an unlinked position
-ID_BITS = tl.constexpr(20)  # V is at most 2^20
+DEAD = tl.constexpr(-2)
+ID_BITS = tl.constexpr(20)
 LOW = tl.constexpr((1 << 20) - 1)
 
 
@@ -105,11 +107,10 @@ def append(length, buffer, values, keep):
 def choose_batch(state, batch, row_keys, block_key, fresh_keys, dirty_flag, dirty_rows, list_start,
                  list_len, merge_log, V, max_batch, BLOCK: tl.constexpr, KEY_BLOCK: tl.constexpr,
                  POSITIONS: tl.constexpr, SLOTS: tl.constexpr):
-    """Step 1: picks the round's pairs (batch, merge_log, the new lists' start), or sets DONE. One
-    program, alone on the device."""
+    """Step 1: picks the round's pairs (batch, merge_log, the new lists' start), or sets DONE: one
+    program."""
     if tl.load(state + DONE) != 0:
         return
-    # the dirty rows take their refreshed keys
     dirty = tl.load(state + DIRTY)
     for first in range(0, dirty, BLOCK):
         i = first + tl.arange(0, BLOCK)
@@ -118,10 +119,10 @@ def choose_batch(state, batch, row_keys, block_key, fresh_keys, dirty_flag, dirt
         tl.store(row_keys + both, tl.load(fresh_keys + both, mask=copy), mask=copy)
         tl.store(fresh_keys + both, 0, mask=copy)
         tl.store(dirty_flag + rows, 0, mask=i < dirty)
-    # a barrier (Triton orders memory only within a thread), then each dirty row's block key (twice
-    # for two rows of a block, alike), a barrier
+    # barriers (Triton orders memory only within a thread) around each dirty row's block key (twice
+    # for two rows of a block, alike)
     tl.debug_barrier()
-    for first in range(0, dirty, 4):  # 4 rows at a time: one wait per 4
+    for first in range(0, dirty, 4):  # one wait per 4 rows
         i = first + tl.arange(0, 4)
         blocks = tl.load(dirty_rows + i, mask=i < dirty, other=0) // KEY_BLOCK
         rows = blocks[:, None] * KEY_BLOCK + tl.arange(0, KEY_BLOCK)[None, :]
@@ -133,19 +134,19 @@ def choose_batch(state, batch, row_keys, block_key, fresh_keys, dirty_flag, dirt
     # count). The exact order's next pair is that or a chosen row's second key (sharing a token):
     # the batch ends where that ranks above (count, then row), or at a shared token.
     first_new, slots = tl.load(state + NEXT), tl.arange(0, SLOTS)
-    chosen_a, chosen_b = tl.full([SLOTS], -1, tl.int64), tl.full([SLOTS], -1, tl.int64)
-    hidden_count, hidden_row = dirty * 0, dirty * 0 + V
-    dirty, pairs, blocks, offset = dirty * 0, tl.full((), 0, tl.int32), dirty * 0, dirty * 0
+    chosen_a, chosen_b = slots * 0 - 1, slots * 0 - 1
+    hidden_count, hidden_row, offset = tl.zeros((), tl.int64), dirty * 0 + V, tl.zeros((), tl.int64)
+    dirty, pairs, blocks = dirty * 0, dirty * 0, dirty * 0
     going = first_new < V
     while going:
         keyed = tl.arange(0, BLOCK)
         count = tl.load(block_key + keyed, mask=keyed * KEY_BLOCK < first_new, other=0) >> ID_BITS
         best_count = tl.max(count, axis=0)
-        best_block = tl.min(tl.where(count == best_count, keyed, BLOCK), axis=0).to(tl.int64)
+        best_block = tl.min(tl.where(count == best_count, keyed, BLOCK), axis=0)
         rows = best_block * KEY_BLOCK + tl.arange(0, KEY_BLOCK)
         keys = tl.load(row_keys + 2 * rows, mask=rows < first_new, other=0)
         a = tl.min(tl.where(keys >> ID_BITS == best_count, rows, V), axis=0)
-        b = LOW - (tl.max(tl.where(rows == a, keys, 0), axis=0) & LOW)
+        b = LOW - (tl.max(tl.where(rows == a, keys, 0), axis=0) & LOW).to(tl.int32)
         shared = (chosen_a == a) | (chosen_b == a) | (chosen_a == b) | (chosen_b == b)
         hidden = (hidden_count > best_count) | ((hidden_count == best_count) & (hidden_row < a))
         going = (best_count > 0) & (tl.max(shared.to(tl.int32), axis=0) == 0) & ~hidden
@@ -170,7 +171,7 @@ def choose_batch(state, batch, row_keys, block_key, fresh_keys, dirty_flag, dirt
             hidden_count, hidden_row = tl.where(above, second, hidden_count), tl.where(above, a, hidden_row)
             chosen_a, chosen_b = tl.where(slots == pairs, a, chosen_a), tl.where(slots == pairs, b, chosen_b)
             dirty, pairs, offset = dirty + 2, pairs + 1, offset + 2 * length
-            blocks += (length + POSITIONS - 1) // POSITIONS
+            blocks += tl.cdiv(length, POSITIONS).to(tl.int32)
             going = (pairs < max_batch) & (new + 1 < V) & (a != b)
             tl.debug_barrier()  # the next pick reads the keys just written
     tl.store(state + DIRTY, dirty)
@@ -191,7 +192,7 @@ def pair_block(state, batch, list_buffer, block, END, BLOCK: tl.constexpr, SLOTS
     firsts = tl.load(batch + FIRST_BLOCK * SLOTS + slots, mask=slots < pairs, other=block + 1)
     i = tl.sum((firsts <= block).to(tl.int32), axis=0) - 1
     j = (block - tl.load(batch + FIRST_BLOCK * SLOTS + i)) * BLOCK + tl.arange(0, BLOCK)
-    a, b = tl.load(batch + A * SLOTS + i), tl.load(batch + B * SLOTS + i)
+    a, b = tl.load(batch + A * SLOTS + i).to(tl.int32), tl.load(batch + B * SLOTS + i).to(tl.int32)
     length = tl.load(batch + LENGTH * SLOTS + i)
     p = tl.load(list_buffer + tl.load(batch + START * SLOTS + i) + j, mask=j < length, other=END)
     return i, j, p, a, b, tl.load(state + NEXT) - pairs + i, length, tl.load(batch + OFFSET * SLOTS + i)
@@ -266,8 +267,8 @@ def apply_merges(state, batch, list_buffer, scratch, tokens, next_pos, prev_pos,
         tl.store(prev_pos + after, p, mask=has_y & ~after_merged)
         tl.store(prev_pos + p, tl.load(prev_pos + before, mask=before_merged, other=END),
                  mask=before_merged)
-        # scalars a, b, new broadcast by adding a zero block; int64: row * V + col > 2^31
-        x, y, y_new = x.to(tl.int64), y.to(tl.int64), y_new.to(tl.int64)
+        # a, b broadcast by adding a zero block; int64: row * V + col > 2^31
+        x, y, y_new, new = x.to(tl.int64), y.to(tl.int64), y_new.to(tl.int64), new.to(tl.int64)
         zero = 0 * x
         lose_pair(state, counts, row_keys, dirty_flag, dirty_rows, V, a + zero, b + zero, w, merged)
         lose_pair(state, counts, row_keys, dirty_flag, dirty_rows, V, x, a + zero, w, has_x)
@@ -280,8 +281,8 @@ def apply_merges(state, batch, list_buffer, scratch, tokens, next_pos, prev_pos,
 
 @triton.jit
 def lose_pair(state, counts, row_keys, dirty_flag, dirty_rows, V, row, col, w, lose):
-    """Pair (row, col) of old tokens loses w where lose: (a, b), (x, a) and (b, y). A row whose first
-    or second key it was is listed dirty by the one lane that flips dirty_flag."""
+    """Pair (row, col) of old tokens loses w where lose: (a, b), (x, a) and (b, y). The one lane
+    that flips dirty_flag lists a row whose key it was dirty."""
     tl.atomic_add(counts + row * V + col, -w, mask=lose, sem="relaxed")
     first = tl.load(row_keys + 2 * row, mask=lose, other=0) & LOW
     second = tl.load(row_keys + 2 * row + 1, mask=lose, other=0) & LOW
@@ -319,7 +320,7 @@ def refresh_rows(state, batch, list_buffer, scratch, list_start, list_len, count
         tl.store(list_len + first_new + slots, merged, mask=slots < pairs)
     columns, dirty = tl.load(state + NEXT), tl.load(state + DIRTY)
     slices = tl.cdiv(columns, BLOCK)
-    # items are independent: num_stages=3 loads the next two (cp.async) while this one is reduced
+    # num_stages=3 loads the next two items (cp.async) while this one is reduced
     for item in tl.range(program, tl.cdiv(dirty, ROWS) * slices, programs, num_stages=3):
         i = (item // slices) * ROWS + tl.arange(0, ROWS)
         row = tl.load(dirty_rows + i, mask=i < dirty, other=0).to(tl.int64)
@@ -334,9 +335,9 @@ def refresh_rows(state, batch, list_buffer, scratch, list_start, list_len, count
         next_col = tl.min(tl.where(rest == next_most[:, None], col[None, :], columns), axis=1)
         key = tl.where(most > 0, (most.to(tl.int64) << ID_BITS) | (LOW - first_col), 0)
         second = tl.where(next_most > 0, (next_most.to(tl.int64) << ID_BITS) | (LOW - next_col), 0)
-        # A row's two largest keys: the first by atomic max; the second, of the items' seconds and
-        # the smaller of each first and the key it met (keys inserted one by one, the second largest
-        # is the smaller of the two at some insertion).
+        # A row's first key by atomic max; its second, the largest of the items' seconds and of the
+        # smaller of each first and the key it met (inserted one by one, the second largest is the
+        # smaller of two at some insertion)
         met = tl.atomic_max(fresh_keys + 2 * row, key, mask=i < dirty, sem="relaxed")
         tl.atomic_max(fresh_keys + 2 * row + 1, tl.maximum(second, tl.minimum(met, key)),
                       mask=i < dirty, sem="relaxed")
@@ -381,8 +382,8 @@ def chunks_to_arrays(chunk_counts, vocab_size):
 
 
 def merge_on_device(arrays, vocab_size, device, max_batch=max_batch):
-    """The merge loop: the merges, the token count, and the seconds of the setup (uploads, the
-    V x V zeros, compiling, recording) and of the loop."""
+    """The merge loop: the merges, the token count, and the seconds of the setup (uploads, zeros,
+    compiling, recording) and of the loop."""
     V, device = vocab_size, torch.device(device)
     started = time.time()
     if device.type == "cuda":
@@ -390,7 +391,7 @@ def merge_on_device(arrays, vocab_size, device, max_batch=max_batch):
         if device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(device)
-    upload = lambda name: torch.from_numpy(arrays[name]).to(device)  # noqa: E731
+    upload = lambda name: torch.from_numpy(arrays[name]).to(device)  # noqa
     zeros = lambda size, dtype=torch.int64: torch.zeros(size, dtype=dtype, device=device)  # noqa
     tokens, next_pos, prev_pos, weight, list_buffer, list_start, list_len = map(upload, (
         "tokens", "next_pos", "prev_pos", "weight", "list_buffer", "list_start", "list_len"))
@@ -407,9 +408,10 @@ def merge_on_device(arrays, vocab_size, device, max_batch=max_batch):
     key_block = max(shape["key_block"], triton.next_power_of_2(triton.cdiv(V, shape["choose_block"])))
     choose_block = max(shape["choose_block"], key_block)
     slots = triton.next_power_of_2(max_batch)
-    row_keys, fresh_keys, state, batch = zeros(2 * V), zeros(2 * V), zeros(5), zeros(8 * slots)
+    row_keys, fresh_keys, batch = zeros(2 * V), zeros(2 * V), zeros(8 * slots)
     merge_log, block_key = zeros(2 * V), zeros(triton.cdiv(V, key_block))
     dirty_flag, dirty_rows = zeros(V, torch.int32), zeros(V, torch.int32)
+    state = zeros(5, torch.int32)
     # the first refresh makes every row's keys
     dirty_flag[:256], dirty_rows[:256] = 1, torch.arange(256, device=device)
     state[NEXT.value], state[DIRTY.value] = 256, 256
@@ -432,8 +434,7 @@ def merge_on_device(arrays, vocab_size, device, max_batch=max_batch):
             launch_refresh()
 
     launch_refresh()
-    # The setup compiles every kernel (a group with DONE set does nothing else) and, on CUDA,
-    # records a group as a graph: the loop times merges alone.
+    # the setup compiles every kernel (a group with DONE set) and, on CUDA, records a group
     state[DONE.value] = 1
     merge_group()
     state[DONE.value] = 0
@@ -445,27 +446,35 @@ def merge_on_device(arrays, vocab_size, device, max_batch=max_batch):
         torch.cuda.synchronize(device)
     loop_started = time.time()
     with tqdm(total=V - 256, unit="merge", desc="merging", mininterval=0.5) as progress:
-        done, merges_made = False, 0
+        done, merges_made, in_flight = False, 0, None
         while not done and merges_made < V - 256:
             if graph is None:
                 merge_group()
             else:
                 graph.replay()
-            done, merges_made = merges_done(state)
-            progress.update(merges_made - progress.n)
+            # group k's NEXT and DONE are read while k + 1 runs (else the GPU idles through the
+            # read and the launch): one spare group after DONE. Pinned: an async copy
+            copy = torch.empty(2, dtype=torch.int32, pin_memory=graph is not None)
+            copy.copy_(state[:2], non_blocking=True)
+            arrived = None if graph is None else torch.cuda.current_stream().record_event()
+            previous, in_flight = in_flight, (copy, arrived)
+            if previous is not None:
+                done, merges_made = merges_done(*previous)
+                progress.update(merges_made - progress.n)
     seconds = dict(setup=loop_started - started, loop=time.time() - loop_started)
-    num_merges = int(state[NEXT.value]) - 256
-    merged_pairs = merge_log[:2 * num_merges].view(-1, 2).tolist()
+    merged_pairs = merge_log[:2 * merges_made].view(-1, 2).tolist()
     # a merged occurrence saves a token per use of its chunk
     tokens_saved = int(weight[tokens == DEAD.value].sum())
     merges = [((left, right), 256 + i) for i, (left, right) in enumerate(merged_pairs)]
     return merges, arrays["total_bytes"] - tokens_saved, seconds
 
 
-def merges_done(state):
-    """Whether the merges are done, and how many: a group's one read and wait."""
-    slots = state[:DONE.value + 1].tolist()
-    return bool(slots[DONE.value]), slots[NEXT.value] - 256
+def merges_done(copy, arrived):
+    """Whether the merges are done, and how many: a group's one wait and read."""
+    if arrived is not None:
+        arrived.synchronize()
+    next_id, done = copy.tolist()
+    return bool(done), next_id - 256
 
 
 # === the batch rule: several merges a round, exactly the sequential ones
@@ -487,15 +496,15 @@ def merge_batch(ranked_pairs, max_batch):
 
 # === plumbing: pre-tokenizing on every core, the same in both GPU trainers (counting chunks is
 # train_bpe_cpu.py's lesson). The regex, the slow part, holds the GIL: workers count batches of
-# documents in any order (BPE sees only the multiset of chunks), then worker i sums the chunks with
-# hash(chunk) % workers == i (forked, they hash alike), so the parent only joins disjoint sums. A
-# CPU-time alarm per document makes a pattern that backtracks catastrophically one line.
-BATCH_CHARS = 1 << 20  # characters of documents per batch sent to a pre-tokenizing worker
-# A long document (a .txt file) is cut only where the pattern can't match across: for GPT-4's,
-# before a line break after a letter or digit. No match holds both: letter and digit runs stop at
-# the break, and the alternatives that take one need whitespace or punctuation before it ("end.\n"
-# is one chunk). A match begun before the break stops there as at the text's end; with no
-# lookbehind or anchor, those after it see nothing before it. No other --pattern is ever cut.
+# documents in any order (BPE sees only the multiset of chunks), then sum disjoint shares
+# (hash(chunk) % workers: forked, they hash alike). A CPU-time alarm per document makes a pattern
+# that backtracks catastrophically one line.
+BATCH_CHARS = 1 << 20  # characters of documents a batch
+# A long document (a .txt file) is cut, for GPT-4's pattern, before a line break after a letter or
+# digit. No match holds both: letter and digit runs stop at the break, and the alternatives that
+# take one need whitespace or punctuation before it ("end.\n" is one chunk). A match begun before
+# the break stops there as at the text's end; with no lookbehind or anchor, those after it see
+# nothing before it. No other --pattern is ever cut.
 SAFE_CUTS = {pattern: regex.compile(r"[\p{L}\p{N}](?=[\r\n])")}  # the cut: the match's end
 
 
@@ -764,7 +773,7 @@ def check_text(args, source, chunk_counts, chars_read):
 
 def check_memory(vocab_size, itemsize, device):
     """The V x V count matrix is the budget (16 GiB at V = 65534): the ~40 bytes a position are
-    little beside it (2.5 M positions: enwiki)."""
+    little beside it."""
     if device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory
     else:
@@ -810,7 +819,7 @@ def run(argv):
     train_device = validate(args)
     documents, source_name, source = open_source(args.data or data, args.data is not None)
     out_dir = Path(args.out or f"tokenizers/{source_name}_v{args.vocab_size}")
-    out_lock = check_out_dir(out_dir)  # held to the end: a second run there refuses
+    out_lock = check_out_dir(out_dir)
 
     t0 = time.time()
     workers = len(os.sched_getaffinity(0)) if args.num_chars >= PARALLEL_CHARS else 1
@@ -830,7 +839,7 @@ def run(argv):
         arrays, args.vocab_size, train_device, args.max_batch)
     t2 = time.time()
 
-    num_merges, eot_id = len(merges), 256 + len(merges)  # <|endoftext|>: the next id
+    num_merges, eot_id = len(merges), 256 + len(merges)
     stop_reason = "vocab_size reached" if eot_id == args.vocab_size else "no pairs left to merge"
     if eot_id < args.vocab_size:
         print(f"stopped early after {num_merges} merges: {stop_reason} "
@@ -840,7 +849,7 @@ def run(argv):
         "num_merges": num_merges, "num_chars": chars_read, "source": source,
         "trainer": "train_bpe_gpu.py", "device": str(train_device), "seconds": round(t2 - t0, 3),
         "stop_reason": stop_reason})
-    # merges/s over the loop: the setup (compiling, on a machine's first run) isn't merging
+    # over the loop alone: the setup compiles
     merges_per_second = num_merges / max(seconds["loop"], 1e-9)
     print(f"reading + pre-tokenizing {t1 - t0:.2f}s | layout {t_layout - t1:.2f}s | setup "
           f"{seconds['setup']:.2f}s | merging {seconds['loop']:.2f}s ({merges_per_second:,.0f} "

@@ -229,7 +229,7 @@ if args.count_reads or args.profile:  # in this process, after the timed runs
         """One more merge loop, a group of one round between reads: the rounds that merged (a round past the last
         merge does nothing)."""
         made, merges_done, rounds_per_read = [], bpe.merges_done, bpe.ROUNDS_PER_READ
-        bpe.merges_done = lambda state: made.append(merges_done(state)) or made[-1]
+        bpe.merges_done = lambda *copy: made.append(merges_done(*copy)) or made[-1]
         bpe.ROUNDS_PER_READ = 1
         try:
             merge_loop()
@@ -273,7 +273,8 @@ if args.count_reads:  # the counting modes slow every tensor operation
     print(f"host reads in the merge loop: {max(reads.counts.values()) / len(merges):.3f} per merge, the largest kind "
           f"({kinds}) over {len(merges)} merges")
     print(f"kernels in the merge loop: {launches.loop_kernels() / len(merges):.2f} per merge (4 a round, whole "
-          f"groups of {bpe.ROUNDS_PER_READ} rounds, {launches.replays} graph replays); block barriers: 2 in "
+          f"groups of {bpe.ROUNDS_PER_READ} rounds, the spare one after the last read included, {launches.replays} "
+          "graph replays); block barriers: 2 in "
           "choose_batch, and one a pick")
 if any("DIFFERENT" in run[2] for runs in rows.values() for run in runs):
     sys.exit("some trainer's merges differ from rustbpe's")

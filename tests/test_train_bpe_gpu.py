@@ -229,8 +229,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 barriers = lambda ttir: [found.start() for found in re.finditer(r'(gpu|ttg)[.]barrier', ttir)]  # 3.6: gpu.barrier
 
-INT64 = {"state", "batch", "row_keys", "block_key", "fresh_keys", "list_start",
-         "list_len", "merge_log"}
+INT64 = {"batch", "row_keys", "block_key", "fresh_keys", "list_start", "list_len", "merge_log"}
 SHAPE = dict(BLOCK=256, ROWS=4, KEY_BLOCK=256, POSITIONS=256, SLOTS=8)  # CUDA's, at the default max_batch
 KERNELS = (bpe.choose_batch, bpe.find_occurrences, bpe.apply_merges, bpe.refresh_rows)
 assert INT64 | set(SHAPE) <= {name for kernel in KERNELS for name in kernel.arg_names}  # no stale name
@@ -320,13 +319,14 @@ class CountHostReads:
 
 
 def test_at_most_one_host_read_per_16_rounds(monkeypatch):
-    # 32 merges at batches of at most 2: 17 to 31 rounds, two groups of 16. One "done?" per group, then three
-    # reads after the loop: the merge count, the merges, the token count.
+    # 32 merges at batches of at most 2: 17 to 31 rounds, two groups of 16. One "done?" per group (the spare
+    # group in flight at the end is never read), then two reads after the loop, each of its own kind: the merges
+    # (.tolist(), as the "done?" reads), the token count (int()).
     arrays = bpe.chunks_to_arrays(chunk_counts_of(generated_docs(30, 8)), 288)
     with CountHostReads() as reads:
         merges, _, _ = bpe.merge_on_device(arrays, 288, DEVICE, 2)
     assert len(merges) == 32
-    assert reads.counts and max(reads.counts.values()) <= 2 + 3, reads.counts
+    assert reads.counts and max(reads.counts.values()) <= 2 + 1, reads.counts
 
 
 class CountLaunches:
@@ -363,14 +363,22 @@ class CountLaunches:
         return self.launches - setup + self.replays * group
 
 
-def test_four_kernels_a_round(monkeypatch):
-    # A round is a batch's four kernels: at batches of at most 2, the 32 merges take 17 to 31 rounds, the loop
-    # two groups of 16 rounds, nothing else; at most 1, 32 rounds.
+def test_four_kernels_a_round_and_the_next_group_launched_before_each_read(monkeypatch):
+    # A round is a batch's four kernels: at batches of at most 2, the 32 merges take 17 to 31 rounds, two groups
+    # of 16 rounds, and the loop launches a third (one group stays in flight), nothing else. The host reads group
+    # k's "done?" only once group k + 1 is launched: 2 groups at the first read, 3 at the second (the last).
     rounds = CountRounds(monkeypatch).rounds
     counter = CountLaunches(monkeypatch)
+    merges_done, launched_at_reads = bpe.merges_done, []
+
+    def read(*copy):
+        launched_at_reads.append(counter.loop_kernels() // (4 * bpe.ROUNDS_PER_READ))
+        return merges_done(*copy)
+    monkeypatch.setattr(bpe, "merges_done", read)
     arrays = bpe.chunks_to_arrays(chunk_counts_of(generated_docs(30, 8)), 288)
     merges, _, _ = bpe.merge_on_device(arrays, 288, DEVICE, 2)
-    assert len(merges) == 32 and counter.loop_kernels() == 4 * 2 * bpe.ROUNDS_PER_READ
+    assert len(merges) == 32 and counter.loop_kernels() == 4 * 3 * bpe.ROUNDS_PER_READ
+    assert launched_at_reads == [2, 3], launched_at_reads
     assert DEVICE != "cpu" or 16 < len(rounds) < 32
 
 
@@ -428,11 +436,11 @@ def test_cuda_merge_loop_never_syncs_between_the_allowed_reads(corpus, monkeypat
     docs = [text] + EDGE_CASES["runs of one byte, odd and even"] + EDGE_CASES["long unspaced cjk chunk"]
     merges_done, reads = bpe.merges_done, []
 
-    def read_then_forbid(state):
+    def read_then_forbid(*copy):
         # Forbidden only while another group is to come: after the read that says "done", or all 1744 merges
         # made, the loop ends and reads its results.
         torch.cuda.set_sync_debug_mode("default")
-        reads.append(merges_done(state))
+        reads.append(merges_done(*copy))
         done, merges_made = reads[-1]
         if len(reads) >= 2 and not done and merges_made < 2000 - 256:
             torch.cuda.set_sync_debug_mode("error")
