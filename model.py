@@ -177,9 +177,10 @@ class GPT(nn.Module):
     def get_num_params(self):
         return sum(p.numel() for p in self.parameters())  # the tied embedding counted once
 
-    def forward(self, idx, targets=None):
+    def forward(self, idx, targets=None, reduction="mean"):
         """idx: (B, T) token ids. With targets (B, T) (-1 = ignore): logits (B, T, vocab) and the
-        mean cross-entropy. Without: the last position's logits (B, 1, vocab) and None."""
+        cross-entropy, F.cross_entropy's reduction ("none": (B*T,)). Without: the last position's
+        logits (B, 1, vocab) and None."""
         B, T = idx.size()
         if T > self.config.block_size:
             raise ValueError(f"sequence of {T} tokens is longer than block_size={self.config.block_size}")
@@ -194,7 +195,7 @@ class GPT(nn.Module):
         # float32 softmax: bf16 logits visibly round the loss at vocab sizes like ours. Detached, or a
         # compiled backward fills them a zero gradient (B*T*vocab: ~3% of a 124M step).
         loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1),
-                               ignore_index=-1)
+                               ignore_index=-1, reduction=reduction)
         return logits.detach(), loss
 
     def configure_optimizers(self, weight_decay, learning_rate, betas, device_type,
@@ -341,10 +342,8 @@ class GPT(nn.Module):
             targets[row, len(ids) - 1 - scored:len(ids) - 1] = torch.tensor(ids[-scored:])
         device = self.lm_head.weight.device  # built on the host, copied once: no per-row syncs
         inputs, targets = inputs.to(device), targets.to(device)
-        logits, _ = self(inputs, targets)
-        losses = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-1,
-                                 reduction="none").view(len(pairs), width)
-        summed = losses.sum(dim=1)
+        _, losses = self(inputs, targets, reduction="none")
+        summed = losses.view(len(pairs), width).sum(dim=1)
         return summed, summed / (targets >= 0).sum(dim=1)
 
 
