@@ -1,6 +1,7 @@
 """model.py: each property checked against an independent route to the same answer (a hand-written attention,
 a full recompute, a brute-force filter, the parameter formula of the architecture)."""
 import base64
+import itertools
 import math
 import os
 import pickle
@@ -291,6 +292,38 @@ def test_static_cache_equals_the_full_forward_across_prompts_batches_and_refills
             torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
     # One graph for batch 3, one for batch 1: never one a position (CUDA graphs need the shapes fixed).
     assert len(graphs) == (2 if graphed else 0)
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("graphed", [False, True], ids=["plain", "graphed"])
+def test_generators_open_at_once_each_give_the_tokens_they_give_alone(graphed):
+    # Two cached generators and a recomputing one, open at once on one model, each resumed in turn. They shared the
+    # kept cache: the second's prefill overwrote the first's keys. Now the second makes a cache of its own, steps
+    # uncompiled (a CUDA graph reads the kept cache's addresses), and each re-attaches its cache when it resumes.
+    torch._dynamo.reset()
+    model, graphs, compiled_steps = scrambled_model(block_size=16), [], []
+
+    def backend(graph_module, example_inputs):  # backend="eager", counting graphs and the steps run through them
+        graphs.append(graph_module)
+        return lambda *args: compiled_steps.append(1) or graph_module.forward(*args)
+    compile_decode = {"backend": backend, "fullgraph": True} if graphed else False
+    prompts = [torch.randint(0, 97, (2, n), generator=torch.Generator().manual_seed(n)) for n in (3, 7, 5)]
+    routes = [dict(compile_decode=compile_decode)] * 2 + [dict(use_cache=False)]
+    alone, steps_alone = [], []
+    for prompt, route in zip(prompts, routes):
+        alone.append(model.generate(prompt, 30, temperature=0, **route)[:, prompt.size(1):])
+        steps_alone.append(len(compiled_steps) - sum(steps_alone))
+    compiled_steps.clear()
+    generators = [model.generate_tokens(prompt, 30, temperature=0, **route) for prompt, route in zip(prompts, routes)]
+    together = [[next(generators[0]) for _ in range(4)], [], []]  # the first takes the kept cache, runs ahead
+    for _ in range(30):
+        for tokens, generator in zip(together, generators):
+            tokens.extend(itertools.islice(generator, 1))
+    for tokens, expected in zip(together, alone, strict=True):
+        assert torch.equal(torch.cat(tokens, dim=1), expected)
+    assert all(block.attn.kv_cache is None for block in model.transformer.h)  # all released
+    # Only the first ran the compiled step, through the graph it captured alone: no recompile.
+    assert len(graphs) == (1 if graphed else 0) and len(compiled_steps) == steps_alone[0]
     torch._dynamo.reset()
 
 
