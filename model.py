@@ -173,6 +173,10 @@ class GPT(nn.Module):
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
 
+    def cast_weights(self, dtype):  # not Module.to: the RoPE tables stay float32
+        for param in self.parameters():
+            param.data = param.data.to(dtype)
+
     def get_num_params(self):
         return sum(p.numel() for p in self.parameters())  # the tied embedding counted once
 

@@ -295,6 +295,35 @@ def test_static_cache_equals_the_full_forward_across_prompts_batches_and_refills
     torch._dynamo.reset()
 
 
+def test_bfloat16_weights_keep_float32_rope_and_decode_alike_plain_and_compiled():
+    # sample.py's bfloat16 route: cast_weights, no autocast. The RoPE tables stay float32 (Module.to(dtype) would
+    # round cos and sin to 3 significant digits), the tie holds, the KV cache takes the weights' dtype, and the
+    # compiled decode step (the GPU's, here backend="eager") gives the plain step's greedy tokens.
+    torch._dynamo.reset()
+    model = scrambled_model()
+    model.cast_weights(torch.bfloat16)
+    assert model.rope_cos.dtype == model.rope_sin.dtype == torch.float32
+    assert model.lm_head.weight.dtype == torch.bfloat16 and model.transformer.wte.weight is model.lm_head.weight
+    prompt = torch.randint(0, 97, (2, 5), generator=torch.Generator().manual_seed(4))
+    plain = model.generate(prompt, 40, temperature=0, compile_decode=False)  # through a refill (block_size 32)
+    assert model._kv_caches[0][0].dtype == torch.bfloat16
+    compiled = model.generate(prompt, 40, temperature=0, compile_decode={"backend": "eager", "fullgraph": True})
+    assert torch.equal(plain, compiled) and all(len(set(row[5:].tolist())) > 5 for row in plain)
+    torch._dynamo.reset()
+
+
+def test_bfloat16_weights_give_logits_near_float32():
+    # bf16 keeps 8 significant bits: each rounding is off by at most 2^-9 (0.2%) of its value, the logits' own
+    # rounding included; a 2-layer model at GPT-2's init measures 0.3-0.4% of the largest logit off. 1% is the bound.
+    model = tiny_model()
+    idx = torch.randint(0, 97, (2, 32), generator=torch.Generator().manual_seed(5))
+    in_float32 = all_logits(model, idx)
+    model.cast_weights(torch.bfloat16)
+    in_bfloat16 = all_logits(model, idx)
+    assert in_bfloat16.dtype == torch.bfloat16
+    assert (in_bfloat16.float() - in_float32).abs().max() <= 0.01 * in_float32.abs().max()
+
+
 @pytest.mark.parametrize("graphed", [False, True], ids=["plain", "graphed"])
 def test_generators_open_at_once_each_give_the_tokens_they_give_alone(graphed):
     # Two cached generators and a recomputing one, open at once on one model, each resumed in turn. They shared the
