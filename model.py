@@ -2,8 +2,7 @@
 lilLM's model: a Llama-3-style GPT in one file, shared by train.py, sample.py and export_hf.py.
 
 Compared with GPT-2 (nanoGPT), it swaps in what later models settled on: RMSNorm, rotary position
-embeddings, a SwiGLU MLP, grouped-query attention, tied embeddings, no biases. Then generation,
-the Muon optimizer, and plumbing (config checks, checkpoints, tokenizers).
+embeddings, a SwiGLU MLP, grouped-query attention, tied embeddings, no biases.
 
     from model import GPTConfig, GPT
     model = GPT(GPTConfig())             # the lilLM preset, 39,596,544 parameters
@@ -28,17 +27,17 @@ class GPTConfig:
     n_embd: int = 512
     n_layer: int = 12
     block_size: int = 512        # longest context; RoPE tables and the KV cache are sized to it
-    n_head: int = 16             # query heads (head_dim = n_embd // n_head = 32)
+    n_head: int = 16             # query heads
     n_kv_head: int = 8           # key/value heads (grouped-query attention)
-    rope_theta: float = 10000.0  # base of the rotary frequencies
+    rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     ffn_ratio: float = 8 / 3     # SwiGLU hidden size: ffn_ratio * n_embd, up to a multiple of:
     ffn_multiple_of: int = 128
     dropout: float = 0.0         # pretraining on lots of data doesn't need it
-    bias: bool = False           # in the Linear layers; off, like Llama
+    bias: bool = False           # off, like Llama
 
     def __post_init__(self):
-        check_config(self)  # a bad config fails here
+        check_config(self)
 
     @property
     def ffn_hidden_size(self):
@@ -91,7 +90,7 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.dropout = config.dropout
         self.resid_dropout = nn.Dropout(config.dropout)
-        self.kv_cache = None  # generating: [keys, values], (B, n_kv_head, block_size, head_dim)
+        self.kv_cache = None
 
     def forward(self, x, cos, sin, position=None, mask=None):
         B, T, C = x.size()
@@ -155,7 +154,7 @@ class GPT(nn.Module):
             ln_f=RMSNorm(config.n_embd, config.norm_eps),
         ))
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
-        # Tied embeddings: one matrix maps tokens to vectors and back (lilLM: 10% fewer params).
+        # Tied embeddings: one matrix maps tokens to vectors and back.
         self.transformer.wte.weight = self.lm_head.weight
         # RoPE tables are computed, not learned: buffers kept out of checkpoints.
         cos, sin = rope_tables(config.n_embd // config.n_head, config.block_size, config.rope_theta)
@@ -174,12 +173,16 @@ class GPT(nn.Module):
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
 
+    def cast_weights(self, dtype):  # not Module.to: the RoPE tables stay float32
+        for param in self.parameters():
+            param.data = param.data.to(dtype)
+
     def get_num_params(self):
         return sum(p.numel() for p in self.parameters())  # the tied embedding counted once
 
-    def forward(self, idx, targets=None):
+    def forward(self, idx, targets=None, reduction="mean"):
         """idx: (B, T) token ids. With targets (B, T) (-1 = ignore): logits (B, T, vocab) and the
-        mean cross-entropy. Without: the last position's logits (B, 1, vocab) and None."""
+        cross-entropy (`reduction`). Without: the last position's logits (B, 1, vocab) and None."""
         B, T = idx.size()
         if T > self.config.block_size:
             raise ValueError(f"sequence of {T} tokens is longer than block_size={self.config.block_size}")
@@ -192,9 +195,9 @@ class GPT(nn.Module):
             return self.lm_head(x[:, [-1], :]), None
         logits = self.lm_head(x)
         # float32 softmax: bf16 logits visibly round the loss at vocab sizes like ours. Detached, or a
-        # compiled backward fills them a zero gradient (B*T*vocab: ~3% of a 124M step).
+        # compiled backward fills them a zero gradient.
         loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1),
-                               ignore_index=-1)
+                               ignore_index=-1, reduction=reduction)
         return logits.detach(), loss
 
     def configure_optimizers(self, weight_decay, learning_rate, betas, device_type,
@@ -217,7 +220,7 @@ class GPT(nn.Module):
                 f"({sum(p.numel() for p in block_matrices):,} params), AdamW for {len(others)} "
                 f"other tensors ({sum(p.numel() for p in others):,} params)")
             # Newton-Schulz is ~1% of a GPU step, up to half a CPU one: there, every step for the
-            # first 250 (the momentum turns fast), then every 2nd (CPU val loss 1.584).
+            # first 250 (the momentum turns fast), then every 2nd.
             schedule = {} if device_type == "cuda" else {"ns_every": 2, "ns_warmup": 250}
             muon = {"params": block_matrices, "weight_decay": weight_decay, "use_muon": True, **schedule}
             return MuonAdamW([muon] + groups, lr=learning_rate, betas=betas)
@@ -228,7 +231,7 @@ class GPT(nn.Module):
         return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=fused)
 
     def estimate_mfu(self, fwdbwd_per_iter, dt):
-        """Model FLOPs utilization: 0.4 = 40% of the device's bf16 peak (NaN on a CPU). FLOPs per
+        """Model FLOPs utilization: 0.4 = 40% of the device's bf16 peak. FLOPs per
         token as in PaLM: 6N (matmuls) + 12*L*H*Q*T (attention)."""
         cfg = self.config
         flops_per_token = 6 * self.get_num_params() + 12 * cfg.n_layer * cfg.n_embd * cfg.block_size
@@ -238,12 +241,10 @@ class GPT(nn.Module):
         return flops_per_token * cfg.block_size * fwdbwd_per_iter / dt / peak
 
     # ---- generation ----
-    # The KV cache holds each token's keys and values: a step runs only the newest token. It is
-    # static, made once for block_size positions, each step writing its own in place. On a GPU the
-    # decode step reads all of it, masked to the filled part: its shapes never change (the position
-    # is a tensor), so torch.compile captures it as one CUDA graph, one launch for the hundreds of
-    # kernel launches that are a batch-1 step's cost (compile also fuses, and runs on a CPU too).
-    # The prefill, of varied prompt lengths, stays apart.
+    # The KV cache holds each token's keys and values: a step runs only the newest token. Static
+    # (block_size positions, made once and kept), each step writes its own in place. On a GPU the
+    # decode step reads it all, masked to the filled part: fixed shapes (the position is a tensor),
+    # one CUDA graph (torch.compile) for a batch-1 step's hundreds of kernel launches.
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, **settings):
@@ -255,7 +256,8 @@ class GPT(nn.Module):
                         use_cache=True, generator=None, compile_decode=None):
         """Yields the new tokens, each (B, 1). A full cache is refilled from the last block_size//2
         tokens; use_cache=False recomputes the context each step (the same tokens while it fits).
-        compile_decode: torch.compile's options for the decode step (None: CUDA graphs on a GPU)."""
+        compile_decode: torch.compile's options for the decode step (None: CUDA graphs on a GPU).
+        A second open generator gets its own cache, uncompiled."""
         block_size = self.config.block_size
         if idx.size(1) > block_size:
             warnings.warn(f"the prompt has {idx.size(1)} tokens, more than "
@@ -265,34 +267,36 @@ class GPT(nn.Module):
             return
         if compile_decode is None and idx.device.type == "cuda":
             compile_decode = {"mode": "reduce-overhead"}  # 9+ shapes: eager, no error
+        kept = use_cache and not getattr(self, "_kv_cache_in_use", False)
+        compile_decode = compile_decode if kept else False
         if compile_decode and getattr(self, "_decode_options", None) != compile_decode:
-            self._decode_options = compile_decode  # once, not per call
+            self._decode_options = compile_decode
             self._decode_compiled = torch.compile(self._decode_step, **compile_decode)
         decode_step = self._decode_compiled if compile_decode else self._decode_step
+        caches = [None] * self.config.n_layer
         if use_cache:
-            self._attach_kv_cache(idx.size(0), idx.device, static=bool(compile_decode))
+            caches = self._kv_cache(idx.size(0), idx.device, kept)
         try:
-            window = idx  # the context; with the cache, the tokens it holds
+            window = idx  # the context (the cache's tokens)
             position = torch.zeros(1, dtype=torch.long, device=idx.device)
-            logits, _ = self(window)
             for step in range(max_new_tokens):
-                next_token = sample_next_token(logits[:, -1], temperature, top_k, top_p, generator)
-                yield next_token
-                if step == max_new_tokens - 1:
-                    break
-                window = torch.cat((window, next_token), dim=1)
-                if use_cache and window.size(1) <= block_size:
+                self._attach_kv_cache(caches)  # another may have run
+                if step > 0 and use_cache and window.size(1) <= block_size:
                     if compile_decode:  # a new step: the graph may overwrite the last logits
                         torch.compiler.cudagraph_mark_step_begin()
                     length = block_size if compile_decode else window.size(1)
                     logits = decode_step(next_token, position.fill_(window.size(1) - 1), length)
-                else:
+                else:  # prefill or refill
                     keep = max(1, block_size // 2) if use_cache else block_size
-                    window = window[:, -keep:]
+                    window = window[:, -keep:] if window.size(1) > block_size else window
                     logits, _ = self(window)
+                next_token = sample_next_token(logits[:, -1], temperature, top_k, top_p, generator)
+                yield next_token
+                window = torch.cat((window, next_token), dim=1)
         finally:
-            for block in self.transformer.h:
-                block.attn.kv_cache = None  # kept in self._kv_caches
+            if kept:
+                self._kv_cache_in_use = False
+            self._attach_kv_cache([None] * self.config.n_layer)
 
     def _decode_step(self, token, position, length):
         """token (B, 1) at position (a (1,) tensor), seeing length cache positions -> logits."""
@@ -303,21 +307,28 @@ class GPT(nn.Module):
             x = block(x, cos, sin, position, mask)
         return self.lm_head(self.transformer.ln_f(x))
 
-    def _attach_kv_cache(self, batch_size, device, static):
-        # Kept: a CUDA graph reads it where it was captured (static: marked so).
+    def _kv_cache(self, batch_size, device, kept):
         cfg = self.config
         dtype = self.lm_head.weight.dtype
-        if torch.is_autocast_enabled(device.type):  # then keys/values come out in its dtype
+        if torch.is_autocast_enabled(device.type):  # keys/values come out in its dtype
             dtype = torch.get_autocast_dtype(device.type)
         shape = (batch_size, cfg.n_kv_head, cfg.block_size, cfg.n_embd // cfg.n_head)
-        kept = getattr(self, "_kv_caches", [[torch.empty(0)]])[0][0]
-        if (kept.shape, kept.dtype, kept.device) != (shape, dtype, device):
-            self._kv_caches = [[torch.zeros(shape, dtype=dtype, device=device) for _ in "kv"]
-                               for _ in self.transformer.h]
-        for block, cache in zip(self.transformer.h, self._kv_caches):
-            block.attn.kv_cache = cache
-            for tensor in cache if static else ():
-                torch._dynamo.mark_static_address(tensor)
+        old = getattr(self, "_kv_caches", [[torch.empty(0)]])[0][0]
+        if not kept or (old.shape, old.dtype, old.device) != (shape, dtype, device):
+            caches = [[torch.zeros(shape, dtype=dtype, device=device) for _ in "kv"]
+                      for _ in self.transformer.h]
+            if not kept:
+                return caches
+            self._kv_caches = caches
+            for tensor in [tensor for cache in caches for tensor in cache]:
+                torch._dynamo.mark_static_address(tensor)  # a CUDA graph reads it where captured
+        self._kv_cache_in_use = True
+        return self._kv_caches
+
+    def _attach_kv_cache(self, caches):
+        if self.transformer.h[0].attn.kv_cache is not caches[0]:
+            for block, cache in zip(self.transformer.h, caches):
+                block.attn.kv_cache = cache
 
     # ---- scoring continuations (HellaSwag) ----
 
@@ -341,10 +352,8 @@ class GPT(nn.Module):
             targets[row, len(ids) - 1 - scored:len(ids) - 1] = torch.tensor(ids[-scored:])
         device = self.lm_head.weight.device  # built on the host, copied once: no per-row syncs
         inputs, targets = inputs.to(device), targets.to(device)
-        logits, _ = self(inputs, targets)
-        losses = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-1,
-                                 reduction="none").view(len(pairs), width)
-        summed = losses.sum(dim=1)
+        _, losses = self(inputs, targets, reduction="none")
+        summed = losses.view(len(pairs), width).sum(dim=1)
         return summed, summed / (targets >= 0).sum(dim=1)
 
 
@@ -360,7 +369,7 @@ def top_p_filter(logits, p):
     """Nucleus filtering: keep the fewest most likely tokens whose probabilities reach p."""
     sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
     sorted_probs = F.softmax(sorted_logits.float(), dim=-1)
-    mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs  # of the tokens ranked above
+    mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
     remove_sorted = mass_before >= p  # they reached p without this token
     remove_sorted[..., 0] = False
     remove = torch.zeros_like(remove_sorted).scatter(-1, order, remove_sorted)
@@ -399,8 +408,8 @@ def orthogonalize(matrices, steps=5):
     x = x / (x.norm(dim=(-2, -1), keepdim=True) + 1e-7)  # singular values <= the Frobenius norm = 1
     for _ in range(steps):
         gram = x @ x.mT
-        poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)  # b X X^T + c (X X^T)^2
-        x = torch.baddbmm(x, poly, x, beta=a)                    # a X + poly X
+        poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
+        x = torch.baddbmm(x, poly, x, beta=a)
     return x if wide else x.mT
 
 
@@ -408,10 +417,10 @@ class MuonAdamW(torch.optim.Optimizer):
     """Muon for the groups marked use_muon (2-D weight matrices), AdamW for the others.
     Why Muon (Jordan et al. 2024): a few directions dominate a matrix's gradient, and AdamW's step
     follows them. Muon steps along the momentum's nearest orthogonal matrix: the same directions,
-    all moved alike (CPU Shakespeare recipe: val loss 1.59, AdamW 1.68). Scaled by 0.2 *
-    sqrt(max(rows, cols)), its RMS is 0.2, about AdamW's (Liu et al. 2025): one learning rate
-    drives both. ns_every=k orthogonalizes every k-th step after ns_warmup, reusing the direction
-    between (the momentum moves ~5% a step)."""
+    all moved alike (CPU Shakespeare: val loss 1.59, AdamW 1.68). Scaled by 0.2 * sqrt(max(rows,
+    cols)), its RMS is 0.2, about AdamW's (Liu et al. 2025): one learning rate drives both.
+    ns_every=k orthogonalizes every k-th step after ns_warmup, reusing the direction between (the
+    momentum moves ~5% a step)."""
 
     def __init__(self, param_groups, lr, betas=(0.9, 0.95), eps=1e-8, momentum=0.95, ns_steps=5,
                  ns_every=1, ns_warmup=0):
@@ -428,7 +437,7 @@ class MuonAdamW(torch.optim.Optimizer):
 
     def _muon_step(self, group, params):
         lr, momentum, every = group["lr"], group["momentum"], group.get("ns_every", 1)
-        # One shape's matrices (a tall one transposed) share batched matmuls: CPU 1.05-1.15x faster.
+        # One shape's matrices (a tall one transposed) share batched matmuls.
         by_shape = {}
         for p in params:
             by_shape.setdefault((min(p.shape), max(p.shape)), []).append(p)
@@ -577,7 +586,7 @@ def model_from_checkpoint(checkpoint):
     """The GPT a checkpoint describes, with its weights; CheckpointError if they don't fit."""
     try:
         settings = dict(checkpoint["model_config"])
-        for retired in ("max_batch_size", "ffn_hidden"):  # older checkpoints' settings
+        for retired in ("max_batch_size", "ffn_hidden"):
             settings.pop(retired, None)
         model = GPT(GPTConfig(**settings))
         model.load_state_dict(checkpoint["model"])

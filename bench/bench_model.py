@@ -10,10 +10,14 @@ training step for each preset.
 
 Medians over --repeats runs, after one warm-up run (the graphed route compiles in it); the routes alternate, run by
 run. Generation is greedy, batch 1 and 8 (--batch_size: one), a 16-token random prompt and 256 new tokens; the routes
-must give the same tokens while the context fits in block_size (checked; in bfloat16 rounding may part them). Beside
-tokens/s: the share of the memory-bandwidth limit, where each step reads every weight once (params x the bytes of
---dtype; batch B makes B tokens of it): GPUs by name, a CPU with --bandwidth (GB/s), else n/a.
-The training step is one forward+backward (no optimizer step) at block_size tokens per row.
+must give the same tokens while the context fits in block_size (checked; in bfloat16 rounding may part them).
+--dtype bfloat16 casts the weights to bf16 for generation, as sample.py does (no autocast); float16 runs autocast over
+float32 weights. Beside tokens/s: the share of the memory-bandwidth limit, where each step moves every weight once
+(batch B makes B tokens of it): 4 bytes a parameter in float32, 2 cast to bf16, 8 under float16 autocast (it reads the
+float32 weight, writes its cast, and the matmul reads that); the KV cache's reads are left out. GPUs by name, a CPU
+with --bandwidth (GB/s), else n/a.
+The training step is one forward+backward (no optimizer step) at block_size tokens per row, under autocast over
+float32 weights (as train.py) unless float32.
 """
 import argparse
 import os
@@ -98,12 +102,16 @@ if args.part in ("generate", "all"):
         config = PRESETS[name]
         torch.manual_seed(0)
         model = GPT(config).to(args.device).eval()
-        weight_bytes_per_step = model.get_num_params() * torch.finfo(getattr(torch, args.dtype)).bits // 8
+        generation_autocast = autocast
+        if args.dtype == "bfloat16":  # as sample.py
+            model.cast_weights(torch.bfloat16)
+            generation_autocast = nullcontext()
+        weight_bytes_per_step = model.get_num_params() * {"float32": 4, "bfloat16": 2, "float16": 8}[args.dtype]
         for batch_size in [args.batch_size] if args.batch_size else [1, 8]:
             prompt = torch.randint(0, config.vocab_size, (batch_size, args.prompt_tokens), device=args.device)
             # The routes alternate within each repeat, so that all see the same load on a shared machine.
             times, outputs = {route: [] for route in routes}, {}
-            with autocast:
+            with generation_autocast:
                 for route, options in routes.items():  # warm-up: allocator, threads, compilation
                     timed(lambda: model.generate(prompt, 8, temperature=0, **options))
                 for _ in range(args.repeats):

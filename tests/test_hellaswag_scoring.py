@@ -71,3 +71,11 @@ def test_an_empty_context_or_continuation_is_refused(contexts, continuations):
     model = scrambled_gpt()
     with pytest.raises(ValueError, match="at least one token"):
         model.continuation_losses(contexts, continuations)
+
+
+def test_the_scoring_computes_its_losses_once():
+    # forward's per-token losses (reduction="none") are the scoring's: no second cross-entropy over the logits.
+    model = scrambled_gpt()
+    with torch.profiler.profile() as profiler:
+        model.continuation_losses([[1, 2, 3], [4]], [[5, 6], [7, 8, 9]])
+    assert [event.name for event in profiler.events()].count("aten::cross_entropy_loss") == 1

@@ -1,6 +1,7 @@
 """model.py: each property checked against an independent route to the same answer (a hand-written attention,
 a full recompute, a brute-force filter, the parameter formula of the architecture)."""
 import base64
+import itertools
 import math
 import os
 import pickle
@@ -291,6 +292,67 @@ def test_static_cache_equals_the_full_forward_across_prompts_batches_and_refills
             torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
     # One graph for batch 3, one for batch 1: never one a position (CUDA graphs need the shapes fixed).
     assert len(graphs) == (2 if graphed else 0)
+    torch._dynamo.reset()
+
+
+def test_bfloat16_weights_keep_float32_rope_and_decode_alike_plain_and_compiled():
+    # sample.py's bfloat16 route: cast_weights, no autocast. The RoPE tables stay float32 (Module.to(dtype) would
+    # round cos and sin to 3 significant digits), the tie holds, the KV cache takes the weights' dtype, and the
+    # compiled decode step (the GPU's, here backend="eager") gives the plain step's greedy tokens.
+    torch._dynamo.reset()
+    model = scrambled_model()
+    model.cast_weights(torch.bfloat16)
+    assert model.rope_cos.dtype == model.rope_sin.dtype == torch.float32
+    assert model.lm_head.weight.dtype == torch.bfloat16 and model.transformer.wte.weight is model.lm_head.weight
+    prompt = torch.randint(0, 97, (2, 5), generator=torch.Generator().manual_seed(4))
+    plain = model.generate(prompt, 40, temperature=0, compile_decode=False)  # through a refill (block_size 32)
+    assert model._kv_caches[0][0].dtype == torch.bfloat16
+    compiled = model.generate(prompt, 40, temperature=0, compile_decode={"backend": "eager", "fullgraph": True})
+    assert torch.equal(plain, compiled) and all(len(set(row[5:].tolist())) > 5 for row in plain)
+    torch._dynamo.reset()
+
+
+def test_bfloat16_weights_give_logits_near_float32():
+    # bf16 keeps 8 significant bits: each rounding is off by at most 2^-9 (0.2%) of its value, the logits' own
+    # rounding included; a 2-layer model at GPT-2's init measures 0.3-0.4% of the largest logit off. 1% is the bound.
+    model = tiny_model()
+    idx = torch.randint(0, 97, (2, 32), generator=torch.Generator().manual_seed(5))
+    in_float32 = all_logits(model, idx)
+    model.cast_weights(torch.bfloat16)
+    in_bfloat16 = all_logits(model, idx)
+    assert in_bfloat16.dtype == torch.bfloat16
+    assert (in_bfloat16.float() - in_float32).abs().max() <= 0.01 * in_float32.abs().max()
+
+
+@pytest.mark.parametrize("graphed", [False, True], ids=["plain", "graphed"])
+def test_generators_open_at_once_each_give_the_tokens_they_give_alone(graphed):
+    # Two cached generators and a recomputing one, open at once on one model, each resumed in turn. They shared the
+    # kept cache: the second's prefill overwrote the first's keys. Now the second makes a cache of its own, steps
+    # uncompiled (a CUDA graph reads the kept cache's addresses), and each re-attaches its cache when it resumes.
+    torch._dynamo.reset()
+    model, graphs, compiled_steps = scrambled_model(block_size=16), [], []
+
+    def backend(graph_module, example_inputs):  # backend="eager", counting graphs and the steps run through them
+        graphs.append(graph_module)
+        return lambda *args: compiled_steps.append(1) or graph_module.forward(*args)
+    compile_decode = {"backend": backend, "fullgraph": True} if graphed else False
+    prompts = [torch.randint(0, 97, (2, n), generator=torch.Generator().manual_seed(n)) for n in (3, 7, 5)]
+    routes = [dict(compile_decode=compile_decode)] * 2 + [dict(use_cache=False)]
+    alone, steps_alone = [], []
+    for prompt, route in zip(prompts, routes):
+        alone.append(model.generate(prompt, 30, temperature=0, **route)[:, prompt.size(1):])
+        steps_alone.append(len(compiled_steps) - sum(steps_alone))
+    compiled_steps.clear()
+    generators = [model.generate_tokens(prompt, 30, temperature=0, **route) for prompt, route in zip(prompts, routes)]
+    together = [[next(generators[0]) for _ in range(4)], [], []]  # the first takes the kept cache, runs ahead
+    for _ in range(30):
+        for tokens, generator in zip(together, generators):
+            tokens.extend(itertools.islice(generator, 1))
+    for tokens, expected in zip(together, alone, strict=True):
+        assert torch.equal(torch.cat(tokens, dim=1), expected)
+    assert all(block.attn.kv_cache is None for block in model.transformer.h)  # all released
+    # Only the first ran the compiled step, through the graph it captured alone: no recompile.
+    assert len(graphs) == (1 if graphed else 0) and len(compiled_steps) == steps_alone[0]
     torch._dynamo.reset()
 
 

@@ -157,6 +157,31 @@ def test_the_graphed_decode_step_draws_what_sample_py_prints(checkpoints):
                                compile_decode={"backend": "eager", "fullgraph": True})
     assert graphed == plain and len(set(plain[0])) > 5
 
+def test_bfloat16_casts_the_weights_once_and_drops_autocast(checkpoints):
+    # --dtype=bfloat16 (a GPU's "auto"): sample.py draws what the model with its weights cast to bf16 draws here,
+    # not what float32 weights under bf16 autocast (the old route) draw: an untrained model's near-tied logits
+    # make their top 3 differ at token 19. On this CPU bf16 is emulated (~27x slower): a tiny model, 30 tokens.
+    process = start_sample(f"--out_dir={checkpoints / 'char'}", "--start=ROMEO:", "--num_samples=1",
+                           "--max_new_tokens=30", "--seed=1337", "--temperature=1.0", "--top_k=3",
+                           "--device=cpu", "--dtype=bfloat16")
+    checkpoint = load_checkpoint(str(checkpoints / "char" / "ckpt.pt"))
+    chars, model = checkpoint["tokenizer"]["chars"], model_from_checkpoint(checkpoint).eval()
+    prompt = torch.tensor([[chars.index(c) for c in "ROMEO:"]])
+
+    def draw():
+        torch.manual_seed(1337)
+        return "".join(chars[t.item()] for t in model.generate_tokens(prompt, 30, temperature=1.0, top_k=3))
+    with torch.autocast("cpu", torch.bfloat16):
+        under_autocast = draw()
+    model.cast_weights(torch.bfloat16)
+    cast = draw()
+    result = finish(process)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "ROMEO:" + cast + SEPARATOR
+    assert cast != under_autocast
+    assert "(cpu, bfloat16," in result.stderr
+
+
 # A checkpoint's own faults (truncated, a future version, not ours) are model.py's errors, tested in test_model.py;
 # the first case here shows that they reach the user as sample.py's one line.
 BAD_INPUTS = {
