@@ -11,8 +11,9 @@ training step for each preset.
 Medians over --repeats runs, after one warm-up run (the graphed route compiles in it); the routes alternate, run by
 run. Generation is greedy, batch 1 and 8 (--batch_size: one), a 16-token random prompt and 256 new tokens; the routes
 must give the same tokens while the context fits in block_size (checked; in bfloat16 rounding may part them).
---dtype bfloat16 casts the weights to bf16 for generation, as sample.py does (no autocast); float16 runs autocast over
-float32 weights. Beside tokens/s: the share of the memory-bandwidth limit, where each step moves every weight once
+--dtype bfloat16 casts the weights to bf16 for generation, as sample.py does (no autocast), and on CUDA times beside
+it the "autocast" route: the graphed step under autocast over float32 weights (sample.py before); float16 runs autocast
+over float32 weights. Beside tokens/s: the share of the memory-bandwidth limit, where each step moves every weight once
 (batch B makes B tokens of it): 4 bytes a parameter in float32, 2 cast to bf16, 8 under float16 autocast (it reads the
 float32 weight, writes its cast, and the matmul reads that); the KV cache's reads are left out. GPUs by name, a CPU
 with --bandwidth (GB/s), else n/a.
@@ -20,6 +21,7 @@ The training step is one forward+backward (no optimizer step) at block_size toke
 float32 weights (as train.py) unless float32.
 """
 import argparse
+import copy
 import os
 import statistics
 import sys
@@ -96,39 +98,47 @@ if args.part in ("generate", "all"):
         routes.pop("graphed")
     print(f"\ngeneration: {args.prompt_tokens}-token prompt, {args.new_tokens} new tokens, greedy; median of "
           f"{args.repeats}; bandwidth {f'{bandwidth:,.0f} GB/s' if bandwidth else 'unknown (n/a)'}")
-    columns = "".join(f" {route + ' tok/s':>16} {'of BW':>6}" for route in routes)
-    print(f"{'preset':<10} {'params':>8} {'batch':>5}{columns}  same tokens")
     for name in names:
         config = PRESETS[name]
         torch.manual_seed(0)
         model = GPT(config).to(args.device).eval()
-        generation_autocast = autocast
-        if args.dtype == "bfloat16":  # as sample.py
+        # route -> (model, context, generate's options, bytes a parameter a step)
+        runs = {route: (model, autocast, options, {"float32": 4, "float16": 8}.get(args.dtype))
+                for route, options in routes.items()}
+        if args.dtype == "bfloat16":  # as sample.py: weights cast once, no autocast
+            if "graphed" in routes:  # beside: the graph under autocast over float32 weights (8 bytes:
+                # each replay reads the float32 weight, writes its cast, and the matmul reads that)
+                float32_model = copy.deepcopy(model)
+                runs = {"autocast": (float32_model, autocast, routes["graphed"], 8), **runs}
             model.cast_weights(torch.bfloat16)
-            generation_autocast = nullcontext()
-        weight_bytes_per_step = model.get_num_params() * {"float32": 4, "bfloat16": 2, "float16": 8}[args.dtype]
+            runs.update({route: (model, nullcontext(), options, 2) for route, options in routes.items()})
+        if name == names[0]:
+            columns = "".join(f" {route + ' tok/s':>16} {'of BW':>6}" for route in runs)
+            print(f"{'preset':<10} {'params':>8} {'batch':>5}{columns}  same tokens")
         for batch_size in [args.batch_size] if args.batch_size else [1, 8]:
             prompt = torch.randint(0, config.vocab_size, (batch_size, args.prompt_tokens), device=args.device)
             # The routes alternate within each repeat, so that all see the same load on a shared machine.
-            times, outputs = {route: [] for route in routes}, {}
-            with generation_autocast:
-                for route, options in routes.items():  # warm-up: allocator, threads, compilation
-                    timed(lambda: model.generate(prompt, 8, temperature=0, **options))
-                for _ in range(args.repeats):
-                    for route, options in routes.items():
+            times, outputs = {route: [] for route in runs}, {}
+            for route, (route_model, context, options, _) in runs.items():  # warm-up: allocator, compiling
+                with context:
+                    timed(lambda: route_model.generate(prompt, 8, temperature=0, **options))
+            for _ in range(args.repeats):
+                for route, (route_model, context, options, _) in runs.items():
+                    with context:
                         elapsed, outputs[route] = timed(
-                            lambda: model.generate(prompt, args.new_tokens, temperature=0, **options))
-                        times[route].append(elapsed)
+                            lambda: route_model.generate(prompt, args.new_tokens, temperature=0, **options))
+                    times[route].append(elapsed)
             row = f"{name:<10} {model.get_num_params() / 1e6:>7.1f}M {batch_size:>5}"
             for route, route_times in times.items():
                 rate = batch_size * args.new_tokens / statistics.median(route_times)  # over the whole batch
+                weight_bytes_per_step = model.get_num_params() * runs[route][3]
                 limit = bandwidth * 1e9 / weight_bytes_per_step * batch_size if bandwidth else None
                 row += f" {rate:>16.1f} {f'{rate / limit:.1%}' if limit else 'n/a':>6}"
             fits = args.prompt_tokens + args.new_tokens <= config.block_size
             differ = [route for route in routes if not torch.equal(outputs[route], outputs["recompute"])]
             same = ("yes" if not differ else f"NO: {', '.join(differ)}") if fits else "n/a (past block_size)"
             print(f"{row}  {same}", flush=True)
-        del model
+        del model, runs
 
 if args.part in ("train", "all"):
     names = (args.presets or "tiny,lillm,gpt2_124m").split(",")

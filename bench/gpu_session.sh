@@ -111,8 +111,9 @@ for phase in "$@"; do
     step_lillm)  # the plain loss beside the detached logits (issue 36): MFU, how busy the GPU is
         step step_lillm 120 python3 bench/bench_step.py config/lillm.py
         step step_gpt2 150 python3 bench/bench_step.py config/gpt2_124m.py ;;
-    generate_b8)  # issue 36: the decode step in CUDA graphs beside the plain cache and the recompute, batch 1
-        # and 8, the share of the bandwidth limit; perf_hints says "skipping cudagraphs" if the graph is lost
+    generate_b8)  # issue 36: the decode step in CUDA graphs (bf16 weights, as sample.py) beside the same graph
+        # under autocast over float32 weights, the plain cache and the recompute, batch 1 and 8, the share of the
+        # bandwidth limit; perf_hints says "skipping cudagraphs" if the graph is lost
         for rows in 1 8; do
             TORCH_LOGS=perf_hints step generate_b$rows 120 python3 bench/bench_model.py --part generate \
                 --device cuda --dtype bfloat16 --presets lillm,gpt2_124m --new_tokens 256 \
