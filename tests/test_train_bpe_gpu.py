@@ -218,7 +218,8 @@ def test_adjacent_pairs_merge_in_one_round(monkeypatch):
 
 
 # The interpreter runs code that the GPU compiler refuses (`x = y = ...`, say): compile each kernel for an H100
-# (sm_90), which needs no GPU, only the ptxas that triton bundles; with int32 counts, and int64 where it matters.
+# (sm_90) and an A100 (sm_80), which needs no GPU, only the ptxas that triton bundles; with int32 counts, and
+# int64 where it matters.
 COMPILE_FOR_A_GPU = """
 import os, re, sys
 os.environ["TRITON_INTERPRET"] = "0"
@@ -233,39 +234,40 @@ INT64 = {"batch", "row_keys", "block_key", "fresh_keys", "list_start", "list_len
 SHAPE = dict(BLOCK=256, ROWS=4, KEY_BLOCK=256, POSITIONS=256, SLOTS=8)  # CUDA's, at the default max_batch
 KERNELS = (bpe.choose_batch, bpe.find_occurrences, bpe.apply_merges, bpe.refresh_rows)
 assert INT64 | set(SHAPE) <= {name for kernel in KERNELS for name in kernel.arg_names}  # no stale name
-for counts in ("*i32", "*i64"):
-    for kernel in KERNELS:
-        names = kernel.arg_names
-        if counts == "*i64" and "counts" not in names:
-            continue
-        signature = {name: "constexpr" if name in SHAPE else "i32" if name in ("V", "END", "max_batch") else
-                     counts if name in ("counts", "weight") else "*i64" if name in INT64 else "*i32" for name in names}
-        constexprs = {(names.index(name),): value for name, value in SHAPE.items() if name in names}
-        asm = triton.compile(ASTSource(kernel, signature, constexprs), target=GPUTarget("cuda", 90, 32)).asm
-        ttir, atomics = asm["ttir"], re.findall(r"\\batom[.][\\w.]+", asm["ptx"])
-        print(kernel.fn.__name__, counts, "compiled;", len(atomics), "atomics;", "fenced:", sorted(
-            {atomic for atomic in atomics if ".relaxed" not in atomic}))
-        if kernel is bpe.choose_batch:  # the dirty rows' keys are copied (stores), a barrier, their blocks' keys
-            # recomputed (reduce, store), a barrier, then the picks: each scans (reduce), stores, and a barrier
-            first, second, third = barriers(ttir)
-            block_keys = ttir.index("tt.reduce", first) < ttir.rindex("tt.store", first, second)
-            print("barriers between copy, blocks and scan:", ttir.index("tt.store") < first and block_keys
-                  and ttir.index("tt.reduce", second) < ttir.rindex("tt.store", second, third))
-        if kernel is bpe.refresh_rows:  # the next items' loads in flight (cp.async)
-            print(kernel.fn.__name__, "pipelined:", "cp.async" in asm["ptx"])
+for arch in (90, 80):  # an H100's, an A100's
+    for counts in ("*i32", "*i64"):
+        for kernel in KERNELS:
+            names = kernel.arg_names
+            if counts == "*i64" and "counts" not in names:
+                continue
+            signature = {name: "constexpr" if name in SHAPE else "i32" if name in ("V", "END", "max_batch") else
+                         counts if name in ("counts", "weight") else "*i64" if name in INT64 else "*i32" for name in names}
+            constexprs = {(names.index(name),): value for name, value in SHAPE.items() if name in names}
+            asm = triton.compile(ASTSource(kernel, signature, constexprs), target=GPUTarget("cuda", arch, 32)).asm
+            ttir, atomics = asm["ttir"], re.findall(r"\\batom[.][\\w.]+", asm["ptx"])
+            print(kernel.fn.__name__, counts, "compiled;", len(atomics), "atomics;", "fenced:", sorted(
+                {atomic for atomic in atomics if ".relaxed" not in atomic}))
+            if kernel is bpe.choose_batch:  # the dirty rows' keys are copied (stores), a barrier, their blocks' keys
+                # recomputed (reduce, store), a barrier, then the picks: each scans (reduce), stores, and a barrier
+                first, second, third = barriers(ttir)
+                block_keys = ttir.index("tt.reduce", first) < ttir.rindex("tt.store", first, second)
+                print("barriers between copy, blocks and scan:", ttir.index("tt.store") < first and block_keys
+                      and ttir.index("tt.reduce", second) < ttir.rindex("tt.store", second, third))
+            if kernel is bpe.refresh_rows:  # the next items' loads in flight (cp.async)
+                print(kernel.fn.__name__, "pipelined:", "cp.async" in asm["ptx"])
 """
 
 
 def test_the_kernels_compile_for_a_gpu():
     result = subprocess.run([sys.executable, "-c", COMPILE_FOR_A_GPU, str(REPO)], capture_output=True, text=True,
                             timeout=300)
-    assert result.returncode == 0 and result.stdout.count("compiled") == 6, result.stdout + result.stderr[-3000:]
-    assert result.stdout.count("barriers between copy, blocks and scan: True") == 1, result.stdout  # a GPU race
+    assert result.returncode == 0 and result.stdout.count("compiled") == 12, result.stdout + result.stderr[-3000:]
+    assert result.stdout.count("barriers between copy, blocks and scan: True") == 2, result.stdout  # a GPU race
     # one program reading a dirty row item by item would wait out each load in turn
-    assert result.stdout.count("pipelined: True") == 2, result.stdout
+    assert result.stdout.count("pipelined: True") == 4, result.stdout
     # Every atomic relaxed (acq_rel puts a device-wide fence around each, on the merge's critical path), and
-    # the atomics are there to be checked: the PTX is what the H100's compiler gets.
-    assert result.stdout.count("fenced: []") == 6, result.stdout
+    # the atomics are there to be checked: the PTX is what the GPU's compiler gets.
+    assert result.stdout.count("fenced: []") == 12, result.stdout
     assert sum(int(count) for count in re.findall(r"compiled; (\d+) atomics", result.stdout)) > 0, result.stdout
 
 

@@ -563,41 +563,42 @@ INT64 = {"state", "row_key", "block_key", "fresh_key", "list_start", "list_len",
 CONSTANTS = {"BLOCK": 256, "ROWS": 4, "BITS": 11, "KEY_BLOCK": 256}
 kernels = (mg.best_pair, mg.find_occurrences, mg.apply_merges, mg.apply_owned, mg.refresh_rows)
 assert INT64 | set(CONSTANTS) <= {name for kernel in kernels for name in kernel.arg_names}  # no stale name
-for counts in ("*i32", "*i64"):
-    for kernel in kernels:
-        names = kernel.arg_names
-        signature = {name: "constexpr" if name in (*CONSTANTS, "ONE_KEY") else "i32" if name in ("V", "END", "RANK", "WORLD")
-                     else counts if name in ("counts", "weight", "delta") else "*i64" if name in INT64 else "*i32"
-                     for name in names}
-        shape = dict(CONSTANTS, BLOCK=4096) if kernel is mg.best_pair else CONSTANTS  # a CUDA run's
-        constexprs = {(names.index(name),): value for name, value in shape.items() if name in names}
-        if "ONE_KEY" in names:
-            constexprs[(names.index("ONE_KEY"),)] = counts == "*i32"
-        asm = triton.compile(ASTSource(kernel, signature, constexprs), target=GPUTarget("cuda", 90, 32)).asm
-        ttir, atomics = asm["ttir"], re.findall(r"\\batom[.][\\w.]+", asm["ptx"])
-        print(kernel.fn.__name__, counts, "compiled;", len(atomics), "atomics;", "fenced:", sorted(
-            {atomic for atomic in atomics if ".relaxed" not in atomic}))
-        if kernel is mg.best_pair:  # the dirty rows' keys are copied (stores), a barrier, their blocks' keys
-            # recomputed (reduce, store), a barrier, then the blocks scanned (reduce)
-            first, second = barriers(ttir)
-            block_keys = ttir.index("tt.reduce", first) < ttir.rindex("tt.store", first, second)
-            print("barriers between copy, blocks and scan:",
-                  ttir.index("tt.store") < first and block_keys and "tt.reduce" in ttir[second:])
-        if kernel is mg.refresh_rows:  # the next items' loads in flight (cp.async)
-            print("refresh_rows pipelined:", "cp.async" in asm["ptx"])
+for arch in (90, 80):  # an H100's, an A100's
+    for counts in ("*i32", "*i64"):
+        for kernel in kernels:
+            names = kernel.arg_names
+            signature = {name: "constexpr" if name in (*CONSTANTS, "ONE_KEY") else "i32" if name in ("V", "END", "RANK", "WORLD")
+                         else counts if name in ("counts", "weight", "delta") else "*i64" if name in INT64 else "*i32"
+                         for name in names}
+            shape = dict(CONSTANTS, BLOCK=4096) if kernel is mg.best_pair else CONSTANTS  # a CUDA run's
+            constexprs = {(names.index(name),): value for name, value in shape.items() if name in names}
+            if "ONE_KEY" in names:
+                constexprs[(names.index("ONE_KEY"),)] = counts == "*i32"
+            asm = triton.compile(ASTSource(kernel, signature, constexprs), target=GPUTarget("cuda", arch, 32)).asm
+            ttir, atomics = asm["ttir"], re.findall(r"\\batom[.][\\w.]+", asm["ptx"])
+            print(kernel.fn.__name__, counts, "compiled;", len(atomics), "atomics;", "fenced:", sorted(
+                {atomic for atomic in atomics if ".relaxed" not in atomic}))
+            if kernel is mg.best_pair:  # the dirty rows' keys are copied (stores), a barrier, their blocks' keys
+                # recomputed (reduce, store), a barrier, then the blocks scanned (reduce)
+                first, second = barriers(ttir)
+                block_keys = ttir.index("tt.reduce", first) < ttir.rindex("tt.store", first, second)
+                print("barriers between copy, blocks and scan:",
+                      ttir.index("tt.store") < first and block_keys and "tt.reduce" in ttir[second:])
+            if kernel is mg.refresh_rows:  # the next items' loads in flight (cp.async)
+                print("refresh_rows pipelined:", "cp.async" in asm["ptx"])
 """
 
 
 def test_the_kernels_compile_for_a_gpu(tmp_path):
     """The interpreter accepts some constructs that the GPU compiler rejects: compile each kernel for an H100
-    (sm_90) with Triton's own compiler, which needs no GPU."""
+    (sm_90) and an A100 (sm_80) with Triton's own compiler, which needs no GPU."""
     (tmp_path / "compile_for_a_gpu.py").write_text(COMPILE_FOR_A_GPU)
     result = SCRIPT_RUNNER.run([[sys.executable, "compile_for_a_gpu.py", str(REPO)]], cwd=tmp_path, env=ENV,
                                timeout=300)[0]
-    assert result.returncode == 0 and result.stdout.count("compiled") == 10, result.stdout + result.stderr[-3000:]
-    assert result.stdout.count("barriers between copy, blocks and scan: True") == 2, result.stdout  # a GPU race
-    assert result.stdout.count("refresh_rows pipelined: True") == 2, result.stdout
+    assert result.returncode == 0 and result.stdout.count("compiled") == 20, result.stdout + result.stderr[-3000:]
+    assert result.stdout.count("barriers between copy, blocks and scan: True") == 4, result.stdout  # a GPU race
+    assert result.stdout.count("refresh_rows pipelined: True") == 4, result.stdout
     # Every atomic relaxed (acq_rel puts a device-wide fence around each, on the merge's critical path), and
-    # the atomics are there to be checked: the PTX is what the H100's compiler gets.
-    assert result.stdout.count("fenced: []") == 10, result.stdout
+    # the atomics are there to be checked: the PTX is what the GPU's compiler gets.
+    assert result.stdout.count("fenced: []") == 20, result.stdout
     assert sum(int(count) for count in re.findall(r"compiled; (\d+) atomics", result.stdout)) > 0, result.stdout
