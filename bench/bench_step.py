@@ -7,7 +7,8 @@ CUDA, fused AdamW), timed, then profiled with torch.profiler: where a step's tim
     python bench/bench_step.py config/quickstart.py --device cpu --compile 1 --vocab_size 1024
 
 Two losses, each step in turn (same run, same weights): "plain", model.py's forward before issue 36 (the logits
-returned with their graph: the compiled backward fills a zero gradient for them), and "detached", today's. Busy is
+returned with their graph: the compiled backward fills a zero gradient for them), and "detached", today's; each
+under every torch.compile mode of --modes (a model and optimizer a loss, shared by its modes). Busy is
 the profiled step's device time over its wall time (CUDA; the profiler's own overhead makes it a lower bound).
 tokens/s and MFU count one micro-step (forward, backward) plus the optimizer step, so they are a little above what
 train.py prints with accumulation (there the optimizer step is shared by every micro-step). The data is random: a
@@ -33,6 +34,8 @@ parser.add_argument("--steps", type=int, default=20, help="timed steps of each l
 parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
 parser.add_argument("--compile", type=int, default=None, help="default: 1 on CUDA, 0 on the CPU (as train.py)")
 parser.add_argument("--losses", default="plain,detached", help="which of the two losses to time")
+parser.add_argument("--modes", default="default", help="torch.compile modes to time, each with each loss: e.g. "
+                    "default,reduce-overhead (CUDA graphs: the host's launches gone) or max-autotune-no-cudagraphs")
 parser.add_argument("--trace", default=None, help="write the profiled steps as Chrome traces here (a prefix)")
 args = parser.parse_args()
 
@@ -73,10 +76,14 @@ def plain(idx, targets):
 detached_model, detached_optimizer = model_and_optimizer()
 paths = {"plain": (plain, plain_model, plain_optimizer),
          "detached": (detached_model, detached_model, detached_optimizer)}
-runs = {}
+runs = {}  # "loss" or "loss/mode" -> (forward, model, optimizer, mode)
+modes = args.modes.split(",") if compile else ["default"]
 for loss_name in args.losses.split(","):
-    forward, raw_model, optimizer = paths[loss_name]
-    runs[loss_name] = (torch.compile(forward) if compile else forward, raw_model, optimizer)
+    for mode in modes:
+        forward, raw_model, optimizer = paths[loss_name]
+        run_name = loss_name if mode == "default" else f"{loss_name}/{mode}"
+        compiled = torch.compile(forward, mode=None if mode == "default" else mode) if compile else forward
+        runs[run_name] = (compiled, raw_model, optimizer, mode)
 
 
 def sync():
@@ -84,7 +91,9 @@ def sync():
         torch.cuda.synchronize()
 
 
-def step(forward, raw_model, optimizer):
+def step(forward, raw_model, optimizer, mode):
+    if mode in ("reduce-overhead", "max-autotune"):  # the modes that capture CUDA graphs
+        torch.compiler.cudagraph_mark_step_begin()  # the last step's graph outputs may be overwritten
     with torch.autocast(device.split(":")[0], dtype=dtype, enabled=dtype != torch.float32):
         _, loss = forward(inputs, targets)
     loss.backward()

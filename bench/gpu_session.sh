@@ -108,8 +108,10 @@ for phase in "$@"; do
             --eval_iters=1 --batch_size=8 --sample_prompt= --hellaswag=/tmp/hellaswag_10042.jsonl"
         step eval_without_hellaswag 60 python3 train.py $scratch --out_dir=out-hs0 --hellaswag_interval=0
         step eval_with_hellaswag 200 python3 train.py $scratch --out_dir=out-hs1 ;;
-    step_lillm)  # the plain loss beside the detached logits (issue 36): MFU, how busy the GPU is
-        step step_lillm 120 python3 bench/bench_step.py config/lillm.py
+    step_lillm)  # issue 36: MFU and how busy the GPU is; lilLM's step with and without CUDA graphs (compile's
+        # reduce-overhead: was it the host?), 124M's plain loss beside the detached logits
+        step step_lillm 120 python3 bench/bench_step.py config/lillm.py --losses detached \
+            --modes default,reduce-overhead
         step step_gpt2 150 python3 bench/bench_step.py config/gpt2_124m.py ;;
     generate_b8)  # issue 36: the decode step in CUDA graphs (bf16 weights, as sample.py) beside the same graph
         # under autocast over float32 weights, the plain cache and the recompute, batch 1 and 8, the share of the
