@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import assert_one_error_line
-from test_train import ENV, REPO, finish, free_port, load, run_train, start_train, train
+from test_train import REPO, finish, fork_train, free_port, load, run_train, start_train, train
 from test_train import dataset  # noqa: F401 (a fixture)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -123,11 +123,10 @@ def test_eval_only_two_processes_equal_one_and_the_checkpoint_is_untouched(score
         shutil.copytree(root / "out", out_dir)
         args = [*SETTINGS, f"--hellaswag={examples}", "--init_from=resume", "--eval_only=True",
                 f"--hellaswag_batch={0 if world == 1 else 7}"]
-        env = ENV
-        if world == 2:
-            env = {**ENV, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
-        runs[world] = out_dir, [start_train(root / "bytes", out_dir, *args, env={**env, "RANK": str(r),
-                                            "LOCAL_RANK": str(r)} if world == 2 else env) for r in range(world)]
+        port = str(free_port())  # the ranks: forked from the warm script runner, with torchrun's variables
+        ranks = [{"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "RANK": str(r),
+                  "LOCAL_RANK": str(r)} if world == 2 else None for r in range(world)]
+        runs[world] = out_dir, [fork_train(root / "bytes", out_dir, *args, environ=environ) for environ in ranks]
     for world, (out_dir, processes) in runs.items():  # the three processes ran at once
         results = [finish(process) for process in processes]
         # no step trained, no checkpoint written: the same bytes, and the log has one eval more
@@ -143,9 +142,8 @@ def test_eval_only_two_processes_equal_one_and_the_checkpoint_is_untouched(score
 
 
 def test_offline_without_a_file_is_a_note_and_a_broken_file_is_one_line(dataset, tmp_path):
-    offline = {**ENV, "HF_HUB_OFFLINE": "1"}
-    result = finish(start_train(dataset, tmp_path / "offline", "--max_iters=2", "--eval_interval=1",
-                                "--hellaswag_interval=1", "--total_batch_size=None", env=offline))
+    result = finish(fork_train(dataset, tmp_path / "offline", "--max_iters=2", "--eval_interval=1",
+                               "--hellaswag_interval=1", "--total_batch_size=None", environ={"HF_HUB_OFFLINE": "1"}))
     notes = [line for line in result.stdout.splitlines() if "HellaSwag" in line]
     assert notes == ["note: no HellaSwag figures (the Hugging Face Hub is off (HF_HUB_OFFLINE=1)); "
                      "--hellaswag=<file.jsonl> scores a local copy"]

@@ -75,16 +75,32 @@ def dataset(tmp_path_factory):
 
 
 def start_train(dataset, out_dir, *args, env=ENV):
-    """Start train.py on the tiny model (runs that don't depend on each other go at once: the machine has 2 cores)."""
+    """Start train.py on the tiny model in a fresh interpreter, for the tests of signals (runs that don't depend on
+    each other go at once: the machine has 2 cores)."""
     return subprocess.Popen([sys.executable, TRAIN, f"--dataset={dataset}", f"--out_dir={out_dir}", *TINY, *args],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=out_dir.parent)
 
 
-def finish(process, timeout=240):
-    """Wait for a run; fail the test with its output if it failed."""
-    stdout, stderr = process.communicate(timeout=timeout)
-    assert process.returncode == 0, stdout[-3000:] + stderr[-3000:]
-    return subprocess.CompletedProcess(process.args, 0, stdout, stderr)
+def fork_train(dataset, out_dir, *args, environ=None):
+    """Start train.py on the tiny model, forked from conftest.py's warm script runner (no torch import of its
+    own); environ: the run's own variables (a rank's RANK, MASTER_PORT). Waited for by finish() or outcome()."""
+    command = [sys.executable, TRAIN, f"--dataset={dataset}", f"--out_dir={out_dir}", *TINY, *args]
+    return SCRIPT_RUNNER.start(command, out_dir.parent, ENV, environ=environ)
+
+
+def outcome(run, timeout=240):
+    """The result of a run of start_train (a process) or fork_train, whatever its exit status."""
+    if isinstance(run, dict):
+        return SCRIPT_RUNNER.finish(run, timeout=timeout)
+    stdout, stderr = run.communicate(timeout=timeout)
+    return subprocess.CompletedProcess(run.args, run.returncode, stdout, stderr)
+
+
+def finish(run, timeout=240):
+    """Wait for a run of start_train or fork_train; fail the test with its output if it failed."""
+    result = outcome(run, timeout)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result
 
 
 def train(dataset, out_dir, *args):
@@ -259,7 +275,7 @@ def test_torchrun_two_processes_equal_one_with_muon(dataset, tmp_path):
     # Every rank runs the same Muon step on the same all-reduced gradients (measured: 2e-7 apart at most, the
     # same float32 rounding as with AdamW; the bfloat16 Newton-Schulz steps do not amplify it). AdamW across
     # processes is the SLURM test's: the same DDP code, reached through the other launcher's variables.
-    one = start_train(dataset, tmp_path / "one", *SAME_GLOBAL_BATCH, "--muon=True")
+    one = fork_train(dataset, tmp_path / "one", *SAME_GLOBAL_BATCH, "--muon=True")
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                              TRAIN, f"--dataset={dataset}", f"--out_dir={tmp_path / 'two'}", *TINY, *SAME_GLOBAL_BATCH,
                              "--muon=True"], capture_output=True, text=True, env=ENV, timeout=240, cwd=tmp_path)
@@ -274,16 +290,16 @@ def test_torchrun_two_processes_equal_one_with_muon(dataset, tmp_path):
 
 def test_slurm_variables_two_processes_equal_one(dataset, tmp_path):
     # What srun gives each task, plus MASTER_ADDR/MASTER_PORT from the sbatch script; no torchrun variables.
-    one = start_train(dataset, tmp_path / "one", *SAME_GLOBAL_BATCH)
+    # Each task is forked from the warm script runner: real processes and gloo, no torch import each.
+    one = fork_train(dataset, tmp_path / "one", *SAME_GLOBAL_BATCH)
     port = free_port()
-    tasks = [start_train(dataset, tmp_path / "two", *SAME_GLOBAL_BATCH,
-                         env={**ENV, "SLURM_PROCID": str(task), "SLURM_NTASKS": "2", "SLURM_LOCALID": str(task),
-                              "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    tasks = [fork_train(dataset, tmp_path / "two", *SAME_GLOBAL_BATCH,
+                        environ={"SLURM_PROCID": str(task), "SLURM_NTASKS": "2", "SLURM_LOCALID": str(task),
+                                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
              for task in range(2)]
-    outputs = [task.communicate(timeout=240) for task in tasks]
-    assert [task.returncode for task in tasks] == [0, 0], outputs
+    outputs = [finish(task) for task in tasks]
     finish(one)
-    assert "2 process(es)" in outputs[0][0] and "eval iter" not in outputs[1][0]
+    assert "2 process(es)" in outputs[0].stdout and "eval iter" not in outputs[1].stdout
     assert_same_losses(tmp_path / "two", read_log(tmp_path / "one"))
 
 
@@ -296,7 +312,7 @@ def test_resume_continues_exactly(dataset, tmp_path, optimizer):
     # Muon, its momentum buffers and the AdamW moments of the other tensors too.
     args = ["--dropout=0.1", "--total_batch_size=256", "--eval_interval=4", "--lr_decay_iters=12",
             "--always_save_checkpoint=True", f"--muon={optimizer == 'muon'}"]
-    whole = start_train(dataset, tmp_path / "whole", *args, "--max_iters=12", "--milestones=[4,10]")
+    whole = fork_train(dataset, tmp_path / "whole", *args, "--max_iters=12", "--milestones=[4,10]")
     train(dataset, tmp_path / "halves", *args, "--max_iters=6")
     finish(whole)
     assert load(tmp_path / "halves" / "ckpt.pt")["iter_num"] == 6
@@ -422,8 +438,8 @@ def test_nothing_to_train_says_so_and_a_resume_with_another_seed_is_noted(traine
     out_dir.mkdir()
     for name in ("ckpt.pt", "log.jsonl"):
         (out_dir / name).write_bytes((trained / name).read_bytes())
-    resumed = start_train(dataset, out_dir, "--init_from=resume", "--max_iters=40", "--seed=7")
-    scratch = finish(start_train(dataset, tmp_path / "scratch", "--max_iters=0"))
+    resumed = fork_train(dataset, out_dir, "--init_from=resume", "--max_iters=40", "--seed=7")
+    scratch = finish(fork_train(dataset, tmp_path / "scratch", "--max_iters=0"))
     resumed = finish(resumed)
     assert "nothing to train: the run starts at iter 40, max_iters=40" in resumed.stdout
     # the eval batches come from the seed: best_val_loss was measured on other ones
@@ -486,9 +502,8 @@ def test_the_defaults_are_lillms_recipe_but_for_the_settings_the_comment_names()
 
 def test_non_finite_loss_stops_with_the_iteration(dataset, tmp_path):
     # A learning rate of 1e30 without clipping blows the weights up within a few steps.
-    result = subprocess.run([sys.executable, TRAIN, f"--dataset={dataset}", f"--out_dir={tmp_path / 'out'}", *TINY,
-                             "--learning_rate=1e30", "--warmup_iters=0", "--grad_clip=0", "--max_iters=50",
-                             "--total_batch_size=None"], capture_output=True, text=True, env=ENV, timeout=120)
+    result = run_train(dataset, tmp_path / "out", "--learning_rate=1e30", "--warmup_iters=0", "--grad_clip=0",
+                       "--max_iters=50", "--total_batch_size=None")
     assert result.returncode == 1
     assert result.stderr.startswith("error: the loss is ") and " at iter " in result.stderr
     assert "learning_rate" in result.stderr and result.stderr.count("\n") == 1
@@ -504,11 +519,11 @@ def test_a_diverged_run_never_replaces_the_last_good_checkpoint(trained, dataset
                        ("milestone", ["--milestones=[41]", "--eval_interval=100"])]:
         (tmp_path / name).mkdir()
         (tmp_path / name / "ckpt.pt").write_bytes((trained / "ckpt.pt").read_bytes())
-        runs[name] = start_train(dataset, tmp_path / name, "--init_from=resume", "--max_iters=50", "--grad_clip=0",
-                                 "--learning_rate=1e300", "--min_lr=0", "--warmup_iters=0", "--total_batch_size=None",
-                                 *args)
+        runs[name] = fork_train(dataset, tmp_path / name, "--init_from=resume", "--max_iters=50", "--grad_clip=0",
+                                "--learning_rate=1e300", "--min_lr=0", "--warmup_iters=0", "--total_batch_size=None",
+                                *args)
     for name, what in [("eval", "the eval loss is nan at iter 41"), ("milestone", "the weights are not finite at iter 41")]:
-        result = subprocess.CompletedProcess([], runs[name].wait(timeout=120), *runs[name].communicate())
+        result = outcome(runs[name], timeout=120)
         assert_one_error_line(result, what, "training diverged, nothing saved", "--init_from=resume goes on from")
         assert (tmp_path / name / "ckpt.pt").read_bytes() == (trained / "ckpt.pt").read_bytes()
         assert sorted(path.name for path in (tmp_path / name).iterdir()) == ["ckpt.pt", "log.jsonl"]
@@ -518,10 +533,11 @@ def test_a_diverged_run_never_replaces_the_last_good_checkpoint(trained, dataset
 # one writer per out_dir, and a full disk during a save
 
 def test_two_runs_into_one_out_dir_one_refuses(dataset, tmp_path):
-    # Two real processes started together into one out_dir, and a third into its own as the reference.
+    # Two processes (forked from the warm script runner) started together into one out_dir, and a third into its
+    # own as the reference.
     args = ["--max_iters=20", "--eval_interval=10", "--total_batch_size=None", "--always_save_checkpoint=True"]
-    runs = [start_train(dataset, tmp_path / out, *args) for out in ("shared", "shared", "alone")]
-    results = [subprocess.CompletedProcess(run.args, run.wait(timeout=240), *run.communicate()) for run in runs]
+    runs = [fork_train(dataset, tmp_path / out, *args) for out in ("shared", "shared", "alone")]
+    results = [outcome(run) for run in runs]
     shared = tmp_path / "shared"
     refused = [result for result in results[:2] if result.returncode != 0]
     assert len(refused) == 1, [result.stderr[-2000:] for result in results]
