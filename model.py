@@ -90,16 +90,15 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.dropout = config.dropout
         self.resid_dropout = nn.Dropout(config.dropout)
-        self.kv_cache = None
 
-    def forward(self, x, cos, sin, position=None, mask=None):
+    def forward(self, x, cos, sin, position=None, mask=None, cache=None):
         B, T, C = x.size()
         q = self.c_q(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)
         k = self.c_k(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
         v = self.c_v(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if self.kv_cache is not None:
-            cached_keys, cached_values = self.kv_cache
+        if cache is not None:
+            cached_keys, cached_values = cache
             if position is None:  # the prefill, from 0: causal over its own keys
                 cached_keys[:, :, :T], cached_values[:, :, :T] = k, v
             else:  # one token at `position`, seeing the cache's first mask.size(-1)
@@ -138,8 +137,8 @@ class Block(nn.Module):
         self.ln_2 = RMSNorm(config.n_embd, config.norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x, cos, sin, position=None, mask=None):
-        x = x + self.attn(self.ln_1(x), cos, sin, position, mask)
+    def forward(self, x, cos, sin, position=None, mask=None, cache=None):
+        x = x + self.attn(self.ln_1(x), cos, sin, position, mask, cache)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -180,16 +179,17 @@ class GPT(nn.Module):
     def get_num_params(self):
         return sum(p.numel() for p in self.parameters())  # the tied embedding counted once
 
-    def forward(self, idx, targets=None, reduction="mean"):
+    def forward(self, idx, targets=None, reduction="mean", caches=None):
         """idx: (B, T) token ids. With targets (B, T) (-1 = ignore): logits (B, T, vocab) and the
-        cross-entropy (`reduction`). Without: the last position's logits (B, 1, vocab) and None."""
+        cross-entropy (`reduction`). Without: the last position's logits (B, 1, vocab) and None.
+        caches: a KV cache a block, filled from 0 (the prefill)."""
         B, T = idx.size()
         if T > self.config.block_size:
             raise ValueError(f"sequence of {T} tokens is longer than block_size={self.config.block_size}")
         cos, sin = self.rope_cos[:T], self.rope_sin[:T]
         x = self.transformer.drop(self.transformer.wte(idx))
-        for block in self.transformer.h:
-            x = block(x, cos, sin)
+        for block, cache in zip(self.transformer.h, caches or [None] * len(self.transformer.h)):
+            x = block(x, cos, sin, cache=cache)
         x = self.transformer.ln_f(x)
         if targets is None:
             return self.lm_head(x[:, [-1], :]), None
@@ -257,7 +257,7 @@ class GPT(nn.Module):
         """Yields the new tokens, each (B, 1). A full cache is refilled from the last block_size//2
         tokens; use_cache=False recomputes the context each step (the same tokens while it fits).
         compile_decode: torch.compile's options for the decode step (None: CUDA graphs on a GPU).
-        A second open generator gets its own cache, uncompiled."""
+        A second open one gets its own cache, uncompiled."""
         block_size = self.config.block_size
         if idx.size(1) > block_size:
             warnings.warn(f"the prompt has {idx.size(1)} tokens, more than "
@@ -269,42 +269,42 @@ class GPT(nn.Module):
             compile_decode = {"mode": "reduce-overhead"}  # 9+ shapes: eager, no error
         kept = use_cache and not getattr(self, "_kv_cache_in_use", False)
         compile_decode = compile_decode if kept else False
-        if compile_decode and getattr(self, "_decode_options", None) != compile_decode:
-            self._decode_options = compile_decode
+        # by id: a deepcopy would run the original's compiled step
+        if compile_decode and getattr(self, "_decode_options", None) != (id(self), compile_decode):
+            self._decode_options = (id(self), compile_decode)
             self._decode_compiled = torch.compile(self._decode_step, **compile_decode)
         decode_step = self._decode_compiled if compile_decode else self._decode_step
-        caches = [None] * self.config.n_layer
-        if use_cache:
-            caches = self._kv_cache(idx.size(0), idx.device, kept)
+        caches = self._kv_cache(idx.size(0), idx.device, kept) if use_cache else None
         try:
-            window = idx  # the context (the cache's tokens)
+            window = idx
             position = torch.zeros(1, dtype=torch.long, device=idx.device)
             for step in range(max_new_tokens):
-                self._attach_kv_cache(caches)  # another may have run
                 if step > 0 and use_cache and window.size(1) <= block_size:
-                    if compile_decode:  # a new step: the graph may overwrite the last logits
+                    if compile_decode:  # the graph may overwrite the last logits
                         torch.compiler.cudagraph_mark_step_begin()
                     length = block_size if compile_decode else window.size(1)
-                    logits = decode_step(next_token, position.fill_(window.size(1) - 1), length)
+                    logits = decode_step(next_token, position.fill_(window.size(1) - 1), length,
+                                         caches)
                 else:  # prefill or refill
                     keep = max(1, block_size // 2) if use_cache else block_size
                     window = window[:, -keep:] if window.size(1) > block_size else window
-                    logits, _ = self(window)
+                    logits, _ = self(window, caches=caches)
                 next_token = sample_next_token(logits[:, -1], temperature, top_k, top_p, generator)
+                if kept and step == max_new_tokens - 1:  # we may never be resumed
+                    self._kv_cache_in_use = kept = False
                 yield next_token
                 window = torch.cat((window, next_token), dim=1)
         finally:
             if kept:
                 self._kv_cache_in_use = False
-            self._attach_kv_cache([None] * self.config.n_layer)
 
-    def _decode_step(self, token, position, length):
+    def _decode_step(self, token, position, length, caches):
         """token (B, 1) at position (a (1,) tensor), seeing length cache positions -> logits."""
         mask = (torch.arange(length, device=token.device) <= position).view(1, 1, 1, length)
         cos, sin = self.rope_cos[position], self.rope_sin[position]
         x = self.transformer.drop(self.transformer.wte(token))
-        for block in self.transformer.h:
-            x = block(x, cos, sin, position, mask)
+        for block, cache in zip(self.transformer.h, caches):
+            x = block(x, cos, sin, position, mask, cache)
         return self.lm_head(self.transformer.ln_f(x))
 
     def _kv_cache(self, batch_size, device, kept):
@@ -324,11 +324,6 @@ class GPT(nn.Module):
                 torch._dynamo.mark_static_address(tensor)  # a CUDA graph reads it where captured
         self._kv_cache_in_use = True
         return self._kv_caches
-
-    def _attach_kv_cache(self, caches):
-        if self.transformer.h[0].attn.kv_cache is not caches[0]:
-            for block, cache in zip(self.transformer.h, caches):
-                block.attn.kv_cache = cache
 
     # ---- scoring continuations (HellaSwag) ----
 

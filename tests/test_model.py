@@ -1,6 +1,7 @@
 """model.py: each property checked against an independent route to the same answer (a hand-written attention,
 a full recompute, a brute-force filter, the parameter formula of the architecture)."""
 import base64
+import copy
 import itertools
 import math
 import os
@@ -326,9 +327,10 @@ def test_bfloat16_weights_give_logits_near_float32():
 
 @pytest.mark.parametrize("graphed", [False, True], ids=["plain", "graphed"])
 def test_generators_open_at_once_each_give_the_tokens_they_give_alone(graphed):
-    # Two cached generators and a recomputing one, open at once on one model, each resumed in turn. They shared the
-    # kept cache: the second's prefill overwrote the first's keys. Now the second makes a cache of its own, steps
-    # uncompiled (a CUDA graph reads the kept cache's addresses), and each re-attaches its cache when it resumes.
+    # Two cached generators and a recomputing one, open at once on one model, each resumed in turn, and the model
+    # run at another batch size between their tokens. They shared the kept cache: the second's prefill overwrote the
+    # first's keys. Now the second makes a cache of its own and steps uncompiled (a CUDA graph reads the kept cache's
+    # addresses), and each passes its cache to the model: a forward without one touches none.
     torch._dynamo.reset()
     model, graphs, compiled_steps = scrambled_model(block_size=16), [], []
 
@@ -348,11 +350,13 @@ def test_generators_open_at_once_each_give_the_tokens_they_give_alone(graphed):
     for _ in range(30):
         for tokens, generator in zip(together, generators):
             tokens.extend(itertools.islice(generator, 1))
+            model(torch.zeros(5, 9, dtype=torch.long))
     for tokens, expected in zip(together, alone, strict=True):
         assert torch.equal(torch.cat(tokens, dim=1), expected)
-    assert all(block.attn.kv_cache is None for block in model.transformer.h)  # all released
     # Only the first ran the compiled step, through the graph it captured alone: no recompile.
     assert len(graphs) == (1 if graphed else 0) and len(compiled_steps) == steps_alone[0]
+    last = model.generate_tokens(prompts[0], 3, temperature=0, **routes[0])
+    assert [next(last) for _ in range(3)] and not model._kv_cache_in_use  # at its last yield: the cache is free
     torch._dynamo.reset()
 
 
@@ -396,7 +400,21 @@ def test_generation_goes_past_block_size_and_crops_long_prompts():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert model.generate(long_prompt[:, :10], max_new_tokens=100, temperature=0).shape == (1, 110)
-    assert all(block.attn.kv_cache is None for block in model.transformer.h)  # the cache is released
+    assert not model._kv_cache_in_use  # the kept cache is free again
+
+
+def test_a_deepcopy_decodes_with_its_own_weights():
+    # The compiled decode step is kept on the model: a deepcopy carries it, bound to the original.
+    torch._dynamo.reset()
+    model, options = scrambled_model(block_size=16), {"backend": "eager", "fullgraph": True}
+    prompt = torch.randint(0, 97, (1, 3), generator=torch.Generator().manual_seed(9))
+    model.generate(prompt, 4, temperature=0, compile_decode=options)
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        twin.lm_head.weight.mul_(-1)
+    compiled = twin.generate(prompt, 12, temperature=0, compile_decode=options)
+    assert torch.equal(compiled, twin.generate(prompt, 12, temperature=0, compile_decode=False))
+    torch._dynamo.reset()
 
 
 def test_a_one_token_context_generates_as_the_recompute_does():
