@@ -523,10 +523,10 @@ def lock_directory(path):
         os.close(descriptor)
         raise UserError(f"{path}: another run is writing there; wait for it to end, "
                         "or choose another directory")
-    except OSError as error:  # a filesystem without flock (Lustre mounted noflock, NFS without lockd)
+    except OSError as error:  # no flock (Lustre mounted noflock, NFS without lockd)
         print(f"warning: {path}: can't lock it ({error.strerror}); make sure that one run at a time "
               "writes there", file=sys.stderr)
-    return descriptor  # the lock lasts while this descriptor is open: keep it
+    return descriptor  # keep it open: closing it unlocks
 
 if master:  # locked for the whole run before anything in it is read
     try:  # find out now, not at the first save
@@ -779,3 +779,8 @@ if stopping and master and not eval_only:
 if ddp:  # together: the master may still be writing the last checkpoint
     dist.barrier()
     dist.destroy_process_group()
+    # DDP keeps gloo's threads alive: one freeing tensors in Python's exit aborts it; skip the exit
+    if master and wandb_log:
+        wandb.finish()
+    sys.stdout.flush()
+    os._exit(0)

@@ -318,10 +318,10 @@ def lock_directory(path):
         os.close(descriptor)
         raise UserError(f"{path}: another run is writing there; wait for it to end, "
                         "or choose another directory")
-    except OSError as error:  # a filesystem without flock (Lustre mounted noflock, NFS without lockd)
+    except OSError as error:  # no flock (Lustre mounted noflock, NFS without lockd)
         print(f"warning: {path}: can't lock it ({error.strerror}); make sure that one run at a time "
               "writes there", file=sys.stderr)
-    return descriptor  # the lock lasts while this descriptor is open: keep it
+    return descriptor  # keep it open: closing it unlocks
 
 
 # === plumbing: reading text (each function the same in every script it stands in). .txt and

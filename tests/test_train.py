@@ -276,10 +276,22 @@ def test_torchrun_two_processes_equal_one_with_muon(dataset, tmp_path):
     # same float32 rounding as with AdamW; the bfloat16 Newton-Schulz steps do not amplify it). AdamW across
     # processes is the SLURM test's: the same DDP code, reached through the other launcher's variables.
     one = fork_train(dataset, tmp_path / "one", *SAME_GLOBAL_BATCH, "--muon=True")
+    # A rank must not end in Python's exit: a gloo thread of DDP's, freeing a finished collective's tensors
+    # there, took the GIL and aborted the rank (seen in CI; gdb on a core: ~AsyncAllgatherWork in runLoop,
+    # take_gil -> pthread_exit -> terminate; ~1 run in 40 with two runs side by side on 2 cores). The race is
+    # rare; that the ranks skip the exit is certain: a sitecustomize's atexit handler tells if a rank ran it.
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(
+        "import atexit, os\n"
+        "if 'LOCAL_RANK' in os.environ:\n"
+        "    atexit.register(print, 'a rank in Python exit', flush=True)\n")
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                              TRAIN, f"--dataset={dataset}", f"--out_dir={tmp_path / 'two'}", *TINY, *SAME_GLOBAL_BATCH,
-                             "--muon=True"], capture_output=True, text=True, env=ENV, timeout=240, cwd=tmp_path)
+                             "--muon=True"], capture_output=True, text=True, env={**ENV, "PYTHONPATH": str(site)},
+                            timeout=240, cwd=tmp_path)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "a rank in Python exit" not in result.stdout
     one = finish(one)
     assert "2 process(es)" in result.stdout
     # Rank 1 prints nothing: the lines of both ranks together are one process's.
