@@ -269,9 +269,8 @@ class GPT(nn.Module):
             compile_decode = {"mode": "reduce-overhead"}  # 9+ shapes: eager, no error
         kept = use_cache and not getattr(self, "_kv_cache_in_use", False)
         compile_decode = compile_decode if kept else False
-        # by id: a deepcopy would run the original's compiled step
-        if compile_decode and getattr(self, "_decode_options", None) != (id(self), compile_decode):
-            self._decode_options = (id(self), compile_decode)
+        if compile_decode and getattr(self, "_decode_options", None) != compile_decode:
+            self._decode_options = compile_decode
             self._decode_compiled = torch.compile(self._decode_step, **compile_decode)
         decode_step = self._decode_compiled if compile_decode else self._decode_step
         caches = self._kv_cache(idx.size(0), idx.device, kept) if use_cache else None
@@ -324,6 +323,9 @@ class GPT(nn.Module):
                 torch._dynamo.mark_static_address(tensor)  # a CUDA graph reads it where captured
         self._kv_cache_in_use = True
         return self._kv_caches
+
+    def __getstate__(self):  # a copy or pickle leaves out the cache, its flag, the compiled step
+        return {k: v for k, v in vars(self).items() if not k.startswith(("_kv", "_decode"))}
 
     # ---- scoring continuations (HellaSwag) ----
 

@@ -515,7 +515,7 @@ if max_iters <= start_iter and not eval_only:
 
 def lock_directory(path):
     """One writer per directory: an OS lock on `path`, held while this process lives. The kernel
-    drops a flock when its process dies, kill -9 included: no stale lock is ever left behind."""
+    drops a flock when its process dies, kill -9 included: no stale lock is left."""
     descriptor = os.open(path, os.O_RDONLY)
     try:
         fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -2,6 +2,7 @@
 a full recompute, a brute-force filter, the parameter formula of the architecture)."""
 import base64
 import copy
+import io
 import itertools
 import math
 import os
@@ -404,17 +405,35 @@ def test_generation_goes_past_block_size_and_crops_long_prompts():
 
 
 def test_a_deepcopy_decodes_with_its_own_weights():
-    # The compiled decode step is kept on the model: a deepcopy carries it, bound to the original.
+    # The compiled decode step is kept on the model, bound to it: a deepcopy that carried it would run the original.
+    # A copy made while a generator is open would carry the cache's flag too, and never compile its own step.
     torch._dynamo.reset()
     model, options = scrambled_model(block_size=16), {"backend": "eager", "fullgraph": True}
     prompt = torch.randint(0, 97, (1, 3), generator=torch.Generator().manual_seed(9))
     model.generate(prompt, 4, temperature=0, compile_decode=options)
+    open_generator = model.generate_tokens(prompt, 4, temperature=0, compile_decode=options)
+    next(open_generator)
     twin = copy.deepcopy(model)
+    assert not hasattr(twin, "_kv_cache_in_use") and not hasattr(twin, "_kv_caches")
     with torch.no_grad():
         twin.lm_head.weight.mul_(-1)
     compiled = twin.generate(prompt, 12, temperature=0, compile_decode=options)
+    assert twin._decode_compiled is not model._decode_compiled  # its own step: compiled, on its weights
     assert torch.equal(compiled, twin.generate(prompt, 12, temperature=0, compile_decode=False))
+    open_generator.close()
     torch._dynamo.reset()
+
+
+def test_a_model_that_generated_still_pickles():
+    # torch.save(model), whole: the compiled decode step (a function of torch.compile's) can't be pickled.
+    model = scrambled_model(block_size=16)
+    prompt = torch.randint(0, 97, (1, 3), generator=torch.Generator().manual_seed(9))
+    model.generate(prompt, 4, temperature=0, compile_decode={"backend": "eager"})
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    twin = torch.load(buffer, weights_only=False)  # our own object, just written: no untrusted file
+    assert torch.equal(twin.generate(prompt, 6, temperature=0), model.generate(prompt, 6, temperature=0))
 
 
 def test_a_one_token_context_generates_as_the_recompute_does():
