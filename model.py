@@ -324,8 +324,9 @@ class GPT(nn.Module):
         self._kv_cache_in_use = True
         return self._kv_caches
 
-    def __getstate__(self):  # a copy or pickle leaves out the cache, its flag, the compiled step
-        return {k: v for k, v in vars(self).items() if not k.startswith(("_kv", "_decode"))}
+    def __getstate__(self):  # a copy or pickle leaves out the cache and the compiled step
+        state = super().__getstate__()
+        return {k: v for k, v in state.items() if not k.startswith(("_kv", "_decode"))}
 
     # ---- scoring continuations (HellaSwag) ----
 

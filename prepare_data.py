@@ -556,7 +556,7 @@ def open_source(data, data_was_named, part):  # (documents(budget) -> texts, nam
     print(f"warning: {problem}: using the offline corpus, Python's stdlib", file=sys.stderr)
     return stdlib_documents, "stdlib", "Python standard library source (offline fallback)"
 
-def hub_problem(timeout=3.0):  # None, or why the Hub can't be used: in 3 s (`datasets` takes ~25)
+def hub_problem(timeout=3.0):  # None, or why the Hub can't be used, in 3 s (`datasets`: ~25)
     for switch in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
         if os.environ.get(switch, "").upper() in ("1", "ON", "YES", "TRUE"):
             return f"the Hugging Face Hub is off ({switch}={os.environ[switch]})"

@@ -70,7 +70,7 @@ rank, world_size, local_rank = [int(os.environ.get(n, d)) for n, d in zip(names.
 ddp, master = world_size > 1, rank == 0  # only the master prints, logs and writes
 
 # === plumbing: errors, the command line, settings' checks
-import ast, difflib, importlib.util, re, signal, stat, sys
+import ast, atexit, difflib, importlib.util, re, signal, stat, sys
 
 class UserError(Exception):
     """A mistake in the input: printed as one line, never as a traceback."""
@@ -282,7 +282,7 @@ def check_ids(rows, path):
 # === plumbing: HellaSwag's examples
 import socket, urllib.parse
 
-def hub_problem(timeout=3.0):  # None, or why the Hub can't be used: in 3 s (`datasets` takes ~25)
+def hub_problem(timeout=3.0):  # None, or why the Hub can't be used, in 3 s (`datasets`: ~25)
     for switch in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
         if os.environ.get(switch, "").upper() in ("1", "ON", "YES", "TRUE"):
             return f"the Hugging Face Hub is off ({switch}={os.environ[switch]})"
@@ -553,6 +553,7 @@ if master:
 if ddp:  # the timeout makes a hanging rank an error
     dist.init_process_group("nccl" if device_type == "cuda" else "gloo", rank=rank,
                             world_size=world_size, timeout=timedelta(seconds=timeout))
+    atexit.register(os._exit, 1)  # an error's exit: see the end
 torch.manual_seed(seed)  # the same initial weights on every rank, in every run
 torch.set_float32_matmul_precision("high")  # TF32 matmuls (Ampere on): ~free speed
 autocast = torch.autocast(device_type, dtype=getattr(torch, dtype), enabled=dtype != "float32")
@@ -779,7 +780,7 @@ if stopping and master and not eval_only:
 if ddp:  # together: the master may still be writing the last checkpoint
     dist.barrier()
     dist.destroy_process_group()
-    # DDP keeps gloo's threads alive: one freeing tensors in Python's exit aborts it; skip the exit
+    # DDP keeps gloo's threads: one freeing tensors in Python's exit aborts the process
     if master and wandb_log:
         wandb.finish()
     sys.stdout.flush()

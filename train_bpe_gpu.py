@@ -689,7 +689,7 @@ def check_out_dir(out_dir):
         out_dir.mkdir(parents=True, exist_ok=True)
         descriptor = lock_directory(out_dir)
         atexit.register(remove_made)  # a failed run leaves nothing; only the lock's holder removes
-        # a probe, the one sure test (root passes os.access even on /proc), by a name of ours
+        # a probe, the one sure test (root passes os.access even on /proc)
         (out_dir / "tokenizer.json.tmp").write_text("")
         (out_dir / "tokenizer.json.tmp").unlink()
     except OSError as error:
@@ -882,7 +882,7 @@ def open_source(data, data_was_named):  # (documents, name, description); docume
     print(f"warning: {problem}: using the offline corpus, Python's stdlib", file=sys.stderr)
     return stdlib_documents, "stdlib", "Python standard library source (offline fallback)"
 
-def hub_problem(timeout=3.0):  # None, or why the Hub can't be used: in 3 s (`datasets` takes ~25)
+def hub_problem(timeout=3.0):  # None, or why the Hub can't be used, in 3 s (`datasets`: ~25)
     for switch in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
         if os.environ.get(switch, "").upper() in ("1", "ON", "YES", "TRUE"):
             return f"the Hugging Face Hub is off ({switch}={os.environ[switch]})"

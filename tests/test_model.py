@@ -424,6 +424,22 @@ def test_a_deepcopy_decodes_with_its_own_weights():
     torch._dynamo.reset()
 
 
+def test_a_copy_of_a_compiled_model_runs_its_own_forward():
+    # model.compile() keeps its compiled forward on the model; nn.Module's __getstate__ leaves it out, so ours must
+    # start from it: a deepcopy carrying it ran the original's forward, and torch.save raised PicklingError.
+    torch._dynamo.reset()
+    model = scrambled_model(block_size=16)
+    model.compile(backend="eager")
+    prompt = torch.randint(0, 97, (1, 3), generator=torch.Generator().manual_seed(9))
+    model(prompt)
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        twin.lm_head.weight.mul_(-1)
+    assert torch.equal(twin(prompt)[0], twin.forward(prompt)[0])  # forward(): not the compiled call
+    torch.save(model, io.BytesIO())
+    torch._dynamo.reset()
+
+
 def test_a_model_that_generated_still_pickles():
     # torch.save(model), whole: the compiled decode step (a function of torch.compile's) can't be pickled.
     model = scrambled_model(block_size=16)

@@ -271,24 +271,30 @@ def assert_same_losses(out_dir, one_process):
     assert load(out_dir / "ckpt.pt")["iter_num"] == 8
 
 
-def test_torchrun_two_processes_equal_one_with_muon(dataset, tmp_path):
-    # Every rank runs the same Muon step on the same all-reduced gradients (measured: 2e-7 apart at most, the
-    # same float32 rounding as with AdamW; the bfloat16 Newton-Schulz steps do not amplify it). AdamW across
-    # processes is the SLURM test's: the same DDP code, reached through the other launcher's variables.
-    one = fork_train(dataset, tmp_path / "one", *SAME_GLOBAL_BATCH, "--muon=True")
-    # A rank must not end in Python's exit: a gloo thread of DDP's, freeing a finished collective's tensors
-    # there, took the GIL and aborted the rank (seen in CI; gdb on a core: ~AsyncAllgatherWork in runLoop,
-    # take_gil -> pthread_exit -> terminate; ~1 run in 40 with two runs side by side on 2 cores). The race is
-    # rare; that the ranks skip the exit is certain: a sitecustomize's atexit handler tells if a rank ran it.
+def telling_python_exit(tmp_path):
+    """ENV, plus a sitecustomize whose atexit handler prints "a rank in Python exit" in a torchrun rank.
+
+    A rank must not end in Python's exit: a gloo thread of DDP's, freeing a finished collective's tensors there,
+    took the GIL and aborted the rank (seen in CI; gdb on a core: ~AsyncAllgatherWork in runLoop, take_gil ->
+    pthread_exit -> terminate; ~1 run in 40 with two runs side by side on 2 cores). The race is rare; whether a
+    rank skipped the exit is certain."""
     site = tmp_path / "site"
     site.mkdir()
     (site / "sitecustomize.py").write_text(
         "import atexit, os\n"
         "if 'LOCAL_RANK' in os.environ:\n"
         "    atexit.register(print, 'a rank in Python exit', flush=True)\n")
+    return {**ENV, "PYTHONPATH": os.pathsep.join(filter(None, [str(site), ENV.get("PYTHONPATH")]))}
+
+
+def test_torchrun_two_processes_equal_one_with_muon(dataset, tmp_path):
+    # Every rank runs the same Muon step on the same all-reduced gradients (measured: 2e-7 apart at most, the
+    # same float32 rounding as with AdamW; the bfloat16 Newton-Schulz steps do not amplify it). AdamW across
+    # processes is the SLURM test's: the same DDP code, reached through the other launcher's variables.
+    one = fork_train(dataset, tmp_path / "one", *SAME_GLOBAL_BATCH, "--muon=True")
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                              TRAIN, f"--dataset={dataset}", f"--out_dir={tmp_path / 'two'}", *TINY, *SAME_GLOBAL_BATCH,
-                             "--muon=True"], capture_output=True, text=True, env={**ENV, "PYTHONPATH": str(site)},
+                             "--muon=True"], capture_output=True, text=True, env=telling_python_exit(tmp_path),
                             timeout=240, cwd=tmp_path)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "a rank in Python exit" not in result.stdout
@@ -467,7 +473,8 @@ def test_a_frozen_rank_stops_the_other_after_the_timeout(dataset, tmp_path):
                                  TRAIN, f"--dataset={dataset}", f"--out_dir={tmp_path / 'out'}", *TINY,
                                  "--max_iters=1000000", "--eval_interval=100000", "--timeout=3", "--log_interval=50",
                                  "--total_batch_size=None"],
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV, cwd=tmp_path)
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env=telling_python_exit(tmp_path), cwd=tmp_path)
 
     def iter_50():  # rank 0 prints; rank 1 is training too by then. A line per 50 steps only:
         for line in launcher.stdout:  # a full pipe would block rank 0 outside any collective
@@ -477,8 +484,10 @@ def test_a_frozen_rank_stops_the_other_after_the_timeout(dataset, tmp_path):
     stdout, stderr, seconds = freeze_rank_1(launcher, iter_50)
     assert launcher.returncode != 0 and seconds < 150  # far below --timeout's default of 600 s
     rank0 = [line for line in stderr.splitlines() if line.startswith("[rank0]:")]  # torchrun's prefix
-    assert len(rank0) == 1 and rank0[0].startswith("[rank0]: error: rank 0 lost contact with the other ranks (Timed out")
+    assert len(rank0) == 1, stderr[-3000:]
+    assert rank0[0].startswith("[rank0]: error: rank 0 lost contact with the other ranks (Timed out")
     assert "rank 1 hangs" in rank0[0], stderr[-3000:]
+    assert "a rank in Python exit" not in stdout  # rank 0's error ends as its last step does
 
 
 def test_a_lost_rank_is_said_to_hang_only_when_a_collective_timed_out():
