@@ -324,7 +324,7 @@ class GPT(nn.Module):
         self._kv_cache_in_use = True
         return self._kv_caches
 
-    def __getstate__(self):  # a copy or pickle leaves out the cache and the compiled step
+    def __getstate__(self):  # copies and pickles leave out the cache, the compiled step
         state = super().__getstate__()
         return {k: v for k, v in state.items() if not k.startswith(("_kv", "_decode"))}
 

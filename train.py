@@ -108,6 +108,10 @@ def report(error_type, error, traceback):
 
 sys.excepthook = report
 
+def leave(status):  # DDP keeps gloo threads: one freeing tensors as Python exits aborts it
+    sys.stdout.flush()
+    os._exit(status)
+
 def exit_on_ctrl_c(status):  # a Ctrl-C in Python's exit: no traceback
     signal.signal(signal.SIGINT, lambda signum, frame: os._exit(status))
 
@@ -553,7 +557,7 @@ if master:
 if ddp:  # the timeout makes a hanging rank an error
     dist.init_process_group("nccl" if device_type == "cuda" else "gloo", rank=rank,
                             world_size=world_size, timeout=timedelta(seconds=timeout))
-    atexit.register(os._exit, 1)  # an error's exit: see the end
+    atexit.register(leave, 1)  # after an error's line
 torch.manual_seed(seed)  # the same initial weights on every rank, in every run
 torch.set_float32_matmul_precision("high")  # TF32 matmuls (Ampere on): ~free speed
 autocast = torch.autocast(device_type, dtype=getattr(torch, dtype), enabled=dtype != "float32")
@@ -780,8 +784,6 @@ if stopping and master and not eval_only:
 if ddp:  # together: the master may still be writing the last checkpoint
     dist.barrier()
     dist.destroy_process_group()
-    # DDP keeps gloo's threads: one freeing tensors in Python's exit aborts the process
     if master and wandb_log:
         wandb.finish()
-    sys.stdout.flush()
-    os._exit(0)
+    leave(0)
