@@ -5,6 +5,7 @@ makes at each batch limit, and whether the merges are still the sequential ones.
     python bench/bench_bpe_batch_rule.py                                  # enwiki, 2^22 characters, V=4096
     python bench/bench_bpe_batch_rule.py --num_chars 1048576 --vocab_size 2048 --limits 1 2 8 64
     python bench/bench_bpe_batch_rule.py --num_chars 1000000000 --vocab_size 65534   # all of enwiki: ~6 min
+    python bench/bench_bpe_batch_rule.py --rule wider --keys_per_row 3 --limits 8 32       # a rule the kernels lack
 
 Each step takes the first `limit` pairs of the exact order (count descending, ties to the smallest pair) off
 train_bpe_cpu.py's heap, asks merge_batch for the batch, merges its pairs one after another with
@@ -34,7 +35,29 @@ parser.add_argument("--corpus", default=str(REPO.parent / "shared" / "corpora" /
 parser.add_argument("--num_chars", type=int, default=1 << 22)
 parser.add_argument("--vocab_size", type=int, default=4096)
 parser.add_argument("--limits", type=int, nargs="+", default=[1, 2, 8, 64])
+parser.add_argument("--rule", choices=["spec", "wider"], default="spec")  # spec: train_bpe_gpu.merge_batch
+parser.add_argument("--keys_per_row", type=int, default=0)  # wider: a row's pairs a batch at most (0: any)
+parser.add_argument("--same_left", type=int, default=1)  # wider: 0 ends the batch at a left seen before
 args = parser.parse_args()
+
+
+def wider_batch(ranked_pairs, max_batch):
+    """The longest prefix in which no token is both a left and a right, (a, a) only alone and last."""
+    lefts, rights, batch = Counter(), set(), []
+    for left, right in ranked_pairs[:max_batch]:
+        if left in rights or right in lefts or (left == right and (left in lefts or right in rights)):
+            break
+        if left in lefts and not args.same_left:
+            break
+        batch.append((left, right))
+        lefts[left] += 1
+        rights.add(right)
+        if left == right or lefts[left] == args.keys_per_row:
+            break
+    return batch
+
+
+rule = gpu.merge_batch if args.rule == "spec" else wider_batch
 
 
 def first_documents(path, num_chars):
@@ -67,7 +90,7 @@ def replay(chunk_counts, vocab_size, limit):
             _, pair = heapq.heappop(heap)
             if pair not in ranked:
                 ranked.append(pair)
-        batch = gpu.merge_batch(ranked, limit)
+        batch = rule(ranked, limit)
         for pair in ranked[len(batch):]:
             heapq.heappush(heap, (-pair_counts[pair], pair))
         steps += 1
@@ -100,6 +123,7 @@ print(f"{Path(args.corpus).name}: {chars_read:,} characters, {len(chunk_counts):
 start = time.time()
 reference, _ = cpu.train(chunk_counts, args.vocab_size)
 print(f"train_bpe_cpu.train (sequential): {len(reference)} merges in {time.time() - start:.1f} s")
+print(f"rule: {args.rule}, keys a row {args.keys_per_row or 'any'}, same left {'yes' if args.same_left else 'no'}")
 print("| batch limit | merges | steps | merges per step | steps per merge | violations | same merges |")
 print("|---|---|---|---|---|---|---|")
 for limit in args.limits:
