@@ -260,6 +260,33 @@ def test_an_unreachable_endpoint_is_named(online, capsys):
     assert f"warning: can't reach the Hugging Face Hub at {endpoint}: using the offline corpus" in capsys.readouterr().err
 
 
+def test_hub_rows_stream_through_datasets_as_from_local_files(tmp_path, corpus):
+    # The Hub's path (FineWeb) can't be reached here: the same `datasets` calls (streaming, the rows' "text") read
+    # local files of real text instead. train_bpe_multigpu.py's ranks take shares: a file each where the files
+    # split evenly, else every other row; together all the documents, once.
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    with open(corpus("enwiki.jsonl"), encoding="utf-8") as f:
+        docs = [json.loads(next(f))["text"] for _ in range(20)]
+    one_file, halves = str(tmp_path / "docs.jsonl"), [str(tmp_path / "a.parquet"), str(tmp_path / "b.parquet")]
+    Path(one_file).write_text("".join(json.dumps({"id": i, "text": doc}) + "\n" for i, doc in enumerate(docs)))
+    pq.write_table(pa.table({"text": docs[:10]}), halves[0])
+    pq.write_table(pa.table({"text": docs[10:]}), halves[1])
+    assert list(reader.datasets_texts("docs", path="json", data_files=one_file)) == docs
+    assert list(reader.datasets_texts("halves", path="parquet", data_files=halves)) == docs
+    shares = [list(ranges.datasets_texts("x", (rank, 2), path="parquet", data_files=halves)) for rank in (0, 1)]
+    assert shares == [docs[:10], docs[10:]]
+    shares = [list(ranges.datasets_texts("x", (rank, 2), path="json", data_files=one_file)) for rank in (0, 1)]
+    assert shares == [docs[::2], docs[1::2]]
+    # a row without a string "text", and a file that is not there: one line naming the source
+    (tmp_path / "bad.jsonl").write_text('{"text": "fine"}\n{"body": "no text"}\n')
+    for module, node in ((reader, ()), (ranges, ((0, 1),))):
+        with pytest.raises(module.UserError, match="can't read bad .ValueError: row 2 has no string .text."):
+            list(module.datasets_texts("bad", *node, path="json", data_files=str(tmp_path / "bad.jsonl")))
+        with pytest.raises(module.UserError, match="can't read gone .FileNotFoundError: "):
+            list(module.datasets_texts("gone", *node, path="json", data_files=str(tmp_path / "gone.jsonl")))
+
+
 # ---------------------------------------------------------------- through the command line: one line, no traceback
 
 
