@@ -290,3 +290,25 @@ def test_a_long_prompt_is_a_setting_like_any_other(sample):
     assert sample.parse_settings([f"--start={prompt}"], sample.defaults, {}) == {"start": prompt}
     with pytest.raises(sample.UserError, match="a value of over 1,000 characters"):
         sample.parse_settings(["--seed=" + "1" * 1001], sample.defaults, {})
+
+
+def test_the_prompt_without_end_of_text_or_past_the_block(sample, capsys):
+    """An empty prompt needs <|endoftext|> to start from (a tokenizer without it is one line); a prompt longer than
+    block_size is cut to its last block_size tokens, with a warning."""
+    import tiktoken
+    raw_bytes = tiktoken.Encoding(name="bytes", pat_str=r"\S+|\s+", mergeable_ranks={bytes([i]): i for i in range(256)},
+                                  special_tokens={})
+    with pytest.raises(sample.UserError, match=re.escape("this tokenizer has no <|endoftext|> to start from")):
+        sample.encode_prompt(raw_bytes, "", 8)
+    assert sample.encode_prompt(raw_bytes, "0123456789", 8) == list(b"23456789")
+    assert capsys.readouterr().err == "warning: the prompt has 10 tokens: the model sees only the last 8 (its block_size)\n"
+
+
+def test_help_lists_the_settings_and_a_bare_word_is_one_line(sample, capsys):
+    with pytest.raises(SystemExit) as exit_status:
+        sample.parse_settings(["--help"], sample.defaults, {})
+    assert exit_status.value.code == 0
+    listing = capsys.readouterr().out.split("settings and their defaults:\n")[1]
+    assert listing.splitlines() == [f"  --{key}={value!r}" for key, value in sample.defaults.items()]
+    with pytest.raises(sample.UserError, match=re.escape("expected --key=value, got 'top_k=3' (see --help)")):
+        sample.parse_settings(["top_k=3"], sample.defaults, {})
