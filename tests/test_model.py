@@ -204,6 +204,9 @@ def test_logits_for_every_position_with_targets_and_the_last_without():
     assert full.shape == (3, 9, 97) and last.shape == (3, 1, 97) and no_loss is None
     torch.testing.assert_close(last[:, 0], full[:, -1])
     torch.testing.assert_close(loss, F.cross_entropy(full.reshape(-1, 97), idx.reshape(-1)))
+    too_long = torch.zeros(1, model.config.block_size + 1, dtype=torch.long)  # RoPE's tables end there
+    with pytest.raises(ValueError, match=f"sequence of {model.config.block_size + 1} tokens is longer than block_size"):
+        model(too_long)
 
 
 @pytest.mark.parametrize("backend", [
