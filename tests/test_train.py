@@ -241,6 +241,14 @@ def test_bpe_dataset_embeds_its_tokenizer_in_the_checkpoint(dataset, tmp_path):
         (bpe / "meta.json").write_text(json.dumps(dict(case_meta, tokenizer=dict(meta["tokenizer"], sha256=sha256))))
         assert_one_error_line(run_train(bpe, tmp_path / "other", "--max_iters=1"), message)
         assert not (tmp_path / "other").exists()
+    # A tiktoken name (GPT-2's, offline) is loaded only for samples and HellaSwag: one that can't be loaded is a
+    # note, and the run trains and saves the name.
+    tiktoken_meta = dict(meta, tokenizer={"kind": "tiktoken", "name": "lillm_no_such_encoding"})
+    (bpe / "meta.json").write_text(json.dumps(tiktoken_meta))
+    result = train(bpe, tmp_path / "named", "--max_iters=1", "--eval_interval=1", "--total_batch_size=None",
+                   "--sample_prompt=to be")
+    assert "note: no HellaSwag figures or samples: the tokenizer can't be loaded (" in result.stdout, result.stdout
+    assert load(tmp_path / "named" / "ckpt.pt")["tokenizer"] == tiktoken_meta["tokenizer"]
 
 
 # -----------------------------------------------------------------------------------------------------
