@@ -10,6 +10,7 @@ import hashlib
 import json
 import os
 import random
+import resource
 import shutil
 import signal
 import socket
@@ -305,6 +306,25 @@ def test_num_chars_and_max_tokens_cut_the_stream(tmp_path, docs, bpe_dir):
 
 def files_of(directory):
     return {path.name: path.read_bytes() for path in sorted(directory.iterdir())}
+
+
+def test_a_full_disk_is_one_line_and_the_same_command_then_finishes(tmp_path, bpe_dir):
+    # Files of at most 30,000 bytes, and a write past that fails with EFBIG (as on a full disk) rather than SIGXFSZ
+    # killing the process: a shard of 20,000 uint16 ids can't be written. Run again with room, the same command
+    # finishes the dataset a run with room from the start makes.
+    def full_disk():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (30_000, 30_000))
+    write_jsonl(tmp_path / "docs.jsonl", make_docs(600, seed=2, max_words=200))
+    args = [str(SCRIPT), "--tokenizer", str(bpe_dir), "--data", "docs.jsonl", "--shard_size", "20000"]
+    result = subprocess.run([sys.executable, *args, "--out", "full"], cwd=tmp_path, capture_output=True, text=True,
+                            timeout=120, preexec_fn=full_disk)
+    last_line = result.stderr.splitlines()[-1]  # after the progress bar's
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    assert last_line == "error: [Errno 27] File too large; fix it and run the same command again to resume"
+    prepare(*args[1:], "--out", "full", cwd=tmp_path)
+    prepare(*args[1:], "--out", "roomy", cwd=tmp_path)
+    assert files_of(tmp_path / "full") == files_of(tmp_path / "roomy")
 
 
 def test_resume_after_sigkill_gives_identical_shards(tmp_path, bpe_dir):
