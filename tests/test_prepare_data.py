@@ -759,6 +759,13 @@ def test_part_and_merge_mistakes_are_one_line_each(parts_source, monkeypatch, tm
     assert "no --max_tokens" in refused(*common, "--part", "0/2", "--max_tokens", 1000)
     assert "no --max_tokens, -n, nor char level" in refused(*common[2:], "--tokenizer", "char", "--part", "0/2")
     assert "download fineweb's files" in refused(*common[:2], "--data", "fineweb", "--part", "0/2")
+    # the Hub off: a Hub dataset named is refused, the default source falls back to the offline corpus
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert "Hub is off (HF_HUB_OFFLINE=1), needed for --data openwebtext" in refused(
+        *common[:2], "--data", "openwebtext")
+    assert prepare_data.open_source("fineweb", False, (0, 1))[1:] == (
+        "stdlib", "Python standard library source (offline fallback)")
+    monkeypatch.delenv("HF_HUB_OFFLINE")
     # part 0 of 40 holds less than val_tokens: val would go on into part 1, which can't know it
     assert "part 0 holds fewer tokens than --val_tokens" in refused(*common, "--part", "0/40", "--out", "n40")
     # parts: one finished, one with other settings, one unfinished (its progress.json), one never run
