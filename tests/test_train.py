@@ -667,6 +667,10 @@ MISTAKES = {
     "hellaswag, empty": (["--hellaswag_interval=1000", "--hellaswag=TMP/empty.jsonl"], "the file holds no examples"),
     "hellaswag, label": (["--hellaswag_interval=1000", "--hellaswag=TMP/label.jsonl"],
                          "label.jsonl, line 1: not a HellaSwag example"),
+    "hellaswag, not JSON": (["--hellaswag_interval=1000", "--hellaswag=TMP/garbled.jsonl"],
+                            "garbled.jsonl, line 2: not a HellaSwag example"),
+    "hellaswag, no file": (["--hellaswag_interval=1000", "--hellaswag=TMP/nowhere.jsonl"],
+                           "nowhere.jsonl: can't read it ([Errno 2] No such file or directory"),
     "unknown": (["--batchsize=3"], "unknown setting 'batchsize' (did you mean 'batch_size'?)"),
     "preset": (["PRESET"], "PRESET: unknown setting 'learning_rat'"),
     "vocab_size": (["--vocab_size=10"], "vocab_size=10 but the dataset's vocabulary has"),
@@ -709,6 +713,7 @@ MISTAKES = {
     # 50,000 characters: a MemoryError in ast.literal_eval, were it not refused first
     "long value": (["--seed=" + "-" * 49_999 + "1"], "--seed: a value of at most 1,000"),
     "preset exits": (["EXITING"], "EXITING: the preset called sys.exit(0)"),
+    "preset raises": (["TMP/raising.py"], "raising.py: ZeroDivisionError: integer division"),
     "shard 2-D": (["--dataset=DATA"], "val_000000.npy holds a 2-D array of uint16"),
     "shard float32": (["--dataset=DATA"], "val_000000.npy holds a 1-D array of float32"),
     "shard int64 negative": (["--dataset=DATA"], "val_000000.npy holds a 1-D array of int64"),
@@ -771,6 +776,8 @@ def mistakes(dataset, trained, tmp_path_factory, script_runner):
     (tmp / "unicode.jsonl").write_text(json.dumps(example, ensure_ascii=False) + "\n", encoding="utf-8-sig")
     (tmp / "empty.jsonl").write_text("\n\n")
     (tmp / "label.jsonl").write_text(json.dumps(dict(example, label=2.9)) + "\n")
+    (tmp / "garbled.jsonl").write_text(json.dumps(example) + "\n" + json.dumps(example)[:-1] + "\n")
+    (tmp / "raising.py").write_text("batch_size = 8 // 0\n")
     checkpoint = load(trained / "ckpt.pt")  # trained with AdamW
     for name, edit in [("adamw", {}), ("muon", {"train_config": dict(checkpoint["train_config"], muon=True)}),
                        ("misfit", {"model_config": dict(checkpoint["model_config"], n_layer=3)}),  # the weights have 2
