@@ -366,6 +366,15 @@ def test_distinct_chunks_past_int32_positions_are_a_user_error(tmp_path):
     assert not (tmp_path / "tokenizers").exists()
 
 
+def test_a_pattern_that_does_not_compile_and_an_empty_corpus_are_one_line(tmp_path):
+    (tmp_path / "empty.txt").write_text("")
+    with pytest.raises(mg.UserError, match=re.escape("--pattern does not compile (missing ) at position 2); fix it")):
+        mg.validate(mg.parse_args(["--data", str(tmp_path / "empty.txt"), "--device", "cpu", "--pattern", "(a"]))
+    result = run_patched("pass", "--data", "empty.txt", "-v", 260, cwd=tmp_path)
+    assert "UserError: the corpus empty.txt is empty; point --data at text" in result.stderr, result.stderr
+    assert not (tmp_path / "tokenizers").exists()
+
+
 def test_int64_count_rows_that_do_not_fit_are_one_line_once_the_text_is_counted(tmp_path):
     # Before reading, only int32 rows can be checked: at -v 2048 they take 16 MiB, 32 MiB as int64 (2^31+ pairs).
     # The machine is made to have 30 MiB (80%: 24 MiB): the int32 check passes, and the one after counting refuses.
