@@ -28,7 +28,7 @@ always_save_checkpoint = False  # save at every eval, not only when val loss imp
 milestones = []                 # steps whose checkpoint is kept too, as ckpt_<iter>.pt
 wandb_log, wandb_project, wandb_run_name = False, "lillm", "run"  # evals to Weights & Biases
 hellaswag_interval = 0          # HellaSwag at the evals of steps that are multiples of it; 0: off
-hellaswag = "hub"               # "hub" (Rowan/hellaswag: 10,042 examples) or a local .jsonl of them
+hellaswag = "hub"               # "hub" (Rowan/hellaswag: 10,042 examples) or a local .jsonl
 hellaswag_batch = 0             # examples (4 rows each) a forward; 0: 32 on CUDA, else 1
 sample_prompt = ""              # each eval prints and logs 32 tokens sampled after it; "": off
 eval_only = False               # with init_from="resume": the evals once, then exit
@@ -102,9 +102,8 @@ def report(error_type, error, traceback):
         print(f"error: {error}", file=sys.stderr, flush=True)
     else:
         time.sleep(3)  # torchrun must not stop the master before it prints
-    if issubclass(error_type, KeyboardInterrupt):
-        sys.stdout.flush()
-        os._exit(1)
+    if issubclass(error_type, KeyboardInterrupt) and not ddp:  # DDP: atexit leaves
+        leave(1)
 
 sys.excepthook = report
 
