@@ -212,7 +212,10 @@ def test_bpe_dataset_embeds_its_tokenizer_in_the_checkpoint(dataset, tmp_path):
             "num_chars": len(text), "tokens": {"train": 15000, "val": len(ids) - 15000},
             "shards": {"train": ["train_000000.npy"], "val": ["val_000000.npy"]}}
     (bpe / "meta.json").write_text(json.dumps(meta))
+    (tmp_path / "out").mkdir()  # the log of a run that saved no checkpoint goes: it is no run's history
+    (tmp_path / "out" / "log.jsonl").write_text(json.dumps({"iter": 7, "loss": 9.9}) + "\n")
     train(bpe, tmp_path / "out", "--max_iters=1", "--eval_interval=1", "--total_batch_size=None")
+    assert list(read_log(tmp_path / "out")[0]) == [1]  # this run's step alone
     checkpoint = load(tmp_path / "out" / "ckpt.pt")
     assert checkpoint["tokenizer"] == {"kind": "bpe", "ranks": ranks, "pattern": info["pattern"],
                                        "special_tokens": info["special_tokens"]}
