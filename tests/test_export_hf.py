@@ -161,11 +161,13 @@ def exported(tmp_path_factory):
            "not ours": (root / "foreign", "is not a lilLM checkpoint"),
            "char level": (root / "char", "char-level"),
            "n_head=0": (root / "n_head_0", "does not fit this model.py: ValueError: n_head=0: must be a positive"),
-           "hf_dir taken": (root / "gqa", "already exists and is not an empty directory")}
-    for case in ("no checkpoint", "char level", "n_head=0", "hf_dir taken"):
+           "hf_dir taken": (root / "gqa", "already exists and is not an empty directory"),
+           "dtype": (root / "char", "--dtype=fp8: use float32, bfloat16 or float16")}
+    for case in ("no checkpoint", "char level", "n_head=0", "hf_dir taken", "dtype"):
         out_dir = bad[case][0]
         hf_dir = root / "hf_taken" if case == "hf_dir taken" else root / f"hf_{out_dir.name}"
-        results[case] = export_here(f"--out_dir={out_dir}", f"--hf_dir={hf_dir}")
+        dtype = ["--dtype=fp8"] if case == "dtype" else []
+        results[case] = export_here(f"--out_dir={out_dir}", f"--hf_dir={hf_dir}", *dtype)
     # A tiktoken name: exported where tiktoken has (or can download) gpt2's ranks, else refused in one line.
     gpt2_config = GPTConfig(vocab_size=50304, n_embd=16, n_layer=1, n_head=2, n_kv_head=1, block_size=16)
     save(root / "gpt2", GPT(gpt2_config), {"kind": "tiktoken", "name": "gpt2"})
@@ -293,7 +295,7 @@ def test_same_tokens_as_tiktoken_on_real_text(corpus, tmp_path):
         assert hf_tokenizer.decode(ids) == text
 
 
-@pytest.mark.parametrize("case", ["no checkpoint", "not ours", "char level", "n_head=0", "hf_dir taken"])
+@pytest.mark.parametrize("case", ["no checkpoint", "not ours", "char level", "n_head=0", "hf_dir taken", "dtype"])
 def test_bad_input_gets_one_line_and_writes_nothing(exported, case):
     result = exported["results"][case]
     out_dir, message = exported["bad"][case]
