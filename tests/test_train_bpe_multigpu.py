@@ -287,18 +287,23 @@ def test_offline_the_default_source_is_the_standard_library_split_between_the_ra
 
 def test_characters_the_pattern_leaves_out_are_one_warning_over_all_ranks(tmp_path):
     """\\w+ leaves the spaces and punctuation out, on both ranks' parts: tiktoken drops them from the
-    encoding too, so the run goes on, and rank 0 says how many, counted over all the text."""
+    encoding too, so the run goes on, and rank 0 says how many, counted over all the text. Likewise the bytes
+    that are not UTF-8 (one in each rank's part), read as U+FFFD."""
     docs = [words(400 + i, 150) for i in range(6)]
-    path = write_jsonl(tmp_path / "w.jsonl", docs)
+    bad = {1, 5}  # these end with a byte that is not UTF-8: one in each rank's part
+    path = write_jsonl(tmp_path / "w.jsonl", [doc + "@" if i in bad else doc for i, doc in enumerate(docs)])
+    path.write_bytes(path.read_bytes().replace(b"@", b"\xff"))
+    docs = [doc + "\ufffd" if i in bad else doc for i, doc in enumerate(docs)]  # as read
     result = run_ranks(2, "--data", path, "-v", 257, "--pattern", r"\w+", "--out", tmp_path / "tok", cwd=tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
     chars = sum(map(len, docs))
     matched = sum(len(match) for doc in docs for match in mg.regex.findall(r"\w+", doc))
     warnings = [line for line in result.stderr.splitlines() if line.startswith("warning:")]
-    assert warnings == [f"warning: the split pattern matched {matched:,} of {chars:,} characters; the other "
+    assert warnings == ["warning: 2 invalid UTF-8 sequences were replaced with U+FFFD",
+                        f"warning: the split pattern matched {matched:,} of {chars:,} characters; the other "
                         f"{1 - matched / chars:.1%} are dropped (tiktoken drops them too)"], result.stderr
     read = json.loads((tmp_path / "tok" / "tokenizer.json").read_text())["read"]
-    assert all(part["chars"] for part in read)  # both ranks read a part: the counts are the two added
+    assert [part["documents"] for part in read] == [3, 3]  # docs 0-2 and 3-5: the counts are the two added
 
 
 @pytest.mark.parametrize("argv, message", [
