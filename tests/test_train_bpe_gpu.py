@@ -698,12 +698,15 @@ def test_bad_input_raises_one_clear_error_before_any_work(bad_input_files, case)
 
 def test_characters_the_pattern_leaves_out_are_one_warning(bad_input_files, capsys):
     # \w+ leaves the spaces out: tiktoken drops them from the encoding too, so the run goes on, but says so.
-    text = (bad_input_files / "ok.txt").read_text()
+    # Likewise a byte that is not UTF-8, read as U+FFFD.
+    (bad_input_files / "bad.txt").write_bytes((bad_input_files / "ok.txt").read_bytes() + b"\xff")
+    text = (bad_input_files / "ok.txt").read_text() + "\ufffd"  # as read
     matched = sum(map(len, regex.findall(r"\w+", text)))
     bpe.BadUTF8.count = 0  # the reader's count is per process: an earlier test here may have left one
-    bpe.run(["--data", "ok.txt", "--device", DEVICE, "--out", "out", "-v", "260", "--pattern", r"\w+"])
+    bpe.run(["--data", "bad.txt", "--device", DEVICE, "--out", "out", "-v", "260", "--pattern", r"\w+"])
     warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
-    assert warnings == [f"warning: the split pattern matched {matched:,} of {len(text):,} characters; the "
+    assert warnings == ["warning: 1 invalid UTF-8 sequences were replaced with U+FFFD",
+                        f"warning: the split pattern matched {matched:,} of {len(text):,} characters; the "
                         f"other {1 - matched / len(text):.1%} are dropped (tiktoken drops them too)"]
 
 
