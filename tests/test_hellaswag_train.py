@@ -141,6 +141,36 @@ def test_eval_only_two_processes_equal_one_and_the_checkpoint_is_untouched(score
     assert load(root / "out" / "ckpt.pt")["iter_num"] == 300
 
 
+def hub_cache_of(examples, cache):
+    """A `datasets` cache that holds examples as Rowan/hellaswag's validation split (labels as strings, as the
+    Hub has them), made as load_dataset makes one: a builder prepares the split, here from a local file, and the
+    directory is named as a Hub download's (<namespace>___<name>/<config>/<version>/<hash>)."""
+    from datasets.packaged_modules.json.json import Json
+    rows = [json.loads(line) for line in examples.read_text().splitlines()]
+    (cache / "rows.jsonl").write_text("".join(json.dumps(dict(row, label=str(row["label"]))) + "\n" for row in rows))
+    builder = Json(cache_dir=str(cache / "build"), dataset_name="hellaswag",
+                   data_files={"validation": str(cache / "rows.jsonl")})
+    builder.download_and_prepare()
+    (cache / "Rowan___hellaswag" / "default" / "0.0.0").mkdir(parents=True)
+    Path(builder.cache_dir).rename(cache / "Rowan___hellaswag" / "default" / "0.0.0" / "local")
+    return cache
+
+
+def test_offline_the_hub_route_scores_datasets_cached_copy(scored, tmp_path):
+    # --hellaswag=hub with the Hub out of reach: `datasets` still serves a copy it cached, through the same
+    # load_dataset call and row mapping as online, and the counts are the file's.
+    root, examples, _ = scored
+    trained_evals, _ = evals_of(root / "out")
+    shutil.copytree(root / "out", tmp_path / "out")
+    cache = hub_cache_of(examples, tmp_path)
+    result = finish(fork_train(root / "bytes", tmp_path / "out", *SETTINGS, "--hellaswag=hub", "--init_from=resume",
+                               "--eval_only=True", environ={"HF_HUB_OFFLINE": "1", "HF_DATASETS_CACHE": str(cache)}))
+    assert "note:" not in result.stdout, result.stdout
+    last = json.loads((tmp_path / "out" / "log.jsonl").read_text().splitlines()[-2])
+    for key in ("hellaswag_acc", "hellaswag_acc_norm", "hellaswag_examples"):
+        assert last[key] == trained_evals[300][key], key
+
+
 def test_offline_without_a_file_is_a_note_and_a_broken_file_is_one_line(dataset, tmp_path):
     result = finish(fork_train(dataset, tmp_path / "offline", "--max_iters=2", "--eval_interval=1",
                                "--hellaswag_interval=1", "--total_batch_size=None", environ={"HF_HUB_OFFLINE": "1"}))
