@@ -710,6 +710,15 @@ def test_characters_the_pattern_leaves_out_are_one_warning(bad_input_files, caps
                         f"other {1 - matched / len(text):.1%} are dropped (tiktoken drops them too)"]
 
 
+def test_fewer_pairs_than_merges_stop_early_and_say_so(bad_input_files, capsys):
+    # "ab ab abc": (a, b), then (" ", ab), then (" ab", c) merge; then no pair is left
+    (bad_input_files / "few.txt").write_text("ab ab abc")
+    bpe.run(["--data", "few.txt", "--device", DEVICE, "--out", "out", "-v", "300"])
+    assert "stopped early after 3 merges: no pairs left to merge (vocab 259 < 300)" in capsys.readouterr().out
+    info = json.loads((bad_input_files / "out" / "tokenizer.json").read_text())
+    assert info["num_merges"] == 3 and info["vocab_size"] == 260 and info["special_tokens"] == {"<|endoftext|>": 259}
+
+
 def test_errors_while_reading_are_a_line_of_their_own_on_the_command_line(bad_input_files):
     # The reading bar must be closed before the error is printed, or the error lands at the end of its line.
     result = run_cli(SCRIPT, "--data", "BAD.jsonl", "--device", DEVICE, "--out", "out", cwd=bad_input_files)
