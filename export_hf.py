@@ -250,7 +250,7 @@ def lock_directory(path):
         os.close(descriptor)
         raise UserError(f"{path}: another run is writing there; wait for it to end, "
                         "or choose another directory")
-    except OSError as error:  # no flock (Lustre mounted noflock, NFS without lockd)
+    except OSError as error:  # no flock (some Lustre, NFS mounts)
         print(f"warning: {path}: can't lock it ({error.strerror}); make sure that one run at a time "
               "writes there", file=sys.stderr)
     return descriptor  # keep it open: closing it unlocks

@@ -246,7 +246,7 @@ def run(argv):
                 bar.update(len(pending[1]))
                 if total == limit:
                     break
-        if pending is None and start == 0:
+        if pending is None and start == 0 == K:  # a later part may start none
             raise UserError(f"the dataset {source} is empty; point --data at text")
         if pending and pending[0] == 0 and len(pending[1]) < 2:  # none left for val
             raise UserError(f"the dataset {source} is a single token: too little")
@@ -363,14 +363,15 @@ def load_tokenizer(name):
                       (info.get("vocab_size", vocab_size) != vocab_size,
                        f"its vocab_size is {info.get('vocab_size')!r}; its ids make {vocab_size}")]
             problem = next((message for failed, message in checks if failed), None)
+        if problem is None:  # Rust's regex refuses some of regex's (\X)
+            encoder = tiktoken.Encoding(name, pat_str=pattern, mergeable_ranks=ranks,
+                                        special_tokens=special_tokens)
     except FileNotFoundError as error:
         problem = f"{Path(error.filename).name} is missing"
     except Exception as error:  # not JSON, not base64, no "pattern": Python's words
         problem = f"it can't be read ({type(error).__name__}: {error})".splitlines()[0]
     if problem is not None:
         raise UserError(f"--tokenizer {name}: {problem}; use one from train_bpe_cpu.py")
-    encoder = tiktoken.Encoding(name, pat_str=pattern, mergeable_ranks=ranks,
-                                special_tokens=special_tokens)
     sha256 = hashlib.sha256(files["tokenizer.tiktoken"]).hexdigest()
     return encoder, {"kind": "bpe", "path": name, "sha256": sha256}, files
 
@@ -529,7 +530,7 @@ def lock_directory(path):
         os.close(descriptor)
         raise UserError(f"{path}: another run is writing there; wait for it to end, "
                         "or choose another directory")
-    except OSError as error:  # no flock (Lustre mounted noflock, NFS without lockd)
+    except OSError as error:  # no flock (some Lustre, NFS mounts)
         print(f"warning: {path}: can't lock it ({error.strerror}); make sure that one run at a time "
               "writes there", file=sys.stderr)
     return descriptor  # keep it open: closing it unlocks
@@ -556,7 +557,7 @@ def open_source(data, data_was_named, part):  # (documents(budget) -> texts, nam
     print(f"warning: {problem}: using the offline corpus, Python's stdlib", file=sys.stderr)
     return stdlib_documents, "stdlib", "Python standard library source (offline fallback)"
 
-def hub_problem(timeout=3.0):  # None, or why the Hub can't be used, in 3 s (`datasets`: ~25)
+def hub_problem(timeout=3.0):  # None, or why the Hub can't be used, in 3 s
     for switch in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
         if os.environ.get(switch, "").upper() in ("1", "ON", "YES", "TRUE"):
             return f"the Hugging Face Hub is off ({switch}={os.environ[switch]})"
@@ -568,13 +569,13 @@ def hub_problem(timeout=3.0):  # None, or why the Hub can't be used, in 3 s (`da
     except (OSError, ValueError):
         return f"can't reach the Hugging Face Hub at {endpoint}"
 
-def stdlib_documents(budget=None):  # the offline corpus: real code and prose, on every machine
+def stdlib_documents(budget=None):  # the offline corpus, real text on every machine
     files = sorted(Path(sysconfig.get_paths()["stdlib"]).rglob("*.py"))
     files = [file for file in files if "site-packages" not in file.parts]
     return (file.read_text("utf-8", "replace") for file in files)
 
 def datasets_texts(where, **load):  # the rows' "text", streamed
-    import datasets  # here: it takes seconds, and local files never need it
+    import datasets  # here: seconds to import; local files never need it
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its errors reach the user as ours
     try:
         rows = datasets.load_dataset(split="train", streaming=True, **load)
@@ -587,7 +588,7 @@ def datasets_texts(where, **load):  # the rows' "text", streamed
         raise UserError(f"can't read {where} ({reason}); check it, or use other files")
 
 def local_files(data):  # the file, or a directory's files, sorted; regular files only (a pipe
-    path = Path(data)  # would wait for a writer forever)
+    path = Path(data)  # may never end)
     files = sorted(path.rglob("*")) if path.is_dir() else [path]
     files = [file for file in files if file.suffix in LOCAL_SUFFIXES and file.is_file()]
     if not files:

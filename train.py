@@ -94,14 +94,15 @@ def report(error_type, error, traceback):
     if issubclass(error_type, KeyboardInterrupt):
         error = "interrupted: stopped at once, without saving (one Ctrl-C saves first)"
     elif ddp and issubclass(error_type, RuntimeError) and re.search(
-            "gloo|nccl|time.?out|connect|peer", str(error), re.I):
+            r"gloo|nccl|tim\w* ?out|connect|peer", str(error), re.I):
         error = lost_contact(error)
     elif not issubclass(error_type, UserError):
         return sys.__excepthook__(error_type, error, traceback)
     if master or not issubclass(error_type, UserError) or issubclass(error_type, BatchError):
         print(f"error: {error}", file=sys.stderr, flush=True)
-    else:
-        time.sleep(3)  # torchrun must not stop the master before it prints
+    else:  # torchrun may stop us first
+        time.sleep(3)
+        print(f"error: rank {rank}: {error}", file=sys.stderr, flush=True)
     if issubclass(error_type, KeyboardInterrupt) and not ddp:  # DDP: atexit leaves
         leave(1)
 
@@ -111,8 +112,9 @@ def leave(status):  # DDP keeps gloo threads: one freeing tensors as Python exit
     sys.stdout.flush()
     os._exit(status)
 
-def exit_on_ctrl_c(status):  # a Ctrl-C in Python's exit: no traceback
-    signal.signal(signal.SIGINT, lambda signum, frame: os._exit(status))
+def exit_on_ctrl_c(status):  # a Ctrl-C (or SIGTERM) in Python's exit: no traceback
+    for stop in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(stop, lambda signum, frame: os._exit(status))
 
 def read_whole(path, limit):  # a device or FIFO may not end, a huge file fill memory
     with open(os.open(path, os.O_RDONLY | os.O_NONBLOCK), "rb") as file:  # (a FIFO's open waits)
@@ -223,7 +225,9 @@ try:  # its numbers must fit each other and the dtype
     meta = json.loads(read_whole(meta_path, 2**26))
     kind, shard_names = meta["tokenizer"]["kind"], meta["shards"]["train"] + meta["shards"]["val"]
     id_limit = {"uint16": 2**16, "uint32": 2**32}[meta["dtype"]]
-    shard_size = dict(meta.get("args", {})).get("shard_size")  # None: an older meta.json
+    run_args = dict(meta.get("args", {}))  # none in an older meta.json
+    # merged parts: each part's last shard is short
+    shard_size = None if type(run_args.get("part")) is int else run_args.get("shard_size")
     meta_ok = (meta["version"] == 1 and type(meta["vocab_size"]) is type(meta["max_token_id"]) is int
                and type(meta["tokens"]["train"]) is type(meta["tokens"]["val"]) is int
                and type(shard_size or 0) is int
@@ -285,7 +289,7 @@ def check_ids(rows, path):
 # === plumbing: HellaSwag's examples
 import socket, urllib.parse
 
-def hub_problem(timeout=3.0):  # None, or why the Hub can't be used, in 3 s (`datasets`: ~25)
+def hub_problem(timeout=3.0):  # None, or why the Hub can't be used, in 3 s
     for switch in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
         if os.environ.get(switch, "").upper() in ("1", "ON", "YES", "TRUE"):
             return f"the Hugging Face Hub is off ({switch}={os.environ[switch]})"
@@ -526,7 +530,7 @@ def lock_directory(path):
         os.close(descriptor)
         raise UserError(f"{path}: another run is writing there; wait for it to end, "
                         "or choose another directory")
-    except OSError as error:  # no flock (Lustre mounted noflock, NFS without lockd)
+    except OSError as error:  # no flock (some Lustre, NFS mounts)
         print(f"warning: {path}: can't lock it ({error.strerror}); make sure that one run at a time "
               "writes there", file=sys.stderr)
     return descriptor  # keep it open: closing it unlocks

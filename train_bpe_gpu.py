@@ -671,7 +671,7 @@ def check_out_dir(out_dir):
                             "give a directory path")
     ours = {"tokenizer.tiktoken", "tokenizer.json", "tokenizer.tiktoken.tmp", "tokenizer.json.tmp"}
     others = sorted(set(os.listdir(out_dir)) - ours) if out_dir.is_dir() else []
-    if others:  # a dataset from prepare_data.py, say: don't overwrite its tokenizer
+    if others:  # a dataset's, say: don't overwrite its tokenizer
         dataset = {"meta.json", "progress.json"} & set(others)
         what = "a dataset directory" if dataset else "not a tokenizer directory"
         raise UserError(f"--out {out_dir} is {what} (it holds {others[0]}); "
@@ -709,7 +709,7 @@ def lock_directory(path):
         os.close(descriptor)
         raise UserError(f"{path}: another run is writing there; wait for it to end, "
                         "or choose another directory")
-    except OSError as error:  # no flock (Lustre mounted noflock, NFS without lockd)
+    except OSError as error:  # no flock (some Lustre, NFS mounts)
         print(f"warning: {path}: can't lock it ({error.strerror}); make sure that one run at a time "
               "writes there", file=sys.stderr)
     return descriptor  # keep it open: closing it unlocks
@@ -882,7 +882,7 @@ def open_source(data, data_was_named):  # (documents, name, description); docume
     print(f"warning: {problem}: using the offline corpus, Python's stdlib", file=sys.stderr)
     return stdlib_documents, "stdlib", "Python standard library source (offline fallback)"
 
-def hub_problem(timeout=3.0):  # None, or why the Hub can't be used, in 3 s (`datasets`: ~25)
+def hub_problem(timeout=3.0):  # None, or why the Hub can't be used, in 3 s
     for switch in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
         if os.environ.get(switch, "").upper() in ("1", "ON", "YES", "TRUE"):
             return f"the Hugging Face Hub is off ({switch}={os.environ[switch]})"
@@ -894,13 +894,13 @@ def hub_problem(timeout=3.0):  # None, or why the Hub can't be used, in 3 s (`da
     except (OSError, ValueError):
         return f"can't reach the Hugging Face Hub at {endpoint}"
 
-def stdlib_documents(budget=None):  # the offline corpus: real code and prose, on every machine
+def stdlib_documents(budget=None):  # the offline corpus, real text on every machine
     files = sorted(Path(sysconfig.get_paths()["stdlib"]).rglob("*.py"))
     files = [file for file in files if "site-packages" not in file.parts]
     return (file.read_text("utf-8", "replace") for file in files)
 
 def datasets_texts(where, **load):  # the rows' "text", streamed
-    import datasets  # here: it takes seconds, and local files never need it
+    import datasets  # here: seconds to import; local files never need it
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its errors reach the user as ours
     try:
         rows = datasets.load_dataset(split="train", streaming=True, **load)
@@ -913,7 +913,7 @@ def datasets_texts(where, **load):  # the rows' "text", streamed
         raise UserError(f"can't read {where} ({reason}); check it, or use other files")
 
 def local_files(data):  # the file, or a directory's files, sorted; regular files only (a pipe
-    path = Path(data)  # would wait for a writer forever)
+    path = Path(data)  # may never end)
     files = sorted(path.rglob("*")) if path.is_dir() else [path]
     files = [file for file in files if file.suffix in LOCAL_SUFFIXES and file.is_file()]
     if not files:

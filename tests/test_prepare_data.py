@@ -24,7 +24,7 @@ import pytest
 import regex
 import rustbpe
 import tiktoken
-from conftest import assert_one_error_line
+from conftest import SCRIPT_RUNNER, assert_one_error_line
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -397,6 +397,7 @@ def test_bad_tokenizers(tmp_path, docs, bpe_dir, monkeypatch):
     (broken_ranks / "tokenizer.tiktoken").write_text("!!!not-base64!!! zero\n")
     (broken_ranks / "tokenizer.json").write_bytes((bpe_dir / "tokenizer.json").read_bytes())
     empty_pattern = write_bpe_dir(tmp_path / "empty_pattern", {bytes([i]): i for i in range(256)}, "x*")
+    rust_refuses = write_bpe_dir(tmp_path / "rust_refuses", {bytes([i]): i for i in range(256)}, r"\X|\s+")
     gap = write_bpe_dir(tmp_path / "gap", {bytes([i]): i + (i > 100) for i in range(256)}, r"\S+")  # rank 101 unused
     (tmp_path / "empty_dir").mkdir()
     half = tmp_path / "half"
@@ -419,6 +420,8 @@ def test_bad_tokenizers(tmp_path, docs, bpe_dir, monkeypatch):
         str(half): "tokenizer.tiktoken is missing",
         str(tmp_path / "empty_dir"): "tokenizer.tiktoken is missing",
         str(empty_pattern): "matches the empty string",
+        # Python's regex takes \X (a grapheme), tiktoken's Rust regex does not: no traceback from there
+        str(rust_refuses): "it can't be read (ValueError: Parsing error at position 0: Invalid escape: \\X)",
         str(gap): "its ranks are not 0..255, each exactly once",
         str(eot_on_a_byte): "special token '<|endoftext|>' has id 5; special tokens take the ids from 256 up",
         str(no_byte_65): "its ranks 0-255 are not the 256 single bytes",
@@ -716,6 +719,34 @@ def test_parts_in_any_order_or_at_once_merge_to_one_runs_ids(parts_source):
     before = top_level()
     prepare(*common, "--out", "n3", "--merge", 3, cwd=root)
     assert top_level() == before
+    # train.py's start-up (meta.json, each shard's size) accepts it, though a part's last train shard is short
+    train_names = read_dataset(root / "n3")[0]["shards"]["train"]
+    assert min(len(np.load(root / "n3" / name, mmap_mode="r")) for name in train_names[:-1]) < 50_000
+    command = [sys.executable, str(REPO / "train.py"), f"--dataset={root / 'n3'}", f"--out_dir={root / 'n3_out'}",
+               "--device=cpu", "--max_iters=0"]
+    result = SCRIPT_RUNNER.run([command], cwd=root)[0]
+    assert result.returncode == 0 and "nothing to train" in result.stdout, result.stderr
+
+
+def test_parts_in_which_no_document_starts_are_empty_and_merge_to_one_runs_ids(tmp_path, bpe_dir, corpus,
+                                                                                  monkeypatch):
+    # A .txt file is one document, read whole by the part its first byte falls in: of 4 parts over two files,
+    # parts 1 and 3 start none.
+    text = corpus("tinyshakespeare.txt").read_text()
+    (tmp_path / "source").mkdir()
+    (tmp_path / "source" / "a.txt").write_text(text[:20_000])
+    (tmp_path / "source" / "b.txt").write_text(text[20_000:40_000])
+    monkeypatch.chdir(tmp_path)
+    common = ["--tokenizer", str(bpe_dir), "--data", "source", "--shard_size", "3000", "--val_tokens", "10"]
+    for k in range(4):
+        prepare_data.run([*common, "--out", "parts", "--part", f"{k}/4"])
+    prepare_data.run([*common, "--out", "parts", "--merge", "4"])
+    prepare_data.run([*common, "--out", "one"])
+    empty_part = json.loads((tmp_path / "parts" / "part-1-of-4" / "meta.json").read_text())
+    assert empty_part["tokens"] == {"val": 0, "train": 0}
+    meta, val, train = read_dataset(tmp_path / "parts")
+    one_meta, one_val, one_train = read_dataset(tmp_path / "one")
+    assert np.array_equal(val, one_val) and np.array_equal(train, one_train) and meta["tokens"] == one_meta["tokens"]
 
 
 def test_a_part_stopped_by_sigterm_says_so_and_resumes_to_one_runs_ids(parts_source):

@@ -533,6 +533,20 @@ def test_a_frozen_rank_stops_the_other_after_the_timeout(dataset, tmp_path):
     assert "a rank in Python exit" not in stdout  # rank 0's error ends as its last step does
 
 
+def test_a_mistake_of_one_rank_alone_is_its_line_and_the_master_lost_contact(dataset, tmp_path):
+    # srun on two nodes, the dataset missing on the second: rank 1 says so (the master says a shared mistake,
+    # and torchrun stops the others before they repeat it; here the master never sees it), and the master,
+    # waiting for rank 1 in init_process_group, says it lost contact rather than ending in a traceback.
+    port, tasks = free_port(), []
+    for task, data in enumerate([dataset, tmp_path / "only_on_node_1"]):
+        tasks.append(fork_train(data, tmp_path / "out", "--timeout=5",
+                                environ={"SLURM_PROCID": str(task), "SLURM_NTASKS": "2", "SLURM_LOCALID": "0",
+                                         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}))
+    master, rank1 = [outcome(task) for task in tasks]
+    assert_one_error_line(rank1, f"rank 1: no dataset at {str(tmp_path / 'only_on_node_1')!r}")
+    assert_one_error_line(master, "rank 0 lost contact with the other ranks (Timed out after")
+
+
 def test_a_lost_rank_is_said_to_hang_only_when_a_collective_timed_out():
     """The line of a rank that lost the others says "hangs" on a timeout, "stopped" otherwise: not "hangs" for
     any message with "out" in it ("without", "about"). train.py runs at import: its function's own text is run."""
