@@ -244,6 +244,8 @@ def test_bpe_dataset_embeds_its_tokenizer_in_the_checkpoint(dataset, tmp_path):
         (bpe / "meta.json").write_text(json.dumps(dict(case_meta, tokenizer=dict(meta["tokenizer"], sha256=sha256))))
         assert_one_error_line(run_train(bpe, tmp_path / "other", "--max_iters=1"), message)
         assert not (tmp_path / "other").exists()
+    (bpe / "tokenizer.json").unlink()  # a copy that lost a file
+    assert_one_error_line(run_train(bpe, tmp_path / "other", "--max_iters=1"), "lacks readable tokenizer files")
     # A tiktoken name (GPT-2's, offline) is loaded only for samples and HellaSwag: one that can't be loaded is a
     # note, and the run trains and saves the name.
     tiktoken_meta = dict(meta, tokenizer={"kind": "tiktoken", "name": "lillm_no_such_encoding"})
