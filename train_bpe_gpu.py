@@ -733,7 +733,7 @@ def validate(args):
         (not 256 <= args.vocab_size <= 2**20,
          f"-v {args.vocab_size}: vocab_size must be between 256 (the bytes) and 2^20"),
         (args.num_chars <= 0, f"-n {args.num_chars}: must be positive"),
-        (args.max_batch < 1, f"--max_batch {args.max_batch}: must be 1 (a merge a round) or more"),
+        (not 0 < args.max_batch <= 1024, f"--max_batch {args.max_batch}: must be 1 (a merge a round) to 1024"),
         (matches_empty, f"--pattern {args.pattern!r} matches the empty string; each match must "
                         "take a character (x+, not x*)"),
         (kind not in ("cpu", "cuda"),
