@@ -675,5 +675,8 @@ def encoding_from_checkpoint(checkpoint):
 
 
 def bytes_of_id(encoding, token_id):
-    """A token's bytes; b"" for a padding id past the tokenizer (sampling can draw one)."""
-    return encoding.decode_single_token_bytes(token_id) if token_id < encoding.n_vocab else b""
+    """A token's bytes; b"" for an id it lacks (padding, cl100k's gaps: sampling can draw one)."""
+    try:
+        return encoding.decode_single_token_bytes(token_id)
+    except (KeyError, IndexError):
+        return b""

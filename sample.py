@@ -198,6 +198,6 @@ if __name__ == "__main__":
         signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     try:
         main()
-    except (UserError, CheckpointError) as err:
+    except (UserError, CheckpointError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(1)

@@ -521,8 +521,8 @@ if max_iters <= start_iter and not eval_only:
     sys.exit(0)
 
 def lock_directory(path):
-    """One writer per directory: an OS lock on `path`, held while this process lives. The kernel
-    drops a flock when its process dies, kill -9 included: no stale lock is left."""
+    """One writer per directory: an OS lock on `path`, held while this process lives (the kernel
+    drops it even after kill -9: no stale lock)."""
     descriptor = os.open(path, os.O_RDONLY)
     try:
         fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)

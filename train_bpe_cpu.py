@@ -309,8 +309,8 @@ def check_out_dir(out_dir):
 
 
 def lock_directory(path):
-    """One writer per directory: an OS lock on `path`, held while this process lives. The kernel
-    drops a flock when its process dies, kill -9 included: no stale lock is left."""
+    """One writer per directory: an OS lock on `path`, held while this process lives (the kernel
+    drops it even after kill -9: no stale lock)."""
     descriptor = os.open(path, os.O_RDONLY)
     try:
         fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -406,7 +406,7 @@ def read_parquet(path):  # the "text" of each row
         reason = f"{type(error).__name__}: {error}".splitlines()[0]
         raise UserError(f"can't read {path} ({reason}); check it, or use other files")
 
-def read_txt(path, budget):  # one document, CRLF kept, read only as far as the budget needs
+def read_txt(path, budget):  # one document, CRLF kept, read as far as the budget needs
     with open(path, encoding="utf-8", errors=BadUTF8.errors, newline="") as f:
         yield f.read(budget if budget < os.path.getsize(path) else -1)  # N bytes: <= N characters
 

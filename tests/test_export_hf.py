@@ -274,6 +274,22 @@ def test_a_chunk_that_is_a_token_stays_whole(tmp_path):
     assert hf_tokenizer.encode("abcd") == [259]
 
 
+def test_a_possessive_interval_splits_as_tiktoken_splits(tmp_path):
+    """cl100k_base's pattern takes digits three at a time with a possessive interval, \\p{N}{1,3}+, which HF's
+    regex (Oniguruma) reads as (\\p{N}{1,3})+: a whole run of digits, where "34" could join across the cut."""
+    tokens = [bytes([byte]) for byte in range(256)] + [b"34", b"12", b"123"]
+    tokenizer = {"kind": "bpe", "ranks": "".join(f"{base64.b64encode(token).decode()} {rank}\n"
+                                                 for rank, token in enumerate(tokens)),
+                 "pattern": r"\p{N}{1,3}+|\s+|[^\s\p{N}]++", "special_tokens": {"<|endoftext|>": 259}}
+    save(tmp_path / "out", GPT(GPTConfig(vocab_size=260, n_embd=16, n_layer=1, n_head=2, n_kv_head=1,
+                                         block_size=16)), tokenizer)
+    assert export_here(f"--out_dir={tmp_path / 'out'}", f"--hf_dir={tmp_path / 'hf'}").returncode == 0
+    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
+    for text in ("12345", "born 1987, 2024-11-23 x12345678"):
+        assert hf_tokenizer.encode(text) == tiktoken_from(tokenizer).encode_ordinary(text), text
+    assert hf_tokenizer.encode("12345") == [258, 52, 53]  # "123", "4", "5"
+
+
 def test_same_tokens_as_tiktoken_on_real_text(corpus, tmp_path):
     """A tokenizer trained by train_bpe_cpu.py on the start of every UDHR translation (all its scripts), exported,
     encodes every translation, Wikipedia and Shakespeare exactly as tiktoken does."""
@@ -383,6 +399,12 @@ def test_an_hf_dir_that_cant_be_written_is_one_line_and_leaves_nothing(exported,
     (tmp_path / "a_file").write_text("mine")
     cases = {tmp_path / "a_file" / "hf": f"can't write {tmp_path / 'a_file' / 'hf'}: Not a directory",
              tmp_path / "hf\udcff": "hf\\udcff': not valid UTF-8"}
+    try:  # a directory this user may not list (as a shared 0711 one), root included where Linux says so
+        os.listdir("/proc/1/map_files")
+    except PermissionError:
+        cases["/proc/1/map_files"] = "[Errno 13] Permission denied: '/proc/1/map_files'"
+    except OSError:
+        pass
     for hf_dir, message in cases.items():
         assert_one_line(export_here(f"--out_dir={exported['root'] / 'gqa'}", f"--hf_dir={hf_dir}"), message)
     assert os.listdir(tmp_path) == ["a_file"] and (tmp_path / "a_file").read_text() == "mine"

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from hypothesis import assume, given, settings, strategies as st
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from model import (GPT, CharTokenizer, CheckpointError, GPTConfig, MuonAdamW, apply_rope,  # noqa: E402
+from model import (GPT, CharTokenizer, CheckpointError, GPTConfig, MuonAdamW, apply_rope, bytes_of_id,  # noqa: E402
                    encoding_from_checkpoint, load_checkpoint, model_from_checkpoint, orthogonalize, peak_flops,
                    rope_tables, save_checkpoint, top_k_filter, top_p_filter)
 
@@ -874,3 +874,13 @@ def test_prepare_data_checks_tokenizers_with_the_same_function():
         start = text.index("def tokenizer_problem(")
         return text[start:text.index("\n\n\n", start)]
     assert copy_in("model.py") == copy_in("prepare_data.py")
+
+
+def test_the_bytes_of_an_id_the_tokenizer_lacks_are_empty():
+    # cl100k_base has no token 100256 (nor 100261-100275), o200k_base none at 200000-200017: a sample may draw
+    # such an id, as it may draw a padding id past the tokenizer; it prints nothing rather than a traceback
+    import tiktoken
+    gap = tiktoken.Encoding(name="gap", pat_str=r"\S+|\s+", mergeable_ranks={bytes([i]): i for i in range(256)},
+                            special_tokens={"<|endoftext|>": 257})  # 256: no token
+    assert [bytes_of_id(gap, token_id) for token_id in (65, 256, 257, 300)] == [b"A", b"", b"<|endoftext|>", b""]
+    assert [bytes_of_id(CharTokenizer(["a", "\u00e9"]), token_id) for token_id in (1, 2)] == [b"\xc3\xa9", b""]

@@ -238,6 +238,15 @@ def test_a_closed_pipe_or_ctrl_c_ends_quietly(checkpoints, how):
     assert process.stderr.read() == b""
 
 
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs Linux's /dev/full, a device every write fills")
+def test_samples_to_a_full_disk_are_one_line(checkpoints):
+    # `python sample.py > file` on a full disk: the print fails with ENOSPC
+    with open("/dev/full", "w") as full:
+        result = subprocess.run([sys.executable, os.path.join(REPO, "sample.py"), f"--out_dir={checkpoints / 'bpe'}",
+                                 "--device=cpu", "--max_new_tokens=10"], stdout=full, stderr=subprocess.PIPE, text=True)
+    assert result.returncode == 1 and result.stderr == "error: [Errno 28] No space left on device\n", result.stderr
+
+
 def test_sample_and_export_share_one_settings_parser_byte_for_byte():
     """The --key=value parser and the error class stand in sample.py and export_hf.py as identical copies (the
     scripts share only model.py): a fix in one must be made in both."""
