@@ -258,35 +258,34 @@ def test_same_tokens_as_tiktoken_offline(exported, hf_dir):
     assert hf_tokenizer.eos_token == hf_tokenizer.bos_token == "<|endoftext|>"
 
 
+def export_merges(tmp_path, merged_tokens, pattern):
+    """A tiny model with the tokenizer of the 256 bytes, then merged_tokens, exported: (its tiktoken encoding, the
+    exported HF tokenizer)."""
+    tokens = [bytes([byte]) for byte in range(256)] + merged_tokens
+    tokenizer = {"kind": "bpe", "ranks": "".join(f"{base64.b64encode(token).decode()} {rank}\n"
+                                                 for rank, token in enumerate(tokens)),
+                 "pattern": pattern, "special_tokens": {"<|endoftext|>": len(tokens)}}
+    save(tmp_path / "out", GPT(GPTConfig(vocab_size=len(tokens) + 1, n_embd=16, n_layer=1, n_head=2, n_kv_head=1,
+                                         block_size=16)), tokenizer)
+    assert export_here(f"--out_dir={tmp_path / 'out'}", f"--hf_dir={tmp_path / 'hf'}").returncode == 0
+    return tiktoken_from(tokenizer), transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
+
+
 def test_a_chunk_that_is_a_token_stays_whole(tmp_path):
     """tiktoken takes a chunk that is a token as that token, even where merging could not reach it: here "bc" joins
     first and leaves [a, bc, d], which no listed pair joins further, yet "abcd" is a token."""
-    tokens = [bytes([byte]) for byte in range(256)] + [b"bc", b"ab", b"cd", b"abcd"]
-    tokenizer = {"kind": "bpe", "ranks": "".join(f"{base64.b64encode(token).decode()} {rank}\n"
-                                                 for rank, token in enumerate(tokens)),
-                 "pattern": r"\S+|\s+", "special_tokens": {"<|endoftext|>": 260}}
-    save(tmp_path / "out", GPT(GPTConfig(vocab_size=261, n_embd=16, n_layer=1, n_head=2, n_kv_head=1,
-                                         block_size=16)), tokenizer)
-    assert export_here(f"--out_dir={tmp_path / 'out'}", f"--hf_dir={tmp_path / 'hf'}").returncode == 0
-    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
+    encoding, hf_tokenizer = export_merges(tmp_path, [b"bc", b"ab", b"cd", b"abcd"], r"\S+|\s+")
     for text in ("abcd", "abcd abc bcd"):
-        assert hf_tokenizer.encode(text) == tiktoken_from(tokenizer).encode_ordinary(text)
+        assert hf_tokenizer.encode(text) == encoding.encode_ordinary(text)
     assert hf_tokenizer.encode("abcd") == [259]
 
 
 def test_a_possessive_interval_splits_as_tiktoken_splits(tmp_path):
     """cl100k_base's pattern takes digits three at a time with a possessive interval, \\p{N}{1,3}+, which HF's
     regex (Oniguruma) reads as (\\p{N}{1,3})+: a whole run of digits, where "34" could join across the cut."""
-    tokens = [bytes([byte]) for byte in range(256)] + [b"34", b"12", b"123"]
-    tokenizer = {"kind": "bpe", "ranks": "".join(f"{base64.b64encode(token).decode()} {rank}\n"
-                                                 for rank, token in enumerate(tokens)),
-                 "pattern": r"\p{N}{1,3}+|\s+|[^\s\p{N}]++", "special_tokens": {"<|endoftext|>": 259}}
-    save(tmp_path / "out", GPT(GPTConfig(vocab_size=260, n_embd=16, n_layer=1, n_head=2, n_kv_head=1,
-                                         block_size=16)), tokenizer)
-    assert export_here(f"--out_dir={tmp_path / 'out'}", f"--hf_dir={tmp_path / 'hf'}").returncode == 0
-    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
+    encoding, hf_tokenizer = export_merges(tmp_path, [b"34", b"12", b"123"], r"\p{N}{1,3}+|\s+|[^\s\p{N}]++")
     for text in ("12345", "born 1987, 2024-11-23 x12345678"):
-        assert hf_tokenizer.encode(text) == tiktoken_from(tokenizer).encode_ordinary(text), text
+        assert hf_tokenizer.encode(text) == encoding.encode_ordinary(text), text
     assert hf_tokenizer.encode("12345") == [258, 52, 53]  # "123", "4", "5"
 
 
