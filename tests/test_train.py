@@ -137,6 +137,13 @@ def free_port():
         return s.getsockname()[1]
 
 
+def srun_task(task, port, local_id=None):
+    """What srun gives task `task` of 2 (on one node unless local_id says), with the sbatch script's MASTER_*."""
+    local_id = task if local_id is None else local_id
+    return {"SLURM_PROCID": str(task), "SLURM_NTASKS": "2", "SLURM_LOCALID": str(local_id),
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+
+
 # -----------------------------------------------------------------------------------------------------
 # a short real run: the loss falls, and the checkpoint follows the contract
 
@@ -324,9 +331,7 @@ def test_slurm_variables_two_processes_equal_one(dataset, tmp_path):
     # Each task is forked from the warm script runner: real processes and gloo, no torch import each.
     one = fork_train(dataset, tmp_path / "one", *SAME_GLOBAL_BATCH)
     port = free_port()
-    tasks = [fork_train(dataset, tmp_path / "two", *SAME_GLOBAL_BATCH,
-                        environ={"SLURM_PROCID": str(task), "SLURM_NTASKS": "2", "SLURM_LOCALID": str(task),
-                                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    tasks = [fork_train(dataset, tmp_path / "two", *SAME_GLOBAL_BATCH, environ=srun_task(task, port))
              for task in range(2)]
     outputs = [finish(task) for task in tasks]
     finish(one)
@@ -456,8 +461,7 @@ def test_ctrl_c_twice_in_a_rank_stops_it_in_one_line(dataset, tmp_path):
         out_dir, port = tmp_path / f"out{attempt}", free_port()
         tasks = [fork_train(dataset, out_dir, "--max_iters=1000000", "--eval_iters=100000", "--batch_size=2048",
                             "--block_size=128", "--n_layer=4", "--n_embd=64", "--timeout=30",
-                            environ={"SLURM_PROCID": str(task), "SLURM_NTASKS": "2", "SLURM_LOCALID": str(task),
-                                     "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+                            environ=srun_task(task, port))
                  for task in range(2)]
         if "pid" not in tasks[0]:
             pytest.skip("the script runner could not fork the tasks (its imports printed or started a thread)")
@@ -541,9 +545,7 @@ def test_a_mistake_of_one_rank_alone_is_its_line_and_the_master_lost_contact(dat
     # waiting for rank 1 in init_process_group, says it lost contact rather than ending in a traceback.
     port, tasks = free_port(), []
     for task, data in enumerate([dataset, tmp_path / "only_on_node_1"]):
-        tasks.append(fork_train(data, tmp_path / "out", "--timeout=5",
-                                environ={"SLURM_PROCID": str(task), "SLURM_NTASKS": "2", "SLURM_LOCALID": "0",
-                                         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}))
+        tasks.append(fork_train(data, tmp_path / "out", "--timeout=5", environ=srun_task(task, port, local_id=0)))
     master, rank1 = [outcome(task) for task in tasks]
     assert_one_error_line(rank1, f"rank 1: no dataset at {str(tmp_path / 'only_on_node_1')!r}")
     assert_one_error_line(master, "rank 0 lost contact with the other ranks (Timed out after")
