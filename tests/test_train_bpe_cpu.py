@@ -76,6 +76,8 @@ EDGE_CASES = {
     "emoji and joiners": ["😀😀 👩‍👩‍👧 🇫🇷🇫🇷 hi😀 ok" * 10],
     "long unspaced cjk chunk": ["人人生而自由在尊严和权利上一律平等他们赋有理性和良心并应以兄弟关系的精神相对待" * 30],
     "empty documents among others": ["", "abc abc", "", "abcabc"],
+    # U+0C5C is a letter from Unicode 17 on: rustbpe and tiktoken (Unicode 16) split words there
+    "a letter new in unicode 17": ["ab\u0c5cab ab\u0c5cab x\u0c5c \u0c5c\u0c5c " * 20],
 }
 
 
