@@ -182,6 +182,7 @@ for names, test, what in [
     ([k for k, v in defaults.items() if type(v) is float], math.isfinite, "finite"),
     (["batch_size", "block_size", "learning_rate", "eval_interval", "eval_iters", "log_interval",
       "timeout"], lambda v: v > 0, "positive"),
+    (["timeout"], lambda v: v <= 365 * 86400, "at most a year (31536000)"),
     (["total_batch_size"], lambda v: v is None or v > 0, "positive, or None"),
     (["max_iters", "warmup_iters", "lr_decay_iters", "min_lr", "weight_decay", "grad_clip",
       "hellaswag_interval", "hellaswag_batch"], lambda v: v >= 0, "0 or more"),
@@ -515,7 +516,8 @@ if master:
 import fcntl, glob, tempfile
 
 start_iter = checkpoint["iter_num"] if checkpoint else 0
-if max_iters <= start_iter and not eval_only:
+unfinished = start_iter == max_iters > 0 and checkpoint.get("stopped")  # no final eval yet
+if max_iters <= start_iter and not eval_only and not unfinished:
     if master:
         print(f"nothing to train: the run starts at iter {start_iter}, max_iters={max_iters}")
     sys.exit(0)
@@ -578,6 +580,7 @@ if ddp:
 # fresh seed would repeat the first batches: nanoGPT's #467). Each of a step's num_slots
 # micro-batches has a generator: 1 process with 2 micro-steps sees what 2 do.
 iter_num, best_val_loss = start_iter, checkpoint["best_val_loss"] if checkpoint else math.inf
+tokens_trained = (checkpoint or {}).get("tokens_trained", iter_num * total_batch_size)
 torch.manual_seed((seed + rank) % 2**64)  # dropout differs between ranks, as their data do
 num_slots = world_size * grad_accum_steps
 my_slots = range(rank * grad_accum_steps, (rank + 1) * grad_accum_steps)
@@ -700,13 +703,13 @@ while True:
         if not stopping:
             log(f"eval iter {iter_num}: train loss {train_loss:.4f}, val loss {val_loss:.4f}"
                 f"{hellaswag_text}, lr {lr:.3g}, {tokens_per_sec or 0:,.0f} tokens/s, "
-                f"mfu {percent(mfu)}", iter=iter_num, tokens=iter_num * total_batch_size,
+                f"mfu {percent(mfu)}", iter=iter_num, tokens=tokens_trained,
                 train_loss=train_loss, val_loss=val_loss, **hellaswag_fields, lr=lr,
                 tokens_per_sec=tokens_per_sec, mfu=mfu)
             if sample is not None:
                 log(f"sample iter {iter_num}: {sample!r}", iter=iter_num, sample=sample)
         if iter_num > 0 and not stopping:  # iter 0's weights are never saved: they set no best
-            if val_loss < best_val_loss or always_save_checkpoint:
+            if val_loss < best_val_loss or always_save_checkpoint or unfinished:
                 save_paths.append(ckpt_path)
             best_val_loss = min(best_val_loss, val_loss)
         step_seconds = []
@@ -734,6 +737,7 @@ while True:
                 save_checkpoint(path, {
                     "model": raw_model.state_dict(), "model_config": asdict(raw_model.config),
                     "train_config": config, "iter_num": iter_num, "best_val_loss": best_val_loss,
+                    "tokens_trained": tokens_trained, "stopped": stopping,
                     "tokenizer": tokenizer, "dataset": meta, "optimizer": optimizer.state_dict(),
                     "scaler": scaler.state_dict() if scaler.is_enabled() else None,
                     "rng": {"ranks": [s["rng"] for s in all_states],
@@ -767,6 +771,7 @@ while True:
         dist.all_reduce(step_status)
     loss_sum, stop_votes = step_status.tolist()
     step_loss_value, iter_num = loss_sum / world_size, iter_num + 1
+    tokens_trained += total_batch_size
     step_seconds.append(time.time() - step_start)
     if not math.isfinite(step_loss_value):
         raise diverged(f"the loss is {step_loss_value}")
