@@ -8,7 +8,7 @@ GPUs (torchrun) or many nodes (torchrun or SLURM's srun).
 
 Presets and --key=value set the settings block's globals, in order;
 a preset is Python and runs as code: use only presets you trust. One run at a time writes in an
-out_dir. SIGTERM or Ctrl-C finishes the step in flight, saves out_dir/ckpt.pt and exits with 0.
+out_dir. SIGTERM or Ctrl-C finishes the step in flight, saves out_dir/ckpt.pt and exits 0.
 """
 import json, math, os, time
 from dataclasses import asdict, fields
@@ -27,7 +27,7 @@ log_interval = 10               # print the step's loss and speed every this man
 always_save_checkpoint = False  # save at every eval, not only when val loss improved
 milestones = []                 # steps whose checkpoint is kept too, as ckpt_<iter>.pt
 wandb_log, wandb_project, wandb_run_name = False, "lillm", "run"  # evals to Weights & Biases
-hellaswag_interval = 0          # HellaSwag at the evals of steps that are multiples of it; 0: off
+hellaswag_interval = 0          # HellaSwag at the evals of multiples of it; 0: off
 hellaswag = "hub"               # "hub" (Rowan/hellaswag: 10,042 examples) or a local .jsonl
 hellaswag_batch = 0             # examples (4 rows each) a forward; 0: 32 on CUDA, else 1
 sample_prompt = ""              # each eval prints and logs 32 tokens sampled after it; "": off
@@ -112,6 +112,10 @@ def leave(status):  # DDP keeps gloo threads: one freeing tensors as Python exit
     sys.stdout.flush()
     os._exit(status)
 
+def note(text):
+    if master:
+        print(f"note: {text}")
+
 def exit_on_ctrl_c(status):  # a Ctrl-C (or SIGTERM) in Python's exit: no traceback
     for stop in (signal.SIGINT, signal.SIGTERM):
         signal.signal(stop, lambda signum, frame: os._exit(status))
@@ -123,7 +127,7 @@ def read_whole(path, limit):  # a device or FIFO may not end, a huge file fill m
             raise UserError(f"{path}: not a regular file of at most {limit:,} bytes")
         return file.read(limit)
 
-# the command line: a value has its default's type (these settings: one more)
+# a command-line value has its default's type (these settings: one more)
 extra_types = {"vocab_size": int, "total_batch_size": type(None), "n_kv_head": type(None),
                "compile": bool}
 
@@ -163,11 +167,9 @@ for arg in sys.argv[1:]:
     elif not os.path.isfile(arg):
         raise UserError(f"no preset file {arg!r} (expected one like config/quickstart.py)")
     else:
-        namespace = {k: globals()[k] for k in defaults}
+        namespace, source = {k: globals()[k] for k in defaults}, read_whole(arg, 2**20)
         try:
-            exec(read_whole(arg, 2**20), namespace)
-        except UserError:
-            raise
+            exec(source, namespace)
         except SystemExit as e:
             raise UserError(f"{arg}: the preset called sys.exit({e.code!r}): no training")
         except Exception as e:
@@ -182,6 +184,7 @@ for names, test, what in [
     ([k for k, v in defaults.items() if type(v) is float], math.isfinite, "finite"),
     (["batch_size", "block_size", "learning_rate", "eval_interval", "eval_iters", "log_interval",
       "timeout"], lambda v: v > 0, "positive"),
+    (["timeout"], lambda v: v <= 365 * 86400, "at most a year (31536000)"),
     (["total_batch_size"], lambda v: v is None or v > 0, "positive, or None"),
     (["max_iters", "warmup_iters", "lr_decay_iters", "min_lr", "weight_decay", "grad_clip",
       "hellaswag_interval", "hellaswag_batch"], lambda v: v >= 0, "0 or more"),
@@ -279,8 +282,8 @@ for split in ("train", "val"):
         shard_sizes[path], done = len(tokens), done + len(tokens)
 
 def check_ids(rows, path):
-    # An id past the vocabulary would fail deep in the embedding (on a GPU: an assert).
-    # Checked per batch, it costs nothing; start-up reads no tokens.
+    # An id past the vocabulary would fail deep in the embedding (on a GPU: an assert): a
+    # check per batch costs nothing (start-up reads no tokens)
     largest = rows.max()  # (unsigned: none below 0)
     if largest >= meta["vocab_size"]:
         raise BatchError(f"{path} holds token id {largest}, past the vocabulary of meta.json "
@@ -314,9 +317,7 @@ def hellaswag_examples(source):
             return [(row["ctx"], list(row["endings"]), int(row["label"])) for row in rows]
         except Exception as error:
             problem = problem or f"{type(error).__name__}: {str(error)[:100]}"
-        if master:
-            print(f"note: no HellaSwag figures ({problem}); --hellaswag=<file.jsonl> scores a "
-                  "local copy")
+        note(f"no HellaSwag figures ({problem}); --hellaswag=<file.jsonl> scores a local copy")
         return None
     try:
         lines = read_whole(source, 2**28).decode("utf-8-sig").split("\n")  # JSON may hold U+2028
@@ -353,18 +354,19 @@ from model import GPT, GPTConfig, save_checkpoint, bytes_of_id
 
 device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
 device_type = device.split(":")[0]
-backend = torch.cuda if device_type == "cuda" else torch.backends.mps
+is_cuda = device_type == "cuda"
+backend = torch.cuda if is_cuda else torch.backends.mps
 if device_type != "cpu" and not backend.is_available():
     raise UserError(f"device={device!r}, but this torch sees no {device_type.upper()} device")
-if device_type == "cuda":  # a GPU per process; srun may hide the others (CUDA_VISIBLE_DEVICES)
+if is_cuda:  # a GPU per process; srun may hide the others (CUDA_VISIBLE_DEVICES)
     device = f"cuda:{local_rank % torch.cuda.device_count()}" if ddp or device == "cuda" else device
     torch.cuda.set_device(device)
 if dtype == "auto":  # no bfloat16 on a CPU: most emulate it, many times slower
-    bfloat16_ok = device_type == "cuda" and torch.cuda.is_bf16_supported()
-    dtype = "bfloat16" if bfloat16_ok else "float16" if device_type == "cuda" else "float32"
-compile = device_type == "cuda" if compile == "auto" else compile
-hellaswag_batch = hellaswag_batch or (32 if device_type == "cuda" else 1)  # CPU caches favour 1
-ckpt_path = os.path.join(out_dir, "ckpt.pt")
+    bfloat16_ok = is_cuda and torch.cuda.is_bf16_supported()
+    dtype = "bfloat16" if bfloat16_ok else "float16" if is_cuda else "float32"
+compile = is_cuda if compile == "auto" else compile
+hellaswag_batch = hellaswag_batch or (32 if is_cuda else 1)  # CPU caches favour 1
+ckpt_path, log_path = os.path.join(out_dir, "ckpt.pt"), os.path.join(out_dir, "log.jsonl")
 if init_from == "auto":
     init_from = "resume" if os.path.exists(ckpt_path) else "scratch"
 
@@ -372,21 +374,17 @@ if init_from == "auto":
 from model import CheckpointError, encoding_from_checkpoint, load_checkpoint, model_from_checkpoint
 
 encoding = None
-if kind != "tiktoken":  # (a tiktoken name may need the internet)
+if kind != "tiktoken" or hellaswag_set or sample_prompt:  # (a tiktoken name may need the internet)
     try:
         encoding = encoding_from_checkpoint({"tokenizer": tokenizer})
     except CheckpointError as e:
-        raise UserError(f"{dataset}'s tokenizer can't be used ({e}): {fix_dataset}")
-    if encoding.n_vocab != meta["vocab_size"]:
-        raise UserError(f"{meta_path} says vocab_size {meta['vocab_size']:,}, but its tokenizer "
-                        f"has {encoding.n_vocab:,} ids: {fix_dataset}")
-if (hellaswag_set or sample_prompt) and encoding is None:
-    try:
-        encoding = encoding_from_checkpoint({"tokenizer": tokenizer})
-    except CheckpointError as e:
+        if kind != "tiktoken":
+            raise UserError(f"{dataset}'s tokenizer can't be used ({e}): {fix_dataset}")
         hellaswag_set, sample_prompt = None, ""
-        if master:
-            print(f"note: no HellaSwag figures or samples: the tokenizer can't be loaded ({e})")
+        note(f"no HellaSwag figures or samples: the tokenizer can't be loaded ({e})")
+if kind != "tiktoken" and encoding.n_vocab != meta["vocab_size"]:
+    raise UserError(f"{meta_path} says vocab_size {meta['vocab_size']:,}, but its tokenizer "
+                    f"has {encoding.n_vocab:,} ids: {fix_dataset}")
 
 def token_ids(text, allowed_special=frozenset()):
     try:
@@ -399,9 +397,9 @@ if hellaswag_set:
                 for context, endings, label in hellaswag_set]
     hellaswag_set = [(ids[0], ids[1:], label) for ids, label in examples if None not in ids]
     hellaswag_set.sort(key=lambda example: len(example[0]) + max(map(len, example[1])))
-    if len(hellaswag_set) < len(examples) and master:
-        print(f"note: HellaSwag: {len(examples) - len(hellaswag_set)} of {len(examples)} examples "
-              "have text the tokenizer can't encode; they are left out")
+    if len(hellaswag_set) < len(examples):
+        note(f"HellaSwag: {len(examples) - len(hellaswag_set)} of {len(examples)} examples have "
+             "text the tokenizer can't encode; they are left out")
 sample_ids = token_ids(sample_prompt, "all") if sample_prompt else None
 if sample_prompt and not sample_ids:
     raise UserError(f"sample_prompt={sample_prompt!r} has characters the vocabulary lacks")
@@ -421,21 +419,21 @@ def load_for_resume(path):
                         f"{dataset}'s ({meta['tokenizer']}): resume on its own dataset")
     if checkpoint["train_config"].get("muon", False) != muon:
         raise UserError(f"{path} was trained with muon={not muon}: resume with --muon={not muon}")
-    if checkpoint["train_config"].get("seed", seed) != seed and master:
-        print(f"note: seed={seed}, not the checkpoint's: other eval batches than best_val_loss's")
+    if checkpoint["train_config"].get("seed", seed) != seed:
+        note(f"seed={seed}, not the checkpoint's: other eval batches than best_val_loss's")
     return checkpoint, model
 
 if eval_only and init_from != "resume":
     raise UserError(f"eval_only=True: there is no {ckpt_path} to evaluate")
 
-# === resume: the checkpoint's model, whose settings win over the command line's; the rest of its
-# state (optimizer, step, random states) is restored below
+# === resume: the checkpoint's model, whose settings win over the command line's (the rest of its
+# state is restored below)
 checkpoint = None
 if init_from == "resume":
     checkpoint, raw_model = load_for_resume(ckpt_path)
     for key, value in [(k, v) for k, v in checkpoint["model_config"].items() if k in defaults]:
-        if globals()[key] not in (None, value) and master:
-            print(f"note: resuming keeps the checkpoint's {key}={value!r} (not {globals()[key]!r})")
+        if globals()[key] not in (None, value):
+            note(f"resuming keeps the checkpoint's {key}={value!r} (not {globals()[key]!r})")
         globals()[key] = value
 vocab_size = meta["vocab_size"] if vocab_size is None else vocab_size
 if vocab_size < meta["vocab_size"]:
@@ -480,7 +478,7 @@ def get_batch(split, generator):
             rows[row] = tokens[offsets[row]:offsets[row] + block_size + 1]
         check_ids(rows[shard_of == shard], paths[shard])
     x, y = torch.from_numpy(rows[:, :-1].copy()), torch.from_numpy(rows[:, 1:].copy())
-    if device_type == "cuda":  # pinned: the copy overlaps the GPU's work on the last batch
+    if is_cuda:  # pinned: the copy overlaps the GPU's work on the last batch
         x, y = x.pin_memory(), y.pin_memory()
     return x.to(device, non_blocking=True), y.to(device, non_blocking=True)
 
@@ -496,7 +494,7 @@ def log(line, **fields):
     fields = {k: None if v != v else v for k, v in fields.items()}  # JSON has no NaN
     if master:
         print(line, flush=True)
-        with open(os.path.join(out_dir, "log.jsonl"), "a") as f:
+        with open(log_path, "a") as f:
             f.write(json.dumps(fields) + "\n")
         if wandb_log and "val_loss" in fields:
             wandb.log(fields, step=fields["iter"])
@@ -515,7 +513,8 @@ if master:
 import fcntl, glob, tempfile
 
 start_iter = checkpoint["iter_num"] if checkpoint else 0
-if max_iters <= start_iter and not eval_only:
+unfinished = start_iter == max_iters > 0 and checkpoint.get("stopped")  # no final eval yet
+if max_iters <= start_iter and not eval_only and not unfinished:
     if master:
         print(f"nothing to train: the run starts at iter {start_iter}, max_iters={max_iters}")
     sys.exit(0)
@@ -553,12 +552,12 @@ if init_from == "scratch" and checkpoints_there:  # a milestone alone too: resum
 if master:
     for temp in glob.glob(os.path.join(glob.escape(out_dir), "ckpt*.pt.tmp.*")):
         os.remove(temp)  # a killed save's: no other run writes here (the lock)
-    if checkpoint is None and os.path.exists(os.path.join(out_dir, "log.jsonl")):
-        os.remove(os.path.join(out_dir, "log.jsonl"))  # a run's that saved no checkpoint
+    if checkpoint is None and os.path.exists(log_path):
+        os.remove(log_path)  # a run's that saved no checkpoint
 
 # === the processes together; the model, the optimizer, the random states
 if ddp:  # the timeout makes a hanging rank an error
-    dist.init_process_group("nccl" if device_type == "cuda" else "gloo", rank=rank,
+    dist.init_process_group("nccl" if is_cuda else "gloo", rank=rank,
                             world_size=world_size, timeout=timedelta(seconds=timeout))
     atexit.register(leave, 1)  # after an error's line
 torch.manual_seed(seed)  # the same initial weights on every rank, in every run
@@ -567,17 +566,18 @@ autocast = torch.autocast(device_type, dtype=getattr(torch, dtype), enabled=dtyp
 raw_model = (GPT(model_config) if checkpoint is None else raw_model).to(device)
 optimizer = raw_model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), device_type,
                                            "muon" if muon else "adamw", verbose=master)
-# float16 only: small gradients would round to 0: the loss is scaled up first
+# float16 only: the loss is scaled up, or small gradients would round to 0
 scaler = torch.amp.GradScaler(device_type, enabled=dtype == "float16")
 model = torch.compile(raw_model) if compile else raw_model  # evaluation: no DDP machinery
 train_model = model
 if ddp:
-    train_model = DDP(model, device_ids=[torch.cuda.current_device()] if device_type == "cuda" else None)
+    train_model = DDP(model, device_ids=[torch.cuda.current_device()] if is_cuda else None)
 
 # The random states of dropout and of the data: a resumed run goes on as if it never stopped (a
 # fresh seed would repeat the first batches: nanoGPT's #467). Each of a step's num_slots
 # micro-batches has a generator: 1 process with 2 micro-steps sees what 2 do.
 iter_num, best_val_loss = start_iter, checkpoint["best_val_loss"] if checkpoint else math.inf
+tokens_trained = (checkpoint or {}).get("tokens_trained", iter_num * total_batch_size)
 torch.manual_seed((seed + rank) % 2**64)  # dropout differs between ranks, as their data do
 num_slots = world_size * grad_accum_steps
 my_slots = range(rank * grad_accum_steps, (rank + 1) * grad_accum_steps)
@@ -591,24 +591,21 @@ if checkpoint is not None:
     if len(saved_states["ranks"]) == world_size:
         my_states = saved_states["ranks"][rank]
         torch.set_rng_state(my_states["torch"])
-        if device_type == "cuda" and my_states["cuda"] is not None:
+        if is_cuda and my_states["cuda"] is not None:
             torch.cuda.set_rng_state(my_states["cuda"])
     if len(saved_states["data"]) == num_slots:
         for slot, generator in zip(my_slots, train_generators):
             generator.set_state(saved_states["data"][slot])
-    elif master:
-        print(f"note: the checkpoint has {len(saved_states['data'])} data streams, this run "
-              f"{num_slots}")
+    else:
+        note(f"the checkpoint has {len(saved_states['data'])} data streams, this run {num_slots}")
 
 # === plumbing: the ranks' HellaSwag; SIGTERM (SLURM preemption, torchrun stopping) and Ctrl-C
 if ddp and hellaswag_interval:
-    sizes = torch.tensor([len(hellaswag_set or []), -len(hellaswag_set or [])], device=device)
-    dist.all_reduce(sizes, op=dist.ReduceOp.MIN)
-    fewest, most = sizes[0].item(), -sizes[1].item()
-    if fewest != most:
+    counts = [0] * world_size
+    dist.all_gather_object(counts, len(hellaswag_set or []))
+    if min(counts) != max(counts):
         hellaswag_set = None
-        if master:
-            print(f"note: no HellaSwag figures: the ranks loaded {fewest:,} to {most:,} examples")
+        note(f"no HellaSwag figures: the ranks loaded {min(counts):,} to {max(counts):,} examples")
 
 def request_stop(signum, frame):
     global stop_signal
@@ -700,13 +697,13 @@ while True:
         if not stopping:
             log(f"eval iter {iter_num}: train loss {train_loss:.4f}, val loss {val_loss:.4f}"
                 f"{hellaswag_text}, lr {lr:.3g}, {tokens_per_sec or 0:,.0f} tokens/s, "
-                f"mfu {percent(mfu)}", iter=iter_num, tokens=iter_num * total_batch_size,
+                f"mfu {percent(mfu)}", iter=iter_num, tokens=tokens_trained,
                 train_loss=train_loss, val_loss=val_loss, **hellaswag_fields, lr=lr,
                 tokens_per_sec=tokens_per_sec, mfu=mfu)
             if sample is not None:
                 log(f"sample iter {iter_num}: {sample!r}", iter=iter_num, sample=sample)
         if iter_num > 0 and not stopping:  # iter 0's weights are never saved: they set no best
-            if val_loss < best_val_loss or always_save_checkpoint:
+            if val_loss < best_val_loss or always_save_checkpoint or unfinished:
                 save_paths.append(ckpt_path)
             best_val_loss = min(best_val_loss, val_loss)
         step_seconds = []
@@ -723,7 +720,7 @@ while True:
     if save_paths:
         if not all(torch.isfinite(p).all() for p in raw_model.parameters()):  # cheap beside a save
             raise diverged("the weights are not finite")
-        cuda_state = torch.cuda.get_rng_state() if device_type == "cuda" else None
+        cuda_state = torch.cuda.get_rng_state() if is_cuda else None
         rank_states = {"rng": {"torch": torch.get_rng_state(), "cuda": cuda_state},
                        "data": [generator.get_state() for generator in train_generators]}
         all_states = [rank_states] * world_size
@@ -734,6 +731,7 @@ while True:
                 save_checkpoint(path, {
                     "model": raw_model.state_dict(), "model_config": asdict(raw_model.config),
                     "train_config": config, "iter_num": iter_num, "best_val_loss": best_val_loss,
+                    "tokens_trained": tokens_trained, "stopped": stopping,
                     "tokenizer": tokenizer, "dataset": meta, "optimizer": optimizer.state_dict(),
                     "scaler": scaler.state_dict() if scaler.is_enabled() else None,
                     "rng": {"ranks": [s["rng"] for s in all_states],
@@ -767,6 +765,7 @@ while True:
         dist.all_reduce(step_status)
     loss_sum, stop_votes = step_status.tolist()
     step_loss_value, iter_num = loss_sum / world_size, iter_num + 1
+    tokens_trained += total_batch_size
     step_seconds.append(time.time() - step_start)
     if not math.isfinite(step_loss_value):
         raise diverged(f"the loss is {step_loss_value}")

@@ -433,6 +433,29 @@ def test_sigterm_saves_whether_in_an_eval_or_a_step_and_nothing_is_overwritten(d
     assert resumed["scaler"]["_growth_tracker"] == stopped_at + 2  # the scaler went on, it did not restart
 
 
+def test_a_stop_in_the_last_step_leaves_the_final_eval_and_milestone_to_the_resume(trained, dataset, tmp_path):
+    # The checkpoint of iter 40 (128 tokens a step), resumed for 2 steps of 256 tokens. SIGTERM after step 41's line
+    # lands in step 42 (on a slow machine, in the final eval of 100,000 batches): either way ckpt.pt is saved at
+    # max_iters, before the final eval and the milestone of 42, which the next resume must then make. A best val loss
+    # of 0 is never beaten: ckpt.pt is saved again because the run is finished, not because its val loss improved.
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    torch.save(dict(load(trained / "ckpt.pt"), best_val_loss=0.0), out_dir / "ckpt.pt")
+    args = ["--init_from=resume", "--max_iters=42", "--total_batch_size=256", "--eval_interval=100000",
+            "--milestones=[42]"]
+    stdout, stderr = signal_when(start_train(dataset, out_dir, *args, "--eval_iters=100000"), ("iter 41:", signal.SIGTERM))
+    assert "stopped by SIGTERM after iter 42" in stdout and "eval iter" not in stdout, stdout + stderr
+    assert not (out_dir / "ckpt_42.pt").exists()
+    result = train(dataset, out_dir, *args, "--sample_prompt=the")
+    assert "nothing to train" not in result.stdout and "sample iter 42: " in result.stdout, result.stdout
+    evals = [r for r in map(json.loads, (out_dir / "log.jsonl").read_text().splitlines()) if "val_loss" in r]
+    assert [e["iter"] for e in evals] == [42] and load(out_dir / "ckpt_42.pt")["iter_num"] == 42
+    # log.jsonl's tokens are those trained: 40 steps of 128 tokens, then 2 of 256 (not 42 x 256)
+    assert evals[0]["tokens"] == 40 * 128 + 2 * 256
+    # ckpt.pt is a finished run's now: a resume says "nothing to train" (as the test below checks for one)
+    assert load(out_dir / "ckpt.pt")["stopped"] is False
+
+
 def test_ctrl_c_twice_stops_at_once_in_one_line(dataset, tmp_path):
     # Eval batches of 2048 x 128 tokens through 4 layers 64 wide take seconds: the second Ctrl-C mostly comes before
     # the first one's stop, which waits for the batch to end, and stops the run at once, unsaved. On a loaded machine
@@ -739,6 +762,9 @@ MISTAKES = {
     "negative": (["--max_iters=-1"], "max_iters=-1: must be 0 or more"),
     "heads": (["--n_head=3"], "n_head must divide n_embd"),
     "timeout": (["--timeout=0"], "timeout=0"),
+    # else DDP's timedelta overflows, a traceback (max_iters=0: one process would not train either way)
+    "timeout huge": (["--timeout=1000000000000000", "--max_iters=0"],
+                     "timeout=1000000000000000: must be at most a year (31536000)"),
     "total_batch_size": (["--total_batch_size=0"], "total_batch_size=0: must be positive"),
     "learning_rate": (["--learning_rate=-1"], "learning_rate=-1.0"),
     "dropout": (["--dropout=1.5"], "dropout=1.5"),
@@ -866,8 +892,11 @@ def test_a_resume_sizes_its_steps_with_the_checkpoints_block_size(trained, datas
     128 tokens a step is one micro-step of 4 x 32, and the one saved data stream goes on."""
     out_dir = tmp_path / "out"
     out_dir.mkdir()
-    (out_dir / "ckpt.pt").write_bytes((trained / "ckpt.pt").read_bytes())
+    checkpoint = load(trained / "ckpt.pt")
+    del checkpoint["tokens_trained"]  # as an older train.py saved it: its tokens count as 40 steps of 128
+    torch.save(checkpoint, out_dir / "ckpt.pt")
     result = train(dataset, out_dir, "--init_from=resume", "--block_size=16", "--total_batch_size=128",
                    "--max_iters=41", "--eval_interval=100")
     assert "block_size 32 x world_size 1 x accumulation 1" in result.stdout, result.stdout
     assert "data streams" not in result.stdout
+    assert json.loads((out_dir / "log.jsonl").read_text().splitlines()[-1])["tokens"] == 41 * 128
