@@ -373,7 +373,8 @@ def load_tokenizer(name):
     if problem is not None:
         raise UserError(f"--tokenizer {name}: {problem}; use one from train_bpe_cpu.py")
     sha256 = hashlib.sha256(files["tokenizer.tiktoken"]).hexdigest()
-    return encoder, {"kind": "bpe", "path": name, "sha256": sha256}, files
+    identity = {"sha256": sha256, "pattern": pattern, "special_tokens": special_tokens}
+    return encoder, {"kind": "bpe", "path": name, **identity}, files
 
 
 def tokenizer_problem(ranks, special_tokens):
@@ -447,8 +448,11 @@ def resume_state(out_dir, state, encoder):
 
 
 def shard_settings(run_args, vocabulary):  # all but the tokenizer's path
-    tokenizer_meta = {key: value for key, value in run_args["tokenizer"].items() if key != "path"}
-    return {**run_args, "tokenizer": tokenizer_meta, **vocabulary}
+    settings = {**run_args, **vocabulary}
+    for key, value in settings.pop("tokenizer").items():
+        settings[f"tokenizer's {key}"] = value
+    settings.pop("tokenizer's path", None)
+    return settings
 
 
 def damaged_shard(out_dir, saved, shard_size):  # a missing or cut shard, or None

@@ -150,7 +150,9 @@ def test_bpe_dir_shards_decode_to_the_documents(tmp_path, docs, bpe_dir):
     assert meta["version"] == 1 and meta["vocab_size"] == 301 and meta["eot_token"] == 300
     assert meta["dtype"] == "uint16" and meta["max_token_id"] == int(max(val.max(), train.max()))
     assert meta["num_chars"] == sum(len(doc) for doc in docs)
-    assert meta["tokenizer"]["kind"] == "bpe"
+    info = json.loads((bpe_dir / "tokenizer.json").read_text())
+    assert meta["tokenizer"]["kind"] == "bpe" and meta["tokenizer"]["pattern"] == info["pattern"]
+    assert meta["tokenizer"]["special_tokens"] == info["special_tokens"] == {EOT: 300}
     assert meta["tokenizer"]["sha256"] == hashlib.sha256((bpe_dir / "tokenizer.tiktoken").read_bytes()).hexdigest()
     for name in ("tokenizer.tiktoken", "tokenizer.json"):  # the dataset carries its tokenizer
         assert (out_dir / name).read_bytes() == (bpe_dir / name).read_bytes()
@@ -500,6 +502,19 @@ def test_out_into_a_file_and_foreign_or_mismatched_out(tmp_path, docs, bpe_dir, 
     assert "with other arguments (vocab_size: 301, now 302)" in refused(
         "--tokenizer", other_eot, "--data", "docs.jsonl", "--out", "ds")
     assert files_of(tmp_path / "ds") == before
+    # the same ranks, another split pattern: a killed run's shards and its rerun's would be cut by two patterns
+    other_pattern = shutil.copytree(bpe_dir, tmp_path / "other_pattern")
+    info = json.loads((bpe_dir / "tokenizer.json").read_text())
+    (other_pattern / "tokenizer.json").write_text(json.dumps(dict(info, pattern=r"\S+|\s+")))
+    meta = json.loads((tmp_path / "ds" / "meta.json").read_text())
+    progress = json.dumps(dict(meta, resume={"document": 10, "offset": 0}))  # as a killed run's
+    (tmp_path / "ds" / "meta.json").rename(tmp_path / "ds" / "progress.json")
+    (tmp_path / "ds" / "progress.json").write_text(progress)
+    assert "with other arguments (tokenizer's pattern: " in refused(
+        "--tokenizer", other_pattern, "--data", "docs.jsonl", "--out", "ds")
+    assert (tmp_path / "ds" / "progress.json").read_text() == progress
+    (tmp_path / "ds" / "progress.json").write_bytes(before["meta.json"])
+    (tmp_path / "ds" / "progress.json").rename(tmp_path / "ds" / "meta.json")
     (tmp_path / "ds" / "meta.json").rename(tmp_path / "ds" / "progress.json")  # as an older run's: no "resume"
     assert "progress.json is from an older" in refused("--tokenizer", bpe_dir, "--data", "docs.jsonl", "--out", "ds")
     (tmp_path / "ds" / "progress.json").rename(tmp_path / "ds" / "meta.json")
