@@ -423,6 +423,11 @@ def resume_state(out_dir, state, encoder):
     start_over = f"delete {out_dir} to start over"
     try:
         saved = json.loads(read_whole(saved_path, 2**26))
+        counts = [saved["max_token_id"] + 1, saved["num_chars"], *saved["tokens"].values(),
+                  *saved.get("resume", {}).values()]  # a hand edit's or a corruption's types: as not JSON
+        if any(type(n) is not int or n < 0 for n in counts) or any(
+                type(char) is not str or len(char) != 1 for char in saved.get("chars", [])):
+            raise ValueError
         before = shard_settings(saved["args"], {key: saved[key] for key in vocabulary})
         damaged = damaged_shard(out_dir, saved, state["args"]["shard_size"])
     except (OSError, ValueError, KeyError, TypeError, AttributeError):

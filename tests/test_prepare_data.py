@@ -522,6 +522,28 @@ def test_out_into_a_file_and_foreign_or_mismatched_out(tmp_path, docs, bpe_dir, 
     assert "meta.json is unreadable" in refused("--tokenizer", bpe_dir, "--data", "docs.jsonl", "--out", "ds")
 
 
+
+def test_a_progress_json_of_wrong_types_is_one_line(tmp_path, docs, bpe_dir, monkeypatch):
+    """A hand-edited or corrupted progress.json (a string for a number, a list for a dict, a number for a shard's
+    name or a character) is refused as unreadable, in one line, as one that is not JSON."""
+    write_jsonl(tmp_path / "docs.jsonl", docs[:50])
+    monkeypatch.chdir(tmp_path)
+    for tokenizer, out in ((bpe_dir, "ds"), ("char", "ds_char")):
+        prepare_data.run(["--tokenizer", str(tokenizer), "--data", "docs.jsonl", "--out", out])
+        meta = json.loads((tmp_path / out / "meta.json").read_text())
+        (tmp_path / out / "meta.json").unlink()
+        good = dict(meta, resume={"document": 10, "offset": 0})
+        cases = [{"resume": {"document": "10", "offset": 0}}, {"resume": {"document": 10, "offset": None}},
+                 {"resume": {"document": -1, "offset": 0}}, {"resume": [10, 0]},
+                 {"tokens": dict(meta["tokens"], val=str(meta["tokens"]["val"]))}, {"max_token_id": "300"},
+                 {"num_chars": [1]}, {"shards": dict(meta["shards"], val=[7])}]
+        if tokenizer == "char":
+            cases += [{"chars": [*meta["chars"][:-1], 65]}, {"chars": ["ab", *meta["chars"][1:]]}]
+        for case in cases:
+            (tmp_path / out / "progress.json").write_text(json.dumps(dict(good, **case)))
+            assert f"{out}: progress.json is unreadable; delete {out}" in refused(
+                "--tokenizer", tokenizer, "--data", "docs.jsonl", "--out", out), case
+
 META_JSON = "str(path).endswith('meta.json')"
 FIRST_SHARD = "str(path).endswith('progress.json') and obj['shards']['val'] + obj['shards']['train']"
 
