@@ -306,6 +306,8 @@ def parse_args(argv):
     if not 0 <= K < N:
         raise UserError(f"--part {args.part}: must be K/N, 0 <= K < N")
     args.part = (K, N)
+    if args.merge == 1:
+        raise UserError("--merge 1: a single part is the whole run, in --out; nothing to merge")
     if (N > 1 or args.merge) and (args.tokenizer == "char" or args.max_tokens or args.num_chars):
         raise UserError("--part cuts the whole source: no --max_tokens, -n, nor char level")
     return args
