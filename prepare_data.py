@@ -185,7 +185,7 @@ def run(argv):
     (K, N), out_dir = args.part, output_dir(args, source_name)
     settings = run_args(args, source, tokenizer_meta)
     if args.merge:
-        return merge_parts(out_dir, args.merge, settings, encoder, tokenizer_files)
+        return warn(args, merge_parts(out_dir, args.merge, settings, encoder, tokenizer_files), 0, 0)
     if N > 1:  # its own dataset, merged later
         out_dir = out_dir / f"part-{K}-of-{N}"
     # char level: a token is a character; both passes read max_tokens characters
@@ -325,7 +325,7 @@ def warn(args, state, bytes_read, bytes_kept):
             (BadUTF8.count, f"{BadUTF8.count} invalid UTF-8 sequences were replaced with U+FFFD"),
             (bytes_kept < bytes_read, f"the split pattern matched {bytes_kept:,} of {bytes_read:,} "
              f"bytes; the other {unmatched:.1%} are not in the shards (tiktoken drops them)"),
-            (tokens["val"] > tokens["train"], f"val holds {tokens['val']:,} of "
+            (tokens["val"] > tokens["train"] and args.part[1] == 1, f"val holds {tokens['val']:,} of "
              f"{sum(tokens.values()):,} tokens; lower --val_tokens")]:
         if failed:
             print(f"warning: {warning}", file=sys.stderr)
@@ -508,6 +508,7 @@ def merge_parts(out_dir, count, now, encoder, tokenizer_files):
                     merged["shards"][split].append(link.name)
         complete(out_dir, tokenizer_files, merged)
     print(f"merged {count} parts into {out_dir}")
+    return merged
 
 
 @contextmanager

@@ -766,19 +766,24 @@ def test_parts_in_any_order_or_at_once_merge_to_one_runs_ids(parts_source):
 
 
 def test_parts_in_which_no_document_starts_are_empty_and_merge_to_one_runs_ids(tmp_path, bpe_dir, corpus,
-                                                                                  monkeypatch):
+                                                                                  monkeypatch, capsys):
     # A .txt file is one document, read whole by the part its first byte falls in: of 4 parts over two files,
-    # parts 1 and 3 start none.
+    # parts 1 and 3 start none. Val (a.txt) outweighs train (b.txt): the merge warns as one run does, and no
+    # part does (part 0 holds val, and little or no train, whatever the whole holds).
     text = corpus("tinyshakespeare.txt").read_text()
     (tmp_path / "source").mkdir()
     (tmp_path / "source" / "a.txt").write_text(text[:20_000])
-    (tmp_path / "source" / "b.txt").write_text(text[20_000:40_000])
+    (tmp_path / "source" / "b.txt").write_text(text[20_000:30_000])
     monkeypatch.chdir(tmp_path)
     common = ["--tokenizer", str(bpe_dir), "--data", "source", "--shard_size", "3000", "--val_tokens", "10"]
     for k in range(4):
         prepare_data.run([*common, "--out", "parts", "--part", f"{k}/4"])
+        assert "val holds" not in capsys.readouterr().err
     prepare_data.run([*common, "--out", "parts", "--merge", "4"])
+    merge_warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning")]
     prepare_data.run([*common, "--out", "one"])
+    one_warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning")]
+    assert len(merge_warnings) == 1 and "val holds" in merge_warnings[0] and merge_warnings == one_warnings
     empty_part = json.loads((tmp_path / "parts" / "part-1-of-4" / "meta.json").read_text())
     assert empty_part["tokens"] == {"val": 0, "train": 0}
     meta, val, train = read_dataset(tmp_path / "parts")
