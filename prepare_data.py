@@ -466,8 +466,9 @@ def damaged_shard(out_dir, saved, shard_size):  # a missing or cut shard, or Non
     for split, names in saved["shards"].items():
         for k, name in enumerate(names):
             path = out_dir / name
-            try:  # (a name with a directory is no shard)
-                length = len(np.load(path, mmap_mode="r")) if path.parent == out_dir else -1
+            try:  # a name with a directory is no shard, nor a pipe (np.load would wait on it)
+                shard = path.parent == out_dir and path.is_file()
+                length = len(np.load(path, mmap_mode="r")) if shard else -1
             except (OSError, ValueError, EOFError):
                 length = -1
             if length != min(shard_size, saved["tokens"][split] - k * shard_size):

@@ -642,6 +642,14 @@ def test_a_deleted_or_cut_shard_is_found_on_rerun(tmp_path, docs, bpe_dir, monke
     assert f"the shard {shard.name} is missing or damaged" in refused(*args)
     shard.unlink()
     assert f"the shard {shard.name} is missing or damaged" in refused(*args)
+    os.mkfifo(shard)  # a named pipe: np.load would wait on it forever
+    signal.signal(signal.SIGALRM, lambda *_: pytest.fail("a read hung"))
+    signal.alarm(20)
+    try:
+        assert f"the shard {shard.name} is missing or damaged" in refused(*args)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, signal.SIG_DFL)
     # the advice works: delete the directory, run again, and the dataset is whole
     shutil.rmtree(tmp_path / "ds")
     prepare(*args, cwd=tmp_path)
