@@ -464,7 +464,7 @@ def test_empty_datasets_leave_nothing_behind(tmp_path, bpe_dir, monkeypatch):
         for tokenizer in (bpe_dir, "char"):
             assert "is empty" in refused("--tokenizer", tokenizer, "--data", source, "--out", "ds")
             assert not (tmp_path / "ds").exists()
-    assert "is a single token" in refused("--tokenizer", "char", "--data", "one.txt", "--out", "ds")
+    assert "is empty or one token" in refused("--tokenizer", "char", "--data", "one.txt", "--out", "ds")
     assert not (tmp_path / "ds").exists()
     # through the command line, after the progress bar: still one `error:` line
     result = prepare("--tokenizer", bpe_dir, "--data", "blank_docs.jsonl", "--out", "ds", cwd=tmp_path, check=False)
@@ -516,7 +516,7 @@ def test_out_into_a_file_and_foreign_or_mismatched_out(tmp_path, docs, bpe_dir, 
     (tmp_path / "ds" / "progress.json").write_bytes(before["meta.json"])
     (tmp_path / "ds" / "progress.json").rename(tmp_path / "ds" / "meta.json")
     (tmp_path / "ds" / "meta.json").rename(tmp_path / "ds" / "progress.json")  # as an older run's: no "resume"
-    assert "progress.json is from an older" in refused("--tokenizer", bpe_dir, "--data", "docs.jsonl", "--out", "ds")
+    assert "progress.json is unreadable" in refused("--tokenizer", bpe_dir, "--data", "docs.jsonl", "--out", "ds")
     (tmp_path / "ds" / "progress.json").rename(tmp_path / "ds" / "meta.json")
     (tmp_path / "ds" / "meta.json").write_text("{")
     assert "meta.json is unreadable" in refused("--tokenizer", bpe_dir, "--data", "docs.jsonl", "--out", "ds")
@@ -621,7 +621,9 @@ def test_a_changed_source_is_never_mixed_in(tmp_path, docs, bpe_dir, monkeypatch
     assert "other source files" in refused(*args)
     assert files_of(tmp_path / "ds") == before
     # mid-run: a killed run leaves progress.json, which carries the same arguments, in place of meta.json
+    meta = json.loads((tmp_path / "ds" / "meta.json").read_text())
     (tmp_path / "ds" / "meta.json").rename(tmp_path / "ds" / "progress.json")
+    (tmp_path / "ds" / "progress.json").write_text(json.dumps(dict(meta, resume={"document": 10, "offset": 0})))
     before = files_of(tmp_path / "ds")
     assert "other source files" in refused(*args)
     assert files_of(tmp_path / "ds") == before
@@ -833,7 +835,7 @@ def test_part_and_merge_mistakes_are_one_line_each(parts_source, monkeypatch, tm
     assert "--part 2/2: must be K/N" in refused(*common, "--part", "2/2")
     assert "--part x: must be K/N" in refused(*common, "--part", "x")
     # --part 0/1 is a whole run, written into --out: there is no part-0-of-1 to merge
-    assert "--merge 1: a single part is the whole run, in --out; nothing to merge" in refused(*common, "--merge", 1)
+    assert "--merge 1: one part is the whole run, in --out: nothing to merge" in refused(*common, "--merge", 1)
     monkeypatch.setenv("SLURM_ARRAY_TASK_ID", "4")  # a task of an array 1-3? no such part
     monkeypatch.setenv("SLURM_ARRAY_TASK_MIN", "1")
     monkeypatch.setenv("SLURM_ARRAY_TASK_COUNT", "3")
