@@ -5,7 +5,7 @@ Turn text into token shards for train.py: fast, in flat memory, and resumable.
     python prepare_data.py --tokenizer gpt2 --data fineweb-edu --max_tokens 1000000000
     python prepare_data.py --tokenizer char --data ../shared/corpora/tinyshakespeare.txt
 
-It writes DIR/val_000000.npy, ..., DIR/train_000000.npy, ... and, last, DIR/meta.json (DIR: --out).
+It writes --out/val_000000.npy, ..., train_000000.npy, ... and, last, meta.json.
 Killed and rerun, it resumes where it stopped.
 On many machines: --part K/N on each, then --merge N.
 """
@@ -44,8 +44,8 @@ LOCAL_SUFFIXES = (".txt", ".jsonl", ".parquet")
 
 
 # === step 1: tokenize the documents, in threads
-# tiktoken's Rust core releases the GIL while it encodes: threads use every core without a process
-# pool's cost (pickling documents and tokens); encode_to_numpy builds no list of ints.
+# tiktoken's Rust core releases the GIL: threads use every core without a process pool's cost
+# (pickling documents and tokens); encode_to_numpy builds no list of ints.
 def encode_batch(texts, encoder, dtype, token_lengths):
     """Per text: ids (<|endoftext|>, none at char level, then its own), characters, UTF-8 bytes, and
     the bytes its ids spell (fewer if the split pattern left some unmatched)"""
@@ -118,7 +118,7 @@ class Shards:
                 self.file = open(self.out_dir / f"{name}.tmp", "wb")
                 self.file.write(bytes(128))
             chunk = tokens[start:min(end, start + self.shard_size - self.filled)]
-            self.file.write(chunk.tobytes())
+            self.file.write(chunk)
             self.filled, start = self.filled + len(chunk), start + len(chunk)
             self.state["tokens"][split] += len(chunk)
             self.state["max_token_id"] = max(self.state["max_token_id"], int(chunk.max()))
@@ -185,7 +185,7 @@ def run(argv):
     (K, N), out_dir = args.part, output_dir(args, source_name)
     settings = run_args(args, source, tokenizer_meta)
     if args.merge:
-        return merge_parts(out_dir, args.merge, settings, encoder, tokenizer_files)
+        return warn(args, merge_parts(out_dir, args.merge, settings, encoder, tokenizer_files), 0, 0)
     if N > 1:  # its own dataset, merged later
         out_dir = out_dir / f"part-{K}-of-{N}"
     # char level: a token is a character; both passes read max_tokens characters
@@ -201,7 +201,7 @@ def run(argv):
              "args": settings, "resume": {"document": 0, "offset": 0}}
     with writing_to(out_dir):
         state = resume_state(out_dir, state, encoder)
-        if state is None:
+        if "resume" not in state:  # a meta.json
             complete(out_dir, tokenizer_files)
             return print(f"{out_dir} is already complete with these arguments; nothing to do")
 
@@ -246,10 +246,8 @@ def run(argv):
                 bar.update(len(pending[1]))
                 if total == limit:
                     break
-        if pending is None and start == 0 == K:  # a later part may start none
-            raise UserError(f"the dataset {source} is empty; point --data at text")
-        if pending and pending[0] == 0 and len(pending[1]) < 2:  # none left for val
-            raise UserError(f"the dataset {source} is a single token: too little")
+        if K == 0 == start and (pending is None or pending[0] == 0 and len(pending[1]) < 2):
+            raise UserError(f"the dataset {source} is empty or one token; point --data at text")
         if pending:  # (else a resumed run had finished its shards)
             route(*pending, is_last=True)
             shards.finish(pending[0] + 1, 0)
@@ -281,12 +279,9 @@ def parse_args(argv):
     parser.add_argument("--data", help=f"{' | '.join(HUB_DATASETS)} | a file or directory ({data})")
     parser.add_argument("--out", default=out, help="default data/<source>_<tokenizer>")
     parser.add_argument("--part", default=part, help="K/N")
-    parser.add_argument("-n", "--num_chars", type=int, default=num_chars, help="read N characters")
-    for name, meaning in [("max_tokens", "stop after N tokens"), ("shard_size", "tokens per shard"),
-                          ("val_tokens", "tokens for val"), ("workers", "tokenizer threads"),
-                          ("merge", "merge N parts")]:
-        default = globals()[name]
-        parser.add_argument(f"--{name}", type=int, default=default, help=f"{meaning} ({default})")
+    parser.add_argument("-n", "--num_chars", type=int, default=num_chars, metavar="N")
+    for name in ("max_tokens", "shard_size", "val_tokens", "workers", "merge"):  # see the settings
+        parser.add_argument(f"--{name}", type=int, default=globals()[name], metavar="N")
     args = parser.parse_args(argv)
     if args.tokenizer is None:
         raise UserError("--tokenizer is required: a BPE directory, a tiktoken name or char")
@@ -306,6 +301,8 @@ def parse_args(argv):
     if not 0 <= K < N:
         raise UserError(f"--part {args.part}: must be K/N, 0 <= K < N")
     args.part = (K, N)
+    if args.merge == 1:
+        raise UserError("--merge 1: one part is the whole run, in --out: nothing to merge")
     if (N > 1 or args.merge) and (args.tokenizer == "char" or args.max_tokens or args.num_chars):
         raise UserError("--part cuts the whole source: no --max_tokens, -n, nor char level")
     return args
@@ -323,7 +320,7 @@ def warn(args, state, bytes_read, bytes_kept):
             (BadUTF8.count, f"{BadUTF8.count} invalid UTF-8 sequences were replaced with U+FFFD"),
             (bytes_kept < bytes_read, f"the split pattern matched {bytes_kept:,} of {bytes_read:,} "
              f"bytes; the other {unmatched:.1%} are not in the shards (tiktoken drops them)"),
-            (tokens["val"] > tokens["train"], f"val holds {tokens['val']:,} of "
+            (tokens["val"] > tokens["train"] and args.part[1] == 1, f"val holds {tokens['val']:,} of "
              f"{sum(tokens.values()):,} tokens; lower --val_tokens")]:
         if failed:
             print(f"warning: {warning}", file=sys.stderr)
@@ -335,7 +332,7 @@ def warn(args, state, bytes_read, bytes_kept):
 # === plumbing: the tokenizer and its checks
 def load_tokenizer(name):
     """--tokenizer -> (tiktoken's encoder, None at char level; meta.json's entry; its files)"""
-    if name == "char":  # the vocabulary comes from the data
+    if name == "char":
         return None, {"kind": "char"}, {}
     if not Path(name).exists():
         if name not in tiktoken.list_encoding_names():
@@ -346,9 +343,8 @@ def load_tokenizer(name):
         except Exception as error:  # requests' connection errors
             raise UserError(f"--tokenizer {name}: tiktoken could not download its ranks "
                             f"({type(error).__name__}); it needs internet once")
-    try:  # a directory from train_bpe_*.py
-        names = ("tokenizer.tiktoken", "tokenizer.json")
-        files = {f: read_whole(Path(name, f), 2**26) for f in names}
+    try:
+        files = {f: read_whole(Path(name, f), 2**26) for f in ("tokenizer.tiktoken", "tokenizer.json")}
         info = json.loads(files["tokenizer.json"])
         lines = [line.split() for line in files["tokenizer.tiktoken"].splitlines() if line.strip()]
         ranks = {base64.b64decode(token, validate=True): int(rank) for token, rank in lines}
@@ -373,7 +369,8 @@ def load_tokenizer(name):
     if problem is not None:
         raise UserError(f"--tokenizer {name}: {problem}; use one from train_bpe_cpu.py")
     sha256 = hashlib.sha256(files["tokenizer.tiktoken"]).hexdigest()
-    return encoder, {"kind": "bpe", "path": name, "sha256": sha256}, files
+    return encoder, {"kind": "bpe", "path": name, "sha256": sha256, "pattern": pattern,
+                     "special_tokens": special_tokens}, files
 
 
 def tokenizer_problem(ranks, special_tokens):
@@ -408,8 +405,8 @@ def run_args(args, source, tokenizer_meta):  # what decides the shards: a rerun 
 
 
 def resume_state(out_dir, state, encoder):
-    """`state` for a new dataset, None for a complete one, or a killed run's state if the same
-    settings made it and its shards are whole."""
+    """`state` for a new dataset, or, if the same settings made it and its shards are whole, a
+    complete one's meta.json, or a killed run's state."""
     saved_path = next((path for path in [out_dir / "meta.json", out_dir / "progress.json"]
                        if path.exists()), None)
     if saved_path is None:
@@ -422,6 +419,12 @@ def resume_state(out_dir, state, encoder):
     start_over = f"delete {out_dir} to start over"
     try:
         saved = json.loads(read_whole(saved_path, 2**26))
+        numbers = [saved["max_token_id"] + 1, saved["num_chars"], *saved["tokens"].values(),
+                   *map(ord, saved.get("chars", []))]
+        if saved_path.name == "progress.json":  # (an older prepare_data.py's has no "resume")
+            numbers += saved["resume"].values()
+        if any(type(n) is not int or n < 0 for n in numbers):
+            raise ValueError
         before = shard_settings(saved["args"], {key: saved[key] for key in vocabulary})
         damaged = damaged_shard(out_dir, saved, state["args"]["shard_size"])
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
@@ -431,32 +434,30 @@ def resume_state(out_dir, state, encoder):
     why = f"other arguments ({changed}: {before.get(changed)!r}, now {now.get(changed)!r})"
     if changed == "files":
         why = "other source files, or edited ones"
-    checks = [(changed is not None, f"made with {why}; use another --out, or {start_over}"),
-              (saved_path.name == "progress.json" and "resume" not in saved,
-               f"progress.json is from an older prepare_data.py; {start_over}"),
-              (damaged is not None, f"the shard {damaged} is missing or damaged; {start_over}")]
-    for failed, message in checks:
-        if failed:
-            raise UserError(f"--out {out_dir}: {message}")
+    if changed is not None:
+        raise UserError(f"--out {out_dir}: made with {why}; use another --out, or {start_over}")
+    if damaged is not None:
+        raise UserError(f"--out {out_dir}: the shard {damaged} is missing or damaged; {start_over}")
     if saved_path.name == "meta.json":
-        return None
-    print(f"resuming {out_dir}: {len(saved['shards']['val'])} val and "
-          f"{len(saved['shards']['train'])} train shards are finished; "
-          f"skipping {saved['resume']['document']:,} documents")
+        return saved
+    print(f"resuming {out_dir} at document {saved['resume']['document']:,}")
     return {**saved, "tokenizer": state["tokenizer"], "args": state["args"]}  # today's path
 
 
 def shard_settings(run_args, vocabulary):  # all but the tokenizer's path
-    tokenizer_meta = {key: value for key, value in run_args["tokenizer"].items() if key != "path"}
-    return {**run_args, "tokenizer": tokenizer_meta, **vocabulary}
+    settings = {**run_args, **vocabulary}
+    for key, value in settings.pop("tokenizer").items():
+        settings[f"tokenizer's {key}"] = value if key != "path" else None
+    return settings
 
 
 def damaged_shard(out_dir, saved, shard_size):  # a missing or cut shard, or None
     for split, names in saved["shards"].items():
         for k, name in enumerate(names):
             path = out_dir / name
-            try:  # (a name with a directory is no shard)
-                length = len(np.load(path, mmap_mode="r")) if path.parent == out_dir else -1
+            try:  # (a name with a directory is no shard, nor a pipe: np.load would wait)
+                shard = path.parent == out_dir and path.is_file()
+                length = len(np.load(path, mmap_mode="r")) if shard else -1
             except (OSError, ValueError, EOFError):
                 length = -1
             if length != min(shard_size, saved["tokens"][split] - k * shard_size):
@@ -478,9 +479,8 @@ def merge_parts(out_dir, count, now, encoder, tokenizer_files):
     missing = [path.name for path in parts if not (path / "meta.json").exists()]
     if missing:
         raise UserError(f"--merge {count}: {', '.join(missing)} missing or unfinished; run them")
-    for k, path in enumerate(parts):  # these settings, whole shards, or an error line
-        resume_state(path, {"args": {**now, "part": [k, count]}}, encoder)
-    metas = [json.loads(read_whole(path / "meta.json", 2**26)) for path in parts]
+    metas = [resume_state(path, {"args": {**now, "part": [k, count]}}, encoder)  # or an error line
+             for k, path in enumerate(parts)]
     tokens = {split: sum(meta["tokens"][split] for meta in metas) for split in ("val", "train")}
     merged = {**metas[0], "args": {**now, "part": count}, "shards": {"val": [], "train": []},
               "tokens": tokens, "num_chars": sum(m["num_chars"] for m in metas),
@@ -497,6 +497,7 @@ def merge_parts(out_dir, count, now, encoder, tokenizer_files):
                     merged["shards"][split].append(link.name)
         complete(out_dir, tokenizer_files, merged)
     print(f"merged {count} parts into {out_dir}")
+    return merged
 
 
 @contextmanager
@@ -537,7 +538,6 @@ def lock_directory(path):
 
 
 # === plumbing: reading text
-
 def open_source(data, data_was_named, part):  # (documents(budget) -> texts, name, description)
     if data not in HUB_DATASETS:
         files = local_files(data)

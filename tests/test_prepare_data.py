@@ -150,7 +150,9 @@ def test_bpe_dir_shards_decode_to_the_documents(tmp_path, docs, bpe_dir):
     assert meta["version"] == 1 and meta["vocab_size"] == 301 and meta["eot_token"] == 300
     assert meta["dtype"] == "uint16" and meta["max_token_id"] == int(max(val.max(), train.max()))
     assert meta["num_chars"] == sum(len(doc) for doc in docs)
-    assert meta["tokenizer"]["kind"] == "bpe"
+    info = json.loads((bpe_dir / "tokenizer.json").read_text())
+    assert meta["tokenizer"]["kind"] == "bpe" and meta["tokenizer"]["pattern"] == info["pattern"]
+    assert meta["tokenizer"]["special_tokens"] == info["special_tokens"] == {EOT: 300}
     assert meta["tokenizer"]["sha256"] == hashlib.sha256((bpe_dir / "tokenizer.tiktoken").read_bytes()).hexdigest()
     for name in ("tokenizer.tiktoken", "tokenizer.json"):  # the dataset carries its tokenizer
         assert (out_dir / name).read_bytes() == (bpe_dir / name).read_bytes()
@@ -462,7 +464,7 @@ def test_empty_datasets_leave_nothing_behind(tmp_path, bpe_dir, monkeypatch):
         for tokenizer in (bpe_dir, "char"):
             assert "is empty" in refused("--tokenizer", tokenizer, "--data", source, "--out", "ds")
             assert not (tmp_path / "ds").exists()
-    assert "is a single token" in refused("--tokenizer", "char", "--data", "one.txt", "--out", "ds")
+    assert "is empty or one token" in refused("--tokenizer", "char", "--data", "one.txt", "--out", "ds")
     assert not (tmp_path / "ds").exists()
     # through the command line, after the progress bar: still one `error:` line
     result = prepare("--tokenizer", bpe_dir, "--data", "blank_docs.jsonl", "--out", "ds", cwd=tmp_path, check=False)
@@ -500,12 +502,47 @@ def test_out_into_a_file_and_foreign_or_mismatched_out(tmp_path, docs, bpe_dir, 
     assert "with other arguments (vocab_size: 301, now 302)" in refused(
         "--tokenizer", other_eot, "--data", "docs.jsonl", "--out", "ds")
     assert files_of(tmp_path / "ds") == before
+    # the same ranks, another split pattern: a killed run's shards and its rerun's would be cut by two patterns
+    other_pattern = shutil.copytree(bpe_dir, tmp_path / "other_pattern")
+    info = json.loads((bpe_dir / "tokenizer.json").read_text())
+    (other_pattern / "tokenizer.json").write_text(json.dumps(dict(info, pattern=r"\S+|\s+")))
+    meta = json.loads((tmp_path / "ds" / "meta.json").read_text())
+    progress = json.dumps(dict(meta, resume={"document": 10, "offset": 0}))  # as a killed run's
+    (tmp_path / "ds" / "meta.json").rename(tmp_path / "ds" / "progress.json")
+    (tmp_path / "ds" / "progress.json").write_text(progress)
+    assert "with other arguments (tokenizer's pattern: " in refused(
+        "--tokenizer", other_pattern, "--data", "docs.jsonl", "--out", "ds")
+    assert (tmp_path / "ds" / "progress.json").read_text() == progress
+    (tmp_path / "ds" / "progress.json").write_bytes(before["meta.json"])
+    (tmp_path / "ds" / "progress.json").rename(tmp_path / "ds" / "meta.json")
     (tmp_path / "ds" / "meta.json").rename(tmp_path / "ds" / "progress.json")  # as an older run's: no "resume"
-    assert "progress.json is from an older" in refused("--tokenizer", bpe_dir, "--data", "docs.jsonl", "--out", "ds")
+    assert "progress.json is unreadable" in refused("--tokenizer", bpe_dir, "--data", "docs.jsonl", "--out", "ds")
     (tmp_path / "ds" / "progress.json").rename(tmp_path / "ds" / "meta.json")
     (tmp_path / "ds" / "meta.json").write_text("{")
     assert "meta.json is unreadable" in refused("--tokenizer", bpe_dir, "--data", "docs.jsonl", "--out", "ds")
 
+
+
+def test_a_progress_json_of_wrong_types_is_one_line(tmp_path, docs, bpe_dir, monkeypatch):
+    """A hand-edited or corrupted progress.json (a string for a number, a list for a dict, a number for a shard's
+    name or a character) is refused as unreadable, in one line, as one that is not JSON."""
+    write_jsonl(tmp_path / "docs.jsonl", docs[:50])
+    monkeypatch.chdir(tmp_path)
+    for tokenizer, out in ((bpe_dir, "ds"), ("char", "ds_char")):
+        prepare_data.run(["--tokenizer", str(tokenizer), "--data", "docs.jsonl", "--out", out])
+        meta = json.loads((tmp_path / out / "meta.json").read_text())
+        (tmp_path / out / "meta.json").unlink()
+        good = dict(meta, resume={"document": 10, "offset": 0})
+        cases = [{"resume": {"document": "10", "offset": 0}}, {"resume": {"document": 10, "offset": None}},
+                 {"resume": {"document": -1, "offset": 0}}, {"resume": [10, 0]},
+                 {"tokens": dict(meta["tokens"], val=str(meta["tokens"]["val"]))}, {"max_token_id": "300"},
+                 {"num_chars": [1]}, {"shards": dict(meta["shards"], val=[7])}]
+        if tokenizer == "char":
+            cases += [{"chars": [*meta["chars"][:-1], 65]}, {"chars": ["ab", *meta["chars"][1:]]}]
+        for case in cases:
+            (tmp_path / out / "progress.json").write_text(json.dumps(dict(good, **case)))
+            assert f"{out}: progress.json is unreadable; delete {out}" in refused(
+                "--tokenizer", tokenizer, "--data", "docs.jsonl", "--out", out), case
 
 META_JSON = "str(path).endswith('meta.json')"
 FIRST_SHARD = "str(path).endswith('progress.json') and obj['shards']['val'] + obj['shards']['train']"
@@ -584,7 +621,9 @@ def test_a_changed_source_is_never_mixed_in(tmp_path, docs, bpe_dir, monkeypatch
     assert "other source files" in refused(*args)
     assert files_of(tmp_path / "ds") == before
     # mid-run: a killed run leaves progress.json, which carries the same arguments, in place of meta.json
+    meta = json.loads((tmp_path / "ds" / "meta.json").read_text())
     (tmp_path / "ds" / "meta.json").rename(tmp_path / "ds" / "progress.json")
+    (tmp_path / "ds" / "progress.json").write_text(json.dumps(dict(meta, resume={"document": 10, "offset": 0})))
     before = files_of(tmp_path / "ds")
     assert "other source files" in refused(*args)
     assert files_of(tmp_path / "ds") == before
@@ -605,6 +644,14 @@ def test_a_deleted_or_cut_shard_is_found_on_rerun(tmp_path, docs, bpe_dir, monke
     assert f"the shard {shard.name} is missing or damaged" in refused(*args)
     shard.unlink()
     assert f"the shard {shard.name} is missing or damaged" in refused(*args)
+    os.mkfifo(shard)  # a named pipe: np.load would wait on it forever
+    signal.signal(signal.SIGALRM, lambda *_: pytest.fail("a read hung"))
+    signal.alarm(20)
+    try:
+        assert f"the shard {shard.name} is missing or damaged" in refused(*args)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, signal.SIG_DFL)
     # the advice works: delete the directory, run again, and the dataset is whole
     shutil.rmtree(tmp_path / "ds")
     prepare(*args, cwd=tmp_path)
@@ -729,19 +776,24 @@ def test_parts_in_any_order_or_at_once_merge_to_one_runs_ids(parts_source):
 
 
 def test_parts_in_which_no_document_starts_are_empty_and_merge_to_one_runs_ids(tmp_path, bpe_dir, corpus,
-                                                                                  monkeypatch):
+                                                                                  monkeypatch, capsys):
     # A .txt file is one document, read whole by the part its first byte falls in: of 4 parts over two files,
-    # parts 1 and 3 start none.
+    # parts 1 and 3 start none. Val (a.txt) outweighs train (b.txt): the merge warns as one run does, and no
+    # part does (part 0 holds val, and little or no train, whatever the whole holds).
     text = corpus("tinyshakespeare.txt").read_text()
     (tmp_path / "source").mkdir()
     (tmp_path / "source" / "a.txt").write_text(text[:20_000])
-    (tmp_path / "source" / "b.txt").write_text(text[20_000:40_000])
+    (tmp_path / "source" / "b.txt").write_text(text[20_000:30_000])
     monkeypatch.chdir(tmp_path)
     common = ["--tokenizer", str(bpe_dir), "--data", "source", "--shard_size", "3000", "--val_tokens", "10"]
     for k in range(4):
         prepare_data.run([*common, "--out", "parts", "--part", f"{k}/4"])
+        assert "val holds" not in capsys.readouterr().err
     prepare_data.run([*common, "--out", "parts", "--merge", "4"])
+    merge_warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning")]
     prepare_data.run([*common, "--out", "one"])
+    one_warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning")]
+    assert len(merge_warnings) == 1 and "val holds" in merge_warnings[0] and merge_warnings == one_warnings
     empty_part = json.loads((tmp_path / "parts" / "part-1-of-4" / "meta.json").read_text())
     assert empty_part["tokens"] == {"val": 0, "train": 0}
     meta, val, train = read_dataset(tmp_path / "parts")
@@ -782,6 +834,8 @@ def test_part_and_merge_mistakes_are_one_line_each(parts_source, monkeypatch, tm
     monkeypatch.chdir(root)
     assert "--part 2/2: must be K/N" in refused(*common, "--part", "2/2")
     assert "--part x: must be K/N" in refused(*common, "--part", "x")
+    # --part 0/1 is a whole run, written into --out: there is no part-0-of-1 to merge
+    assert "--merge 1: one part is the whole run, in --out: nothing to merge" in refused(*common, "--merge", 1)
     monkeypatch.setenv("SLURM_ARRAY_TASK_ID", "4")  # a task of an array 1-3? no such part
     monkeypatch.setenv("SLURM_ARRAY_TASK_MIN", "1")
     monkeypatch.setenv("SLURM_ARRAY_TASK_COUNT", "3")
