@@ -223,6 +223,8 @@ def validate(args):
         split_pattern = regex.compile(args.pattern)
     except regex.error as error:
         raise UserError(f"--pattern does not compile ({error}); fix it, or leave it out")
+    if split_pattern.groups:  # findall would return the groups
+        raise UserError(f"--pattern {args.pattern!r} has a capturing group; use (?:...)")
     if not 256 <= args.vocab_size < 2**31:
         raise UserError(f"-v {args.vocab_size}: vocab_size must be between 256 (the bytes) and 2^31-1")
     if args.num_chars <= 0:

@@ -718,7 +718,7 @@ def lock_directory(path):
 def validate(args):
     """The settings, checked before any work. Returns the device to train on."""
     try:
-        matches_empty = regex.compile(args.pattern).fullmatch("") is not None
+        split_pattern = regex.compile(args.pattern)
     except regex.error as error:
         raise UserError(f"--pattern does not compile ({error}); fix it, or leave it out")
     # never cpu by default: the interpreter is ~1,000x slower
@@ -734,8 +734,9 @@ def validate(args):
          f"-v {args.vocab_size}: vocab_size must be between 256 (the bytes) and 2^20"),
         (args.num_chars <= 0, f"-n {args.num_chars}: must be positive"),
         (not 0 < args.max_batch <= 1024, f"--max_batch {args.max_batch}: must be 1 (a merge a round) to 1024"),
-        (matches_empty, f"--pattern {args.pattern!r} matches the empty string; each match must "
-                        "take a character (x+, not x*)"),
+        (split_pattern.fullmatch("") is not None, f"--pattern {args.pattern!r} matches the empty "
+         "string; each match must take a character (x+, not x*)"),
+        (split_pattern.groups, f"--pattern {args.pattern!r} has a capturing group; use (?:...)"),
         (kind not in ("cpu", "cuda"),
          f"--device {chosen}: not supported (Triton runs on CUDA GPUs); use cuda (or cpu to test)"),
         (kind == "cuda" and gpus == 0,

@@ -825,7 +825,7 @@ def validate(args):
     reaches the same verdict and exits, and none is left waiting in a collective. (Rank 0 alone
     writes --out, and checks it: when it exits, torchrun stops the others.)"""
     try:
-        matches_empty = regex.compile(args.pattern).fullmatch("") is not None
+        split_pattern = regex.compile(args.pattern)
     except regex.error as error:
         raise UserError(f"--pattern does not compile ({error}); fix it, or leave it out")
     problems = [
@@ -834,8 +834,9 @@ def validate(args):
         (args.num_chars <= 0, f"-n {args.num_chars}: must be positive"),
         (args.workers < 0 or args.timeout <= 0, f"--workers {args.workers} --timeout "
          f"{args.timeout}: workers must be 0 (automatic) or more, and the timeout positive"),
-        (matches_empty, f"--pattern {args.pattern!r} matches the empty string; each match must "
-                        "take a character (x+, not x*)"),
+        (split_pattern.fullmatch("") is not None, f"--pattern {args.pattern!r} matches the empty "
+         "string; each match must take a character (x+, not x*)"),
+        (split_pattern.groups, f"--pattern {args.pattern!r} has a capturing group; use (?:...)"),
         (args.device == "cuda" and not torch.cuda.is_available(),
          "--device cuda: no CUDA GPU here; --device cpu runs the kernels in Triton's "
          "interpreter (slow, for tests), or use train_bpe_cpu.py"),

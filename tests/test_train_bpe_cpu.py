@@ -284,6 +284,7 @@ BAD_INPUTS = {  # the reader's own bad input (files, lines, the Hub) is tested o
     "empty pattern": (["--pattern", "", "--data", "BAD.jsonl"], "matches the empty string"),
     "pattern matching empty": (["--pattern", "x*", "--data", "BAD.jsonl"], "matches the empty string"),
     "pattern matching empty in places": (["--pattern", r"\b|\w+"], "matches the empty string"),
+    "pattern with a group": (["--pattern", r"(\w+) ?"], "has a capturing group; use (?:...)"),
     "catastrophic pattern": (["--pattern", r"(?:a|a)+b|\s", "--data", "RUNS.txt"],
                              "backtracks catastrophically: it ran past the time limit on document 1 ('aaaa"),
     "empty corpus": (["--data", "EMPTY.txt"], "is empty"),

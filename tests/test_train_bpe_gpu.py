@@ -654,6 +654,7 @@ BAD_INPUTS = {
     "empty pattern": (["--pattern", ""], "matches the empty string"),
     "pattern matching nothing": (["--pattern", "x*"], "matches the empty string"),
     "pattern matching empty in places": (["--pattern", r"\b"], "matches the empty string"),
+    "pattern with a group": (["--pattern", r"(\w+) ?"], "has a capturing group; use (?:...)"),
     "catastrophic pattern": (["--pattern", r"(?:a|a)+b|\s", "--data", "RUNS.txt"], "backtracks catastrophically"),
     "empty corpus": (["--data", "EMPTY.txt"], "is empty"),
     "unknown device": (["--device", "tpu"], "not supported"),
