@@ -11,8 +11,8 @@ as do merges of pairs sharing no token, and the host stays out of the way: it la
 four Triton kernels (a CUDA graph), then reads once.
 """
 
-import argparse, atexit, base64, codecs, fcntl, json, multiprocessing, os, queue, resource, signal
-import socket, sys, sysconfig, time
+import argparse, atexit, base64, codecs, ctypes, fcntl, json, multiprocessing, os, queue, resource
+import signal, socket, sys, sysconfig, time
 import urllib.parse
 from collections import Counter
 from pathlib import Path
@@ -535,6 +535,12 @@ def count_worker(number, batches, inboxes, results, pattern_text):
     """A worker process: counts the batches it takes, until None, then sums its share of all the
     workers' counts onto `results`. After an error, put there at once, it only drains the queue (the
     parent never blocks) and still sends its shares (no worker waits forever)."""
+    # Linux kills it with its parent (PR_SET_PDEATHSIG; kill -9 too): else it would wait forever on
+    # its queue, holding --out's lock
+    if sys.platform == "linux":
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)
+        if os.getppid() != multiprocessing.parent_process().pid:  # the parent died before that
+            os._exit(1)
     chunk_counts, error = Counter(), None
     for batch in iter(batches.get, None):
         try:

@@ -16,7 +16,7 @@ on every rank. Read train_bpe_gpu.py first: this file teaches what changes on W 
 (gloo) runs the kernels in Triton's interpreter: exact, slow, for tests.
 """
 
-import argparse, atexit, base64, codecs, contextlib, datetime, fcntl, hashlib, io, json
+import argparse, atexit, base64, codecs, contextlib, ctypes, datetime, fcntl, hashlib, io, json
 import multiprocessing, os, queue, resource, signal, socket, sys, sysconfig, time
 import urllib.parse
 from collections import Counter
@@ -614,6 +614,12 @@ def count_worker(number, batches, inboxes, results, pattern_text):
     """A worker process: counts the batches it takes, until None, then sums its share of all the
     workers' counts onto `results`. After an error, put there at once, it only drains the queue (the
     parent never blocks) and still sends its shares (no worker waits forever)."""
+    # Linux kills it with its parent (PR_SET_PDEATHSIG; kill -9 too): else it would wait forever on
+    # its queue, holding --out's lock
+    if sys.platform == "linux":
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)
+        if os.getppid() != multiprocessing.parent_process().pid:  # the parent died before that
+            os._exit(1)
     chunk_counts, error = Counter(), None
     for batch in iter(batches.get, None):
         try:
