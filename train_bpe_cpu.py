@@ -153,13 +153,18 @@ def vocab_bytes(merges):
 
 def save_tokenizer(out_dir, merges, info):
     """tiktoken's rank file (each token's bytes in base64, and its rank) and `info` as
-    tokenizer.json, each via a .tmp: never half a file."""
+    tokenizer.json, each via a .tmp, removed if the write fails: never half a file."""
     ranks = "".join(f"{base64.b64encode(token).decode()} {rank}\n"
                     for rank, token in enumerate(vocab_bytes(merges)))
     settings = json.dumps(info, indent=2, ensure_ascii=False) + "\n"
     for name, text in [("tokenizer.tiktoken", ranks), ("tokenizer.json", settings)]:
-        (out_dir / f"{name}.tmp").write_text(text, encoding="utf-8")
-        os.replace(out_dir / f"{name}.tmp", out_dir / name)
+        temporary = out_dir / f"{name}.tmp"
+        try:
+            temporary.write_text(text, encoding="utf-8")
+            os.replace(temporary, out_dir / name)
+        except OSError:
+            temporary.unlink(missing_ok=True)
+            raise
 
 
 # --- the run
