@@ -153,18 +153,17 @@ def vocab_bytes(merges):
 
 def save_tokenizer(out_dir, merges, info):
     """tiktoken's rank file (each token's bytes in base64, and its rank) and `info` as
-    tokenizer.json, each via a .tmp, removed if the write fails: never half a file."""
+    tokenizer.json, each via a .tmp: never half a file."""
     ranks = "".join(f"{base64.b64encode(token).decode()} {rank}\n"
                     for rank, token in enumerate(vocab_bytes(merges)))
     settings = json.dumps(info, indent=2, ensure_ascii=False) + "\n"
     for name, text in [("tokenizer.tiktoken", ranks), ("tokenizer.json", settings)]:
-        temporary = out_dir / f"{name}.tmp"
+        tmp = out_dir / f"{name}.tmp"
         try:
-            temporary.write_text(text, encoding="utf-8")
-            os.replace(temporary, out_dir / name)
-        except OSError:
-            temporary.unlink(missing_ok=True)
-            raise
+            tmp.write_text(text, encoding="utf-8")
+            os.replace(tmp, out_dir / name)
+        finally:
+            tmp.unlink(missing_ok=True)
 
 
 # --- the run
@@ -228,7 +227,7 @@ def validate(args):
         split_pattern = regex.compile(args.pattern)
     except regex.error as error:
         raise UserError(f"--pattern does not compile ({error}); fix it, or leave it out")
-    if split_pattern.groups:  # findall would return the groups
+    if split_pattern.groups:
         raise UserError(f"--pattern {args.pattern!r} has a capturing group; use (?:...)")
     if not 256 <= args.vocab_size < 2**31:
         raise UserError(f"-v {args.vocab_size}: vocab_size must be between 256 (the bytes) and 2^31-1")
@@ -279,12 +278,10 @@ def check_text(args, source, chunk_counts, chars_read):
 
 
 def check_out_dir(out_dir):
-    """Refuse a bad --out before any work: a file on the way, a directory of other files, no write
-    permission. Then make out_dir and return its lock, held while this process lives."""
+    """Refuse a bad --out before any work; make it -> its lock (held while this process lives)."""
     for path in [out_dir, *out_dir.parents]:
         if path.exists() and not path.is_dir():
-            raise UserError(f"--out {out_dir}: {path} is a file, not a directory; "
-                            "give a directory path")
+            raise UserError(f"--out {out_dir}: {path} is a file, not a directory; give a directory")
     ours = {"tokenizer.tiktoken", "tokenizer.json", "tokenizer.tiktoken.tmp", "tokenizer.json.tmp"}
     others = sorted(set(os.listdir(out_dir)) - ours) if out_dir.is_dir() else []
     if others:  # a dataset's, say: don't overwrite its tokenizer
