@@ -158,8 +158,12 @@ def save_tokenizer(out_dir, merges, info):
                     for rank, token in enumerate(vocab_bytes(merges)))
     settings = json.dumps(info, indent=2, ensure_ascii=False) + "\n"
     for name, text in [("tokenizer.tiktoken", ranks), ("tokenizer.json", settings)]:
-        (out_dir / f"{name}.tmp").write_text(text, encoding="utf-8")
-        os.replace(out_dir / f"{name}.tmp", out_dir / name)
+        tmp = out_dir / f"{name}.tmp"
+        try:
+            tmp.write_text(text, encoding="utf-8")
+            os.replace(tmp, out_dir / name)
+        finally:
+            tmp.unlink(missing_ok=True)
 
 
 # --- the run
@@ -223,6 +227,8 @@ def validate(args):
         split_pattern = regex.compile(args.pattern)
     except regex.error as error:
         raise UserError(f"--pattern does not compile ({error}); fix it, or leave it out")
+    if split_pattern.groups:
+        raise UserError(f"--pattern {args.pattern!r} has a capturing group; use (?:...)")
     if not 256 <= args.vocab_size < 2**31:
         raise UserError(f"-v {args.vocab_size}: vocab_size must be between 256 (the bytes) and 2^31-1")
     if args.num_chars <= 0:
@@ -272,12 +278,10 @@ def check_text(args, source, chunk_counts, chars_read):
 
 
 def check_out_dir(out_dir):
-    """Refuse a bad --out before any work: a file on the way, a directory of other files, no write
-    permission. Then make out_dir and return its lock, held while this process lives."""
+    """Refuse a bad --out before any work; make it -> its lock (held while this process lives)."""
     for path in [out_dir, *out_dir.parents]:
         if path.exists() and not path.is_dir():
-            raise UserError(f"--out {out_dir}: {path} is a file, not a directory; "
-                            "give a directory path")
+            raise UserError(f"--out {out_dir}: {path} is a file, not a directory; give a directory")
     ours = {"tokenizer.tiktoken", "tokenizer.json", "tokenizer.tiktoken.tmp", "tokenizer.json.tmp"}
     others = sorted(set(os.listdir(out_dir)) - ours) if out_dir.is_dir() else []
     if others:  # a dataset's, say: don't overwrite its tokenizer

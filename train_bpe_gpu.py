@@ -11,8 +11,8 @@ as do merges of pairs sharing no token, and the host stays out of the way: it la
 four Triton kernels (a CUDA graph), then reads once.
 """
 
-import argparse, atexit, base64, codecs, fcntl, json, multiprocessing, os, queue, resource, signal
-import socket, sys, sysconfig, time
+import argparse, atexit, base64, codecs, ctypes, fcntl, json, multiprocessing, os, queue, resource
+import signal, socket, sys, sysconfig, time
 import urllib.parse
 from collections import Counter
 from pathlib import Path
@@ -32,8 +32,8 @@ except ImportError:
 
 # === plumbing: a fix for Triton's interpreter
 if os.environ["TRITON_INTERPRET"] == "1":
-    # Triton 3.6's interpreter (CUDA torch 2.11 pins it) takes a loop bound as int() of a 1-element
-    # array, which NumPy 2.4 refuses (triton-lang/triton#9171); later Tritons take the element.
+    # Triton 3.6's interpreter (CUDA torch 2.11's) takes a loop bound as int() of a 1-element array,
+    # which NumPy 2.4 refuses (triton-lang/triton#9171)
     from triton.runtime import interpreter
 
     def patch_tensor(tensor, *scope, patch=interpreter._patch_lang_tensor):
@@ -497,8 +497,7 @@ def merge_batch(ranked_pairs, max_batch):
 # === plumbing: pre-tokenizing on every core, the same in both GPU trainers (counting chunks is
 # train_bpe_cpu.py's lesson). The regex, the slow part, holds the GIL: workers count batches of
 # documents in any order (BPE sees only the multiset of chunks), then sum disjoint shares
-# (hash(chunk) % workers: forked, they hash alike). A CPU-time alarm per document makes a pattern
-# that backtracks catastrophically one line.
+# (hash(chunk) % workers: forked, they hash alike).
 BATCH_CHARS = 1 << 20  # characters of documents a batch
 # A long document (a .txt file) is cut, for GPT-4's pattern, before a line break after a letter or
 # digit. No match holds both: letter and digit runs stop at the break, and the alternatives that
@@ -525,16 +524,20 @@ def count_batch(documents, pattern_text, chunk_counts):
                             f"on the document {document[:30]!r}...); simplify it")
         finally:
             signal.setitimer(signal.ITIMER_PROF, 0)
-    # a pattern that matches the empty string only in places (\b) gives chunks of no bytes to merge
+    # a pattern matching the empty string in places (\b): chunks of no bytes to merge
     if "" in chunk_counts:
         raise UserError(f"--pattern {pattern_text!r} matches the empty string; each match must "
                         "take a character (x+, not x*)")
 
 
 def count_worker(number, batches, inboxes, results, pattern_text):
-    """A worker process: counts the batches it takes, until None, then sums its share of all the
-    workers' counts onto `results`. After an error, put there at once, it only drains the queue (the
-    parent never blocks) and still sends its shares (no worker waits forever)."""
+    """A worker: counts the batches it takes until None, then sums its share of all the workers'
+    counts onto `results`. After an error (put there at once) it only drains the queue, and still
+    sends its shares: no process waits forever."""
+    if sys.platform == "linux":  # it dies with its parent (kill -9 too): never holds --out's lock
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        if os.getppid() != multiprocessing.parent_process().pid:  # the parent died before that
+            os._exit(1)
     chunk_counts, error = Counter(), None
     for batch in iter(batches.get, None):
         try:
@@ -566,7 +569,7 @@ def count_chunks(documents, budget, pattern_text, workers, label):
     # at most two batches a worker wait in the queue: the parent reads no further ahead
     batches, results = fork.Queue(2 * workers), fork.Queue()
     inboxes = [fork.Queue() for _ in range(workers)]  # worker i's: the shares it adds up
-    processes = [fork.Process(target=count_worker, daemon=True,
+    processes = [fork.Process(target=count_worker,
                               args=(number, batches, inboxes, results, pattern_text))
                  for number in range(workers)]
     for process in processes:
@@ -654,21 +657,23 @@ def save_tokenizer(out_dir, merges, info):
                     for rank, token in enumerate(vocab_bytes(merges)))
     settings = json.dumps(info, indent=2, ensure_ascii=False) + "\n"
     for name, text in [("tokenizer.tiktoken", ranks), ("tokenizer.json", settings)]:
-        (out_dir / f"{name}.tmp").write_text(text, encoding="utf-8")
-        os.replace(out_dir / f"{name}.tmp", out_dir / name)
+        tmp = out_dir / f"{name}.tmp"
+        try:
+            tmp.write_text(text, encoding="utf-8")
+            os.replace(tmp, out_dir / name)
+        finally:
+            tmp.unlink(missing_ok=True)
 
 
 class UserError(Exception):
-    """A mistake in the input: printed as one line, never as a traceback."""
+    """A mistake in the input: one line, never a traceback."""
 
 
 def check_out_dir(out_dir):
-    """Refuse a bad --out before any work: a file on the way, a directory of other files, no write
-    permission. Then make out_dir and return its lock, held while this process lives."""
+    """Refuse a bad --out before any work; make it -> its lock (held while this process lives)."""
     for path in [out_dir, *out_dir.parents]:
         if path.exists() and not path.is_dir():
-            raise UserError(f"--out {out_dir}: {path} is a file, not a directory; "
-                            "give a directory path")
+            raise UserError(f"--out {out_dir}: {path} is a file, not a directory; give a directory")
     ours = {"tokenizer.tiktoken", "tokenizer.json", "tokenizer.tiktoken.tmp", "tokenizer.json.tmp"}
     others = sorted(set(os.listdir(out_dir)) - ours) if out_dir.is_dir() else []
     if others:  # a dataset's, say: don't overwrite its tokenizer
@@ -716,9 +721,9 @@ def lock_directory(path):
 
 
 def validate(args):
-    """The settings, checked before any work. Returns the device to train on."""
+    """The settings, checked before any work -> the device to train on."""
     try:
-        matches_empty = regex.compile(args.pattern).fullmatch("") is not None
+        split_pattern = regex.compile(args.pattern)
     except regex.error as error:
         raise UserError(f"--pattern does not compile ({error}); fix it, or leave it out")
     # never cpu by default: the interpreter is ~1,000x slower
@@ -734,8 +739,9 @@ def validate(args):
          f"-v {args.vocab_size}: vocab_size must be between 256 (the bytes) and 2^20"),
         (args.num_chars <= 0, f"-n {args.num_chars}: must be positive"),
         (not 0 < args.max_batch <= 1024, f"--max_batch {args.max_batch}: must be 1 (a merge a round) to 1024"),
-        (matches_empty, f"--pattern {args.pattern!r} matches the empty string; each match must "
-                        "take a character (x+, not x*)"),
+        (split_pattern.fullmatch(""), f"--pattern {args.pattern!r} matches the empty string; each "
+         "match must take a character (x+, not x*)"),
+        (split_pattern.groups, f"--pattern {args.pattern!r} has a capturing group; use (?:...)"),
         (kind not in ("cpu", "cuda"),
          f"--device {chosen}: not supported (Triton runs on CUDA GPUs); use cuda (or cpu to test)"),
         (kind == "cuda" and gpus == 0,
@@ -772,8 +778,7 @@ def check_text(args, source, chunk_counts, chars_read):
 
 
 def check_memory(vocab_size, itemsize, device):
-    """The V x V count matrix is the budget (16 GiB at V = 65534): the ~40 bytes a position are
-    little beside it."""
+    """The V x V count matrix is the budget (16 GiB at V = 65534), not the ~40 bytes a position."""
     if device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory
     else:

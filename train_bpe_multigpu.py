@@ -12,11 +12,10 @@ chunks.
 Not data-parallel training: a merge chosen from one rank's counts would be wrong. The ranks split
 the text (about n / W characters each, documents whole), the distinct chunks (each merges its own)
 and the [V, V] pair-count matrix (each owns 1/W of its rows); collectives make every merge the same
-on every rank. Read train_bpe_gpu.py first: this file teaches what changes on W GPUs. --device cpu
-(gloo) runs the kernels in Triton's interpreter: exact, slow, for tests.
+on every rank. Read train_bpe_gpu.py first: this file teaches what changes on W GPUs.
 """
 
-import argparse, atexit, base64, codecs, contextlib, datetime, fcntl, hashlib, io, json
+import argparse, atexit, base64, codecs, contextlib, ctypes, datetime, fcntl, hashlib, io, json
 import multiprocessing, os, queue, resource, signal, socket, sys, sysconfig, time
 import urllib.parse
 from collections import Counter
@@ -39,8 +38,8 @@ except ImportError:
 
 # === plumbing: train_bpe_gpu.py's interpreter fix
 if os.environ["TRITON_INTERPRET"] == "1":
-    # Triton 3.6's interpreter (CUDA torch 2.11 pins it) takes a loop bound as int() of a 1-element
-    # array, which NumPy 2.4 refuses (triton-lang/triton#9171); later Tritons take the element.
+    # Triton 3.6's interpreter (CUDA torch 2.11's) takes a loop bound as int() of a 1-element array,
+    # which NumPy 2.4 refuses (triton-lang/triton#9171)
     from triton.runtime import interpreter
 
     def patch_tensor(tensor, *scope, patch=interpreter._patch_lang_tensor):
@@ -74,7 +73,7 @@ BATCH_CHARS = 1 << 20  # characters of documents per batch sent to a pre-tokeniz
 
 
 class UserError(Exception):
-    """A mistake in the input: printed as one line, never as a traceback."""
+    """A mistake in the input: one line, never a traceback."""
 
 
 # === the merge loop, split across ranks
@@ -125,12 +124,10 @@ def pick_pair(state, row_key, block_key, fresh_key, dirty_flag, dirty_rows, V, B
         tl.store(row_key + rows, tl.load(fresh_key + rows, mask=i < dirty), mask=i < dirty)
         tl.store(fresh_key + rows, 0, mask=i < dirty)
         tl.store(dirty_flag + rows, 0, mask=i < dirty)
-    # Triton orders global memory only within a thread: without a barrier, a thread could scan a
-    # dirty row's key before another's copy (or read DIRTY after it is reset).
+    # barriers (Triton orders memory only within a thread): no thread scans a key before its copy,
+    # or reads DIRTY after its reset; then the dirty rows' block keys (twice for two rows, alike)
     tl.debug_barrier()
     tl.store(state + DIRTY, 0)
-    # A dirty row's key may have dropped: its block key is recomputed (a block with two dirty rows
-    # is written twice, alike). A barrier again before the scan.
     tl.static_assert(BLOCK >= KEY_BLOCK)
     for first in range(0, dirty, BLOCK // KEY_BLOCK):
         i = first + tl.arange(0, BLOCK // KEY_BLOCK)
@@ -604,16 +601,20 @@ def count_batch(documents, pattern_text, chunk_counts):
                             f"on the document {document[:30]!r}...); simplify it")
         finally:
             signal.setitimer(signal.ITIMER_PROF, 0)
-    # a pattern that matches the empty string only in places (\b) gives chunks of no bytes to merge
+    # a pattern matching the empty string in places (\b): chunks of no bytes to merge
     if "" in chunk_counts:
         raise UserError(f"--pattern {pattern_text!r} matches the empty string; each match must "
                         "take a character (x+, not x*)")
 
 
 def count_worker(number, batches, inboxes, results, pattern_text):
-    """A worker process: counts the batches it takes, until None, then sums its share of all the
-    workers' counts onto `results`. After an error, put there at once, it only drains the queue (the
-    parent never blocks) and still sends its shares (no worker waits forever)."""
+    """A worker: counts the batches it takes until None, then sums its share of all the workers'
+    counts onto `results`. After an error (put there at once) it only drains the queue, and still
+    sends its shares: no process waits forever."""
+    if sys.platform == "linux":  # it dies with its parent (kill -9 too): never holds --out's lock
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        if os.getppid() != multiprocessing.parent_process().pid:  # the parent died before that
+            os._exit(1)
     chunk_counts, error = Counter(), None
     for batch in iter(batches.get, None):
         try:
@@ -645,7 +646,7 @@ def count_chunks(documents, budget, pattern_text, workers, label):
     # at most two batches a worker wait in the queue: the parent reads no further ahead
     batches, results = fork.Queue(2 * workers), fork.Queue()
     inboxes = [fork.Queue() for _ in range(workers)]  # worker i's: the shares it adds up
-    processes = [fork.Process(target=count_worker, daemon=True,
+    processes = [fork.Process(target=count_worker,
                               args=(number, batches, inboxes, results, pattern_text))
                  for number in range(workers)]
     for process in processes:
@@ -825,7 +826,7 @@ def validate(args):
     reaches the same verdict and exits, and none is left waiting in a collective. (Rank 0 alone
     writes --out, and checks it: when it exits, torchrun stops the others.)"""
     try:
-        matches_empty = regex.compile(args.pattern).fullmatch("") is not None
+        split_pattern = regex.compile(args.pattern)
     except regex.error as error:
         raise UserError(f"--pattern does not compile ({error}); fix it, or leave it out")
     problems = [
@@ -834,8 +835,9 @@ def validate(args):
         (args.num_chars <= 0, f"-n {args.num_chars}: must be positive"),
         (args.workers < 0 or args.timeout <= 0, f"--workers {args.workers} --timeout "
          f"{args.timeout}: workers must be 0 (automatic) or more, and the timeout positive"),
-        (matches_empty, f"--pattern {args.pattern!r} matches the empty string; each match must "
-                        "take a character (x+, not x*)"),
+        (split_pattern.fullmatch(""), f"--pattern {args.pattern!r} matches the empty string; each "
+         "match must take a character (x+, not x*)"),
+        (split_pattern.groups, f"--pattern {args.pattern!r} has a capturing group; use (?:...)"),
         (args.device == "cuda" and not torch.cuda.is_available(),
          "--device cuda: no CUDA GPU here; --device cpu runs the kernels in Triton's "
          "interpreter (slow, for tests), or use train_bpe_cpu.py"),
@@ -915,17 +917,19 @@ def save_tokenizer(out_dir, merges, info):
                     for rank, token in enumerate(vocab_bytes(merges)))
     settings = json.dumps(info, indent=2, ensure_ascii=False) + "\n"
     for name, text in [("tokenizer.tiktoken", ranks), ("tokenizer.json", settings)]:
-        (out_dir / f"{name}.tmp").write_text(text, encoding="utf-8")
-        os.replace(out_dir / f"{name}.tmp", out_dir / name)
+        tmp = out_dir / f"{name}.tmp"
+        try:
+            tmp.write_text(text, encoding="utf-8")
+            os.replace(tmp, out_dir / name)
+        finally:
+            tmp.unlink(missing_ok=True)
 
 
 def check_out_dir(out_dir):
-    """Refuse a bad --out before any work: a file on the way, a directory of other files, no write
-    permission. Then make out_dir and return its lock, held while this process lives."""
+    """Refuse a bad --out before any work; make it -> its lock (held while this process lives)."""
     for path in [out_dir, *out_dir.parents]:
         if path.exists() and not path.is_dir():
-            raise UserError(f"--out {out_dir}: {path} is a file, not a directory; "
-                            "give a directory path")
+            raise UserError(f"--out {out_dir}: {path} is a file, not a directory; give a directory")
     ours = {"tokenizer.tiktoken", "tokenizer.json", "tokenizer.tiktoken.tmp", "tokenizer.json.tmp"}
     others = sorted(set(os.listdir(out_dir)) - ours) if out_dir.is_dir() else []
     if others:  # a dataset's, say: don't overwrite its tokenizer

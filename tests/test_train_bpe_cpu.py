@@ -286,6 +286,7 @@ BAD_INPUTS = {  # the reader's own bad input (files, lines, the Hub) is tested o
     "empty pattern": (["--pattern", "", "--data", "BAD.jsonl"], "matches the empty string"),
     "pattern matching empty": (["--pattern", "x*", "--data", "BAD.jsonl"], "matches the empty string"),
     "pattern matching empty in places": (["--pattern", r"\b|\w+"], "matches the empty string"),
+    "pattern with a group": (["--pattern", r"(\w+) ?"], "has a capturing group; use (?:...)"),
     "catastrophic pattern": (["--pattern", r"(?:a|a)+b|\s", "--data", "RUNS.txt"],
                              "backtracks catastrophically: it ran past the time limit on document 1 ('aaaa"),
     "empty corpus": (["--data", "EMPTY.txt"], "is empty"),
@@ -340,14 +341,14 @@ def test_out_may_be_a_tokenizer_directory_to_overwrite(tmp_path):
         result = run_cli("--data", small, "-v", vocab_size, "--out", tmp_path / "tok", cwd=tmp_path)
         assert result.returncode == 0, result.stderr
     assert json.loads((tmp_path / "tok" / "tokenizer.json").read_text())["vocab_size"] == 271
-    # A full disk (a 1,000-byte file size limit here) while writing is one line, and the old files stay.
+    # A full disk (a 1,000-byte file size limit here) while writing is one line, the old files stay, no .tmp.
     before = {path.name: path.read_bytes() for path in (tmp_path / "tok").iterdir()}
     full_disk = lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (1000, 1000))  # noqa: E731
     result = subprocess.run([sys.executable, SCRIPT, "--data", small, "-v", "280", "--out", tmp_path / "tok"],
                             preexec_fn=full_disk, capture_output=True, text=True, cwd=tmp_path)
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]  # after the bars
     assert result.returncode == 1 and errors == ["error: [Errno 27] File too large"], result.stderr
-    assert {path.name: path.read_bytes() for path in (tmp_path / "tok").iterdir() if path.suffix != ".tmp"} == before
+    assert {path.name: path.read_bytes() for path in (tmp_path / "tok").iterdir()} == before
 
 
 def test_a_filesystem_without_flock_is_a_warning(tmp_path, monkeypatch, capsys):

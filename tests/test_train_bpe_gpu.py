@@ -571,6 +571,49 @@ def test_a_killed_worker_is_one_error_not_a_wait_forever(monkeypatch):
     assert not bpe.multiprocessing.active_children()
 
 
+def alive(pid):  # a zombie is dead: PID 1 in a container may never reap it
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the kernel's parent-death signal is Linux's")
+def test_workers_die_with_a_killed_trainer_and_free_its_out(tmp_path):
+    # kill -9 of the trainer (a forked copy of this process: --out locked, reading) while its workers wait on
+    # their queue: they inherited the lock's descriptor, and they must not wait, holding it, forever.
+    def documents():  # a slow source: the workers wait for their first batch
+        yield "some text"
+        time.sleep(60)
+
+    trainer = os.fork()
+    if trainer == 0:
+        try:
+            bpe.check_out_dir(tmp_path / "tok")
+            bpe.count_chunks(documents(), 10**6, bpe.pattern, 2, None)
+        finally:
+            os._exit(1)
+    workers, deadline = [], time.time() + 30
+    try:
+        while len(workers) < 2:
+            assert time.time() < deadline, "the workers never started"
+            workers = Path(f"/proc/{trainer}/task/{trainer}/children").read_text().split()
+            time.sleep(0.01)
+    finally:
+        os.kill(trainer, signal.SIGKILL)
+        os.waitpid(trainer, 0)
+    deadline = time.time() + 5
+    while any(map(alive, workers)) and time.time() < deadline:
+        time.sleep(0.05)
+    survivors = [pid for pid in workers if alive(pid)]
+    try:
+        os.close(bpe.check_out_dir(tmp_path / "tok"))  # a rerun's lock is free
+        assert not survivors, "a worker outlived its trainer"
+    finally:
+        for pid in survivors:  # nothing outlives the test
+            os.kill(int(pid), signal.SIGKILL)
+
+
 STOPPED_MID_READ = """
 import sys
 sys.path.insert(0, sys.argv[1])
@@ -654,6 +697,7 @@ BAD_INPUTS = {
     "empty pattern": (["--pattern", ""], "matches the empty string"),
     "pattern matching nothing": (["--pattern", "x*"], "matches the empty string"),
     "pattern matching empty in places": (["--pattern", r"\b"], "matches the empty string"),
+    "pattern with a group": (["--pattern", r"(\w+) ?"], "has a capturing group; use (?:...)"),
     "catastrophic pattern": (["--pattern", r"(?:a|a)+b|\s", "--data", "RUNS.txt"], "backtracks catastrophically"),
     "empty corpus": (["--data", "EMPTY.txt"], "is empty"),
     "unknown device": (["--device", "tpu"], "not supported"),

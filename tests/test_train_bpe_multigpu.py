@@ -309,6 +309,7 @@ def test_characters_the_pattern_leaves_out_are_one_warning_over_all_ranks(tmp_pa
 @pytest.mark.parametrize("argv, message", [
     (["--pattern", "x*"], "matches the empty string"),
     (["--pattern", ""], "matches the empty string"),
+    (["--pattern", r"(\w+) ?"], "has a capturing group; use (?:...)"),
     (["-v", "255"], "vocab_size must be between 256"),
     (["--out", "DATASET"], "is a dataset directory"),
     (["--out", "FILE/under"], "is a file, not a directory"),
