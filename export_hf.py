@@ -21,6 +21,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import sys
 
 import torch
@@ -260,8 +261,9 @@ def lock_directory(path):
 
 
 if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # kill's: cleaned up as Ctrl-C is
     try:
         main()
     except (UserError, CheckpointError, KeyboardInterrupt, OSError) as err:  # Ctrl-C's str(): ""
-        print(f"error: {str(err) or 'stopped by Ctrl-C; nothing is half-written'}", file=sys.stderr)
+        print(f"error: {str(err) or 'stopped (Ctrl-C, SIGTERM); nothing is half-written'}", file=sys.stderr)
         sys.exit(1)

@@ -171,7 +171,7 @@ def read_prompt(text):
     try:
         if os.path.getsize(path) > 10**7 or not os.path.isfile(path):  # a FIFO: endless
             raise ValueError("not a regular file of at most 10 MB")
-        with open(path, encoding="utf-8") as f:
+        with open(path, encoding="utf-8-sig", newline="") as f:  # CRLF kept: the model saw bytes
             return f.read(10**7)
     except (OSError, ValueError) as err:
         raise UserError(f"can't read the prompt file {path}: {err}") from None
