@@ -200,12 +200,12 @@ def write_directory(hf_path, weights, files):
 
 
 class UserError(Exception):
-    """A mistake in the input: printed as one line, never as a traceback."""
+    """A mistake in the input: one line, never a traceback."""
 
 
 def parse_settings(arguments, defaults, extra_types):
-    """--key=value overrides as {key: value}: a Python literal of the default's type (or
-    extra_types[key]'s); a str setting takes the text as is."""
+    """--key=value overrides as {key: value}: a Python literal of the default's (or
+    extra_types[key]'s) type; a str setting's text as is."""
     settings = {}
     for arg in arguments:
         if arg in ("-h", "--help"):
@@ -261,9 +261,9 @@ def lock_directory(path):
 
 
 if __name__ == "__main__":
-    signal.signal(signal.SIGTERM, signal.default_int_handler)  # kill's: cleaned up as Ctrl-C is
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # kill: as Ctrl-C
     try:
         main()
     except (UserError, CheckpointError, KeyboardInterrupt, OSError) as err:  # Ctrl-C's str(): ""
-        print(f"error: {str(err) or 'stopped (Ctrl-C, SIGTERM); nothing is half-written'}", file=sys.stderr)
+        print(f"error: {str(err) or 'interrupted; nothing is half-written'}", file=sys.stderr)
         sys.exit(1)

@@ -442,7 +442,7 @@ def test_ctrl_c_during_the_write_is_one_line_and_leaves_nothing(exported, tmp_pa
     finally:
         signal.signal(signal.SIGINT, handler)
     assert result.returncode == 1 and result.stderr == \
-        "error: stopped (Ctrl-C, SIGTERM); nothing is half-written\n"
+        "error: interrupted; nothing is half-written\n"
     assert os.listdir(tmp_path) == []  # no hf_dir, no temporary directory
 
 
@@ -468,5 +468,5 @@ def test_sigterm_during_the_write_is_one_line_and_leaves_nothing(exported, tmp_p
     result = subprocess.run([sys.executable, "-c", SIGTERM_AFTER_THE_WEIGHTS, EXPORT,
                              f"--out_dir={exported['root'] / 'gqa'}", f"--hf_dir={tmp_path / 'hf'}"],
                             capture_output=True, text=True, timeout=120)
-    assert (result.returncode, result.stderr) == (1, "error: stopped (Ctrl-C, SIGTERM); nothing is half-written\n")
+    assert (result.returncode, result.stderr) == (1, "error: interrupted; nothing is half-written\n")
     assert os.listdir(tmp_path) == []  # no hf_dir, no temporary directory
