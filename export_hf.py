@@ -145,7 +145,7 @@ def hf_tokenizer_json(ranks, pattern, special_tokens):
                          for content, token_id in special_tokens.items()],
         # First the split regex (chunks never merge across it), then bytes -> characters.
         "pre_tokenizer": {"type": "Sequence", "pretokenizers": [split, byte_level]},
-        "post_processor": None,  # nothing added around the text, as tiktoken's encode
+        "post_processor": None,  # nothing added around the text
         "decoder": byte_level,
         "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
                   "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False,
