@@ -200,7 +200,7 @@ def write_directory(hf_path, weights, files):
 
 
 class UserError(Exception):
-    """A mistake in the input: one line, never a traceback."""
+    """Bad input: one line, no traceback."""
 
 
 def parse_settings(arguments, defaults, extra_types):

@@ -108,7 +108,7 @@ def encode_prompt(encoding, prompt, block_size):
 # === plumbing: the settings' checks, the prompt file, the device
 
 class UserError(Exception):
-    """A mistake in the input: one line, never a traceback."""
+    """Bad input: one line, no traceback."""
 
 
 def parse_settings(arguments, defaults, extra_types):
@@ -164,7 +164,6 @@ def validate():
 
 
 def read_prompt(text):
-    """--start's text, or that of the file "FILE:path" names."""
     if not text.startswith("FILE:"):
         return text
     path = text[len("FILE:"):]
