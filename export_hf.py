@@ -21,6 +21,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import sys
 
 import torch
@@ -144,7 +145,7 @@ def hf_tokenizer_json(ranks, pattern, special_tokens):
                          for content, token_id in special_tokens.items()],
         # First the split regex (chunks never merge across it), then bytes -> characters.
         "pre_tokenizer": {"type": "Sequence", "pretokenizers": [split, byte_level]},
-        "post_processor": None,  # nothing added around the text, as tiktoken's encode
+        "post_processor": None,  # nothing added around the text
         "decoder": byte_level,
         "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
                   "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False,
@@ -199,12 +200,12 @@ def write_directory(hf_path, weights, files):
 
 
 class UserError(Exception):
-    """A mistake in the input: printed as one line, never as a traceback."""
+    """Bad input: one line, no traceback."""
 
 
 def parse_settings(arguments, defaults, extra_types):
-    """--key=value overrides as {key: value}: a Python literal of the default's type (or
-    extra_types[key]'s); a str setting takes the text as is."""
+    """--key=value overrides as {key: value}: a Python literal of the default's (or
+    extra_types[key]'s) type; a str setting's text as is."""
     settings = {}
     for arg in arguments:
         if arg in ("-h", "--help"):
@@ -260,8 +261,9 @@ def lock_directory(path):
 
 
 if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # kill: as Ctrl-C
     try:
         main()
     except (UserError, CheckpointError, KeyboardInterrupt, OSError) as err:  # Ctrl-C's str(): ""
-        print(f"error: {str(err) or 'stopped by Ctrl-C; nothing is half-written'}", file=sys.stderr)
+        print(f"error: {str(err) or 'interrupted; nothing is half-written'}", file=sys.stderr)
         sys.exit(1)

@@ -479,31 +479,30 @@ class MuonAdamW(torch.optim.Optimizer):
 
 # === plumbing: config checks, GPU peak FLOP/s
 
-def check_config(config):
+def check_config(cfg):
     for name in ("vocab_size", "n_embd", "n_layer", "block_size", "n_head", "n_kv_head",
                  "ffn_multiple_of"):
-        value, most = getattr(config, name), 2**10 if name == "n_layer" else 2**21
+        value, most = getattr(cfg, name), 2**10 if name == "n_layer" else 2**21
         if type(value) is not int or not 0 < value <= most:  # more: slow failures, OOM
             raise ValueError(f"{name}={value!r}: must be a positive integer, at most {most:,}")
-    heads = f"n_embd={config.n_embd}, n_head={config.n_head}, n_kv_head={config.n_kv_head}"
+    heads = f"n_embd={cfg.n_embd}, n_head={cfg.n_head}, n_kv_head={cfg.n_kv_head}"
     for bad, reason in [  # NaN fails every comparison
-        (config.n_embd % config.n_head or (config.n_embd // config.n_head) % 2,
+        (cfg.n_embd % cfg.n_head or (cfg.n_embd // cfg.n_head) % 2,
          f"{heads}: n_head must divide n_embd into an even head size (RoPE rotates pairs)"),
-        (config.n_head % config.n_kv_head, f"{heads}: n_kv_head must divide n_head"),
-        (not 1 <= config.rope_theta < math.inf, f"rope_theta={config.rope_theta}: must be finite, >= 1"),
-        (not 0 < config.norm_eps < 1, f"norm_eps={config.norm_eps}: must be in (0, 1)"),
-        (not 0 < config.ffn_ratio <= 64, f"ffn_ratio={config.ffn_ratio}: must be positive, <= 64"),
-        (not 0 <= config.dropout < 1, f"dropout={config.dropout}: a probability, 0 <= dropout < 1")]:
+        (cfg.n_head % cfg.n_kv_head, f"{heads}: n_kv_head must divide n_head"),
+        (not 1 <= cfg.rope_theta < math.inf, f"rope_theta={cfg.rope_theta}: must be finite, >= 1"),
+        (not 0 < cfg.norm_eps < 1, f"norm_eps={cfg.norm_eps}: must be in (0, 1)"),
+        (not 0 < cfg.ffn_ratio <= 64, f"ffn_ratio={cfg.ffn_ratio}: must be positive, <= 64"),
+        (not 0 <= cfg.dropout < 1, f"dropout={cfg.dropout}: a probability, 0 <= dropout < 1")]:
         if bad:
             raise ValueError(reason)
 
 
-# Dense bf16 peaks (fp16: V100, T4) from data sheets; the first key in the GPU's name wins.
-PEAK_FLOPS = {"GB200": 2.5e15, "B200": 2.25e15, "GH200": 989e12, "H200": 989e12, "H100 PCIe": 756e12,
-              "H100": 989e12, "H800": 989e12, "A100": 312e12, "A800": 312e12, "L40S": 362e12,
-              "L40": 181e12, "L4": 121e12, "A10G": 70e12, "A10": 125e12, "A6000": 155e12,
-              "A5000": 111e12, "A4000": 77e12, "A40": 150e12, "4090": 165e12, "3090": 71e12,
-              "MI300X": 1307e12, "MI250X": 383e12, "V100": 125e12, "T4": 65e12}
+# Dense bf16 TFLOP/s (fp16: V100, T4) from data sheets; the first key in the GPU's name wins.
+PEAK_TFLOPS = {"GB200": 2500, "B200": 2250, "GH200": 989, "H200": 989, "H100 PCIe": 756, "H100": 989,
+               "H800": 989, "A100": 312, "A800": 312, "L40S": 362, "L40": 181, "L4": 121, "A10G": 70,
+               "A10": 125, "A6000": 155, "A5000": 111, "A4000": 77, "A40": 150, "4090": 165, "3090": 71,
+               "MI300X": 1307, "MI250X": 383, "V100": 125, "T4": 65}
 
 
 def peak_flops(device):
@@ -512,10 +511,10 @@ def peak_flops(device):
     if device.type != "cuda":
         return None, f"n/a on {device.type}"
     name = torch.cuda.get_device_name(device)
-    flops = next((flops for key, flops in PEAK_FLOPS.items() if key in name), None)
-    if flops is None:
+    tflops = next((tflops for key, tflops in PEAK_TFLOPS.items() if key in name), None)
+    if tflops is None:
         return 312e12, f"{name} is not in the table: assuming an A100's 312 TFLOP/s"
-    return flops, f"{name}: {flops / 1e12:.0f} TFLOP/s peak"
+    return tflops * 1e12, f"{name}: {tflops} TFLOP/s peak"
 
 
 # === plumbing: checkpoints and their tokenizer
@@ -524,7 +523,7 @@ CHECKPOINT_VERSION = 1
 
 
 class CheckpointError(Exception):
-    """A checkpoint that can't be used; str(error): one line, why and what to do."""
+    """A checkpoint that can't be used: one line, why and what to do."""
 
 
 def save_checkpoint(path, checkpoint):

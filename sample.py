@@ -8,8 +8,8 @@ Sample text from a model trained by train.py, streaming it token by token.
 
 Each setting below can be overridden with --key=value. The checkpoint holds the model and its
 tokenizer. --start="" starts from <|endoftext|>, which begins every training document (a char
-model: "\\n"); in a prompt, "<|endoftext|>" is that token. A temperature below 1e-4 is greedy.
-Samples go to stdout, each followed by a separator line; the rest to stderr.
+model: "\\n"); in a prompt, "<|endoftext|>" is that token. Samples go to stdout, each followed by
+a separator line; the rest to stderr.
 """
 import ast
 import codecs
@@ -78,7 +78,7 @@ def main():
         started = time.perf_counter()
         with ctx:
             for token in model.generate_tokens(idx, max_new_tokens, temperature=temperature,
-                                               top_k=top_k or None, top_p=top_p):
+                                               top_k=top_k, top_p=top_p):
                 print(decoder.decode(bytes_of_id(encoding, token.item())), end="", flush=True)
         seconds += time.perf_counter() - started
         print(decoder.decode(b"", final=True), end="\n---------------\n", flush=True)
@@ -108,12 +108,12 @@ def encode_prompt(encoding, prompt, block_size):
 # === plumbing: the settings' checks, the prompt file, the device
 
 class UserError(Exception):
-    """A mistake in the input: printed as one line, never as a traceback."""
+    """Bad input: one line, no traceback."""
 
 
 def parse_settings(arguments, defaults, extra_types):
-    """--key=value overrides as {key: value}: a Python literal of the default's type (or
-    extra_types[key]'s); a str setting takes the text as is."""
+    """--key=value overrides as {key: value}: a Python literal of the default's (or
+    extra_types[key]'s) type; a str setting's text as is."""
     settings = {}
     for arg in arguments:
         if arg in ("-h", "--help"):
@@ -164,14 +164,13 @@ def validate():
 
 
 def read_prompt(text):
-    """--start's text, or that of the file "FILE:path" names."""
     if not text.startswith("FILE:"):
         return text
     path = text[len("FILE:"):]
     try:
         if os.path.getsize(path) > 10**7 or not os.path.isfile(path):  # a FIFO: endless
             raise ValueError("not a regular file of at most 10 MB")
-        with open(path, encoding="utf-8") as f:
+        with open(path, encoding="utf-8-sig", newline="") as f:  # CRLF kept: the model saw bytes
             return f.read(10**7)
     except (OSError, ValueError) as err:
         raise UserError(f"can't read the prompt file {path}: {err}") from None
@@ -192,7 +191,7 @@ def check_device(name):
 
 
 if __name__ == "__main__":
-    # Ctrl-C, or a reader closing the pipe (`| head`), ends it at once, quietly.
+    # Ctrl-C, or a reader closing the pipe (`| head`), ends it quietly.
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     if hasattr(signal, "SIGPIPE"):  # not on Windows
         signal.signal(signal.SIGPIPE, signal.SIG_DFL)

@@ -65,7 +65,7 @@ def finish(process):
 def export_here(*args):
     """export_hf.py's command line run in this process (runpy, as `python export_hf.py ARGS` would), so the other
     cases don't pay torch's import each. An exception it lets escape (a traceback) fails the test with it."""
-    argv, stderr = sys.argv, io.StringIO()
+    argv, stderr, sigterm = sys.argv, io.StringIO(), signal.getsignal(signal.SIGTERM)
     sys.argv = [EXPORT, *args]
     try:
         with contextlib.redirect_stderr(stderr):
@@ -75,6 +75,7 @@ def export_here(*args):
         returncode = exit_.code
     finally:
         sys.argv = argv
+        signal.signal(signal.SIGTERM, sigterm)  # export_hf.py's own, for its process: not this one's
     return subprocess.CompletedProcess(args, returncode, "", stderr.getvalue())
 
 
@@ -441,5 +442,31 @@ def test_ctrl_c_during_the_write_is_one_line_and_leaves_nothing(exported, tmp_pa
     finally:
         signal.signal(signal.SIGINT, handler)
     assert result.returncode == 1 and result.stderr == \
-        "error: stopped by Ctrl-C; nothing is half-written\n"
+        "error: interrupted; nothing is half-written\n"
+    assert os.listdir(tmp_path) == []  # no hf_dir, no temporary directory
+
+
+# `python export_hf.py ARGS` whose save_file sends its own process a SIGTERM once model.safetensors is written.
+SIGTERM_AFTER_THE_WEIGHTS = """
+import os, runpy, signal, sys
+import safetensors.torch
+save_file = safetensors.torch.save_file
+
+def save_then_sigterm(*args, **kwargs):
+    save_file(*args, **kwargs)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+safetensors.torch.save_file = save_then_sigterm
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def test_sigterm_during_the_write_is_one_line_and_leaves_nothing(exported, tmp_path):
+    # A real SIGTERM (a scheduler's, `kill`'s) to a real export process, mid-write: it ended the process at once,
+    # leaving an empty hf_dir and hf_dir.tmp.<pid> with model.safetensors in it.
+    result = subprocess.run([sys.executable, "-c", SIGTERM_AFTER_THE_WEIGHTS, EXPORT,
+                             f"--out_dir={exported['root'] / 'gqa'}", f"--hf_dir={tmp_path / 'hf'}"],
+                            capture_output=True, text=True, timeout=120)
+    assert (result.returncode, result.stderr) == (1, "error: interrupted; nothing is half-written\n")
     assert os.listdir(tmp_path) == []  # no hf_dir, no temporary directory

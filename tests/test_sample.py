@@ -42,7 +42,7 @@ def checkpoints(tmp_path_factory):
                          for token, rank in trainer.get_mergeable_ranks())
     bpe_tokenizer = {"kind": "bpe", "ranks": ranks_text, "pattern": trainer.get_pattern(),
                      "special_tokens": {"<|endoftext|>": BPE_VOCAB}}
-    chars = sorted(set("".join(DOCS[:2]) + "\nROMEO:"))
+    chars = sorted(set("".join(DOCS[:2]) + "\r\nROMEO:"))
     char_tokenizer = {"kind": "char", "chars": chars}
     # The last: a model_config that GPTConfig refuses (the weights are a good model's); test_model.py tries more.
     for name, vocab_size, tokenizer, broken in [("bpe", 320, bpe_tokenizer, {}),
@@ -128,18 +128,20 @@ def test_bpe_empty_prompt_starts_from_end_of_text(checkpoints):
 
 
 def test_char_level_sample_from_a_file_prompt_and_from_empty(checkpoints, tmp_path):
+    # A prompt file as Windows' Notepad saves it: a UTF-8 BOM (not part of the text) and CRLF line ends, which
+    # stay as written (the model was trained on bytes). The BOM was a character outside the vocabulary.
     prompt_file = tmp_path / "prompt.txt"
-    prompt_file.write_text("ROMEO:", encoding="utf-8")
+    prompt_file.write_bytes("\ufeffROMEO:\r\n".encode("utf-8"))
     from_file = start_sample(f"--out_dir={checkpoints / 'char'}", f"--start=FILE:{prompt_file}", "--num_samples=2",
                              "--max_new_tokens=30", "--seed=9", "--top_k=5", "--top_p=0.9", "--device=cpu")
     from_empty = start_sample(f"--out_dir={checkpoints / 'char'}", "--num_samples=1", "--max_new_tokens=10",
                               "--temperature=0", "--device=cpu")
     chars = load_checkpoint(str(checkpoints / "char" / "ckpt.pt"))["tokenizer"]["chars"]
-    _, samples = generate_here(checkpoints / "char", [chars.index(c) for c in "ROMEO:"], 2, 30, 9,
+    _, samples = generate_here(checkpoints / "char", [chars.index(c) for c in "ROMEO:\r\n"], 2, 30, 9,
                                temperature=0.8, top_k=5, top_p=0.9)
     result = finish(from_file)
     assert result.returncode == 0, result.stderr
-    assert result.stdout == "".join("ROMEO:" + "".join(chars[t] for t in s) + SEPARATOR for s in samples)
+    assert result.stdout == "".join("ROMEO:\r\n" + "".join(chars[t] for t in s) + SEPARATOR for s in samples)
 
     _, samples = generate_here(checkpoints / "char", [chars.index("\n")], 1, 10, 1337, temperature=0)
     assert finish(from_empty).stdout == "".join(chars[t] for t in samples[0]) + SEPARATOR
