@@ -279,9 +279,12 @@ def parse_args(argv):
     parser.add_argument("--data", help=f"{' | '.join(HUB_DATASETS)} | a file or directory ({data})")
     parser.add_argument("--out", default=out, help="default data/<source>_<tokenizer>")
     parser.add_argument("--part", default=part, help="K/N")
-    parser.add_argument("-n", "--num_chars", type=int, default=num_chars, metavar="N")
-    for name in ("max_tokens", "shard_size", "val_tokens", "workers", "merge"):  # see the settings
-        parser.add_argument(f"--{name}", type=int, default=globals()[name], metavar="N")
+    parser.add_argument("-n", "--num_chars", type=int, default=num_chars, help="read N characters")
+    for name, meaning in [("max_tokens", "stop after N tokens"), ("shard_size", "tokens per shard"),
+                          ("val_tokens", "tokens for val"), ("workers", "tokenizer threads"),
+                          ("merge", "merge N parts")]:
+        default = globals()[name]
+        parser.add_argument(f"--{name}", type=int, default=default, help=f"{meaning} ({default})")
     args = parser.parse_args(argv)
     if args.tokenizer is None:
         raise UserError("--tokenizer is required: a BPE directory, a tiktoken name or char")
