@@ -214,10 +214,12 @@ def test_transformers_on_the_export_scores_the_file_as_train_py_did(scored):
     root, examples, _ = scored
     export = str(REPO / "export_hf.py")
     argv, sys.argv = sys.argv, [export, f"--out_dir={root / 'out'}", f"--hf_dir={root / 'hf'}"]
+    sigterm = signal.getsignal(signal.SIGTERM)
     try:  # `python export_hf.py ...`, in this process: no second import of torch
         runpy.run_path(export, run_name="__main__")
     finally:
         sys.argv = argv
+        signal.signal(signal.SIGTERM, sigterm)  # export_hf.py's own, for its process: not this one's
     theirs = transformers.LlamaForCausalLM.from_pretrained(str(root / "hf"), torch_dtype=torch.float32).eval()
     ours = model_from_checkpoint(load_checkpoint(root / "out" / "ckpt.pt")).eval()
     block_size, right_by_mean, right_by_sum = ours.config.block_size, 0, 0
