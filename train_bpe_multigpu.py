@@ -6,8 +6,8 @@ Train a byte-level BPE tokenizer on many GPUs (or CPU processes) at once: one to
     python train_bpe_multigpu.py --device cpu -v 300 -n 65536   # world size 1, no torchrun needed
 
 The tokenizer is rustbpe's and train_bpe_gpu.py's, byte for byte, on the text the ranks read
-together (all of it, at any world size, if -n is past its end): BPE depends only on the multiset of
-chunks.
+together (all of it if -n is W times past its end: a rank reads at most n / W of its part, which
+holds whole documents): BPE depends only on the multiset of chunks.
 
 Not data-parallel training: a merge chosen from one rank's counts would be wrong. The ranks split
 the text (about n / W characters each, documents whole), the distinct chunks (each merges its own)
@@ -477,7 +477,7 @@ def read_part(part_files, lo, hi, budget):
         elif path.suffix == ".parquet":
             yield from read_parquet(path, lo - first, hi - first)
         else:
-            yield from read_txt(path, budget)
+            yield from read_txt(path, budget + 1)  # + 1: a cut shows
 
 
 # === the run
@@ -525,10 +525,11 @@ def run(argv):
         raise UserError(errors[0])
     total = {key: sum(stats[key] for stats in rank_stats)
              for key in ("chunks", "total_bytes", "total_pairs", "bad_utf8", "matched")}
-    chars = sum(stats["part"]["chars"] for stats in rank_stats)
+    parts = [stats["part"] for stats in rank_stats]
+    chars = sum(part["chars"] for part in parts)
     cache_statuses = [stats["cache"] for stats in rank_stats]
     t1 = time.time()
-    check_text(args, source, total, chars, cache_statuses, prefix)
+    check_text(args, source, total, parts, cache_statuses, prefix)
     # no count exceeds the total: int32 below 2^31 pairs, else int64
     count_dtype = np.dtype(np.int32 if total["total_pairs"] < 2**31 else np.int64)
     check_count_rows(args.vocab_size, count_dtype.itemsize,
@@ -560,7 +561,7 @@ def run(argv):
             "pattern": args.pattern, "special_tokens": {EOT: eot_id}, "vocab_size": eot_id + 1,
             "num_merges": num_merges, "num_chars": chars, "source": source,
             "trainer": "train_bpe_multigpu.py", "world_size": WORLD, "seconds": round(t3 - t0, 3),
-            "stop_reason": stop_reason, "read": [stats["part"] for stats in rank_stats]})
+            "stop_reason": stop_reason, "read": parts})
     tokens_left = total["total_bytes"] - sum(saved for saved, _ in saved_and_peak)
     all_reused = cache_statuses.count("reused") == WORLD
     reading = "loading the cache" if all_reused else "reading + pre-tokenizing"
@@ -876,7 +877,8 @@ def check_count_rows(V, itemsize, memory, device_name):
                         f"({memory / 2**30:.1f} GiB); use more ranks or a smaller -v")
 
 
-def check_text(args, source, total, chars, cache_statuses, prefix):
+def check_text(args, source, total, parts, cache_statuses, prefix):
+    chars, n = sum(part["chars"] for part in parts), args.num_chars
     if chars == 0:
         raise UserError(f"the corpus {source} is empty; point --data at text")
     if total["total_pairs"] >= 2**43:
@@ -895,9 +897,12 @@ def check_text(args, source, total, chars, cache_statuses, prefix):
         say(f"warning: the split pattern matched {total['matched']:,} of {chars:,} characters; the "
             f"other {1 - total['matched'] / chars:.1%} are dropped (tiktoken drops them too)",
             file=sys.stderr)
-    if chars < args.num_chars:
-        say(f"read {chars:,} characters, fewer than -n {args.num_chars:,}: each rank reads at most "
-            "n / W from its own part, and some parts ran out; training on those")
+    if chars < n:
+        full = [r for r, part in enumerate(parts)
+                if part["chars"] == n * (r + 1) // WORLD - n * r // WORLD]
+        say(f"read {chars:,} characters, fewer than -n {n:,}: " + (f"rank(s) {full} stopped at "
+            "n / W of their part (a larger -n reads more), the others read all theirs" if full
+            else "all"))
 
 
 # === plumbing: the output directory and the files written there
