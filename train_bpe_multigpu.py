@@ -414,7 +414,7 @@ def merge_on_device(arrays, vocab_size, total_pairs, device, show_progress):
                                BLOCK=block)
         apply_merges[grid](state, list_buffer, scratch, list_start, list_len, tokens, next_pos,
                            prev_pos, mark, weight, delta, V, END, BLOCK=block)
-        prefix = min(1 + 3 * (256 + m + 1), len(delta))
+        prefix = 1 + 3 * (256 + m + 1)
         dist.all_reduce(delta[:prefix])
         apply_owned[grid](state, delta, counts, row_key, block_key, dirty_flag, dirty_rows, V,
                           rank, W, BLOCK=block, KEY_BLOCK=key_block)
@@ -432,9 +432,9 @@ def merge_on_device(arrays, vocab_size, total_pairs, device, show_progress):
     with tqdm(total=V - 256, unit="merge", desc="merging", mininterval=0.5,
               disable=not show_progress) as progress:
         for group in range(0, V - 256, MERGES_PER_READ):
-            for m in range(group, group + MERGES_PER_READ):
+            for m in range(group, min(group + MERGES_PER_READ, V - 256)):
                 merge(m)
-            progress.update(min(MERGES_PER_READ, V - 256 - group))
+            progress.update(m + 1 - group)
             # the host launches ahead, and waits only here
             loop_counts.update(host_reads=1)
             if state[DONE.value].item():

@@ -258,16 +258,19 @@ def test_v_256_makes_no_merge_and_says_so_without_a_traceback(tmp_path):
 
 def test_n_past_the_end_reads_a_big_part_only_to_n_over_w_and_says_which(tmp_path):
     """-n past the text's end, but rank 0's part (one .txt document) is longer than n / W: rank 0 stops at
-    n / W, so not all is read; its "read" says the document was cut, and the warning says which rank stopped."""
+    n / W, so not all is read; its "read" says the document was cut, and the warning says which rank stopped.
+    And a vocabulary of one merge is one merge's collectives."""
     (tmp_path / "d").mkdir()
     (tmp_path / "d" / "a.txt").write_text("ab " * 500)
     write_jsonl(tmp_path / "d" / "b.jsonl", ["cd cd cd "])
-    result = run_ranks(2, "--data", tmp_path / "d", "-n", 2000, "-v", 256, "--out", tmp_path / "tok", cwd=tmp_path)
+    result = run_ranks(2, "--data", tmp_path / "d", "-n", 2000, "-v", 257, "--out", tmp_path / "tok", cwd=tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
     read = json.loads((tmp_path / "tok" / "tokenizer.json").read_text())["read"]
     assert [(part["chars"], part["cut"]) for part in read] == [(1000, True), (9, False)], read
     assert "read 1,009 characters, fewer than -n 2,000" in result.stdout
-    assert "rank(s) [0] stopped at n / W of their part" in result.stdout, result.stdout
+    assert "rank(s) [0] stopped at n / W" in result.stdout, result.stdout
+    # -v 257: one merge, and the loop calls no merge past the vocabulary: 2 collectives, not a group's 32
+    assert "per merge: 2.00 collectives" in result.stdout, result.stdout
 
 
 # ---------------------------------------------------------------- errors between ranks
