@@ -6,8 +6,8 @@ Train a byte-level BPE tokenizer on many GPUs (or CPU processes) at once: one to
     python train_bpe_multigpu.py --device cpu -v 300 -n 65536   # world size 1, no torchrun needed
 
 The tokenizer is rustbpe's and train_bpe_gpu.py's, byte for byte, on the text the ranks read
-together (all of it if -n is W times past its end: a rank reads at most n / W of its part, which
-holds whole documents): BPE depends only on the multiset of chunks.
+together (all of it if -n is W times past its end: a rank reads at most n / W of its part): BPE
+depends only on the multiset of chunks.
 
 Not data-parallel training: a merge chosen from one rank's counts would be wrong. The ranks split
 the text (about n / W characters each, documents whole), the distinct chunks (each merges its own)
@@ -366,7 +366,7 @@ def merge_on_device(arrays, vocab_size, total_pairs, device, show_progress):
     the seconds of the setup (uploads, zeros, compiling) and of the loop alone."""
     V, rank, W = vocab_size, dist.get_rank(), dist.get_world_size()
     started = time.time()
-    upload = lambda name: torch.from_numpy(arrays[name]).to(device)  # noqa: E731
+    upload = lambda name: torch.from_numpy(arrays[name]).to(device)  # noqa
     zeros = lambda size, dtype=torch.int64: torch.zeros(size, dtype=dtype, device=device)  # noqa
     tokens, next_pos, prev_pos, weight, list_buffer = map(upload, (
         "tokens", "next_pos", "prev_pos", "weight", "list_buffer"))
@@ -516,7 +516,7 @@ def run(argv):
     dist.init_process_group("nccl" if args.device == "cuda" else "gloo",
                             timeout=datetime.timedelta(seconds=args.timeout), **group_options)
     say(f"{WORLD} rank(s), backend {dist.get_backend()}, device {args.device}")
-    # a reading error is one rank's (its part holds the bad line): shared, all stop, rank 0 says it
+    # a reading error is one rank's: shared, all stop, rank 0 says it
     rank_stats = [None] * WORLD
     dist.all_gather_object(rank_stats, error or {**cached[3], "cache": cache_status,
                                                  "memory": device_memory(args.device)})
@@ -563,8 +563,7 @@ def run(argv):
             "trainer": "train_bpe_multigpu.py", "world_size": WORLD, "seconds": round(t3 - t0, 3),
             "stop_reason": stop_reason, "read": parts})
     tokens_left = total["total_bytes"] - sum(saved for saved, _ in saved_and_peak)
-    all_reused = cache_statuses.count("reused") == WORLD
-    reading = "loading the cache" if all_reused else "reading + pre-tokenizing"
+    reading = "loading the cache" if {*cache_statuses} == {"reused"} else "reading + pre-tokenizing"
     merges_per_second = num_merges / max(seconds["loop"], 1e-9)
     say(f"{reading} {t1 - t0:.2f}s | "
         f"layout {t2 - t1:.2f}s | setup {seconds['setup']:.2f}s | merging {seconds['loop']:.2f}s "
@@ -578,7 +577,7 @@ def run(argv):
     say(f"compression: {total['total_bytes'] / max(tokens_left, 1):.3f} bytes/token; wrote "
         f"{out_dir}/tokenizer.tiktoken and tokenizer.json ({EOT} = {eot_id}, "
         f"vocab_size {eot_id + 1})")
-    dist.barrier()  # nobody leaves (and tears the group down) while rank 0 still writes
+    dist.barrier()  # nobody tears the group down while rank 0 still writes
 
 
 # === plumbing: pre-tokenizing on every core, train_bpe_gpu.py's own and taught there
@@ -726,8 +725,8 @@ def document_pieces(document, pattern_text):
 
 
 def count_part(args, source, files, documents, share, byte_range):
-    """This rank's part, pre-tokenized and counted, or the counts cached by an earlier run: (the
-    cache's arrays and stats, its status, its prefix, an error or None, shared in run())."""
+    """This rank's part counted, or cached by an earlier run: (the cache's arrays and stats, its
+    status, its prefix, an error or None, shared in run())."""
     prefix = Path(args.cache_dir) / cache_key(args, source, files, WORLD) / f"rank{RANK}"
     cache_status, cached = ("missing", None) if args.no_cache else read_cache(prefix)
     error = None
@@ -735,13 +734,13 @@ def count_part(args, source, files, documents, share, byte_range):
         cores = len(os.sched_getaffinity(0)) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         num_workers = args.workers or (1 if share < PARALLEL_CHARS else max(cores, 1))
         label = "reading (rank 0's part)" if RANK == 0 else None
-        part = {"rank": RANK}  # what this rank read, for tokenizer.json
+        part = {"rank": RANK}  # for tokenizer.json
         if byte_range:
             part["bytes"] = byte_range
         try:
             chunk_counts, read = count_chunks(documents, share, args.pattern, num_workers, label)
-            write_cache(prefix, chunk_counts, {**part, **read})
-            _, cached = read_cache(prefix)
+            # not read back: another run may be rewriting it
+            cached = write_cache(prefix, chunk_counts, {**part, **read})
         except UserError as user_error:
             error = str(user_error)
         # the cache's disk, or a file gone while it was read
@@ -786,6 +785,7 @@ def write_cache(prefix, chunk_counts, part):
     for name, array in zip(("bytes", "lengths", "counts"), arrays):
         np.save(prefix.with_suffix(f".{name}.npy"), array)
     prefix.with_suffix(".json").write_text(json.dumps({**stats, "sha256": checksum(arrays, stats)}))
+    return (*arrays, stats)
 
 
 def read_cache(prefix):
@@ -803,7 +803,7 @@ def read_cache(prefix):
     return "reused", (*arrays, stats)
 
 
-# === plumbing: the command line, the settings' checks, the memory checks, the text's checks
+# === plumbing: the command line, the checks
 
 def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -868,8 +868,7 @@ def device_memory(device_name):
 
 
 def check_count_rows(V, itemsize, memory, device_name):
-    """Rank 0 holds the most rows, (V - 1) // W + 1: every rank checks that number, for one
-    verdict."""
+    """Rank 0 holds the most rows, (V - 1) // W + 1: every rank checks those, for one verdict."""
     need = itemsize * V * ((V - 1) // WORLD + 1)
     if need > 0.8 * memory:
         raise UserError(f"-v {V} on {WORLD} rank(s) needs {need / 2**30:.1f} GiB of pair counts "
@@ -889,7 +888,7 @@ def check_text(args, source, total, parts, cache_statuses, prefix):
             "again", file=sys.stderr)
     if "reused" in cache_statuses:
         say(f"cache: {cache_statuses.count('reused')} of {WORLD} ranks reused their counted chunks "
-            f"from {prefix.parent} (skipped reading and pre-tokenizing; --no_cache counts again)")
+            f"from {prefix.parent} (--no_cache counts again)")
     if total["bad_utf8"]:
         say(f"warning: {total['bad_utf8']} invalid UTF-8 sequences were replaced with U+FFFD",
             file=sys.stderr)
@@ -901,8 +900,7 @@ def check_text(args, source, total, parts, cache_statuses, prefix):
         full = [r for r, part in enumerate(parts)
                 if part["chars"] == n * (r + 1) // WORLD - n * r // WORLD]
         say(f"read {chars:,} characters, fewer than -n {n:,}: " + (f"rank(s) {full} stopped at "
-            "n / W of their part (a larger -n reads more), the others read all theirs" if full
-            else "all"))
+            "n / W of their part; a larger -n reads more" if full else "all"))
 
 
 # === plumbing: the output directory and the files written there
@@ -1103,8 +1101,8 @@ if __name__ == "__main__":
         if RANK != 0:
             time.sleep(5)
         sys.exit(1)
-    # gloo says a timeout or a closed socket as a RuntimeError, NCCL (joining) as a DistError; on a
-    # NCCL collective that times out, NCCL's watchdog ends the process itself, in its own words
+    # gloo says a timeout or a closed socket as a RuntimeError, NCCL (joining) as a DistError (a
+    # NCCL collective that times out: its watchdog ends the process)
     except RuntimeError as error:
         transport = regex.search(r"gloo|nccl|timed? ?out|connection|peer", str(error), regex.I)
         if not isinstance(error, dist.DistError) and not transport:

@@ -389,6 +389,24 @@ def test_distinct_chunks_past_int32_positions_are_a_user_error(tmp_path):
     assert not (tmp_path / "tokenizers").exists()
 
 
+def test_a_cache_that_another_run_rewrites_meanwhile_is_not_read_back(tmp_path, monkeypatch):
+    """Two runs on the same text and cache (a sweep of -v, say) count and write the same cache files at once; the
+    other's write starts (removing the .json) just after this one's ends. This run trains on the counts it wrote:
+    read back, they were a None and a TypeError traceback (seen in two real concurrent runs)."""
+    write_cache = mg.write_cache
+
+    def then_another_run_writes(prefix, *rest):
+        written = write_cache(prefix, *rest)
+        prefix.with_suffix(".json").unlink()  # what the other run's write_cache does first
+        return written
+
+    monkeypatch.setattr(mg, "write_cache", then_another_run_writes)
+    args = SimpleNamespace(cache_dir=tmp_path, no_cache=True, workers=1, pattern=mg.pattern, num_chars=100)
+    cached, _, _, error = mg.count_part(args, "text", [], iter(["abab cd"]), 100, [0, 7])
+    assert error is None and bytes(cached[0]) == b"abab cd" and list(cached[2]) == [1, 1]
+    assert cached[3]["chunks"] == 2 and cached[3]["part"]["chars"] == 7
+
+
 def test_a_pattern_that_does_not_compile_and_an_empty_corpus_are_one_line(tmp_path):
     (tmp_path / "empty.txt").write_text("")
     with pytest.raises(mg.UserError, match=re.escape("--pattern does not compile (missing ) at position 2); fix it")):
