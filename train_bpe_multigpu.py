@@ -518,11 +518,13 @@ def run(argv):
     say(f"{WORLD} rank(s), backend {dist.get_backend()}, device {args.device}")
     # a reading error is one rank's: shared, all stop, rank 0 says it
     rank_stats = [None] * WORLD
-    dist.all_gather_object(rank_stats, error or {**cached[3], "cache": cache_status,
+    dist.all_gather_object(rank_stats, error or {**cached[3], "cache": cache_status, "source": source,
                                                  "memory": device_memory(args.device)})
     errors = [stats for stats in rank_stats if isinstance(stats, str)]
     if errors:
         raise UserError(errors[0])
+    if len({stats["source"] for stats in rank_stats}) > 1:  # each rank asked the Hub
+        raise UserError("only some ranks reached the Hugging Face Hub; run again, or name --data")
     total = {key: sum(stats[key] for stats in rank_stats)
              for key in ("chunks", "total_bytes", "total_pairs", "bad_utf8", "matched")}
     parts = [stats["part"] for stats in rank_stats]
@@ -554,8 +556,7 @@ def run(argv):
     num_merges, eot_id = len(merges), 256 + len(merges)
     stop_reason = "vocab_size reached" if eot_id == args.vocab_size else "no pairs left to merge"
     if eot_id < args.vocab_size:
-        say(f"stopped early after {num_merges} merges: {stop_reason} "
-            f"(vocab {eot_id} < {args.vocab_size})")
+        say(f"stopped early: {stop_reason} after {num_merges} merges (vocab {eot_id})")
     if RANK == 0:
         save_tokenizer(out_dir, merges, {
             "pattern": args.pattern, "special_tokens": {EOT: eot_id}, "vocab_size": eot_id + 1,
@@ -568,10 +569,10 @@ def run(argv):
     say(f"{reading} {t1 - t0:.2f}s | "
         f"layout {t2 - t1:.2f}s | setup {seconds['setup']:.2f}s | merging {seconds['loop']:.2f}s "
         f"({merges_per_second:,.0f} merges/s) | total {t3 - t0:.2f}s")
-    per_merge = {key: count / max(num_merges, 1) for key, count in loop_counts.items()}
-    say(f"per merge: {per_merge.get('collectives', 0):.2f} collectives "
-        f"({per_merge.get('collective_bytes', 0) / 1024:,.1f} KiB), "
-        f"{per_merge.get('host_reads', 0):.2f} host reads")
+    per_merge = max(num_merges, 1)
+    say(f"per merge: {loop_counts['collectives'] / per_merge:.2f} collectives "
+        f"({loop_counts['collective_bytes'] / per_merge / 1024:,.1f} KiB), "
+        f"{loop_counts['host_reads'] / per_merge:.2f} host reads")
     peak_kind = "peak device memory" if args.device == "cuda" else "peak RSS"
     say(f"{peak_kind} per rank: " + ", ".join(f"{peak:,.0f} MiB" for _, peak in saved_and_peak))
     say(f"compression: {total['total_bytes'] / max(tokens_left, 1):.3f} bytes/token; wrote "
@@ -720,8 +721,8 @@ def document_pieces(document, pattern_text):
 
 # === plumbing: the cache of counted chunks: a rerun with other -v skips reading and pre-tokenizing.
 # .npy files (no pickle: loading can't run code) hold this rank's distinct chunks of 2+ bytes, their
-# lengths and counts; the .json, written last, the statistics, what was read and a sha256 of all:
-# a cache that fails it (or is half written) is counted again.
+# lengths and counts; the .json, written last, the statistics and a sha256 of all: a cache that
+# fails it (or is half written) is counted again.
 
 
 def count_part(args, source, files, documents, share, byte_range):
@@ -734,7 +735,7 @@ def count_part(args, source, files, documents, share, byte_range):
         cores = len(os.sched_getaffinity(0)) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         num_workers = args.workers or (1 if share < PARALLEL_CHARS else max(cores, 1))
         label = "reading (rank 0's part)" if RANK == 0 else None
-        part = {"rank": RANK}  # for tokenizer.json
+        part = {"rank": RANK}
         if byte_range:
             part["bytes"] = byte_range
         try:
@@ -823,9 +824,9 @@ def parse_args(argv):
 
 
 def validate(args):
-    """Every check that needs no text runs on every rank BEFORE the process group exists: each rank
-    reaches the same verdict and exits, and none is left waiting in a collective. (Rank 0 alone
-    writes --out, and checks it: when it exits, torchrun stops the others.)"""
+    """Every check that needs no text, on every rank BEFORE the process group exists: all exit
+    alike, none waits in a collective (but the Hub may answer some ranks only: run() compares). Rank
+    0 alone writes --out, and checks it: when it exits, torchrun stops the others."""
     try:
         split_pattern = regex.compile(args.pattern)
     except regex.error as error:
@@ -843,14 +844,13 @@ def validate(args):
          "--device cuda: no CUDA GPU here; --device cpu runs the kernels in Triton's "
          "interpreter (slow, for tests), or use train_bpe_cpu.py"),
         ((args.device == "cpu") != bool(triton.knobs.runtime.interpret),
-         f"--device {args.device} with TRITON_INTERPRET={os.environ['TRITON_INTERPRET']}: the "
-         "kernels run compiled on cuda, in Triton's interpreter on cpu; set it to 1 for cpu, 0 "
-         "for cuda"),
+         f"--device {args.device} with TRITON_INTERPRET={os.environ['TRITON_INTERPRET']}: set "
+         "it to 1 for cpu, 0 for cuda (compiled kernels)"),
     ]
     for failed, message in problems:
         if failed:
             raise UserError(message)
-    # int32 counts (run() checks again, knowing the text)
+    # int32 counts (run() checks the text's)
     check_count_rows(args.vocab_size, 4, device_memory(args.device), args.device)
     # rank 0's warning alone (the Hub is off)
     with contextlib.redirect_stderr(io.StringIO()) if RANK else contextlib.nullcontext():
@@ -884,8 +884,7 @@ def check_text(args, source, total, parts, cache_statuses, prefix):
         raise UserError(f"{total['total_pairs']:,} pairs of text: more than 2^43, the most the row "
                         "keys hold; lower -n")
     if "tampered" in cache_statuses:
-        say("warning: a cached part did not match its checksum (edited or half-copied): counted "
-            "again", file=sys.stderr)
+        say("warning: a cached part did not match its checksum: counted again", file=sys.stderr)
     if "reused" in cache_statuses:
         say(f"cache: {cache_statuses.count('reused')} of {WORLD} ranks reused their counted chunks "
             f"from {prefix.parent} (--no_cache counts again)")
@@ -1116,5 +1115,5 @@ if __name__ == "__main__":
         if dist.is_initialized():
             try:
                 dist.destroy_process_group()
-            except RuntimeError:  # a group whose peer died may fail to close: the line is said
+            except RuntimeError:  # a group whose peer died may fail to close
                 pass

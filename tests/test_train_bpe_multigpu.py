@@ -302,6 +302,27 @@ def test_offline_the_default_source_is_the_standard_library_split_between_the_ra
     assert [part["chars"] for part in info["read"]] == [10000, 10000] and info["read"][1]["bytes"][0] > 0
 
 
+def test_ranks_that_find_different_sources_stop_with_one_line(tmp_path):
+    """Each rank asks whether the Hub answers: one that gets no answer would read the offline corpus while the
+    others read FineWeb, into one tokenizer. Here rank 0 "reaches the Hub" (HF_ENDPOINT: the store's listening
+    port) and finds its FineWeb part cached, so it reads nothing; rank 1 is offline."""
+    args = SimpleNamespace(num_chars=1000, pattern=mg.pattern)
+    prefix = tmp_path / "cache" / mg.cache_key(args, "HuggingFaceFW/fineweb sample-10BT", [], 2) / "rank0"
+    mg.write_cache(prefix, Counter({"fine web": 3}), {"rank": 0, "documents": 1, "chars": 24, "cut": False})
+    command = [sys.executable, str(SCRIPT), "--device", "cpu", "--timeout", "60", "--cache_dir", str(tmp_path / "cache"),
+               "-n", "1000", "-v", "257", "--out", str(tmp_path / "tok")]
+    store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    ranks = [SCRIPT_RUNNER.start(command, tmp_path, ENV, environ=dict(
+        RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0", WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port), TORCHELASTIC_USE_AGENT_STORE="True",
+        **({"HF_HUB_OFFLINE": "0", "HF_ENDPOINT": f"http://127.0.0.1:{store.port}"} if rank == 0 else {})))
+        for rank in range(2)]
+    result = finish_ranks((command, store, ranks))
+    assert result.returncode == 1 and "error: only some ranks reached the Hugging Face Hub" in result.stderr, \
+        result.stdout + result.stderr
+    assert not (tmp_path / "tok").exists()
+
+
 def test_characters_the_pattern_leaves_out_are_one_warning_over_all_ranks(tmp_path):
     """\\w+ leaves the spaces and punctuation out, on both ranks' parts: tiktoken drops them from the
     encoding too, so the run goes on, and rank 0 says how many, counted over all the text. Likewise the bytes
