@@ -825,8 +825,8 @@ def parse_args(argv):
 
 def validate(args):
     """Every check that needs no text, on every rank BEFORE the process group exists: all exit
-    alike, none waits in a collective (but the Hub may answer some ranks only: run() compares). Rank
-    0 alone writes --out, and checks it: when it exits, torchrun stops the others."""
+    alike, none waits in a collective (but the Hub may answer only some: run() compares). Rank 0
+    alone writes --out, and checks it: when it exits, torchrun stops the others."""
     try:
         split_pattern = regex.compile(args.pattern)
     except regex.error as error:
@@ -899,7 +899,7 @@ def check_text(args, source, total, parts, cache_statuses, prefix):
         full = [r for r, part in enumerate(parts)
                 if part["chars"] == n * (r + 1) // WORLD - n * r // WORLD]
         say(f"read {chars:,} characters, fewer than -n {n:,}: " + (f"rank(s) {full} stopped at "
-            "n / W of their part; a larger -n reads more" if full else "all"))
+            "n / W of their part; a larger -n reads more" if full else "the whole text"))
 
 
 # === plumbing: the output directory and the files written there
