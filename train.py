@@ -583,8 +583,11 @@ num_slots = world_size * grad_accum_steps
 my_slots = range(rank * grad_accum_steps, (rank + 1) * grad_accum_steps)
 train_generators = [torch.Generator().manual_seed((seed + 1_000_003 * iter_num + slot) % 2**64)
                     for slot in my_slots]
-if checkpoint is not None:
+if checkpoint is not None:  # its moments, with this run's betas and weight decay (as its lr)
+    settings = [dict(group) for group in optimizer.param_groups]
     optimizer.load_state_dict(checkpoint["optimizer"])
+    for group, setting in zip(optimizer.param_groups, settings):
+        group.update(setting)
     if checkpoint.get("scaler"):
         scaler.load_state_dict(checkpoint["scaler"])
     saved_states = checkpoint["rng"]
