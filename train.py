@@ -282,7 +282,7 @@ for split in ("train", "val"):
         shard_sizes[path], done = len(tokens), done + len(tokens)
 
 def check_ids(rows, path):
-    # else the embedding fails deep (on a GPU: an assert); start-up reads no tokens
+    # per batch (start-up reads no tokens); else the embedding fails deep (on a GPU: an assert)
     largest = rows.max()  # (unsigned: none below 0)
     if largest >= meta["vocab_size"]:
         raise BatchError(f"{path} holds token id {largest}, past the vocabulary of meta.json "
