@@ -226,8 +226,7 @@ class GPT(nn.Module):
             return MuonAdamW([muon] + groups, lr=learning_rate, betas=betas)
         fused = device_type in ("cuda", "cpu")
         log(f"optimizer: {len(decay)} decayed tensors ({sum(p.numel() for p in decay):,} params), "
-            f"{len(no_decay)} not decayed ({sum(p.numel() for p in no_decay):,} params)\n"
-            f"optimizer: using fused AdamW: {fused}")
+            f"{len(no_decay)} not decayed ({sum(p.numel() for p in no_decay):,} params)")
         return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=fused)
 
     def estimate_mfu(self, fwdbwd_per_iter, dt):
@@ -434,7 +433,7 @@ class MuonAdamW(torch.optim.Optimizer):
                 (self._muon_step if group["use_muon"] else self._adamw_step)(group, params)
 
     def _muon_step(self, group, params):
-        lr, momentum, every = group["lr"], group["momentum"], group.get("ns_every", 1)
+        lr, momentum, every = group["lr"], group["momentum"], group["ns_every"]
         # One shape's matrices (a tall one transposed) share batched matmuls.
         by_shape = {}
         for p in params:
@@ -446,7 +445,7 @@ class MuonAdamW(torch.optim.Optimizer):
                        for state, p in zip(states, same_shape)]
             torch._foreach_lerp_(buffers, grads, 1 - momentum)
             step = states[0].get("step", 0)
-            fresh = step % every == 0 or step < group.get("ns_warmup", 0)
+            fresh = step % every == 0 or step < group["ns_warmup"]
             if fresh or "direction" not in states[0]:
                 # Nesterov: step where the momentum goes, the gradient plus the buffer.
                 nesterov = torch._foreach_lerp(grads, buffers, momentum)

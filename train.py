@@ -282,8 +282,7 @@ for split in ("train", "val"):
         shard_sizes[path], done = len(tokens), done + len(tokens)
 
 def check_ids(rows, path):
-    # An id past the vocabulary would fail deep in the embedding (on a GPU: an assert): a
-    # check per batch costs nothing (start-up reads no tokens)
+    # per batch (start-up reads no tokens); else the embedding fails deep (on a GPU: an assert)
     largest = rows.max()  # (unsigned: none below 0)
     if largest >= meta["vocab_size"]:
         raise BatchError(f"{path} holds token id {largest}, past the vocabulary of meta.json "
@@ -583,8 +582,10 @@ num_slots = world_size * grad_accum_steps
 my_slots = range(rank * grad_accum_steps, (rank + 1) * grad_accum_steps)
 train_generators = [torch.Generator().manual_seed((seed + 1_000_003 * iter_num + slot) % 2**64)
                     for slot in my_slots]
-if checkpoint is not None:
+if checkpoint is not None:  # its moments; this run's betas and weight decay
+    groups = optimizer.param_groups
     optimizer.load_state_dict(checkpoint["optimizer"])
+    optimizer.param_groups = groups
     if checkpoint.get("scaler"):
         scaler.load_state_dict(checkpoint["scaler"])
     saved_states = checkpoint["rng"]

@@ -887,16 +887,23 @@ def test_user_mistakes_get_one_line(mistakes, case):
         assert "model:" in results[case].stdout and not list((tmp / "found_in_a_batch").iterdir())
 
 
-def test_a_resume_sizes_its_steps_with_the_checkpoints_block_size(trained, dataset, tmp_path):
+def test_a_resume_keeps_the_checkpoints_model_and_takes_this_runs_training_settings(trained, dataset, tmp_path):
     """The accumulation comes from the block_size that the resume keeps (32), not the command line's (16):
-    128 tokens a step is one micro-step of 4 x 32, and the one saved data stream goes on."""
+    128 tokens a step is one micro-step of 4 x 32, and the one saved data stream goes on. The optimizer's
+    moments come back, but its betas and weight decay are this run's, as its learning rate is."""
     out_dir = tmp_path / "out"
     out_dir.mkdir()
     checkpoint = load(trained / "ckpt.pt")
     del checkpoint["tokens_trained"]  # as an older train.py saved it: its tokens count as 40 steps of 128
     torch.save(checkpoint, out_dir / "ckpt.pt")
     result = train(dataset, out_dir, "--init_from=resume", "--block_size=16", "--total_batch_size=128",
-                   "--max_iters=41", "--eval_interval=100")
+                   "--max_iters=41", "--eval_interval=100", "--always_save_checkpoint=True", "--weight_decay=0.5",
+                   "--beta1=0.8", "--beta2=0.9")
     assert "block_size 32 x world_size 1 x accumulation 1" in result.stdout, result.stdout
     assert "data streams" not in result.stdout
     assert json.loads((out_dir / "log.jsonl").read_text().splitlines()[-1])["tokens"] == 41 * 128
+    saved = load(out_dir / "ckpt.pt")
+    assert saved["iter_num"] == 41 and saved["train_config"]["weight_decay"] == 0.5
+    groups = saved["optimizer"]["param_groups"]  # the matrices', then the gains'
+    assert [(g["weight_decay"], tuple(g["betas"])) for g in groups] == [(0.5, (0.8, 0.9)), (0.0, (0.8, 0.9))]
+    assert saved["optimizer"]["state"][0]["step"] == 41  # the moments went on from the checkpoint's
