@@ -214,6 +214,8 @@ for ok, message in [
     if not ok:
         raise UserError(message)
 n_kv_head = n_head if n_kv_head is None else n_kv_head
+if lr_decay_iters > max_iters and not eval_only:
+    note(f"lr_decay_iters={lr_decay_iters} is past max_iters={max_iters}: the lr ends above min_lr")
 
 # === plumbing: the dataset: meta, tokenizer (the checkpoint carries it), shard_sizes
 import hashlib

@@ -349,8 +349,10 @@ def test_resume_continues_exactly(dataset, tmp_path, optimizer):
     args = ["--dropout=0.1", "--total_batch_size=256", "--eval_interval=4", "--lr_decay_iters=12",
             "--always_save_checkpoint=True", f"--muon={optimizer == 'muon'}"]
     whole = fork_train(dataset, tmp_path / "whole", *args, "--max_iters=12", "--milestones=[4,10]")
-    train(dataset, tmp_path / "halves", *args, "--max_iters=6")
-    finish(whole)
+    first_half = train(dataset, tmp_path / "halves", *args, "--max_iters=6")
+    # the first half stops mid-cosine, and says so; the whole run decays to min_lr, and says nothing
+    assert "note: lr_decay_iters=12 is past max_iters=6: the lr ends above min_lr" in first_half.stdout
+    assert "lr_decay_iters" not in finish(whole).stdout.replace("lr_decay_iters=12,", "")
     assert load(tmp_path / "halves" / "ckpt.pt")["iter_num"] == 6
     result = train(dataset, tmp_path / "halves", *args, "--max_iters=12", "--init_from=resume")
     assert "resuming at iter 6" in result.stdout
