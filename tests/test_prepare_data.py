@@ -116,6 +116,8 @@ def read_dataset(out_dir):
             shard_size = meta["args"]["shard_size"]
             assert all(len(array) == shard_size for array in arrays[:-1]), (split, [len(a) for a in arrays])
             assert not arrays or 0 < len(arrays[-1]) <= shard_size
+    if meta["tokens"]["val"] + meta["tokens"]["train"]:  # train.py checks the model's vocabulary against it
+        assert meta["max_token_id"] == int(max(split.max(initial=0) for split in splits.values()))
     return meta, splits["val"], splits["train"]
 
 
