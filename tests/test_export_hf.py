@@ -147,7 +147,8 @@ def exported(tmp_path_factory):
     torch.save({"weights": torch.zeros(2)}, root / "foreign" / "ckpt.pt")
     processes["not ours"] = start_export(f"--out_dir={root / 'foreign'}", f"--hf_dir={root / 'hf_foreign'}")
     results = {"mha_bias": export_here(f"--out_dir={root / 'mha_bias'}", f"--hf_dir={root / 'hf_mha_bias'}"),
-               "bf16": export_here(f"--out_dir={root / 'mha_bias'}", f"--hf_dir={root / 'hf_bf16'}", "--dtype=bfloat16")}
+               "bf16": export_here(f"--out_dir={root / 'mha_bias'}", f"--hf_dir={root / 'hf_bf16'}",
+                                   "--dtype=bfloat16")}
 
     # Bad input: no checkpoint, a file that isn't ours (above), a char-level model, an hf_dir that holds something.
     (root / "empty").mkdir()
@@ -249,7 +250,8 @@ def test_a_bfloat16_export_says_so_and_holds_the_weights_rounded(exported, loade
     tensors = safetensors_torch.load_file(str(hf_dir / "model.safetensors"))
     assert {tensor.dtype for tensor in tensors.values()} == {torch.bfloat16}
     state = ours.state_dict()
-    assert torch.equal(tensors["model.layers.0.self_attn.q_proj.weight"], state["transformer.h.0.attn.c_q.weight"].bfloat16())
+    query = state["transformer.h.0.attn.c_q.weight"]
+    assert torch.equal(tensors["model.layers.0.self_attn.q_proj.weight"], query.bfloat16())
 
 
 @pytest.mark.parametrize("name", MODELS)

@@ -739,7 +739,8 @@ def test_bad_input_raises_one_clear_error_before_any_work(bad_input_files, monke
     with pytest.raises(bpe.UserError, match=regex.escape(message)) as error:
         bpe.run(args)
     assert "\n" not in str(error.value)
-    assert bool(counted) == (case in ("catastrophic pattern", "empty corpus", "pattern matching empty in places")), "read before it was refused"
+    needs_the_text = ("catastrophic pattern", "empty corpus", "pattern matching empty in places")
+    assert bool(counted) == (case in needs_the_text), "read before it was refused"
     # Nothing is written: a reading error comes after --out is made and locked, and the process removes
     # the empty directory as it exits (the next test sees it gone); here, in the test's process, it is empty.
     assert not (bad_input_files / "out").exists() or not any((bad_input_files / "out").iterdir())
