@@ -146,7 +146,9 @@ def exported(tmp_path_factory):
     (root / "foreign").mkdir()
     torch.save({"weights": torch.zeros(2)}, root / "foreign" / "ckpt.pt")
     processes["not ours"] = start_export(f"--out_dir={root / 'foreign'}", f"--hf_dir={root / 'hf_foreign'}")
-    results = {"mha_bias": export_here(f"--out_dir={root / 'mha_bias'}", f"--hf_dir={root / 'hf_mha_bias'}")}
+    results = {"mha_bias": export_here(f"--out_dir={root / 'mha_bias'}", f"--hf_dir={root / 'hf_mha_bias'}"),
+               "bf16": export_here(f"--out_dir={root / 'mha_bias'}", f"--hf_dir={root / 'hf_bf16'}",
+                                   "--dtype=bfloat16")}
 
     # Bad input: no checkpoint, a file that isn't ours (above), a char-level model, an hf_dir that holds something.
     (root / "empty").mkdir()
@@ -185,7 +187,7 @@ def exported(tmp_path_factory):
     results.update({case: finish(process) for case, process in processes.items()})
     if results["gqa"].returncode != 0:  # the other one won the race
         results["gqa"], results["gqa again"] = results["gqa again"], results["gqa"]
-    for name in (*MODELS, "named"):
+    for name in (*MODELS, "named", "bf16"):
         assert results[name].returncode == 0, results[name].stderr
     return {"root": root, "results": results, "bad": bad, "tokenizer": offline_tokenizer, "tokens": tokens}
 
@@ -233,6 +235,23 @@ def test_the_files_say_what_the_model_is(exported, loaded):
     assert torch.equal(tensors["model.layers.1.self_attn.k_proj.weight"], state["transformer.h.1.attn.c_k.weight"])
     assert torch.equal(tensors["model.layers.1.mlp.down_proj.weight"], state["transformer.h.1.mlp.c_proj.weight"])
     assert not [name for name in os.listdir(exported["root"]) if ".tmp." in name]  # no temporary directory left
+    # <|endoftext|> begins every training document: the tokenizer's bos and eos, as config.json's ids say
+    tokenizer_config = json.loads((hf_dir / "tokenizer_config.json").read_text())
+    assert tokenizer_config["bos_token"] == tokenizer_config["eos_token"] == "<|endoftext|>"
+    assert not tokenizer_config["add_bos_token"] and tokenizer_config["model_max_length"] == ours.config.block_size
+    assert config["torch_dtype"] == config["dtype"] == "float32"
+
+
+def test_a_bfloat16_export_says_so_and_holds_the_weights_rounded(exported, loaded):
+    ours, _ = loaded["mha_bias"]
+    hf_dir = exported["root"] / "hf_bf16"
+    config = json.loads((hf_dir / "config.json").read_text())
+    assert config["torch_dtype"] == config["dtype"] == "bfloat16"
+    tensors = safetensors_torch.load_file(str(hf_dir / "model.safetensors"))
+    assert {tensor.dtype for tensor in tensors.values()} == {torch.bfloat16}
+    state = ours.state_dict()
+    query = state["transformer.h.0.attn.c_q.weight"]
+    assert torch.equal(tensors["model.layers.0.self_attn.q_proj.weight"], query.bfloat16())
 
 
 @pytest.mark.parametrize("name", MODELS)

@@ -112,6 +112,12 @@ def read_dataset(out_dir):
         assert all(array.dtype == np.dtype(meta["dtype"]) and array.ndim == 1 for array in arrays)
         splits[split] = np.concatenate(arrays) if arrays else np.zeros(0, dtype=meta["dtype"])
         assert len(splits[split]) == meta["tokens"][split]
+        if not isinstance(meta["args"]["part"], int):  # one run's (not merged parts'): shard_size each, the last less
+            shard_size = meta["args"]["shard_size"]
+            assert all(len(array) == shard_size for array in arrays[:-1]), (split, [len(a) for a in arrays])
+            assert not arrays or 0 < len(arrays[-1]) <= shard_size
+    if meta["tokens"]["val"] + meta["tokens"]["train"]:  # train.py checks the model's vocabulary against it
+        assert meta["max_token_id"] == int(max(split.max(initial=0) for split in splits.values()))
     return meta, splits["val"], splits["train"]
 
 
@@ -173,8 +179,13 @@ def test_char_level_single_document_gives_its_last_tenth_to_val(tmp_path):
 
 def test_char_level_documents_val_first(tmp_path, docs):
     write_jsonl(tmp_path / "docs.jsonl", docs)
-    prepare("--tokenizer", "char", "--data", "docs.jsonl", "--out", "ds", "--val_tokens", 2000, cwd=tmp_path)
+    # A document ends one token before a shard boundary (char level: a character is a token): that shard still
+    # fills up to shard_size (read_dataset checks every shard's length).
+    shard_size = sum(len(doc) for doc in docs[:7]) + 1
+    prepare("--tokenizer", "char", "--data", "docs.jsonl", "--out", "ds", "--val_tokens", 2000,
+            "--shard_size", shard_size, cwd=tmp_path)
     meta, val, train = read_dataset(tmp_path / "ds")
+    assert len(val) > shard_size
     chars = meta["chars"]
     assert "".join(chars[i] for i in np.concatenate([val, train])) == "".join(docs)  # no EOT at char level
     kept = [doc for doc in docs if doc]
@@ -260,6 +271,23 @@ def test_bpe_vocabulary_over_65536_switches_to_uint32(tmp_path):
     assert meta["dtype"] == "uint32" and tokens.dtype == np.uint32 and meta["vocab_size"] == 65793
     assert tokens.max() > 65535 and meta["max_token_id"] == int(tokens.max())
     assert load_encoding(tok).decode(tokens.tolist()) == "".join(EOT + doc for doc in docs)
+
+
+def test_exactly_65536_ids_stay_uint16(tmp_path, monkeypatch, capsys):
+    """65,535 ranks and <|endoftext|> as id 65,535: the largest id fits 16 bits, so uint16 (run in this process)."""
+    ranks = {bytes([b]): b for b in range(256)}
+    for pair in range(65_535 - 256):  # two-byte tokens, those starting with 'a' first
+        ranks[bytes([(ord("a") + pair // 256) % 256, pair % 256])] = 256 + pair
+    tok = write_bpe_dir(tmp_path / "edge", ranks, r"[\s\S]{1,2}")
+    docs = ["ab cd plain text", "another document"]
+    write_jsonl(tmp_path / "docs.jsonl", docs)
+    monkeypatch.chdir(tmp_path)
+    prepare_data.run(["--tokenizer", str(tok), "--data", "docs.jsonl", "--out", "ds"])
+    capsys.readouterr()
+    meta, val, train = read_dataset(tmp_path / "ds")
+    assert meta["vocab_size"] == 65_536 and meta["eot_token"] == meta["max_token_id"] == 65_535
+    assert meta["dtype"] == "uint16" and val.dtype == np.uint16
+    assert load_encoding(tok).decode(np.concatenate([val, train]).tolist()) == "".join(EOT + doc for doc in docs)
 
 
 def test_char_vocabulary_over_65536_switches_to_uint32(tmp_path):

@@ -1,6 +1,7 @@
 """sample.py end to end, in a subprocess, on tiny untrained checkpoints saved with save_checkpoint: its streamed
 output must equal what the same model, seed and tokenizer give in this process, decoded all at once."""
 import base64
+import codecs
 import os
 import re
 import signal
@@ -94,10 +95,10 @@ def generate_here(out_dir, prompt_ids, num_samples, max_new_tokens, seed, **samp
 def test_bpe_streaming_equals_decoding_the_whole_sample(checkpoints):
     prompt = "Héllo 日本"
     process = start_sample(f"--out_dir={checkpoints / 'bpe'}", f"--start={prompt}", "--num_samples=2",
-                           "--max_new_tokens=80", "--seed=5", "--temperature=1.0", "--top_k=0", "--device=cpu")
+                           "--max_new_tokens=80", "--seed=6", "--temperature=1.0", "--top_k=0", "--device=cpu")
     checkpoint = load_checkpoint(str(checkpoints / "bpe" / "ckpt.pt"))
     encoding = tiktoken_from(checkpoint["tokenizer"])
-    _, samples = generate_here(checkpoints / "bpe", encoding.encode(prompt), 2, 80, 5, temperature=1.0)
+    _, samples = generate_here(checkpoints / "bpe", encoding.encode(prompt), 2, 80, 6, temperature=1.0)
     result = finish(process)
     assert result.returncode == 0, result.stderr
 
@@ -109,6 +110,10 @@ def test_bpe_streaming_equals_decoding_the_whole_sample(checkpoints):
     # The check has teeth: decoding token by token on its own would have broken characters in these samples.
     piecewise = ["".join(bytes_of_id(t).decode("utf-8", errors="replace") for t in sample) for sample in samples]
     assert piecewise != whole
+    # ...and the second sample ends inside a character: the decoder's final flush prints its U+FFFD.
+    held_back = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    held_back.decode(b"".join(bytes_of_id(t) for t in samples[1]))
+    assert held_back.decode(b"", final=True) == "\ufffd"
     assert "160 tokens in" in result.stderr and "tokens/s" in result.stderr
     assert "(cpu, float32," in result.stderr  # never bfloat16 on the CPU, where most CPUs emulate it slowly
 
@@ -133,12 +138,15 @@ def test_char_level_sample_from_a_file_prompt_and_from_empty(checkpoints, tmp_pa
     prompt_file = tmp_path / "prompt.txt"
     prompt_file.write_bytes("\ufeffROMEO:\r\n".encode("utf-8"))
     from_file = start_sample(f"--out_dir={checkpoints / 'char'}", f"--start=FILE:{prompt_file}", "--num_samples=2",
-                             "--max_new_tokens=30", "--seed=9", "--top_k=5", "--top_p=0.9", "--device=cpu")
+                             "--max_new_tokens=30", "--seed=9", "--top_k=5", "--top_p=0.7", "--device=cpu")
     from_empty = start_sample(f"--out_dir={checkpoints / 'char'}", "--num_samples=1", "--max_new_tokens=10",
                               "--temperature=0", "--device=cpu")
     chars = load_checkpoint(str(checkpoints / "char" / "ckpt.pt"))["tokenizer"]["chars"]
-    _, samples = generate_here(checkpoints / "char", [chars.index(c) for c in "ROMEO:\r\n"], 2, 30, 9,
-                               temperature=0.8, top_k=5, top_p=0.9)
+    prompt_ids = [chars.index(c) for c in "ROMEO:\r\n"]
+    _, samples = generate_here(checkpoints / "char", prompt_ids, 2, 30, 9, temperature=0.8, top_k=5, top_p=0.7)
+    # Each setting counts: without top_p (or top_k) the same seed draws other samples.
+    for other in ({"top_k": 5, "top_p": 1.0}, {"top_k": None, "top_p": 0.7}):
+        assert generate_here(checkpoints / "char", prompt_ids, 2, 30, 9, temperature=0.8, **other)[1] != samples
     result = finish(from_file)
     assert result.returncode == 0, result.stderr
     assert result.stdout == "".join("ROMEO:\r\n" + "".join(chars[t] for t in s) + SEPARATOR for s in samples)
@@ -268,6 +276,18 @@ def sample():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def test_settings_out_of_range_are_refused(sample, monkeypatch):
+    for name, value, rule in [("num_samples", 0, "must be at least 1"), ("max_new_tokens", -1, "must be 0 or more"),
+                              ("top_k", -1, "must be 0 (no limit) or more"), ("top_p", 0.0, "must be in (0, 1]"),
+                              ("top_p", 1.5, "must be in (0, 1]"), ("temperature", float("inf"), "must be a finite"),
+                              ("seed", -1, "must be from 0 to 2^64-1"), ("dtype", "fp8", "use float32, bfloat16")]:
+        with monkeypatch.context() as patch:
+            patch.setattr(sample, name, value)
+            with pytest.raises(sample.UserError, match=re.escape(f"--{name}={value}: {rule}")):
+                sample.validate()
+    sample.validate()  # the defaults pass
 
 
 def test_a_prompt_file_that_never_ends_or_is_huge_is_refused(sample, tmp_path):

@@ -337,10 +337,10 @@ def test_bad_input_is_one_clear_line(bad_input_runs, case):
 
 def test_out_may_be_a_tokenizer_directory_to_overwrite(tmp_path):
     small = write_small_corpus(tmp_path)
-    for vocab_size in (260, 270):  # the second run overwrites the first one's files
+    for vocab_size in (256, 270):  # 256: the bytes alone, no merge; the second run overwrites the first one's files
         result = run_cli("--data", small, "-v", vocab_size, "--out", tmp_path / "tok", cwd=tmp_path)
         assert result.returncode == 0, result.stderr
-    assert json.loads((tmp_path / "tok" / "tokenizer.json").read_text())["vocab_size"] == 271
+        assert json.loads((tmp_path / "tok" / "tokenizer.json").read_text())["vocab_size"] == vocab_size + 1
     # A full disk (a 1,000-byte file size limit here) while writing is one line, the old files stay, no .tmp.
     before = {path.name: path.read_bytes() for path in (tmp_path / "tok").iterdir()}
     full_disk = lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (1000, 1000))  # noqa: E731

@@ -726,15 +726,21 @@ def bad_input_files(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("case", list(BAD_INPUTS))
-def test_bad_input_raises_one_clear_error_before_any_work(bad_input_files, case):
+def test_bad_input_raises_one_clear_error_before_any_work(bad_input_files, monkeypatch, case):
     # In-process (the script's own run()), so that a dozen cases cost no interpreter starts; the test below
     # checks through a real process how such an error reaches the user.
     args, message = BAD_INPUTS[case]
     args = args + ["--data", "ok.txt"] * ("--data" not in args) + ["--device", DEVICE] * ("--device" not in args)
     args = args + ["--out", "out"] * ("--out" not in args)
+    # The real count_chunks, watched: only the errors that need the text (\b matches "" only inside it) read it
+    counted = []
+    count_chunks = bpe.count_chunks
+    monkeypatch.setattr(bpe, "count_chunks", lambda *args: counted.append(1) or count_chunks(*args))
     with pytest.raises(bpe.UserError, match=regex.escape(message)) as error:
         bpe.run(args)
     assert "\n" not in str(error.value)
+    needs_the_text = ("catastrophic pattern", "empty corpus", "pattern matching empty in places")
+    assert bool(counted) == (case in needs_the_text), "read before it was refused"
     # Nothing is written: a reading error comes after --out is made and locked, and the process removes
     # the empty directory as it exits (the next test sees it gone); here, in the test's process, it is empty.
     assert not (bad_input_files / "out").exists() or not any((bad_input_files / "out").iterdir())
