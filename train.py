@@ -188,7 +188,7 @@ for names, test, what in [
     (["total_batch_size"], lambda v: v is None or v > 0, "positive, or None"),
     (["max_iters", "warmup_iters", "lr_decay_iters", "min_lr", "weight_decay", "grad_clip",
       "hellaswag_interval", "hellaswag_batch"], lambda v: v >= 0, "0 or more"),
-    (["beta1", "beta2"], lambda v: 0 <= v < 1, "in [0, 1)"),
+    (["beta1", "beta2", "dropout"], lambda v: 0 <= v < 1, "in [0, 1)"),
     (["seed"], lambda v: 0 <= v < 2**64, "in 0..2**64-1"),
     (["init_from"], lambda v: v in ("scratch", "resume", "auto"), "'scratch', 'resume' or 'auto'"),
     (["dtype"], lambda v: v in ("auto", "float32", "bfloat16", "float16"),
@@ -408,6 +408,8 @@ if sample_prompt and not sample_ids:
 def load_for_resume(path):
     try:
         checkpoint = load_checkpoint(path, map_location="cpu")
+        if type(checkpoint["model_config"]) is dict:  # dropout: this run's
+            checkpoint["model_config"]["dropout"] = dropout
         model = model_from_checkpoint(checkpoint)
     except CheckpointError as e:
         raise UserError(f"cannot resume: {e}")
@@ -427,8 +429,8 @@ def load_for_resume(path):
 if eval_only and init_from != "resume":
     raise UserError(f"eval_only=True: there is no {ckpt_path} to evaluate")
 
-# === resume: the checkpoint's model, whose settings win over the command line's (the rest of its
-# state is restored below)
+# === resume: the checkpoint's model, whose shapes win over the command line's (not its dropout: a
+# fine-tune may want another; the rest of its state is restored below)
 checkpoint = None
 if init_from == "resume":
     checkpoint, raw_model = load_for_resume(ckpt_path)

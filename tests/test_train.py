@@ -769,7 +769,10 @@ MISTAKES = {
                      "timeout=1000000000000000: must be at most a year (31536000)"),
     "total_batch_size": (["--total_batch_size=0"], "total_batch_size=0: must be positive"),
     "learning_rate": (["--learning_rate=-1"], "learning_rate=-1.0"),
-    "dropout": (["--dropout=1.5"], "dropout=1.5"),
+    "dropout": (["--dropout=1.5"], "dropout=1.5: must be in [0, 1)"),
+    # a resume takes this run's dropout: checked as it is, not blamed on the checkpoint
+    "dropout on resume": (["--dropout=1.5", "--init_from=resume", "--out_dir=TMP/adamw", "--max_iters=0"],
+                          "dropout=1.5: must be in [0, 1)"),
     # else an MLP of 0 units, silently
     "ffn_ratio": (["--ffn_ratio=0", "--max_iters=2"], "ffn_ratio=0.0: must be positive"),
     "beta2": (["--beta2=1.5"], "beta2=1.5"),
@@ -892,7 +895,8 @@ def test_user_mistakes_get_one_line(mistakes, case):
 def test_a_resume_keeps_the_checkpoints_model_and_takes_this_runs_training_settings(trained, dataset, tmp_path):
     """The accumulation comes from the block_size that the resume keeps (32), not the command line's (16):
     128 tokens a step is one micro-step of 4 x 32, and the one saved data stream goes on. The optimizer's
-    moments come back, but its betas and weight decay are this run's, as its learning rate is."""
+    moments come back, but its betas and weight decay are this run's, as its learning rate is; so is its
+    dropout (nanoGPT's way: a fine-tune sets its own), which the model then has and the new checkpoint records."""
     out_dir = tmp_path / "out"
     out_dir.mkdir()
     checkpoint = load(trained / "ckpt.pt")
@@ -900,12 +904,16 @@ def test_a_resume_keeps_the_checkpoints_model_and_takes_this_runs_training_setti
     torch.save(checkpoint, out_dir / "ckpt.pt")
     result = train(dataset, out_dir, "--init_from=resume", "--block_size=16", "--total_batch_size=128",
                    "--max_iters=41", "--eval_interval=100", "--always_save_checkpoint=True", "--weight_decay=0.5",
-                   "--beta1=0.8", "--beta2=0.9")
+                   "--beta1=0.8", "--beta2=0.9", "--dropout=0.1")
     assert "block_size 32 x world_size 1 x accumulation 1" in result.stdout, result.stdout
+    assert "keeps the checkpoint's block_size=32 (not 16)" in result.stdout
+    assert "checkpoint's dropout" not in result.stdout
     assert "data streams" not in result.stdout
     assert json.loads((out_dir / "log.jsonl").read_text().splitlines()[-1])["tokens"] == 41 * 128
     saved = load(out_dir / "ckpt.pt")
     assert saved["iter_num"] == 41 and saved["train_config"]["weight_decay"] == 0.5
+    assert saved["model_config"]["dropout"] == saved["train_config"]["dropout"] == 0.1
+    assert saved["model_config"]["n_layer"] == 2 and saved["model_config"]["block_size"] == 32  # the shapes kept
     groups = saved["optimizer"]["param_groups"]  # the matrices', then the gains'
     assert [(g["weight_decay"], tuple(g["betas"])) for g in groups] == [(0.5, (0.8, 0.9)), (0.0, (0.8, 0.9))]
     assert saved["optimizer"]["state"][0]["step"] == 41  # the moments went on from the checkpoint's
