@@ -422,8 +422,9 @@ def load_for_resume(path):
                         f"{dataset}'s ({meta['tokenizer']}): resume on its own dataset")
     if checkpoint["train_config"].get("muon", False) != muon:
         raise UserError(f"{path} was trained with muon={not muon}: resume with --muon={not muon}")
-    if checkpoint["train_config"].get("seed", seed) != seed:
-        note(f"seed={seed}, not the checkpoint's: other eval batches than best_val_loss's")
+    for key in ("seed", "batch_size", "eval_iters"):
+        if checkpoint["train_config"].get(key, globals()[key]) != globals()[key]:
+            note(f"{key}={globals()[key]}, not the checkpoint's: other eval batches than best_val_loss's")
     return checkpoint, model
 
 if eval_only and init_from != "resume":

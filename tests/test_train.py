@@ -525,17 +525,19 @@ def test_ctrl_c_in_pythons_exit_is_no_traceback(dataset, tmp_path):
     assert process.returncode == 0 and stderr == ""
 
 
-def test_nothing_to_train_says_so_and_a_resume_with_another_seed_is_noted(trained, dataset, tmp_path):
+def test_nothing_to_train_says_so_and_a_resume_with_other_eval_batches_is_noted(trained, dataset, tmp_path):
     out_dir = tmp_path / "out"
     out_dir.mkdir()
     for name in ("ckpt.pt", "log.jsonl"):
         (out_dir / name).write_bytes((trained / name).read_bytes())
-    resumed = fork_train(dataset, out_dir, "--init_from=resume", "--max_iters=40", "--seed=7")
+    resumed = fork_train(dataset, out_dir, "--init_from=resume", "--max_iters=40", "--seed=7", "--batch_size=8",
+                         "--eval_iters=2")
     scratch = finish(fork_train(dataset, tmp_path / "scratch", "--max_iters=0"))
     resumed = finish(resumed)
     assert "nothing to train: the run starts at iter 40, max_iters=40" in resumed.stdout
-    # the eval batches come from the seed: best_val_loss was measured on other ones
-    assert "note: seed=7, not the checkpoint's: other eval batches than best_val_loss's" in resumed.stdout
+    # the eval batches come from the seed, batch_size and eval_iters: best_val_loss was measured on other ones
+    for setting in ("seed=7", "batch_size=8", "eval_iters=2"):
+        assert f"note: {setting}, not the checkpoint's: other eval batches than best_val_loss's" in resumed.stdout
     for name in ("ckpt.pt", "log.jsonl"):  # no eval logged, nothing saved
         assert (out_dir / name).read_bytes() == (trained / name).read_bytes()
     assert "nothing to train: the run starts at iter 0, max_iters=0" in scratch.stdout and not (tmp_path / "scratch").exists()
