@@ -73,10 +73,10 @@ ddp, master = world_size > 1, rank == 0  # only the master prints, logs and writ
 import ast, atexit, difflib, importlib.util, re, signal, stat, sys
 
 class UserError(Exception):
-    """A mistake in the input: printed as one line, never as a traceback."""
+    """A mistake in the input: one line, never a traceback."""
 
 class BatchError(UserError):
-    """A bad id in a rank's batch: no other rank sees it, so every rank prints it."""
+    """A bad id in a rank's batch: no other rank sees it, so each prints it."""
 
 def lost_contact(error):
     """The line for a rank whose collective failed: if it timed out, another rank hangs."""
@@ -88,8 +88,7 @@ def lost_contact(error):
     return f"rank {rank} lost contact with the other ranks ({reason}): {other} {what_happened}"
 
 def report(error_type, error, traceback):
-    """sys.excepthook: a mistake (the master prints it), a second Ctrl-C or a lost rank: one line,
-    exit status 1. A bug keeps its traceback."""
+    """sys.excepthook: a mistake, a second Ctrl-C or a lost rank: one line, exit status 1."""
     exit_on_ctrl_c(1)
     if issubclass(error_type, KeyboardInterrupt):
         error = "interrupted: stopped at once, without saving (one Ctrl-C saves first)"
@@ -99,10 +98,10 @@ def report(error_type, error, traceback):
     elif not issubclass(error_type, UserError):
         return sys.__excepthook__(error_type, error, traceback)
     if master or not issubclass(error_type, UserError) or issubclass(error_type, BatchError):
-        print(f"error: {error}", file=sys.stderr, flush=True)
+        print(f"error: {error}", file=sys.stderr)
     else:  # torchrun may stop us first
         time.sleep(3)
-        print(f"error: rank {rank}: {error}", file=sys.stderr, flush=True)
+        print(f"error: rank {rank}: {error}", file=sys.stderr)
     if issubclass(error_type, KeyboardInterrupt) and not ddp:  # DDP: atexit leaves
         leave(1)
 
@@ -127,7 +126,7 @@ def read_whole(path, limit):  # a device or FIFO may not end, a huge file fill m
             raise UserError(f"{path}: not a regular file of at most {limit:,} bytes")
         return file.read(limit)
 
-# a command-line value has its default's type (these settings: one more)
+# a value has its default's type (these: one more)
 extra_types = {"vocab_size": int, "total_batch_size": type(None), "n_kv_head": type(None),
                "compile": bool}
 
@@ -165,13 +164,13 @@ for arg in sys.argv[1:]:
                 pass  # a bare word: the type check says what is expected
         set_setting(arg, key, value)
     elif not os.path.isfile(arg):
-        raise UserError(f"no preset file {arg!r} (expected one like config/quickstart.py)")
+        raise UserError(f"no preset file {arg!r} (like config/quickstart.py)")
     else:
         namespace, source = {k: globals()[k] for k in defaults}, read_whole(arg, 2**20)
         try:
             exec(source, namespace)
         except SystemExit as e:
-            raise UserError(f"{arg}: the preset called sys.exit({e.code!r}): no training")
+            raise UserError(f"{arg}: the preset called sys.exit({e.code!r})")
         except Exception as e:
             raise UserError(f"{arg}: {type(e).__name__}: {e}")
         presets.append(arg)
@@ -267,7 +266,7 @@ for split in ("train", "val"):
     for k, name in enumerate(meta["shards"][split]):
         path = os.path.join(dataset, name)
         if name != os.path.basename(name) or name in ("", ".", ".."):
-            raise UserError(f"{meta_path} names the shard {name!r}: only plain file names are allowed")
+            raise UserError(f"{meta_path} names the shard {name!r}: only plain file names")
         try:
             tokens = np.load(path, mmap_mode="r")
         except (OSError, ValueError) as e:
@@ -284,7 +283,7 @@ for split in ("train", "val"):
         shard_sizes[path], done = len(tokens), done + len(tokens)
 
 def check_ids(rows, path):
-    # per batch (start-up reads no tokens); else the embedding fails deep (on a GPU: an assert)
+    # per batch (start-up reads no tokens); else the embedding fails deep (a GPU asserts)
     largest = rows.max()  # (unsigned: none below 0)
     if largest >= meta["vocab_size"]:
         raise BatchError(f"{path} holds token id {largest}, past the vocabulary of meta.json "
@@ -306,8 +305,7 @@ def hub_problem(timeout=3.0):  # None, or why the Hub can't be used, in 3 s
         return f"can't reach the Hugging Face Hub at {endpoint}"
 
 def hellaswag_examples(source):
-    """HellaSwag's validation set as (context, endings, label) triples, from the Hub or a .jsonl;
-    None (after a note) if the Hub is out of reach."""
+    """HellaSwag's (context, endings, label) triples from the Hub or a .jsonl; None: no Hub."""
     if source == "hub":
         problem = hub_problem()
         if problem:  # offline, datasets' cache still serves
@@ -375,7 +373,7 @@ if init_from == "auto":
 from model import CheckpointError, encoding_from_checkpoint, load_checkpoint, model_from_checkpoint
 
 encoding = None
-if kind != "tiktoken" or hellaswag_set or sample_prompt:  # (a tiktoken name may need the internet)
+if kind != "tiktoken" or hellaswag_set or sample_prompt:  # a tiktoken name may need the internet
     try:
         encoding = encoding_from_checkpoint({"tokenizer": tokenizer})
     except CheckpointError as e:
@@ -400,7 +398,7 @@ if hellaswag_set:
     hellaswag_set.sort(key=lambda example: len(example[0]) + max(map(len, example[1])))
     if len(hellaswag_set) < len(examples):
         note(f"HellaSwag: {len(examples) - len(hellaswag_set)} of {len(examples)} examples have "
-             "text the tokenizer can't encode; they are left out")
+             "text the tokenizer can't encode: left out")
 sample_ids = token_ids(sample_prompt, "all") if sample_prompt else None
 if sample_prompt and not sample_ids:
     raise UserError(f"sample_prompt={sample_prompt!r} has characters the vocabulary lacks")
@@ -408,7 +406,7 @@ if sample_prompt and not sample_ids:
 def load_for_resume(path):
     try:
         checkpoint = load_checkpoint(path, map_location="cpu")
-        if type(checkpoint["model_config"]) is dict:  # dropout: this run's
+        if type(checkpoint["model_config"]) is dict:
             checkpoint["model_config"]["dropout"] = dropout
         model = model_from_checkpoint(checkpoint)
     except CheckpointError as e:
@@ -423,15 +421,16 @@ def load_for_resume(path):
     if checkpoint["train_config"].get("muon", False) != muon:
         raise UserError(f"{path} was trained with muon={not muon}: resume with --muon={not muon}")
     for key in ("seed", "batch_size", "eval_iters"):
-        if checkpoint["train_config"].get(key, globals()[key]) != globals()[key]:
-            note(f"{key}={globals()[key]}, not the checkpoint's: other eval batches than best_val_loss's")
+        value = globals()[key]
+        if checkpoint["train_config"].get(key) not in (None, value):
+            note(f"{key}={value}, not the checkpoint's: other eval batches than best_val_loss's")
     return checkpoint, model
 
 if eval_only and init_from != "resume":
     raise UserError(f"eval_only=True: there is no {ckpt_path} to evaluate")
 
-# === resume: the checkpoint's model, whose shapes win over the command line's (not its dropout: a
-# fine-tune may want another; the rest of its state is restored below)
+# === resume: the checkpoint's model, whose shapes win over the command line's (not dropout;
+# the rest of its state is restored below)
 checkpoint = None
 if init_from == "resume":
     checkpoint, raw_model = load_for_resume(ckpt_path)
@@ -538,7 +537,7 @@ def lock_directory(path):
               "writes there", file=sys.stderr)
     return descriptor  # keep it open: closing it unlocks
 
-if master:  # locked for the whole run before anything in it is read
+if master:  # locked for the run, before anything in it is read
     try:  # find out now, not at the first save
         os.makedirs(out_dir, exist_ok=True)
         tempfile.TemporaryFile(dir=out_dir).close()
