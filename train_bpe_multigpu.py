@@ -36,10 +36,8 @@ try:
 except ImportError:
     sys.exit("error: train_bpe_multigpu.py needs triton (pip install triton)")
 
-# === plumbing: train_bpe_gpu.py's interpreter fix
+# === plumbing: train_bpe_gpu.py's fix for Triton 3.6's interpreter and NumPy 2.4 (triton#9171)
 if os.environ["TRITON_INTERPRET"] == "1":
-    # Triton 3.6's interpreter (CUDA torch 2.11's) takes a loop bound as int() of a 1-element array,
-    # which NumPy 2.4 refuses (triton-lang/triton#9171)
     from triton.runtime import interpreter
 
     def patch_tensor(tensor, *scope, patch=interpreter._patch_lang_tensor):
@@ -783,9 +781,17 @@ def write_cache(prefix, chunk_counts, part):
              "part": part}
     prefix.parent.mkdir(parents=True, exist_ok=True)
     prefix.with_suffix(".json").unlink(missing_ok=True)
-    for name, array in zip(("bytes", "lengths", "counts"), arrays):
-        np.save(prefix.with_suffix(f".{name}.npy"), array)
-    prefix.with_suffix(".json").write_text(json.dumps({**stats, "sha256": checksum(arrays, stats)}))
+    # new files renamed over the old: a run that maps an old one keeps it (no SIGBUS)
+    tmp = prefix.with_suffix(f".{os.getpid()}.tmp")
+    try:
+        for name, array in zip(("bytes", "lengths", "counts"), arrays):
+            with open(tmp, "wb") as f:
+                np.save(f, array)
+            os.replace(tmp, prefix.with_suffix(f".{name}.npy"))
+        tmp.write_text(json.dumps({**stats, "sha256": checksum(arrays, stats)}))
+        os.replace(tmp, prefix.with_suffix(".json"))
+    finally:
+        tmp.unlink(missing_ok=True)
     return (*arrays, stats)
 
 

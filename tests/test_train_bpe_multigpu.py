@@ -429,6 +429,21 @@ def test_a_cache_that_another_run_rewrites_meanwhile_is_not_read_back(tmp_path, 
     assert cached[3]["chunks"] == 2 and cached[3]["part"]["chars"] == 7
 
 
+def test_a_cache_rewritten_while_a_run_reads_it_leaves_that_run_s_memory_map_as_it_was(tmp_path):
+    """A run reusing the cache memory-maps its files (rank 0, say, waiting for the others); another run (--no_cache,
+    or one with the same settings) rewrites them. Written in place, the reader's map showed the new bytes (or, the
+    file shorter, SIGBUS); written to a new file and renamed, the reader keeps the old one. No temp file stays."""
+    part = {"rank": 0, "documents": 1, "chars": 9, "cut": False}
+    mg.write_cache(tmp_path / "rank0", Counter({"abab": 3, " cd": 1}), part)
+    status, (blob, lengths, counts, _) = mg.read_cache(tmp_path / "rank0")
+    assert status == "reused" and isinstance(blob, np.memmap)
+    mg.write_cache(tmp_path / "rank0", Counter({"wxyz": 5, " uv": 2}), part)  # same sizes: no SIGBUS here
+    assert bytes(blob) == b"abab cd" and list(lengths) == [4, 3] and list(counts) == [3, 1]
+    assert bytes(mg.read_cache(tmp_path / "rank0")[1][0]) == b"wxyz uv"  # a new reader: the new cache
+    assert sorted(path.name for path in tmp_path.iterdir()) == [
+        "rank0.bytes.npy", "rank0.counts.npy", "rank0.json", "rank0.lengths.npy"]
+
+
 def test_a_pattern_that_does_not_compile_and_an_empty_corpus_are_one_line(tmp_path):
     (tmp_path / "empty.txt").write_text("")
     with pytest.raises(mg.UserError, match=re.escape("--pattern does not compile (missing ) at position 2); fix it")):
