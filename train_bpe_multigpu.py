@@ -437,8 +437,9 @@ def merge_on_device(arrays, vocab_size, total_pairs, device, show_progress):
             loop_counts.update(host_reads=1)
             if state[DONE.value].item():
                 break
+        num_merges = int(state[NEXT.value]) - 256
+        progress.n = num_merges  # the pairs may run out inside a group
     seconds = dict(setup=loop_started - started, loop=time.time() - loop_started)
-    num_merges = int(state[NEXT.value]) - 256
     merged_pairs = merge_log[:2 * num_merges].view(-1, 2).tolist()
     tokens_saved = int(weight[tokens == DEAD.value].sum())
     merges = [((left, right), 256 + i) for i, (left, right) in enumerate(merged_pairs)]

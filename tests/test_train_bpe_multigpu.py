@@ -237,6 +237,9 @@ def test_counts_past_2_to_the_31_and_past_one_int64_key(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     assert "cache: 2 of 2 ranks reused" in result.stdout and "| setup " in result.stdout
     merges, _ = cpu_bpe.train(parts[0] + parts[1], 2048)  # Python integers: exact at any size
+    # the pairs run out inside a group of 16 merges: the bar ends at the merges made, not at the group's end
+    bar_end = re.findall(r"merging: .*?(\d+)/1792 \[", result.stderr)[-1]
+    assert len(merges) < mg.MERGES_PER_READ and bar_end == str(len(merges)), result.stderr
     # 3 collectives a merge, counted as called: also in the group's no-op merges past the last
     groups = -(-len(merges) // mg.MERGES_PER_READ)
     collectives = float(result.stdout.split("per merge: ")[1].split()[0])
