@@ -568,10 +568,10 @@ def run(argv):
     say(f"{reading} {t1 - t0:.2f}s | "
         f"layout {t2 - t1:.2f}s | setup {seconds['setup']:.2f}s | merging {seconds['loop']:.2f}s "
         f"({merges_per_second:,.0f} merges/s) | total {t3 - t0:.2f}s")
-    per_merge = max(num_merges, 1)
-    say(f"per merge: {loop_counts['collectives'] / per_merge:.2f} collectives "
-        f"({loop_counts['collective_bytes'] / per_merge / 1024:,.1f} KiB), "
-        f"{loop_counts['host_reads'] / per_merge:.2f} host reads")
+    if num_merges:
+        say(f"per merge: {loop_counts['collectives'] / num_merges:.2f} collectives "
+            f"({loop_counts['collective_bytes'] / num_merges / 1024:,.1f} KiB), "
+            f"{loop_counts['host_reads'] / num_merges:.2f} host reads")
     peak_kind = "peak device memory" if args.device == "cuda" else "peak RSS"
     say(f"{peak_kind} per rank: " + ", ".join(f"{peak:,.0f} MiB" for _, peak in saved_and_peak))
     say(f"compression: {total['total_bytes'] / max(tokens_left, 1):.3f} bytes/token; wrote "
@@ -747,6 +747,8 @@ def count_part(args, source, files, documents, share, byte_range):
         except OSError as os_error:
             error = (f"{os_error.filename or prefix.parent}: {os_error.strerror or os_error}; "
                      "check it (--cache_dir says where the cache goes)")
+    elif WORLD > 1:
+        say("cache: rank 0's part is counted; waiting for the other ranks")
     if error is None and cached[0].size + 2 > MAX_POSITIONS:
         error = (f"rank {RANK}'s distinct chunks hold {cached[0].size:,} bytes, more than int32 "
                  "positions can name (2^31 - 4); use more ranks, or a smaller -n")
