@@ -15,9 +15,8 @@ and the [V, V] pair-count matrix (each owns 1/W of its rows); collectives make e
 on every rank. Read train_bpe_gpu.py first: this file teaches what changes on W GPUs.
 """
 
-import argparse, atexit, base64, codecs, contextlib, ctypes, datetime, fcntl, hashlib, io, json
-import multiprocessing, os, queue, resource, signal, socket, sys, sysconfig, time
-import urllib.parse
+import argparse, atexit, base64, codecs, ctypes, datetime, fcntl, hashlib, json, multiprocessing
+import os, queue, resource, signal, socket, sys, sysconfig, time, urllib.parse
 from collections import Counter
 from itertools import accumulate
 from pathlib import Path
@@ -438,7 +437,7 @@ def merge_on_device(arrays, vocab_size, total_pairs, device, show_progress):
             if state[DONE.value].item():
                 break
         num_merges = int(state[NEXT.value]) - 256
-        progress.n = num_merges  # the pairs may run out inside a group
+        progress.n = num_merges  # fewer if pairs ran out
     seconds = dict(setup=loop_started - started, loop=time.time() - loop_started)
     merged_pairs = merge_log[:2 * num_merges].view(-1, 2).tolist()
     tokens_saved = int(weight[tokens == DEAD.value].sum())
@@ -721,12 +720,12 @@ def document_pieces(document, pattern_text):
 # === plumbing: the cache of counted chunks: a rerun with other -v skips reading and pre-tokenizing.
 # .npy files (no pickle: loading can't run code) hold this rank's distinct chunks of 2+ bytes, their
 # lengths and counts; the .json, written last, the statistics and a sha256 of all: a cache that
-# fails it (or is half written) is counted again.
+# fails it is counted again. Each file is renamed over the old: a run mapping the old keeps it.
 
 
 def count_part(args, source, files, documents, share, byte_range):
-    """This rank's part counted, or cached by an earlier run: (the cache's arrays and stats, its
-    status, its prefix, an error or None, shared in run())."""
+    """This rank's part counted, or cached before: (arrays and stats, cache status, prefix, error
+    or None: run() shares it)."""
     prefix = Path(args.cache_dir) / cache_key(args, source, files, WORLD) / f"rank{RANK}"
     cache_status, cached = ("missing", None) if args.no_cache else read_cache(prefix)
     error = None
@@ -734,13 +733,10 @@ def count_part(args, source, files, documents, share, byte_range):
         cores = len(os.sched_getaffinity(0)) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         num_workers = args.workers or (1 if share < PARALLEL_CHARS else max(cores, 1))
         label = "reading (rank 0's part)" if RANK == 0 else None
-        part = {"rank": RANK}
-        if byte_range:
-            part["bytes"] = byte_range
         try:
             chunk_counts, read = count_chunks(documents, share, args.pattern, num_workers, label)
             # not read back: another run may be rewriting it
-            cached = write_cache(prefix, chunk_counts, {**part, **read})
+            cached = write_cache(prefix, chunk_counts, {"rank": RANK, "bytes": byte_range, **read})
         except UserError as user_error:
             error = str(user_error)
         # the cache's disk, or a file gone while it was read
@@ -784,7 +780,6 @@ def write_cache(prefix, chunk_counts, part):
              "part": part}
     prefix.parent.mkdir(parents=True, exist_ok=True)
     prefix.with_suffix(".json").unlink(missing_ok=True)
-    # new files renamed over the old: a run that maps an old one keeps it (no SIGBUS)
     tmp = prefix.with_suffix(f".{os.getpid()}.tmp")
     try:
         for name, array in zip(("bytes", "lengths", "counts"), arrays):
@@ -799,8 +794,8 @@ def write_cache(prefix, chunk_counts, part):
 
 
 def read_cache(prefix):
-    """("reused", (bytes, lengths, counts, stats)), the arrays memory-mapped; ("missing", None); or
-    ("tampered", None) when it fails its checksum."""
+    """("reused", (bytes, lengths, counts, stats)) memory-mapped, ("missing", None), or
+    ("tampered", None): a failed checksum."""
     try:
         stats = json.loads(prefix.with_suffix(".json").read_text())
         arrays = [np.load(prefix.with_suffix(f".{name}.npy"), mmap_mode="r")
@@ -834,8 +829,8 @@ def parse_args(argv):
 
 def validate(args):
     """Every check that needs no text, on every rank BEFORE the process group exists: all exit
-    alike, none waits in a collective (but the Hub may answer only some: run() compares). Rank 0
-    alone writes --out, and checks it: when it exits, torchrun stops the others."""
+    alike, none waits in a collective (the Hub may answer only some: run() compares). Rank 0 alone
+    checks and writes --out: when it exits, torchrun stops the others."""
     try:
         split_pattern = regex.compile(args.pattern)
     except regex.error as error:
@@ -854,16 +849,14 @@ def validate(args):
          "interpreter (slow, for tests), or use train_bpe_cpu.py"),
         ((args.device == "cpu") != bool(triton.knobs.runtime.interpret),
          f"--device {args.device} with TRITON_INTERPRET={os.environ['TRITON_INTERPRET']}: set "
-         "it to 1 for cpu, 0 for cuda (compiled kernels)"),
+         "it to 1 for cpu, 0 for cuda"),
     ]
     for failed, message in problems:
         if failed:
             raise UserError(message)
     # int32 counts (run() checks the text's)
     check_count_rows(args.vocab_size, 4, device_memory(args.device), args.device)
-    # rank 0's warning alone (the Hub is off)
-    with contextlib.redirect_stderr(io.StringIO()) if RANK else contextlib.nullcontext():
-        source_name, source, files = find_source(args.data or data, args.data is not None)
+    source_name, source, files = find_source(args.data or data, args.data is not None)
     out_dir = Path(args.out or f"tokenizers/{source_name}_v{args.vocab_size}")
     if RANK == 0:
         check_out_dir(out_dir)
@@ -911,7 +904,7 @@ def check_text(args, source, total, parts, cache_statuses, prefix):
             "n / W of their part; a larger -n reads more" if full else "the whole text"))
 
 
-# === plumbing: the output directory and the files written there
+# === plumbing: the output directory and its files
 
 def vocab_bytes(merges):
     """Every token's bytes, in rank order: 0-255 are the bytes, a merge is its two halves glued."""
@@ -997,7 +990,7 @@ def find_source(data, data_was_named):  # (name, description, files); no files: 
         return data, " ".join(HUB_DATASETS[data]), []
     if data_was_named:
         raise UserError(f"{problem}, needed for --data {data}; use --data path/to/files instead")
-    print(f"warning: {problem}: using the offline corpus, Python's stdlib", file=sys.stderr)
+    say(f"warning: {problem}: using the offline corpus, Python's stdlib", file=sys.stderr)
     stdlib = Path(sysconfig.get_paths()["stdlib"])  # its .py files, a document each
     files = [path for path in sorted(stdlib.rglob("*.py")) if "site-packages" not in path.parts]
     return "stdlib", "Python standard library source (offline fallback)", files
