@@ -35,8 +35,10 @@ try:
 except ImportError:
     sys.exit("error: train_bpe_multigpu.py needs triton (pip install triton)")
 
-# === plumbing: train_bpe_gpu.py's fix for Triton 3.6's interpreter and NumPy 2.4 (triton#9171)
+# === plumbing: train_bpe_gpu.py's interpreter fix
 if os.environ["TRITON_INTERPRET"] == "1":
+    # Triton 3.6's interpreter (CUDA torch 2.11's) takes a loop bound as int() of a 1-element array,
+    # which NumPy 2.4 refuses (triton-lang/triton#9171)
     from triton.runtime import interpreter
 
     def patch_tensor(tensor, *scope, patch=interpreter._patch_lang_tensor):
@@ -437,7 +439,7 @@ def merge_on_device(arrays, vocab_size, total_pairs, device, show_progress):
             if state[DONE.value].item():
                 break
         num_merges = int(state[NEXT.value]) - 256
-        progress.n = num_merges  # fewer if pairs ran out
+        progress.n = num_merges
     seconds = dict(setup=loop_started - started, loop=time.time() - loop_started)
     merged_pairs = merge_log[:2 * num_merges].view(-1, 2).tolist()
     tokens_saved = int(weight[tokens == DEAD.value].sum())
@@ -739,12 +741,12 @@ def count_part(args, source, files, documents, share, byte_range):
             cached = write_cache(prefix, chunk_counts, {"rank": RANK, "bytes": byte_range, **read})
         except UserError as user_error:
             error = str(user_error)
-        # the cache's disk, or a file gone while it was read
+        # the cache's disk, or a file gone mid-read
         except OSError as os_error:
             error = (f"{os_error.filename or prefix.parent}: {os_error.strerror or os_error}; "
                      "check it (--cache_dir says where the cache goes)")
     elif WORLD > 1:
-        say("cache: rank 0's part is counted; waiting for the other ranks")
+        say("cache: rank 0's part is counted; waiting for the others")
     if error is None and cached[0].size + 2 > MAX_POSITIONS:
         error = (f"rank {RANK}'s distinct chunks hold {cached[0].size:,} bytes, more than int32 "
                  "positions can name (2^31 - 4); use more ranks, or a smaller -n")
@@ -794,8 +796,7 @@ def write_cache(prefix, chunk_counts, part):
 
 
 def read_cache(prefix):
-    """("reused", (bytes, lengths, counts, stats)) memory-mapped, ("missing", None), or
-    ("tampered", None): a failed checksum."""
+    """("reused", (bytes, lengths, counts, stats)) memory-mapped or ("missing"/"tampered", None)."""
     try:
         stats = json.loads(prefix.with_suffix(".json").read_text())
         arrays = [np.load(prefix.with_suffix(f".{name}.npy"), mmap_mode="r")
@@ -991,7 +992,7 @@ def find_source(data, data_was_named):  # (name, description, files); no files: 
     if data_was_named:
         raise UserError(f"{problem}, needed for --data {data}; use --data path/to/files instead")
     say(f"warning: {problem}: using the offline corpus, Python's stdlib", file=sys.stderr)
-    stdlib = Path(sysconfig.get_paths()["stdlib"])  # its .py files, a document each
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
     files = [path for path in sorted(stdlib.rglob("*.py")) if "site-packages" not in path.parts]
     return "stdlib", "Python standard library source (offline fallback)", files
 
@@ -1085,9 +1086,9 @@ class BadUTF8:  # invalid UTF-8 and lone surrogates: each read as U+FFFD, and co
 BadUTF8.errors = f"replace and count {id(BadUTF8)}"  # its own name: a process may load two scripts
 codecs.register_error(BadUTF8.errors, BadUTF8.replace)
 
-# === plumbing: error reporting: a user's mistake, or a lost rank, is one line and no traceback
+# === plumbing: error reporting: a user's mistake or a lost rank is one line, no traceback
 
-def stopped(signum, frame):  # torchrun stops the other ranks so when one fails, SLURM at its limit
+def stopped(signum, frame):  # torchrun stops the others so when one fails; SLURM at its limit
     say(f"\nerror: stopped by {signal.Signals(signum).name}", file=sys.stderr)
     sys.exit(1)  # as on an error: atexit removes a half-made --out
 
