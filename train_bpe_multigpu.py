@@ -15,9 +15,8 @@ and the [V, V] pair-count matrix (each owns 1/W of its rows); collectives make e
 on every rank. Read train_bpe_gpu.py first: this file teaches what changes on W GPUs.
 """
 
-import argparse, atexit, base64, codecs, contextlib, ctypes, datetime, fcntl, hashlib, io, json
-import multiprocessing, os, queue, resource, signal, socket, sys, sysconfig, time
-import urllib.parse
+import argparse, atexit, base64, codecs, ctypes, datetime, fcntl, hashlib, json, multiprocessing
+import os, queue, resource, signal, socket, sys, sysconfig, time, urllib.parse
 from collections import Counter
 from itertools import accumulate
 from pathlib import Path
@@ -439,8 +438,9 @@ def merge_on_device(arrays, vocab_size, total_pairs, device, show_progress):
             loop_counts.update(host_reads=1)
             if state[DONE.value].item():
                 break
+        num_merges = int(state[NEXT.value]) - 256
+        progress.n = num_merges
     seconds = dict(setup=loop_started - started, loop=time.time() - loop_started)
-    num_merges = int(state[NEXT.value]) - 256
     merged_pairs = merge_log[:2 * num_merges].view(-1, 2).tolist()
     tokens_saved = int(weight[tokens == DEAD.value].sum())
     merges = [((left, right), 256 + i) for i, (left, right) in enumerate(merged_pairs)]
@@ -569,10 +569,10 @@ def run(argv):
     say(f"{reading} {t1 - t0:.2f}s | "
         f"layout {t2 - t1:.2f}s | setup {seconds['setup']:.2f}s | merging {seconds['loop']:.2f}s "
         f"({merges_per_second:,.0f} merges/s) | total {t3 - t0:.2f}s")
-    per_merge = max(num_merges, 1)
-    say(f"per merge: {loop_counts['collectives'] / per_merge:.2f} collectives "
-        f"({loop_counts['collective_bytes'] / per_merge / 1024:,.1f} KiB), "
-        f"{loop_counts['host_reads'] / per_merge:.2f} host reads")
+    if num_merges:
+        say(f"per merge: {loop_counts['collectives'] / num_merges:.2f} collectives "
+            f"({loop_counts['collective_bytes'] / num_merges / 1024:,.1f} KiB), "
+            f"{loop_counts['host_reads'] / num_merges:.2f} host reads")
     peak_kind = "peak device memory" if args.device == "cuda" else "peak RSS"
     say(f"{peak_kind} per rank: " + ", ".join(f"{peak:,.0f} MiB" for _, peak in saved_and_peak))
     say(f"compression: {total['total_bytes'] / max(tokens_left, 1):.3f} bytes/token; wrote "
@@ -722,12 +722,12 @@ def document_pieces(document, pattern_text):
 # === plumbing: the cache of counted chunks: a rerun with other -v skips reading and pre-tokenizing.
 # .npy files (no pickle: loading can't run code) hold this rank's distinct chunks of 2+ bytes, their
 # lengths and counts; the .json, written last, the statistics and a sha256 of all: a cache that
-# fails it (or is half written) is counted again.
+# fails it is counted again. Each file is renamed over the old: a run mapping the old keeps it.
 
 
 def count_part(args, source, files, documents, share, byte_range):
-    """This rank's part counted, or cached by an earlier run: (the cache's arrays and stats, its
-    status, its prefix, an error or None, shared in run())."""
+    """This rank's part counted, or cached before: (arrays and stats, cache status, prefix, error
+    or None: run() shares it)."""
     prefix = Path(args.cache_dir) / cache_key(args, source, files, WORLD) / f"rank{RANK}"
     cache_status, cached = ("missing", None) if args.no_cache else read_cache(prefix)
     error = None
@@ -735,19 +735,18 @@ def count_part(args, source, files, documents, share, byte_range):
         cores = len(os.sched_getaffinity(0)) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         num_workers = args.workers or (1 if share < PARALLEL_CHARS else max(cores, 1))
         label = "reading (rank 0's part)" if RANK == 0 else None
-        part = {"rank": RANK}
-        if byte_range:
-            part["bytes"] = byte_range
         try:
             chunk_counts, read = count_chunks(documents, share, args.pattern, num_workers, label)
             # not read back: another run may be rewriting it
-            cached = write_cache(prefix, chunk_counts, {**part, **read})
+            cached = write_cache(prefix, chunk_counts, {"rank": RANK, "bytes": byte_range, **read})
         except UserError as user_error:
             error = str(user_error)
-        # the cache's disk, or a file gone while it was read
+        # the cache's disk, or a file gone mid-read
         except OSError as os_error:
             error = (f"{os_error.filename or prefix.parent}: {os_error.strerror or os_error}; "
                      "check it (--cache_dir says where the cache goes)")
+    elif WORLD > 1:
+        say("cache: rank 0's part is counted; waiting for the others")
     if error is None and cached[0].size + 2 > MAX_POSITIONS:
         error = (f"rank {RANK}'s distinct chunks hold {cached[0].size:,} bytes, more than int32 "
                  "positions can name (2^31 - 4); use more ranks, or a smaller -n")
@@ -783,15 +782,21 @@ def write_cache(prefix, chunk_counts, part):
              "part": part}
     prefix.parent.mkdir(parents=True, exist_ok=True)
     prefix.with_suffix(".json").unlink(missing_ok=True)
-    for name, array in zip(("bytes", "lengths", "counts"), arrays):
-        np.save(prefix.with_suffix(f".{name}.npy"), array)
-    prefix.with_suffix(".json").write_text(json.dumps({**stats, "sha256": checksum(arrays, stats)}))
+    tmp = prefix.with_suffix(f".{os.getpid()}.tmp")
+    try:
+        for name, array in zip(("bytes", "lengths", "counts"), arrays):
+            with open(tmp, "wb") as f:
+                np.save(f, array)
+            os.replace(tmp, prefix.with_suffix(f".{name}.npy"))
+        tmp.write_text(json.dumps({**stats, "sha256": checksum(arrays, stats)}))
+        os.replace(tmp, prefix.with_suffix(".json"))
+    finally:
+        tmp.unlink(missing_ok=True)
     return (*arrays, stats)
 
 
 def read_cache(prefix):
-    """("reused", (bytes, lengths, counts, stats)), the arrays memory-mapped; ("missing", None); or
-    ("tampered", None) when it fails its checksum."""
+    """("reused", (bytes, lengths, counts, stats)) memory-mapped or ("missing"/"tampered", None)."""
     try:
         stats = json.loads(prefix.with_suffix(".json").read_text())
         arrays = [np.load(prefix.with_suffix(f".{name}.npy"), mmap_mode="r")
@@ -825,8 +830,8 @@ def parse_args(argv):
 
 def validate(args):
     """Every check that needs no text, on every rank BEFORE the process group exists: all exit
-    alike, none waits in a collective (but the Hub may answer only some: run() compares). Rank 0
-    alone writes --out, and checks it: when it exits, torchrun stops the others."""
+    alike, none waits in a collective (the Hub may answer only some: run() compares). Rank 0 alone
+    checks and writes --out: when it exits, torchrun stops the others."""
     try:
         split_pattern = regex.compile(args.pattern)
     except regex.error as error:
@@ -845,16 +850,14 @@ def validate(args):
          "interpreter (slow, for tests), or use train_bpe_cpu.py"),
         ((args.device == "cpu") != bool(triton.knobs.runtime.interpret),
          f"--device {args.device} with TRITON_INTERPRET={os.environ['TRITON_INTERPRET']}: set "
-         "it to 1 for cpu, 0 for cuda (compiled kernels)"),
+         "it to 1 for cpu, 0 for cuda"),
     ]
     for failed, message in problems:
         if failed:
             raise UserError(message)
     # int32 counts (run() checks the text's)
     check_count_rows(args.vocab_size, 4, device_memory(args.device), args.device)
-    # rank 0's warning alone (the Hub is off)
-    with contextlib.redirect_stderr(io.StringIO()) if RANK else contextlib.nullcontext():
-        source_name, source, files = find_source(args.data or data, args.data is not None)
+    source_name, source, files = find_source(args.data or data, args.data is not None)
     out_dir = Path(args.out or f"tokenizers/{source_name}_v{args.vocab_size}")
     if RANK == 0:
         check_out_dir(out_dir)
@@ -902,7 +905,7 @@ def check_text(args, source, total, parts, cache_statuses, prefix):
             "n / W of their part; a larger -n reads more" if full else "the whole text"))
 
 
-# === plumbing: the output directory and the files written there
+# === plumbing: the output directory and its files
 
 def vocab_bytes(merges):
     """Every token's bytes, in rank order: 0-255 are the bytes, a merge is its two halves glued."""
@@ -988,8 +991,8 @@ def find_source(data, data_was_named):  # (name, description, files); no files: 
         return data, " ".join(HUB_DATASETS[data]), []
     if data_was_named:
         raise UserError(f"{problem}, needed for --data {data}; use --data path/to/files instead")
-    print(f"warning: {problem}: using the offline corpus, Python's stdlib", file=sys.stderr)
-    stdlib = Path(sysconfig.get_paths()["stdlib"])  # its .py files, a document each
+    say(f"warning: {problem}: using the offline corpus, Python's stdlib", file=sys.stderr)
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
     files = [path for path in sorted(stdlib.rglob("*.py")) if "site-packages" not in path.parts]
     return "stdlib", "Python standard library source (offline fallback)", files
 
@@ -1083,9 +1086,9 @@ class BadUTF8:  # invalid UTF-8 and lone surrogates: each read as U+FFFD, and co
 BadUTF8.errors = f"replace and count {id(BadUTF8)}"  # its own name: a process may load two scripts
 codecs.register_error(BadUTF8.errors, BadUTF8.replace)
 
-# === plumbing: error reporting: a user's mistake, or a lost rank, is one line and no traceback
+# === plumbing: error reporting: a user's mistake or a lost rank is one line, no traceback
 
-def stopped(signum, frame):  # torchrun stops the other ranks so when one fails, SLURM at its limit
+def stopped(signum, frame):  # torchrun stops the others so when one fails; SLURM at its limit
     say(f"\nerror: stopped by {signal.Signals(signum).name}", file=sys.stderr)
     sys.exit(1)  # as on an error: atexit removes a half-made --out
 
