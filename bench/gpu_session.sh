@@ -4,7 +4,8 @@
 #   .corpora/*.xz      the shared corpora, xz-compressed (xz -T2 -6 -c ../shared/corpora/enwiki.jsonl; and
 #                      tinyshakespeare.txt, which a CUDA test reads)
 #   .corpora/gpt2/     GPT-2's ranks as a BPE directory (tiktoken can't download them offline)
-#   .whl/              wheels the image lacks: datasets, dill, multiprocess, rustbpe (cp312)
+#   .whl/              wheels the image lacks: datasets, dill, multiprocess, rustbpe (cp312); not regex:
+#                      the image's transformers refuses to import beside requirements.txt's pinned one
 #
 #   bash bench/gpu_session.sh suite bpe_small        # then: bpe_big data step, then: train ddp sample
 #   (hellaswag, after train: one HellaSwag eval of the 124M checkpoint, timed)
@@ -46,10 +47,10 @@ setup() {
         [ -f "$name" ] || xz -dc "$packed" > "$name"
     done
     nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv | tee -a "$LOG"
-    python3 -c "import torch, triton, datasets, pyarrow, rustbpe, tiktoken, transformers as t
+    python3 -c "import torch, triton, datasets, pyarrow, rustbpe, tiktoken, transformers as t, regex
 print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, 'datasets',
       datasets.__version__, 'pyarrow', pyarrow.__version__, 'tiktoken', tiktoken.__version__,
-      'transformers', t.__version__)" 2>&1 | tee -a "$LOG"
+      'transformers', t.__version__, 'regex', regex.__version__)" 2>&1 | tee -a "$LOG"
     lscpu | grep "Model name" | tee -a "$LOG"
     git log -1 --format="commit %h %s" 2>/dev/null | tee -a "$LOG"
 }
