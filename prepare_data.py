@@ -437,6 +437,8 @@ def resume_state(out_dir, state, encoder):
     why = f"other arguments ({changed}: {before.get(changed)!r}, now {now.get(changed)!r})"
     if changed == "files":
         why = "other source files, or edited ones"
+    elif changed not in before:
+        why = "an older prepare_data.py"
     if changed is not None:
         raise UserError(f"--out {out_dir}: made with {why}; use another --out, or {start_over}")
     if damaged is not None:

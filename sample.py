@@ -151,7 +151,7 @@ def validate():
         ("max_new_tokens", max_new_tokens >= 0, "must be 0 or more"),
         ("top_k", top_k is None or top_k >= 0, "must be 0 (no limit) or more"),
         ("top_p", 0.0 < top_p <= 1.0, "must be in (0, 1]; 1.0 turns it off"),
-        ("temperature", 0 <= temperature < math.inf, "must be 0 (greedy) or more"),
+        ("temperature", 0 <= temperature < math.inf, "must be finite, 0 (greedy) or more"),
         ("seed", 0 <= seed < 2**64, "must be from 0 to 2^64-1"),
         ("dtype", dtype in ("auto", "float32", "bfloat16", "float16"),
          "use float32, bfloat16 or float16"),

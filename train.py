@@ -88,7 +88,8 @@ def lost_contact(error):
     return f"rank {rank} lost contact with the other ranks ({reason}): {other} {what_happened}"
 
 def report(error_type, error, traceback):
-    """sys.excepthook: a mistake, a second Ctrl-C or a lost rank: one line, exit status 1."""
+    """sys.excepthook: a mistake, a second Ctrl-C or a lost rank: one line, exit status 1; a bug
+    keeps its traceback."""
     exit_on_ctrl_c(1)
     if issubclass(error_type, KeyboardInterrupt):
         error = "interrupted: stopped at once, without saving (one Ctrl-C saves first)"

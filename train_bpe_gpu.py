@@ -534,10 +534,9 @@ def count_worker(number, batches, inboxes, results, pattern_text):
     """A worker: counts the batches it takes until None, then sums its share of all the workers'
     counts onto `results`. After an error (put there at once) it only drains the queue, and still
     sends its shares: no process waits forever."""
-    if sys.platform == "linux":  # it dies with its parent (kill -9 too): never holds --out's lock
-        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-        if os.getppid() != multiprocessing.parent_process().pid:  # the parent died before that
-            os._exit(1)
+    ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG (Linux, as Triton): it dies with
+    if os.getppid() != multiprocessing.parent_process().pid:  # its parent, or never holds the lock
+        os._exit(1)
     chunk_counts, error = Counter(), None
     for batch in iter(batches.get, None):
         try:
@@ -569,7 +568,7 @@ def count_chunks(documents, budget, pattern_text, workers, label):
     # at most two batches a worker wait in the queue: the parent reads no further ahead
     batches, results = fork.Queue(2 * workers), fork.Queue()
     inboxes = [fork.Queue() for _ in range(workers)]  # worker i's: the shares it adds up
-    processes = [fork.Process(target=count_worker,
+    processes = [fork.Process(target=count_worker, daemon=True,
                               args=(number, batches, inboxes, results, pattern_text))
                  for number in range(workers)]
     for process in processes:
@@ -616,10 +615,10 @@ def count_chunks(documents, budget, pattern_text, workers, label):
             for chunk_sums in [waiting(results.get) for _ in processes]:
                 if isinstance(chunk_sums, UserError):
                     raise chunk_sums
-                # disjoint sums: joining them, in C, is all that is left
+                # disjoint sums: joined in C
                 dict.update(chunk_counts, chunk_sums)
     finally:
-        # after an error, a batch may sit in a pipe no worker reads: exit would wait for it forever
+        # a batch left in a pipe would make exit wait for ever
         batches.cancel_join_thread()
         for process in processes:
             process.kill()

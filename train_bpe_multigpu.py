@@ -123,10 +123,12 @@ def pick_pair(state, row_key, block_key, fresh_key, dirty_flag, dirty_rows, V, B
         tl.store(row_key + rows, tl.load(fresh_key + rows, mask=i < dirty), mask=i < dirty)
         tl.store(fresh_key + rows, 0, mask=i < dirty)
         tl.store(dirty_flag + rows, 0, mask=i < dirty)
-    # barriers (Triton orders memory only within a thread): no thread scans a key before its copy,
-    # or reads DIRTY after its reset; then the dirty rows' block keys (twice for two rows, alike)
+    # Triton orders memory only within a thread: a barrier, or a thread could scan a key before its
+    # copy (or read DIRTY after its reset)
     tl.debug_barrier()
     tl.store(state + DIRTY, 0)
+    # a dirty row's key may have dropped: its block key is recomputed (twice for two dirty rows of a
+    # block, alike), then a barrier before the scan
     tl.static_assert(BLOCK >= KEY_BLOCK)
     for first in range(0, dirty, BLOCK // KEY_BLOCK):
         i = first + tl.arange(0, BLOCK // KEY_BLOCK)
@@ -556,7 +558,8 @@ def run(argv):
     num_merges, eot_id = len(merges), 256 + len(merges)
     stop_reason = "vocab_size reached" if eot_id == args.vocab_size else "no pairs left to merge"
     if eot_id < args.vocab_size:
-        say(f"stopped early: {stop_reason} after {num_merges} merges (vocab {eot_id})")
+        say(f"stopped early after {num_merges} merges: {stop_reason} "
+            f"(vocab {eot_id} < {args.vocab_size})")
     if RANK == 0:
         save_tokenizer(out_dir, merges, {
             "pattern": args.pattern, "special_tokens": {EOT: eot_id}, "vocab_size": eot_id + 1,
@@ -612,10 +615,9 @@ def count_worker(number, batches, inboxes, results, pattern_text):
     """A worker: counts the batches it takes until None, then sums its share of all the workers'
     counts onto `results`. After an error (put there at once) it only drains the queue, and still
     sends its shares: no process waits forever."""
-    if sys.platform == "linux":  # it dies with its parent (kill -9 too): never holds --out's lock
-        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-        if os.getppid() != multiprocessing.parent_process().pid:  # the parent died before that
-            os._exit(1)
+    ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG (Linux, as Triton): it dies with
+    if os.getppid() != multiprocessing.parent_process().pid:  # its parent, or never holds the lock
+        os._exit(1)
     chunk_counts, error = Counter(), None
     for batch in iter(batches.get, None):
         try:
@@ -647,7 +649,7 @@ def count_chunks(documents, budget, pattern_text, workers, label):
     # at most two batches a worker wait in the queue: the parent reads no further ahead
     batches, results = fork.Queue(2 * workers), fork.Queue()
     inboxes = [fork.Queue() for _ in range(workers)]  # worker i's: the shares it adds up
-    processes = [fork.Process(target=count_worker,
+    processes = [fork.Process(target=count_worker, daemon=True,
                               args=(number, batches, inboxes, results, pattern_text))
                  for number in range(workers)]
     for process in processes:
@@ -694,10 +696,10 @@ def count_chunks(documents, budget, pattern_text, workers, label):
             for chunk_sums in [waiting(results.get) for _ in processes]:
                 if isinstance(chunk_sums, UserError):
                     raise chunk_sums
-                # disjoint sums: joining them, in C, is all that is left
+                # disjoint sums: joined in C
                 dict.update(chunk_counts, chunk_sums)
     finally:
-        # after an error, a batch may sit in a pipe no worker reads: exit would wait for it forever
+        # a batch left in a pipe would make exit wait for ever
         batches.cancel_join_thread()
         for process in processes:
             process.kill()

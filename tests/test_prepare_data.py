@@ -543,6 +543,13 @@ def test_out_into_a_file_and_foreign_or_mismatched_out(tmp_path, docs, bpe_dir, 
     assert (tmp_path / "ds" / "progress.json").read_text() == progress
     (tmp_path / "ds" / "progress.json").write_bytes(before["meta.json"])
     (tmp_path / "ds" / "progress.json").rename(tmp_path / "ds" / "meta.json")
+    # a dataset of the prepare_data.py before the tokenizer's pattern was in meta.json: said so, not "other arguments"
+    older = {key: value for key, value in meta["tokenizer"].items() if key not in ("pattern", "special_tokens")}
+    older_args = dict(meta["args"], tokenizer=older)
+    (tmp_path / "ds" / "meta.json").write_text(json.dumps(dict(meta, tokenizer=older, args=older_args)))
+    assert "ds: made with an older prepare_data.py; use another --out, or delete" in refused(
+        "--tokenizer", bpe_dir, "--data", "docs.jsonl", "--out", "ds")
+    (tmp_path / "ds" / "meta.json").write_bytes(before["meta.json"])
     (tmp_path / "ds" / "meta.json").rename(tmp_path / "ds" / "progress.json")  # as an older run's: no "resume"
     assert "progress.json is unreadable" in refused("--tokenizer", bpe_dir, "--data", "docs.jsonl", "--out", "ds")
     (tmp_path / "ds" / "progress.json").rename(tmp_path / "ds" / "meta.json")

@@ -281,8 +281,8 @@ def sample():
 def test_settings_out_of_range_are_refused(sample, monkeypatch):
     for name, value, rule in [("num_samples", 0, "must be at least 1"), ("max_new_tokens", -1, "must be 0 or more"),
                               ("top_k", -1, "must be 0 (no limit) or more"), ("top_p", 0.0, "must be in (0, 1]"),
-                              ("top_p", 1.5, "must be in (0, 1]"), ("temperature", float("inf"), "must be 0 (greedy) or more"),
-                              ("temperature", -1.0, "must be 0 (greedy) or more"),
+                              ("top_p", 1.5, "must be in (0, 1]"), ("temperature", float("inf"), "must be finite, 0 (greedy) or more"),
+                              ("temperature", -1.0, "must be finite, 0 (greedy) or more"),
                               ("seed", -1, "must be from 0 to 2^64-1"), ("dtype", "fp8", "use float32, bfloat16")]:
         with monkeypatch.context() as patch:
             patch.setattr(sample, name, value)

@@ -5,6 +5,7 @@ triton is imported), on the cpu device. The interpreter runs a kernel's programs
 tens of milliseconds per merge: the corpora here are small on purpose. The CUDA tests run where a GPU exists.
 """
 import json
+import multiprocessing.util
 import os
 import re
 import random
@@ -612,6 +613,39 @@ def test_workers_die_with_a_killed_trainer_and_free_its_out(tmp_path):
     finally:
         for pid in survivors:  # nothing outlives the test
             os.kill(int(pid), signal.SIGKILL)
+
+
+def test_a_worker_that_fails_to_start_leaves_no_other_holding_the_exit(monkeypatch):
+    # fork failing for the second worker (out of memory): the first, started, waits on its queue; were it not
+    # a daemon, the exit (multiprocessing's atexit joins such children) would wait for it forever
+    start = multiprocessing.get_context("fork").Process.start
+    starts = []
+
+    def failing_start(process):
+        starts.append(process)
+        if len(starts) == 2:
+            raise OSError(12, "Cannot allocate memory")
+        start(process)
+
+    trainer = os.fork()
+    if trainer == 0:
+        try:
+            monkeypatch.setattr(multiprocessing.get_context("fork").Process, "start", failing_start)
+            try:
+                bpe.count_chunks(iter(["some text"] * 10), 10**6, bpe.pattern, 2, None)
+            except OSError:
+                multiprocessing.util._exit_function()  # what the interpreter's exit runs
+                os._exit(3)
+        finally:
+            os._exit(1)
+    deadline, (pid, status) = time.time() + 20, os.waitpid(trainer, os.WNOHANG)
+    while pid == 0 and time.time() < deadline:
+        time.sleep(0.05)
+        pid, status = os.waitpid(trainer, os.WNOHANG)
+    if pid == 0:
+        os.kill(trainer, signal.SIGKILL)
+        os.waitpid(trainer, 0)
+    assert pid and os.waitstatus_to_exitcode(status) == 3, "the exit waited on a worker for ever"
 
 
 STOPPED_MID_READ = """

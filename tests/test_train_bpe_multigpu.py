@@ -242,6 +242,9 @@ def test_counts_past_2_to_the_31_and_past_one_int64_key(tmp_path):
     # the pairs run out inside a group of 16 merges: the bar ends at the merges made, not at the group's end
     bar_end = re.findall(r"merging: .*?(\d+)/1792 \[", result.stderr)[-1]
     assert len(merges) < mg.MERGES_PER_READ and bar_end == str(len(merges)), result.stderr
+    # the same line as the other trainers', the vocabulary asked for beside the one made
+    assert f"stopped early after {len(merges)} merges: no pairs left to merge (vocab {256 + len(merges)} < 2048)" \
+        in result.stdout, result.stdout
     # 3 collectives a merge, counted as called: also in the group's no-op merges past the last
     groups = -(-len(merges) // mg.MERGES_PER_READ)
     collectives = float(result.stdout.split("per merge: ")[1].split()[0])
