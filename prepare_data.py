@@ -246,7 +246,7 @@ def run(argv):
                 bar.update(len(pending[1]))
                 if total == limit:
                     break
-        if K == 0 == start and (pending is None or pending[0] == 0 and len(pending[1]) < 2):
+        if K == 0 == start and (pending is None or (pending[0] == 0 and len(pending[1]) < 2)):
             raise UserError(f"the dataset {source} is empty or one token; point --data at text")
         if pending:  # (else a resumed run had finished its shards)
             route(*pending, is_last=True)
@@ -305,7 +305,7 @@ def parse_args(argv):
         raise UserError(f"--part {args.part}: must be K/N, 0 <= K < N")
     args.part = (K, N)
     if args.merge == 1:
-        raise UserError("--merge 1: one part is the whole run, in --out: nothing to merge")
+        raise UserError("--merge 1: one part is the whole run, already in --out; drop --merge")
     if (N > 1 or args.merge) and (args.tokenizer == "char" or args.max_tokens or args.num_chars):
         raise UserError("--part cuts the whole source: no --max_tokens, -n, nor char level")
     return args

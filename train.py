@@ -27,7 +27,7 @@ log_interval = 10               # print the step's loss and speed every this man
 always_save_checkpoint = False  # save at every eval, not only when val loss improved
 milestones = []                 # steps whose checkpoint is kept too, as ckpt_<iter>.pt
 wandb_log, wandb_project, wandb_run_name = False, "lillm", "run"  # evals to Weights & Biases
-hellaswag_interval = 0          # HellaSwag at the evals of multiples of it; 0: off
+hellaswag_interval = 0          # HellaSwag at evals whose step is a multiple of it; 0: off
 hellaswag = "hub"               # "hub" (Rowan/hellaswag: 10,042 examples) or a local .jsonl
 hellaswag_batch = 0             # examples (4 rows each) a forward; 0: 32 on CUDA, else 1
 sample_prompt = ""              # each eval prints and logs 32 tokens sampled after it; "": off
@@ -215,7 +215,8 @@ for ok, message in [
         raise UserError(message)
 n_kv_head = n_head if n_kv_head is None else n_kv_head
 if lr_decay_iters > max_iters and not eval_only:
-    note(f"lr_decay_iters={lr_decay_iters} is past max_iters={max_iters}: the lr ends above min_lr")
+    note(f"lr_decay_iters={lr_decay_iters} is past max_iters={max_iters}: the lr ends above min_lr "
+         f"(--lr_decay_iters={max_iters} decays fully)")
 
 # === plumbing: the dataset: meta, tokenizer (the checkpoint carries it), shard_sizes
 import hashlib

@@ -6,7 +6,7 @@ Train a byte-level BPE tokenizer on many GPUs (or CPU processes) at once: one to
     python train_bpe_multigpu.py --device cpu -v 300 -n 65536   # world size 1, no torchrun needed
 
 The tokenizer is rustbpe's and train_bpe_gpu.py's, byte for byte, on the text the ranks read
-together (all of it if -n is W times past its end: a rank reads at most n / W of its part): BPE
+together (all of it if -n is at least W times its length: a rank reads at most n / W of its part): BPE
 depends only on the multiset of chunks.
 
 Not data-parallel training: a merge chosen from one rank's counts would be wrong. The ranks split
@@ -748,7 +748,7 @@ def count_part(args, source, files, documents, share, byte_range):
             error = (f"{os_error.filename or prefix.parent}: {os_error.strerror or os_error}; "
                      "check it (--cache_dir says where the cache goes)")
     elif WORLD > 1:
-        say("cache: rank 0's part is counted; waiting for the others")
+        say("cache: rank 0's counts are loaded; waiting for the others")
     if error is None and cached[0].size + 2 > MAX_POSITIONS:
         error = (f"rank {RANK}'s distinct chunks hold {cached[0].size:,} bytes, more than int32 "
                  "positions can name (2^31 - 4); use more ranks, or a smaller -n")
@@ -903,8 +903,10 @@ def check_text(args, source, total, parts, cache_statuses, prefix):
     if chars < n:
         full = [r for r, part in enumerate(parts)
                 if part["chars"] == n * (r + 1) // WORLD - n * r // WORLD]
-        say(f"read {chars:,} characters, fewer than -n {n:,}: " + (f"rank(s) {full} stopped at "
-            "n / W of their part; a larger -n reads more" if full else "the whole text"))
+        why = "the whole text"
+        if full:
+            why = f"rank(s) {full} stopped at n / W of their part: raise -n"
+        say(f"read {chars:,} characters, fewer than -n {n:,}: {why}")
 
 
 # === plumbing: the output directory and its files

@@ -870,7 +870,7 @@ def test_part_and_merge_mistakes_are_one_line_each(parts_source, monkeypatch, tm
     assert "--part 2/2: must be K/N" in refused(*common, "--part", "2/2")
     assert "--part x: must be K/N" in refused(*common, "--part", "x")
     # --part 0/1 is a whole run, written into --out: there is no part-0-of-1 to merge
-    assert "--merge 1: one part is the whole run, in --out: nothing to merge" in refused(*common, "--merge", 1)
+    assert "--merge 1: one part is the whole run, already in --out; drop --merge" in refused(*common, "--merge", 1)
     monkeypatch.setenv("SLURM_ARRAY_TASK_ID", "4")  # a task of an array 1-3? no such part
     monkeypatch.setenv("SLURM_ARRAY_TASK_MIN", "1")
     monkeypatch.setenv("SLURM_ARRAY_TASK_COUNT", "3")

@@ -217,7 +217,7 @@ def test_a_rerun_reuses_the_cache_and_an_edited_cache_is_counted_again(one_file_
     assert second.returncode == 0, second.stdout + second.stderr
     assert "cache: 1 of 2 ranks reused their counted chunks" in second.stdout  # rank 0's
     assert "reading (rank 0's part)" not in second.stderr  # rank 0 read nothing, and says why it waits
-    assert "cache: rank 0's part is counted; waiting for the others" in second.stdout, second.stdout
+    assert "cache: rank 0's counts are loaded; waiting for the others" in second.stdout, second.stdout
     assert "waiting" not in first.stdout
     assert "did not match its checksum" in second.stderr  # rank 1's, counted again
     tiktoken = [(one_file_part.root / name / "tokenizer.tiktoken").read_bytes() for name in ("first", "second")]
