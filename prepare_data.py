@@ -185,7 +185,8 @@ def run(argv):
     (K, N), out_dir = args.part, output_dir(args, source_name)
     settings = run_args(args, source, tokenizer_meta)
     if args.merge:
-        return warn(args, merge_parts(out_dir, args.merge, settings, encoder, tokenizer_files), 0, 0)
+        merged = merge_parts(out_dir, args.merge, settings, encoder, tokenizer_files)
+        return warn(args, merged, 0, 0)
     if N > 1:  # its own dataset, merged later
         out_dir = out_dir / f"part-{K}-of-{N}"
     # char level: a token is a character; both passes read max_tokens characters

@@ -278,7 +278,7 @@ def check_text(args, source, chunk_counts, chars_read):
 
 
 def check_out_dir(out_dir):
-    """Refuse a bad --out before any work; make it -> its lock (held while this process lives)."""
+    """Refuse a bad --out before any work, make it, and return its lock (held while we run)."""
     for path in [out_dir, *out_dir.parents]:
         if path.exists() and not path.is_dir():
             raise UserError(f"--out {out_dir}: {path} is a file, not a directory; give a directory")

@@ -534,8 +534,8 @@ def count_worker(number, batches, inboxes, results, pattern_text):
     """A worker: counts the batches it takes until None, then sums its share of all the workers'
     counts onto `results`. After an error (put there at once) it only drains the queue, and still
     sends its shares: no process waits forever."""
-    ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG (Linux, as Triton): it dies with
-    if os.getppid() != multiprocessing.parent_process().pid:  # its parent, or never holds the lock
+    ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: it dies with its parent
+    if os.getppid() != multiprocessing.parent_process().pid:  # died before: don't hold its lock
         os._exit(1)
     chunk_counts, error = Counter(), None
     for batch in iter(batches.get, None):
@@ -669,7 +669,7 @@ class UserError(Exception):
 
 
 def check_out_dir(out_dir):
-    """Refuse a bad --out before any work; make it -> its lock (held while this process lives)."""
+    """Refuse a bad --out before any work, make it, and return its lock (held while we run)."""
     for path in [out_dir, *out_dir.parents]:
         if path.exists() and not path.is_dir():
             raise UserError(f"--out {out_dir}: {path} is a file, not a directory; give a directory")
