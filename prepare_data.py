@@ -391,7 +391,7 @@ def tokenizer_problem(ranks, special_tokens):
 
 
 def token_byte_lengths(encoder):  # each id's bytes; 0 for special tokens
-    lengths = np.zeros(encoder.n_vocab, np.int64)
+    lengths = np.zeros(encoder.n_vocab, np.uint32)
     for token in encoder.token_byte_values():
         lengths[encoder.encode_single_token(token)] = len(token)
     return lengths
