@@ -241,9 +241,9 @@ class GPT(nn.Module):
 
     # ---- generation ----
     # The KV cache holds each token's keys and values: a step runs only the newest token. Static
-    # (block_size positions, made once and kept), each step writes its own in place. On a GPU the
+    # (block_size positions, kept), each step writes its own in place. On a GPU the
     # decode step reads it all, masked to the filled part: fixed shapes (the position is a tensor),
-    # one CUDA graph (torch.compile) for a batch-1 step's hundreds of kernel launches.
+    # one CUDA graph for a batch-1 step's hundreds of kernel launches.
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, **settings):

@@ -50,7 +50,7 @@ def main():
     device_name, device_type = check_device(device)
     precision = dtype
     if dtype == "auto":
-        bf16 = device_type == "cuda" and torch.cuda.is_bf16_supported()
+        bf16 = device_type == "cuda" and torch.cuda.get_device_capability(device_name) >= (8, 0)
         precision = "bfloat16" if bf16 else "float16" if device_type == "cuda" else "float32"
     # A token reads every weight: cast once to bf16, half the bytes, none of autocast's casts.
     # float16 keeps autocast: a float16 residual stream can overflow.

@@ -192,6 +192,27 @@ def test_bfloat16_casts_the_weights_once_and_drops_autocast(checkpoints):
     assert "(cpu, bfloat16," in result.stderr
 
 
+@pytest.mark.filterwarnings("ignore:CUDA is not available")  # autocast("cuda") on this CPU: off
+@pytest.mark.parametrize("capability, chosen", [((7, 5), "float16"), ((8, 0), "bfloat16")], ids=["T4", "A100"])
+def test_auto_dtype_is_bfloat16_only_on_a_gpu_that_computes_in_it(checkpoints, monkeypatch, capsys, capability,
+                                                                   chosen):
+    # --dtype=auto on a GPU: bfloat16 from compute capability 8 (Ampere); float16 before, where bf16 is emulated,
+    # slowly, though torch.cuda.is_bf16_supported() says yes (by default it counts emulation). No GPU here: sample.py
+    # runs on the CPU, told its device is a GPU that answers as a T4 or an A100 does.
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("sample_on_a_gpu", os.path.join(REPO, "sample.py"))
+    module = importlib.util.module_from_spec(spec)  # its own copy: main() sets the settings' globals
+    spec.loader.exec_module(module)
+    monkeypatch.setattr(module, "check_device", lambda name: ("cpu", "cuda"))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported",
+                        lambda including_emulation=True: including_emulation or capability >= (8, 0))
+    monkeypatch.setattr(sys, "argv", ["sample.py", f"--out_dir={checkpoints / 'char'}", "--num_samples=1",
+                                      "--max_new_tokens=2"])
+    module.main()
+    assert capsys.readouterr().err.endswith(f"(cpu, {chosen}, prompt prefill included)\n")
+
+
 # A checkpoint's own faults (truncated, a future version, not ours) are model.py's errors, tested in test_model.py;
 # the first case here shows that they reach the user as sample.py's one line.
 BAD_INPUTS = {
