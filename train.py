@@ -417,9 +417,9 @@ def load_for_resume(path):
     if None in map(checkpoint.get, training_state):
         raise UserError(f"{path} lacks the training state: only train.py's checkpoints resume")
     if checkpoint["tokenizer"] != tokenizer:  # its ids would mean other text
-        trained_on = (checkpoint.get("dataset") or {}).get("tokenizer")
-        raise UserError(f"{path} was trained with another tokenizer ({trained_on}) than "
-                        f"{dataset}'s ({meta['tokenizer']}): resume on its own dataset")
+        trained_on = checkpoint["train_config"].get("dataset")
+        raise UserError(f"{dataset}'s tokenizer is not the one {path} was trained with (on "
+                        f"{trained_on}): resume on its own dataset")
     if checkpoint["train_config"].get("muon", False) != muon:
         raise UserError(f"{path} was trained with muon={not muon}: resume with --muon={not muon}")
     for key in ("seed", "batch_size", "eval_iters"):

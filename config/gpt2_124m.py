@@ -16,6 +16,7 @@ sample_prompt = "Hello, I'm a language model,"  # a sample at every eval
 always_save_checkpoint = True
 milestones = []
 
+# 16 GPUs (2 nodes) need --batch_size=32: 64 x 1024 tokens on each would make a step of 2^20
 total_batch_size = 524_288  # 2^19 tokens, ~0.5M as GPT-3 Small: 8 micro-steps on 1 GPU
 batch_size = 64  # per GPU, fits 80 GB in bfloat16; lower it on smaller GPUs (accumulation makes up for it)
 block_size = 1024

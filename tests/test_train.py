@@ -230,7 +230,7 @@ def test_bpe_dataset_embeds_its_tokenizer_in_the_checkpoint(dataset, tmp_path):
     saved = (tmp_path / "out" / "ckpt.pt").read_bytes()
     # Resuming onto another dataset's tokenizer (here char-level) is refused, and the checkpoint stays as it was.
     result = run_train(dataset, tmp_path / "out", "--init_from=resume", "--max_iters=2")
-    assert_one_error_line(result, "was trained with another tokenizer", "'kind': 'bpe'", "'kind': 'char'")
+    assert_one_error_line(result, f"{dataset}'s tokenizer is not the one", f"was trained with (on {bpe})")
     assert (tmp_path / "out" / "ckpt.pt").read_bytes() == saved
     # A tokenizer.tiktoken replaced after the shards were made (a BPE trainer's --out pointed here) is refused.
     (bpe / "tokenizer.tiktoken").write_text(ranks + "IQ== 257\n")
@@ -825,6 +825,9 @@ MISTAKES = {
                                 "was trained with muon=False: resume with --muon=False"),
     "muon resumed with adamw": (["--init_from=resume", "--out_dir=TMP/muon"],
                                 "was trained with muon=True: resume with --muon=True"),
+    # Another char-level dataset: the line names the dataset the checkpoint was trained on (not two {'kind': 'char'})
+    "other characters": (["--dataset=DATA", "--init_from=resume", "--out_dir=TMP/adamw", "--max_iters=0"],
+                         "other_characters's tokenizer is not the one", "was trained with (on DATASET)"),
     # Only a milestone copy (ckpt.pt was never saved, or deleted): resume reads ckpt.pt, so the hint says to copy it.
     "milestone alone": (["--init_from=auto", "--out_dir=TMP/milestone"], "ckpt_10.pt exists", "once it is copied to ckpt.pt"),
 }
@@ -847,6 +850,7 @@ BREAK = {
     "meta.json a device": lambda d, meta: (d / "meta.json").symlink_to("/dev/zero"),
     "meta.json a FIFO": lambda d, meta: os.mkfifo(d / "meta.json"),
     "meta.json huge": lambda d, meta: huge_file(d / "meta.json"),
+    "other characters": lambda d, meta: dict(meta, chars=meta["chars"][::-1]),
 }
 
 
@@ -884,9 +888,10 @@ def mistakes(dataset, trained, tmp_path_factory, script_runner):
 
 
 @pytest.mark.parametrize("case", MISTAKES)
-def test_user_mistakes_get_one_line(mistakes, case):
+def test_user_mistakes_get_one_line(mistakes, case, dataset):
     tmp, results = mistakes
     fragments = [m.replace("PRESET", str(tmp / "preset.py")).replace("EXITING", str(tmp / "exiting.py"))
+                 .replace("DATASET", str(dataset))  # the one the checkpoints were trained on
                  for m in MISTAKES[case][1:]]
     assert_one_error_line(results[case], *fragments)
     assert not (tmp / "out").exists()  # nothing written before the mistake was found
