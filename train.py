@@ -363,7 +363,7 @@ if is_cuda:  # a GPU per process; srun may hide the others (CUDA_VISIBLE_DEVICES
     device = f"cuda:{local_rank % torch.cuda.device_count()}" if ddp or device == "cuda" else device
     torch.cuda.set_device(device)
 if dtype == "auto":  # no bfloat16 on a CPU: most emulate it, many times slower
-    bfloat16_ok = is_cuda and torch.cuda.is_bf16_supported()
+    bfloat16_ok = is_cuda and torch.cuda.get_device_capability() >= (8, 0)  # not T4's emulation
     dtype = "bfloat16" if bfloat16_ok else "float16" if is_cuda else "float32"
 compile = is_cuda if compile == "auto" else compile
 hellaswag_batch = hellaswag_batch or (32 if is_cuda else 1)  # CPU caches favour 1

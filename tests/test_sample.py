@@ -213,6 +213,13 @@ def test_auto_dtype_is_bfloat16_only_on_a_gpu_that_computes_in_it(checkpoints, m
     assert capsys.readouterr().err.endswith(f"(cpu, {chosen}, prompt prefill included)\n")
 
 
+def test_train_py_picks_bfloat16_by_the_same_rule():
+    # train.py has no main() to run in-process with a pretend GPU: its line is read, to ask what sample.py asks
+    with open(os.path.join(REPO, "train.py"), encoding="utf-8") as f:
+        source = f.read()
+    assert "torch.cuda.get_device_capability() >= (8, 0)" in source and "is_bf16_supported" not in source
+
+
 # A checkpoint's own faults (truncated, a future version, not ours) are model.py's errors, tested in test_model.py;
 # the first case here shows that they reach the user as sample.py's one line.
 BAD_INPUTS = {
