@@ -6,7 +6,7 @@ Turn text into token shards for train.py: fast, in flat memory, and resumable.
     python prepare_data.py --tokenizer char --data ../shared/corpora/tinyshakespeare.txt
 
 It writes --out/val_000000.npy, ..., train_000000.npy, ... and, last, meta.json.
-Killed and rerun, it resumes where it stopped. On many machines: --part K/N on each, then --merge N.
+Killed and rerun, it resumes. On many machines: --part K/N on each, then --merge N.
 """
 
 import argparse, base64, codecs, fcntl, hashlib, itertools, json, os, signal, socket, stat, sys
@@ -143,7 +143,7 @@ class Shards:
 
 
 def write_json(path, obj):  # never half a file
-    with open(f"{path}.tmp", "w") as f:
+    with open(f"{path}.tmp", "w", encoding="utf-8") as f:
         json.dump(obj, f, indent=1, ensure_ascii=False)
         f.flush()
         os.fsync(f.fileno())
@@ -486,7 +486,7 @@ def merge_parts(out_dir, count, now, encoder, tokenizer_files):
     metas = [resume_state(path, {"args": {**now, "part": [k, count]}}, encoder)  # or an error line
              for k, path in enumerate(parts)]
     tokens = {split: sum(meta["tokens"][split] for meta in metas) for split in ("val", "train")}
-    if tokens["train"] == 0:  # part 0 can't know it holds the last document, which trains
+    if tokens["train"] == 0:  # part 0 can't know it has the last document, which trains
         raise UserError(f"--merge {count}: part 0 holds all documents, in val; run once, into another --out")
     merged = {**metas[0], "args": {**now, "part": count}, "shards": {"val": [], "train": []},
               "tokens": tokens, "num_chars": sum(m["num_chars"] for m in metas),

@@ -166,9 +166,11 @@ def test_bpe_dir_shards_decode_to_the_documents(tmp_path, docs, bpe_dir):
 
 
 def test_char_level_single_document_gives_its_last_tenth_to_val(tmp_path):
+    """Run in an ASCII locale: meta.json, which holds the characters, is UTF-8 whatever the locale."""
     text = "First Citizen:\nBefore we proceed any further, hear me speak.\n\n" * 40 + "Ünïcödé ✓ 🎉"
     (tmp_path / "play.txt").write_text(text, encoding="utf-8")
-    prepare("--tokenizer", "char", "--data", "play.txt", "--shard_size", 512, cwd=tmp_path)
+    ascii_locale = {"LC_ALL": "C", "PYTHONCOERCECLOCALE": "0", "PYTHONUTF8": "0"}
+    prepare("--tokenizer", "char", "--data", "play.txt", "--shard_size", 512, cwd=tmp_path, env=ascii_locale)
     meta, val, train = read_dataset(tmp_path / "data" / "play_char")  # the default: data/<source>_<tokenizer>
     assert meta["chars"] == sorted(set(text)) and meta["vocab_size"] == len(set(text))
     assert meta["eot_token"] is None and meta["tokenizer"] == {"kind": "char"}
