@@ -6,8 +6,7 @@ Turn text into token shards for train.py: fast, in flat memory, and resumable.
     python prepare_data.py --tokenizer char --data ../shared/corpora/tinyshakespeare.txt
 
 It writes --out/val_000000.npy, ..., train_000000.npy, ... and, last, meta.json.
-Killed and rerun, it resumes where it stopped.
-On many machines: --part K/N on each, then --merge N.
+Killed and rerun, it resumes. On many machines: --part K/N on each, then --merge N.
 """
 
 import argparse, base64, codecs, fcntl, hashlib, itertools, json, os, signal, socket, stat, sys
@@ -78,7 +77,7 @@ def encode_in_threads(texts, encode, workers):
                 batch, size = [], 0
             while in_flight and (text is None or len(in_flight) > 2 * workers):
                 yield from in_flight.popleft().result()
-    finally:  # stopped early too (--max_tokens, an error, Ctrl-C): drop batches not begun
+    finally:  # stopped early too: drop batches not begun
         pool.shutdown(cancel_futures=True)
 
 
@@ -144,7 +143,7 @@ class Shards:
 
 
 def write_json(path, obj):  # never half a file
-    with open(f"{path}.tmp", "w") as f:
+    with open(f"{path}.tmp", "w", encoding="utf-8") as f:
         json.dump(obj, f, indent=1, ensure_ascii=False)
         f.flush()
         os.fsync(f.fileno())
@@ -218,8 +217,7 @@ def run(argv):
                      dtype=np.dtype(dtype).name)
         token_lengths = None if args.tokenizer == "char" else token_byte_lengths(encoder)
 
-        # step 1 in threads; steps 3 and 2 a document late: only the next one's arrival says a
-        # document is not the last, which always trains
+        # steps 3 and 2 a document late: only the next one's arrival says it is not the last
         shards, limit = Shards(out_dir, state, args.shard_size), args.max_tokens or sys.maxsize
         start, offset = state["resume"]["document"], state["resume"]["offset"]
         total = start_total = sum(state["tokens"].values()) - offset  # those before `start`
@@ -227,7 +225,7 @@ def run(argv):
                                    lambda batch: encode_batch(batch, encoder, dtype, token_lengths),
                                    args.workers)
 
-        # a part knows if it is first or last: val is part 0's, which must hold all of val
+        # val is part 0's, which must hold all of val
         def route(index, tokens, chars, skip, is_last):  # step 3, then step 2
             for split, begin, end in val_split(K == index == 0, len(tokens), skip,
                                                is_last and K == N - 1, state["tokens"],
@@ -247,9 +245,9 @@ def run(argv):
                 bar.update(len(pending[1]))
                 if total == limit:
                     break
-        if K == 0 == start and (pending is None or (pending[0] == 0 and len(pending[1]) < 2)):
+        if N == 1 and start == 0 and (pending is None or (pending[0] == 0 and len(pending[1]) < 2)):
             raise UserError(f"the dataset {source} is empty or one token; point --data at text")
-        if pending:  # (else a resumed run had finished its shards)
+        if pending:  # (else a resumed run's shards were done)
             route(*pending, is_last=True)
             shards.finish(pending[0] + 1, 0)
         tokens = state["tokens"]
@@ -398,8 +396,8 @@ def token_byte_lengths(encoder):  # each id's bytes; 0 for special tokens
 
 
 # === plumbing: resuming, and the lock on --out
-def run_args(args, source, tokenizer_meta):  # what decides the shards: a rerun with others stops
-    files = None  # a local source is known by its files: edited ones don't resume
+def run_args(args, source, tokenizer_meta):  # what decides the shards
+    files = None  # a local source is its files: edited ones don't resume
     if (args.data or data) not in HUB_DATASETS:
         files = [[str(p), p.stat().st_size, p.stat().st_mtime_ns] for p in local_files(args.data)]
     return {"source": source, "tokenizer": tokenizer_meta, "num_chars": args.num_chars,
@@ -417,7 +415,7 @@ def resume_state(out_dir, state, encoder):
         if any(not path.name.endswith(".tmp") for path in out_dir.iterdir()):
             raise UserError(f"--out {out_dir} is not empty and was not made by prepare_data.py")
         return state
-    vocabulary = {}  # the tokenizer's ids decide the shards too (char level: the data's)
+    vocabulary = {}  # the ids decide the shards too (char level: the data's)
     if encoder is not None:
         vocabulary = {"vocab_size": encoder.n_vocab, "eot_token": encoder.eot_token}
     start_over = f"delete {out_dir} to start over"
@@ -488,6 +486,8 @@ def merge_parts(out_dir, count, now, encoder, tokenizer_files):
     metas = [resume_state(path, {"args": {**now, "part": [k, count]}}, encoder)  # or an error line
              for k, path in enumerate(parts)]
     tokens = {split: sum(meta["tokens"][split] for meta in metas) for split in ("val", "train")}
+    if tokens["train"] == 0:  # part 0 can't know it has the last document, which trains
+        raise UserError(f"--merge {count}: part 0 holds all documents, in val; run once, into another --out")
     merged = {**metas[0], "args": {**now, "part": count}, "shards": {"val": [], "train": []},
               "tokens": tokens, "num_chars": sum(m["num_chars"] for m in metas),
               "max_token_id": max(m["max_token_id"] for m in metas)}
@@ -690,5 +690,5 @@ if __name__ == "__main__":
         sys.exit(143 if str(stop) else 130)
     except UserError as error:
         sys.exit(f"error: {error}")  # to stderr, exit status 1
-    except OSError as error:  # a full disk, a lost mount: finished shards are safe
+    except OSError as error:  # a full disk, a lost mount
         sys.exit(f"error: {error}; fix it and run the same command again to resume")

@@ -166,9 +166,11 @@ def test_bpe_dir_shards_decode_to_the_documents(tmp_path, docs, bpe_dir):
 
 
 def test_char_level_single_document_gives_its_last_tenth_to_val(tmp_path):
+    """Run in an ASCII locale: meta.json, which holds the characters, is UTF-8 whatever the locale."""
     text = "First Citizen:\nBefore we proceed any further, hear me speak.\n\n" * 40 + "Ünïcödé ✓ 🎉"
     (tmp_path / "play.txt").write_text(text, encoding="utf-8")
-    prepare("--tokenizer", "char", "--data", "play.txt", "--shard_size", 512, cwd=tmp_path)
+    ascii_locale = {"LC_ALL": "C", "PYTHONCOERCECLOCALE": "0", "PYTHONUTF8": "0"}
+    prepare("--tokenizer", "char", "--data", "play.txt", "--shard_size", 512, cwd=tmp_path, env=ascii_locale)
     meta, val, train = read_dataset(tmp_path / "data" / "play_char")  # the default: data/<source>_<tokenizer>
     assert meta["chars"] == sorted(set(text)) and meta["vocab_size"] == len(set(text))
     assert meta["eot_token"] is None and meta["tokenizer"] == {"kind": "char"}
@@ -834,6 +836,26 @@ def test_parts_in_which_no_document_starts_are_empty_and_merge_to_one_runs_ids(t
     meta, val, train = read_dataset(tmp_path / "parts")
     one_meta, one_val, one_train = read_dataset(tmp_path / "one")
     assert np.array_equal(val, one_val) and np.array_equal(train, one_train) and meta["tokens"] == one_meta["tokens"]
+
+
+def test_parts_that_cannot_equal_one_run_are_refused_in_one_line(tmp_path, bpe_dir, corpus, monkeypatch, capsys):
+    """A lone .txt falls whole in part 0, which can't know it holds the last document: all of it goes to val,
+    where one run gives train 90%. The merge refuses rather than write a dataset with no train. And a part 0 in
+    which no document starts (its lines' texts empty) is not called an empty dataset: it holds too little val."""
+    (tmp_path / "lone").mkdir()
+    (tmp_path / "lone" / "a.txt").write_text(corpus("tinyshakespeare.txt").read_text()[:3000])
+    monkeypatch.chdir(tmp_path)
+    common = ["--tokenizer", str(bpe_dir), "--data", "lone", "--val_tokens", "10"]
+    for k in range(2):
+        prepare_data.run([*common, "--out", "parts", "--part", f"{k}/2"])
+    assert "--merge 2: part 0 holds all documents, in val" in refused(*common, "--out", "parts", "--merge", 2)
+    assert not (tmp_path / "parts" / "meta.json").exists()
+    prepare_data.run([*common, "--out", "one"])  # one run: 90% train
+    assert read_dataset(tmp_path / "one")[0]["tokens"]["train"] > 0
+    write_jsonl(tmp_path / "late.jsonl", [""] * 500 + ["some text to tokenize"] * 50)
+    assert "part 0 holds fewer tokens than --val_tokens" in refused(
+        "--tokenizer", bpe_dir, "--data", "late.jsonl", "--out", "late", "--part", "0/4")
+    capsys.readouterr()
 
 
 def test_a_part_stopped_by_sigterm_says_so_and_resumes_to_one_runs_ids(parts_source):
