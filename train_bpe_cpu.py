@@ -153,16 +153,18 @@ def vocab_bytes(merges):
 
 def save_tokenizer(out_dir, merges, info):
     """tiktoken's rank file (each token's bytes in base64, and its rank) and `info` as
-    tokenizer.json, each via a .tmp: never half a file."""
+    tokenizer.json, via .tmp files renamed once both are whole."""
     ranks = "".join(f"{base64.b64encode(token).decode()} {rank}\n"
                     for rank, token in enumerate(vocab_bytes(merges)))
     settings = json.dumps(info, indent=2, ensure_ascii=False) + "\n"
-    for name, text in [("tokenizer.tiktoken", ranks), ("tokenizer.json", settings)]:
-        tmp = out_dir / f"{name}.tmp"
-        try:
+    tmps = {out_dir / "tokenizer.tiktoken.tmp": ranks, out_dir / "tokenizer.json.tmp": settings}
+    try:
+        for tmp, text in tmps.items():
             tmp.write_text(text, encoding="utf-8")
-            os.replace(tmp, out_dir / name)
-        finally:
+        for tmp in tmps:
+            tmp.replace(tmp.with_suffix(""))
+    finally:
+        for tmp in tmps:
             tmp.unlink(missing_ok=True)
 
 

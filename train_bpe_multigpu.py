@@ -6,8 +6,8 @@ Train a byte-level BPE tokenizer on many GPUs (or CPU processes) at once: one to
     python train_bpe_multigpu.py --device cpu -v 300 -n 65536   # world size 1, no torchrun needed
 
 The tokenizer is rustbpe's and train_bpe_gpu.py's, byte for byte, on the text the ranks read
-together (all of it if -n is at least W times its length: a rank reads at most n / W of its part): BPE
-depends only on the multiset of chunks.
+together (a rank reads at most n / W of its part: all of it if n >= W x its length): BPE depends
+only on the multiset of chunks.
 
 Not data-parallel training: a merge chosen from one rank's counts would be wrong. The ranks split
 the text (about n / W characters each, documents whole), the distinct chunks (each merges its own)
@@ -505,9 +505,8 @@ def run(argv):
     cached, cache_status, prefix, error = count_part(args, source, files, documents, share,
                                                      byte_range)
 
-    # --- the process group. Its timeout bounds each wait for the others, in joining (each counts
-    # its part first) and in every collective: a hung rank becomes an error on the others (a dead
-    # one sooner: its sockets close).
+    # --- the process group. Its timeout bounds each wait for the others (joining, collectives): a
+    # hung rank becomes an error on the others (a dead one sooner: its sockets close).
     if args.device == "cuda":
         torch.cuda.set_device(LOCAL_RANK)
     # small ops: waking OpenMP threads for each costs more than it saves
@@ -612,9 +611,9 @@ def count_batch(documents, pattern_text, chunk_counts):
 
 
 def count_worker(number, batches, inboxes, results, pattern_text):
-    """A worker: counts the batches it takes until None, then sums its share of all the workers'
-    counts onto `results`. After an error (put there at once) it only drains the queue, and still
-    sends its shares: no process waits forever."""
+    """A worker: counts batches until None, then sums its share of all the workers' counts onto
+    `results`. After an error (put there at once) it drains the queue, still sending its shares:
+    no process waits forever."""
     ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: it dies with its parent
     if os.getppid() != multiprocessing.parent_process().pid:  # died before: don't hold its lock
         os._exit(1)
@@ -903,9 +902,7 @@ def check_text(args, source, total, parts, cache_statuses, prefix):
     if chars < n:
         full = [r for r, part in enumerate(parts)
                 if part["chars"] == n * (r + 1) // WORLD - n * r // WORLD]
-        why = "the whole text"
-        if full:
-            why = f"rank(s) {full} stopped at n / W of their part: raise -n"
+        why = f"rank(s) {full} stopped at n / W of their part: raise -n" if full else "the whole text"
         say(f"read {chars:,} characters, fewer than -n {n:,}: {why}")
 
 
@@ -921,16 +918,18 @@ def vocab_bytes(merges):
 
 def save_tokenizer(out_dir, merges, info):
     """tiktoken's rank file (each token's bytes in base64, and its rank) and `info` as
-    tokenizer.json, each via a .tmp: never half a file."""
+    tokenizer.json, via .tmp files renamed once both are whole."""
     ranks = "".join(f"{base64.b64encode(token).decode()} {rank}\n"
                     for rank, token in enumerate(vocab_bytes(merges)))
     settings = json.dumps(info, indent=2, ensure_ascii=False) + "\n"
-    for name, text in [("tokenizer.tiktoken", ranks), ("tokenizer.json", settings)]:
-        tmp = out_dir / f"{name}.tmp"
-        try:
+    tmps = {out_dir / "tokenizer.tiktoken.tmp": ranks, out_dir / "tokenizer.json.tmp": settings}
+    try:
+        for tmp, text in tmps.items():
             tmp.write_text(text, encoding="utf-8")
-            os.replace(tmp, out_dir / name)
-        finally:
+        for tmp in tmps:
+            tmp.replace(tmp.with_suffix(""))
+    finally:
+        for tmp in tmps:
             tmp.unlink(missing_ok=True)
 
 
@@ -1090,7 +1089,7 @@ class BadUTF8:  # invalid UTF-8 and lone surrogates: each read as U+FFFD, and co
 BadUTF8.errors = f"replace and count {id(BadUTF8)}"  # its own name: a process may load two scripts
 codecs.register_error(BadUTF8.errors, BadUTF8.replace)
 
-# === plumbing: error reporting: a user's mistake or a lost rank is one line, no traceback
+# === plumbing: error reporting: a user's mistake or a lost rank is one line
 
 def stopped(signum, frame):  # torchrun stops the others so when one fails; SLURM at its limit
     say(f"\nerror: stopped by {signal.Signals(signum).name}", file=sys.stderr)
