@@ -841,8 +841,8 @@ def validate(args):
         (not 256 <= args.vocab_size <= 65536,
          f"-v {args.vocab_size}: vocab_size must be between 256 (the bytes) and 65536"),
         (args.num_chars <= 0, f"-n {args.num_chars}: must be positive"),
-        (args.workers < 0 or args.timeout <= 0, f"--workers {args.workers} --timeout "
-         f"{args.timeout}: workers must be 0 (automatic) or more, and the timeout positive"),
+        (args.workers < 0 or not 0 < args.timeout < 2**31, f"--workers {args.workers} --timeout "
+         f"{args.timeout}: workers must be 0 (automatic) or more, the timeout in (0, 2^31) s"),
         (split_pattern.fullmatch(""), f"--pattern {args.pattern!r} matches the empty string; each "
          "match must take a character (x+, not x*)"),
         (split_pattern.groups, f"--pattern {args.pattern!r} has a capturing group; use (?:...)"),

@@ -358,6 +358,9 @@ def test_characters_the_pattern_leaves_out_are_one_warning_over_all_ranks(tmp_pa
     (["--pattern", ""], "matches the empty string"),
     (["--pattern", r"(\w+) ?"], "has a capturing group; use (?:...)"),
     (["-v", "255"], "vocab_size must be between 256"),
+    # not a traceback from the process group's timedelta, once the text is read
+    (["--timeout", "inf"], "the timeout in (0, 2^31) s"),
+    (["--timeout", "nan"], "the timeout in (0, 2^31) s"),
     (["--out", "DATASET"], "is a dataset directory"),
     (["--out", "FILE/under"], "is a file, not a directory"),
     (["--out", "/proc/tok"], "can't be written"),
