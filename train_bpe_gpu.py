@@ -107,8 +107,7 @@ def append(length, buffer, values, keep):
 def choose_batch(state, batch, row_keys, block_key, fresh_keys, dirty_flag, dirty_rows, list_start,
                  list_len, merge_log, V, max_batch, BLOCK: tl.constexpr, KEY_BLOCK: tl.constexpr,
                  POSITIONS: tl.constexpr, SLOTS: tl.constexpr):
-    """Step 1: picks the round's pairs (batch, merge_log, the new lists' start), or sets DONE: one
-    program."""
+    """Step 1, one program: the round's pairs (batch, merge_log, the new lists' start), or DONE."""
     if tl.load(state + DONE) != 0:
         return
     dirty = tl.load(state + DIRTY)
@@ -650,8 +649,7 @@ def vocab_bytes(merges):
 
 
 def save_tokenizer(out_dir, merges, info):
-    """tiktoken's rank file (each token's bytes in base64, and its rank) and `info` as
-    tokenizer.json, via .tmp files renamed once both are whole."""
+    """The ranks in tokenizer.tiktoken, `info` in tokenizer.json, renamed from whole .tmp files."""
     ranks = "".join(f"{base64.b64encode(token).decode()} {rank}\n"
                     for rank, token in enumerate(vocab_bytes(merges)))
     settings = json.dumps(info, indent=2, ensure_ascii=False) + "\n"

@@ -902,7 +902,9 @@ def check_text(args, source, total, parts, cache_statuses, prefix):
     if chars < n:
         full = [r for r, part in enumerate(parts)
                 if part["chars"] == n * (r + 1) // WORLD - n * r // WORLD]
-        why = f"rank(s) {full} stopped at n / W of their part: raise -n" if full else "the whole text"
+        why = "the whole text"
+        if full:
+            why = f"rank(s) {full} stopped at n / W of their part: raise -n"
         say(f"read {chars:,} characters, fewer than -n {n:,}: {why}")
 
 
@@ -917,8 +919,7 @@ def vocab_bytes(merges):
 
 
 def save_tokenizer(out_dir, merges, info):
-    """tiktoken's rank file (each token's bytes in base64, and its rank) and `info` as
-    tokenizer.json, via .tmp files renamed once both are whole."""
+    """The ranks in tokenizer.tiktoken, `info` in tokenizer.json, renamed from whole .tmp files."""
     ranks = "".join(f"{base64.b64encode(token).decode()} {rank}\n"
                     for rank, token in enumerate(vocab_bytes(merges)))
     settings = json.dumps(info, indent=2, ensure_ascii=False) + "\n"
