@@ -364,7 +364,7 @@ def chunks_to_arrays(blob, lengths, occurrences, count_dtype):
 
 def merge_on_device(arrays, vocab_size, total_pairs, device, show_progress):
     """The merges, this rank's tokens saved, the loop's counts of collectives and host reads, and
-    the seconds of the setup (uploads, zeros, compiling) and of the loop alone."""
+    the seconds of the setup (uploads, zeros, compiling) and of the loop."""
     V, rank, W = vocab_size, dist.get_rank(), dist.get_world_size()
     started = time.time()
     upload = lambda name: torch.from_numpy(arrays[name]).to(device)  # noqa
@@ -487,6 +487,7 @@ def read_part(part_files, lo, hi, budget):
 # torchrun sets them; LOCAL_RANK is this rank's GPU on its node
 RANK, WORLD = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
 LOCAL_RANK = int(os.environ.get("LOCAL_RANK", "0"))
+LOCAL_WORLD = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
 
 
 def say(*args, **kwargs):  # rank 0 alone speaks
@@ -568,9 +569,8 @@ def run(argv):
     tokens_left = total["total_bytes"] - sum(saved for saved, _ in saved_and_peak)
     reading = "loading the cache" if {*cache_statuses} == {"reused"} else "reading + pre-tokenizing"
     merges_per_second = num_merges / max(seconds["loop"], 1e-9)
-    say(f"{reading} {t1 - t0:.2f}s | "
-        f"layout {t2 - t1:.2f}s | setup {seconds['setup']:.2f}s | merging {seconds['loop']:.2f}s "
-        f"({merges_per_second:,.0f} merges/s) | total {t3 - t0:.2f}s")
+    say(f"{reading} {t1 - t0:.2f}s | layout {t2 - t1:.2f}s | setup {seconds['setup']:.2f}s | "
+        f"merging {seconds['loop']:.2f}s ({merges_per_second:,.0f} merges/s) | total {t3 - t0:.2f}s")
     if num_merges:
         say(f"per merge: {loop_counts['collectives'] / num_merges:.2f} collectives "
             f"({loop_counts['collective_bytes'] / num_merges / 1024:,.1f} KiB), "
@@ -733,7 +733,7 @@ def count_part(args, source, files, documents, share, byte_range):
     cache_status, cached = ("missing", None) if args.no_cache else read_cache(prefix)
     error = None
     if cache_status != "reused":
-        cores = len(os.sched_getaffinity(0)) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        cores = len(os.sched_getaffinity(0)) // LOCAL_WORLD
         num_workers = args.workers or (1 if share < PARALLEL_CHARS else max(cores, 1))
         label = "reading (rank 0's part)" if RANK == 0 else None
         try:
@@ -849,6 +849,8 @@ def validate(args):
         (args.device == "cuda" and not torch.cuda.is_available(),
          "--device cuda: no CUDA GPU here; --device cpu runs the kernels in Triton's "
          "interpreter (slow, for tests), or use train_bpe_cpu.py"),
+        (args.device == "cuda" and torch.cuda.device_count() < LOCAL_WORLD, f"--device cuda: "
+         f"{LOCAL_WORLD} ranks on this node, {torch.cuda.device_count()} GPU(s): one rank a GPU"),
         ((args.device == "cpu") != bool(triton.knobs.runtime.interpret),
          f"--device {args.device} with TRITON_INTERPRET={os.environ['TRITON_INTERPRET']}: set "
          "it to 1 for cpu, 0 for cuda"),
@@ -902,9 +904,7 @@ def check_text(args, source, total, parts, cache_statuses, prefix):
     if chars < n:
         full = [r for r, part in enumerate(parts)
                 if part["chars"] == n * (r + 1) // WORLD - n * r // WORLD]
-        why = "the whole text"
-        if full:
-            why = f"rank(s) {full} stopped at n / W of their part: raise -n"
+        why = f"rank(s) {full} stopped at n / W of their part: raise -n" if full else "all the text"
         say(f"read {chars:,} characters, fewer than -n {n:,}: {why}")
 
 
@@ -1090,7 +1090,7 @@ class BadUTF8:  # invalid UTF-8 and lone surrogates: each read as U+FFFD, and co
 BadUTF8.errors = f"replace and count {id(BadUTF8)}"  # its own name: a process may load two scripts
 codecs.register_error(BadUTF8.errors, BadUTF8.replace)
 
-# === plumbing: error reporting: a user's mistake or a lost rank is one line
+# === plumbing: errors: a user's mistake or a lost rank is one line
 
 def stopped(signum, frame):  # torchrun stops the others so when one fails; SLURM at its limit
     say(f"\nerror: stopped by {signal.Signals(signum).name}", file=sys.stderr)

@@ -387,6 +387,18 @@ def test_the_device_and_the_interpreter_must_agree(tmp_path, monkeypatch):
         mg.validate(mg.parse_args(["--data", str(tmp_path / "ok.txt"), "--device", DEVICE]))
 
 
+def test_more_ranks_on_a_node_than_its_gpus_is_one_line(tmp_path, monkeypatch):
+    """torchrun --nproc_per_node=2 on a 1-GPU node: each rank of the node says so alike (rank 0 speaks), not
+    rank 1's AssertionError from get_device_properties(1). No CI machine has the GPUs: their count is mocked."""
+    monkeypatch.setattr(mg.triton.knobs.runtime, "interpret", False)
+    monkeypatch.setattr(mg.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(mg.torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(mg, "LOCAL_WORLD", 2)  # torchrun's LOCAL_WORLD_SIZE
+    (tmp_path / "ok.txt").write_text("some text to train on " * 10)
+    with pytest.raises(mg.UserError, match=re.escape("--device cuda: 2 ranks on this node, 1 GPU(s)")):
+        mg.validate(mg.parse_args(["--data", str(tmp_path / "ok.txt"), "--device", "cuda"]))
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here: cuda is the right default")
 def test_no_gpu_and_no_device_is_refused_rather_than_interpreted_slowly(tmp_path):
     (tmp_path / "ok.txt").write_text("some text to train on " * 10)
