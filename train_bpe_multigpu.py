@@ -850,7 +850,7 @@ def validate(args):
          "--device cuda: no CUDA GPU here; --device cpu runs the kernels in Triton's "
          "interpreter (slow, for tests), or use train_bpe_cpu.py"),
         (args.device == "cuda" and torch.cuda.device_count() < LOCAL_WORLD, f"--device cuda: "
-         f"{LOCAL_WORLD} ranks on this node, {torch.cuda.device_count()} GPU(s): one rank a GPU"),
+         f"{LOCAL_WORLD} ranks on this node, {torch.cuda.device_count()} GPU(s): one rank per GPU"),
         ((args.device == "cpu") != bool(triton.knobs.runtime.interpret),
          f"--device {args.device} with TRITON_INTERPRET={os.environ['TRITON_INTERPRET']}: set "
          "it to 1 for cpu, 0 for cuda"),
