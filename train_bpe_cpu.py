@@ -102,8 +102,7 @@ def merge_pair(pair, new_id, ids, prev_pos, next_pos, weight, pair_counts, pair_
             prev_pos[after] = position
         ids[position], ids[second], next_pos[position] = new_id, -1, after  # unlink the right token
         tokens_saved += count
-    # The pair is gone (left to right leaves none adjacent), and so are its deltas ("aaaa": the
-    # middle (a, a)).
+    # The pair is gone (none adjacent is left), and so are its deltas ("aaaa": the middle (a, a)).
     del pair_counts[pair]
     changed.pop(pair, None)
     changed = {other: delta for other, delta in changed.items() if delta}
@@ -152,17 +151,18 @@ def vocab_bytes(merges):
 
 
 def save_tokenizer(out_dir, merges, info):
-    """tiktoken's rank file (each token's bytes in base64, and its rank) and `info` as
-    tokenizer.json, each via a .tmp: never half a file."""
+    """The ranks in tokenizer.tiktoken, `info` in tokenizer.json, renamed from whole .tmp files."""
     ranks = "".join(f"{base64.b64encode(token).decode()} {rank}\n"
                     for rank, token in enumerate(vocab_bytes(merges)))
     settings = json.dumps(info, indent=2, ensure_ascii=False) + "\n"
-    for name, text in [("tokenizer.tiktoken", ranks), ("tokenizer.json", settings)]:
-        tmp = out_dir / f"{name}.tmp"
-        try:
+    tmps = {out_dir / "tokenizer.tiktoken.tmp": ranks, out_dir / "tokenizer.json.tmp": settings}
+    try:
+        for tmp, text in tmps.items():
             tmp.write_text(text, encoding="utf-8")
-            os.replace(tmp, out_dir / name)
-        finally:
+        for tmp in tmps:
+            tmp.replace(tmp.with_suffix(""))
+    finally:
+        for tmp in tmps:
             tmp.unlink(missing_ok=True)
 
 

@@ -107,8 +107,7 @@ def append(length, buffer, values, keep):
 def choose_batch(state, batch, row_keys, block_key, fresh_keys, dirty_flag, dirty_rows, list_start,
                  list_len, merge_log, V, max_batch, BLOCK: tl.constexpr, KEY_BLOCK: tl.constexpr,
                  POSITIONS: tl.constexpr, SLOTS: tl.constexpr):
-    """Step 1: picks the round's pairs (batch, merge_log, the new lists' start), or sets DONE: one
-    program."""
+    """Step 1, one program: the round's pairs (batch, merge_log, the new lists' start), or DONE."""
     if tl.load(state + DONE) != 0:
         return
     dirty = tl.load(state + DIRTY)
@@ -387,7 +386,7 @@ def merge_on_device(arrays, vocab_size, device, max_batch=max_batch):
     V, device = vocab_size, torch.device(device)
     started = time.time()
     if device.type == "cuda":
-        # kernels launch, and graphs record, on the current GPU: make it this one
+        # kernels launch, and graphs record, on the current GPU
         if device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(device)
@@ -531,9 +530,9 @@ def count_batch(documents, pattern_text, chunk_counts):
 
 
 def count_worker(number, batches, inboxes, results, pattern_text):
-    """A worker: counts the batches it takes until None, then sums its share of all the workers'
-    counts onto `results`. After an error (put there at once) it only drains the queue, and still
-    sends its shares: no process waits forever."""
+    """A worker: counts batches until None, then sums its share of all the workers' counts onto
+    `results`. After an error (put there at once) it drains the queue, still sending its shares:
+    no process waits forever."""
     ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: it dies with its parent
     if os.getppid() != multiprocessing.parent_process().pid:  # died before: don't hold its lock
         os._exit(1)
@@ -640,7 +639,7 @@ def document_pieces(document, pattern_text):
     yield document[start:]
 
 
-# === plumbing: the tokenizer's files (every trainer's), the settings' and --out's checks
+# === plumbing: the tokenizer's files, the settings' and --out's checks
 def vocab_bytes(merges):
     """Every token's bytes, in rank order: 0-255 are the bytes, a merge is its two halves glued."""
     vocab = [bytes([byte]) for byte in range(256)]
@@ -650,17 +649,18 @@ def vocab_bytes(merges):
 
 
 def save_tokenizer(out_dir, merges, info):
-    """tiktoken's rank file (each token's bytes in base64, and its rank) and `info` as
-    tokenizer.json, each via a .tmp: never half a file."""
+    """The ranks in tokenizer.tiktoken, `info` in tokenizer.json, renamed from whole .tmp files."""
     ranks = "".join(f"{base64.b64encode(token).decode()} {rank}\n"
                     for rank, token in enumerate(vocab_bytes(merges)))
     settings = json.dumps(info, indent=2, ensure_ascii=False) + "\n"
-    for name, text in [("tokenizer.tiktoken", ranks), ("tokenizer.json", settings)]:
-        tmp = out_dir / f"{name}.tmp"
-        try:
+    tmps = {out_dir / "tokenizer.tiktoken.tmp": ranks, out_dir / "tokenizer.json.tmp": settings}
+    try:
+        for tmp, text in tmps.items():
             tmp.write_text(text, encoding="utf-8")
-            os.replace(tmp, out_dir / name)
-        finally:
+        for tmp in tmps:
+            tmp.replace(tmp.with_suffix(""))
+    finally:
+        for tmp in tmps:
             tmp.unlink(missing_ok=True)
 
 
@@ -867,7 +867,7 @@ def run(argv):
     os.close(out_lock)
 
 
-# === plumbing: reading text, as in train_bpe_cpu.py (each function the same in every script)
+# === plumbing: reading text, train_bpe_cpu.py's functions
 HUB_DATASETS = {"fineweb": ("HuggingFaceFW/fineweb", "sample-10BT"),  # (repository, config)
                 "fineweb-edu": ("HuggingFaceFW/fineweb-edu", "sample-10BT")}
 LOCAL_SUFFIXES = (".txt", ".jsonl", ".parquet")

@@ -6,8 +6,8 @@ Train a byte-level BPE tokenizer on many GPUs (or CPU processes) at once: one to
     python train_bpe_multigpu.py --device cpu -v 300 -n 65536   # world size 1, no torchrun needed
 
 The tokenizer is rustbpe's and train_bpe_gpu.py's, byte for byte, on the text the ranks read
-together (all of it if -n is at least W times its length: a rank reads at most n / W of its part): BPE
-depends only on the multiset of chunks.
+together (a rank reads at most n / W of its part: all of it if n >= W x its length): BPE depends
+only on the multiset of chunks.
 
 Not data-parallel training: a merge chosen from one rank's counts would be wrong. The ranks split
 the text (about n / W characters each, documents whole), the distinct chunks (each merges its own)
@@ -364,7 +364,7 @@ def chunks_to_arrays(blob, lengths, occurrences, count_dtype):
 
 def merge_on_device(arrays, vocab_size, total_pairs, device, show_progress):
     """The merges, this rank's tokens saved, the loop's counts of collectives and host reads, and
-    the seconds of the setup (uploads, zeros, compiling) and of the loop alone."""
+    the seconds of the setup (uploads, zeros, compiling) and of the loop."""
     V, rank, W = vocab_size, dist.get_rank(), dist.get_world_size()
     started = time.time()
     upload = lambda name: torch.from_numpy(arrays[name]).to(device)  # noqa
@@ -487,6 +487,7 @@ def read_part(part_files, lo, hi, budget):
 # torchrun sets them; LOCAL_RANK is this rank's GPU on its node
 RANK, WORLD = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
 LOCAL_RANK = int(os.environ.get("LOCAL_RANK", "0"))
+LOCAL_WORLD = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
 
 
 def say(*args, **kwargs):  # rank 0 alone speaks
@@ -505,9 +506,8 @@ def run(argv):
     cached, cache_status, prefix, error = count_part(args, source, files, documents, share,
                                                      byte_range)
 
-    # --- the process group. Its timeout bounds each wait for the others, in joining (each counts
-    # its part first) and in every collective: a hung rank becomes an error on the others (a dead
-    # one sooner: its sockets close).
+    # --- the process group. Its timeout bounds each wait for the others (joining, collectives): a
+    # hung rank becomes an error on the others (a dead one sooner: its sockets close).
     if args.device == "cuda":
         torch.cuda.set_device(LOCAL_RANK)
     # small ops: waking OpenMP threads for each costs more than it saves
@@ -569,9 +569,8 @@ def run(argv):
     tokens_left = total["total_bytes"] - sum(saved for saved, _ in saved_and_peak)
     reading = "loading the cache" if {*cache_statuses} == {"reused"} else "reading + pre-tokenizing"
     merges_per_second = num_merges / max(seconds["loop"], 1e-9)
-    say(f"{reading} {t1 - t0:.2f}s | "
-        f"layout {t2 - t1:.2f}s | setup {seconds['setup']:.2f}s | merging {seconds['loop']:.2f}s "
-        f"({merges_per_second:,.0f} merges/s) | total {t3 - t0:.2f}s")
+    say(f"{reading} {t1 - t0:.2f}s | layout {t2 - t1:.2f}s | setup {seconds['setup']:.2f}s | "
+        f"merging {seconds['loop']:.2f}s ({merges_per_second:,.0f} merges/s) | total {t3 - t0:.2f}s")
     if num_merges:
         say(f"per merge: {loop_counts['collectives'] / num_merges:.2f} collectives "
             f"({loop_counts['collective_bytes'] / num_merges / 1024:,.1f} KiB), "
@@ -612,9 +611,9 @@ def count_batch(documents, pattern_text, chunk_counts):
 
 
 def count_worker(number, batches, inboxes, results, pattern_text):
-    """A worker: counts the batches it takes until None, then sums its share of all the workers'
-    counts onto `results`. After an error (put there at once) it only drains the queue, and still
-    sends its shares: no process waits forever."""
+    """A worker: counts batches until None, then sums its share of all the workers' counts onto
+    `results`. After an error (put there at once) it drains the queue, still sending its shares:
+    no process waits forever."""
     ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: it dies with its parent
     if os.getppid() != multiprocessing.parent_process().pid:  # died before: don't hold its lock
         os._exit(1)
@@ -734,7 +733,7 @@ def count_part(args, source, files, documents, share, byte_range):
     cache_status, cached = ("missing", None) if args.no_cache else read_cache(prefix)
     error = None
     if cache_status != "reused":
-        cores = len(os.sched_getaffinity(0)) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        cores = len(os.sched_getaffinity(0)) // LOCAL_WORLD
         num_workers = args.workers or (1 if share < PARALLEL_CHARS else max(cores, 1))
         label = "reading (rank 0's part)" if RANK == 0 else None
         try:
@@ -842,14 +841,16 @@ def validate(args):
         (not 256 <= args.vocab_size <= 65536,
          f"-v {args.vocab_size}: vocab_size must be between 256 (the bytes) and 65536"),
         (args.num_chars <= 0, f"-n {args.num_chars}: must be positive"),
-        (args.workers < 0 or args.timeout <= 0, f"--workers {args.workers} --timeout "
-         f"{args.timeout}: workers must be 0 (automatic) or more, and the timeout positive"),
+        (args.workers < 0 or not 0 < args.timeout < 2**31, f"--workers {args.workers} --timeout "
+         f"{args.timeout}: workers must be 0 (automatic) or more, the timeout in (0, 2^31) s"),
         (split_pattern.fullmatch(""), f"--pattern {args.pattern!r} matches the empty string; each "
          "match must take a character (x+, not x*)"),
         (split_pattern.groups, f"--pattern {args.pattern!r} has a capturing group; use (?:...)"),
         (args.device == "cuda" and not torch.cuda.is_available(),
          "--device cuda: no CUDA GPU here; --device cpu runs the kernels in Triton's "
          "interpreter (slow, for tests), or use train_bpe_cpu.py"),
+        (args.device == "cuda" and torch.cuda.device_count() < LOCAL_WORLD, f"--device cuda: "
+         f"{LOCAL_WORLD} ranks on this node, {torch.cuda.device_count()} GPU(s): one rank per GPU"),
         ((args.device == "cpu") != bool(triton.knobs.runtime.interpret),
          f"--device {args.device} with TRITON_INTERPRET={os.environ['TRITON_INTERPRET']}: set "
          "it to 1 for cpu, 0 for cuda"),
@@ -903,9 +904,7 @@ def check_text(args, source, total, parts, cache_statuses, prefix):
     if chars < n:
         full = [r for r, part in enumerate(parts)
                 if part["chars"] == n * (r + 1) // WORLD - n * r // WORLD]
-        why = "the whole text"
-        if full:
-            why = f"rank(s) {full} stopped at n / W of their part: raise -n"
+        why = f"rank(s) {full} stopped at n / W of their part: raise -n" if full else "all the text"
         say(f"read {chars:,} characters, fewer than -n {n:,}: {why}")
 
 
@@ -920,17 +919,18 @@ def vocab_bytes(merges):
 
 
 def save_tokenizer(out_dir, merges, info):
-    """tiktoken's rank file (each token's bytes in base64, and its rank) and `info` as
-    tokenizer.json, each via a .tmp: never half a file."""
+    """The ranks in tokenizer.tiktoken, `info` in tokenizer.json, renamed from whole .tmp files."""
     ranks = "".join(f"{base64.b64encode(token).decode()} {rank}\n"
                     for rank, token in enumerate(vocab_bytes(merges)))
     settings = json.dumps(info, indent=2, ensure_ascii=False) + "\n"
-    for name, text in [("tokenizer.tiktoken", ranks), ("tokenizer.json", settings)]:
-        tmp = out_dir / f"{name}.tmp"
-        try:
+    tmps = {out_dir / "tokenizer.tiktoken.tmp": ranks, out_dir / "tokenizer.json.tmp": settings}
+    try:
+        for tmp, text in tmps.items():
             tmp.write_text(text, encoding="utf-8")
-            os.replace(tmp, out_dir / name)
-        finally:
+        for tmp in tmps:
+            tmp.replace(tmp.with_suffix(""))
+    finally:
+        for tmp in tmps:
             tmp.unlink(missing_ok=True)
 
 
@@ -1090,7 +1090,7 @@ class BadUTF8:  # invalid UTF-8 and lone surrogates: each read as U+FFFD, and co
 BadUTF8.errors = f"replace and count {id(BadUTF8)}"  # its own name: a process may load two scripts
 codecs.register_error(BadUTF8.errors, BadUTF8.replace)
 
-# === plumbing: error reporting: a user's mistake or a lost rank is one line, no traceback
+# === plumbing: errors: a user's mistake or a lost rank is one line
 
 def stopped(signum, frame):  # torchrun stops the others so when one fails; SLURM at its limit
     say(f"\nerror: stopped by {signal.Signals(signum).name}", file=sys.stderr)

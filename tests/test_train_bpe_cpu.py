@@ -349,6 +349,14 @@ def test_out_may_be_a_tokenizer_directory_to_overwrite(tmp_path):
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]  # after the bars
     assert result.returncode == 1 and errors == ["error: [Errno 27] File too large"], result.stderr
     assert {path.name: path.read_bytes() for path in (tmp_path / "tok").iterdir()} == before
+    # The disk fills after the rank file (~2.3 KB at -v 256), at tokenizer.json (a long pattern: ~5 KB): the
+    # old pair stays, not the new ranks beside the old json (prepare_data.py would load that pair: EOT 270).
+    long_pattern = r"\S+|\s+" + "|x" * 2500
+    full_disk = lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (4000, 4000))  # noqa: E731
+    result = subprocess.run([sys.executable, SCRIPT, "--data", small, "-v", "256", "--out", tmp_path / "tok",
+                             "--pattern", long_pattern], preexec_fn=full_disk, capture_output=True, text=True)
+    assert result.returncode == 1 and "error: [Errno 27] File too large" in result.stderr, result.stderr
+    assert {path.name: path.read_bytes() for path in (tmp_path / "tok").iterdir()} == before
 
 
 def test_a_filesystem_without_flock_is_a_warning(tmp_path, monkeypatch, capsys):

@@ -358,6 +358,9 @@ def test_characters_the_pattern_leaves_out_are_one_warning_over_all_ranks(tmp_pa
     (["--pattern", ""], "matches the empty string"),
     (["--pattern", r"(\w+) ?"], "has a capturing group; use (?:...)"),
     (["-v", "255"], "vocab_size must be between 256"),
+    # not a traceback from the process group's timedelta, once the text is read
+    (["--timeout", "inf"], "the timeout in (0, 2^31) s"),
+    (["--timeout", "nan"], "the timeout in (0, 2^31) s"),
     (["--out", "DATASET"], "is a dataset directory"),
     (["--out", "FILE/under"], "is a file, not a directory"),
     (["--out", "/proc/tok"], "can't be written"),
@@ -382,6 +385,18 @@ def test_the_device_and_the_interpreter_must_agree(tmp_path, monkeypatch):
     (tmp_path / "ok.txt").write_text("some text to train on " * 10)
     with pytest.raises(mg.UserError, match=f"--device {DEVICE} with TRITON_INTERPRET=.*set it to 1 for cpu, 0 for cuda"):
         mg.validate(mg.parse_args(["--data", str(tmp_path / "ok.txt"), "--device", DEVICE]))
+
+
+def test_more_ranks_on_a_node_than_its_gpus_is_one_line(tmp_path, monkeypatch):
+    """torchrun --nproc_per_node=2 on a 1-GPU node: each rank of the node says so alike (rank 0 speaks), not
+    rank 1's AssertionError from get_device_properties(1). No CI machine has the GPUs: their count is mocked."""
+    monkeypatch.setattr(mg.triton.knobs.runtime, "interpret", False)
+    monkeypatch.setattr(mg.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(mg.torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(mg, "LOCAL_WORLD", 2)  # torchrun's LOCAL_WORLD_SIZE
+    (tmp_path / "ok.txt").write_text("some text to train on " * 10)
+    with pytest.raises(mg.UserError, match=re.escape("--device cuda: 2 ranks on this node, 1 GPU(s)")):
+        mg.validate(mg.parse_args(["--data", str(tmp_path / "ok.txt"), "--device", "cuda"]))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here: cuda is the right default")
