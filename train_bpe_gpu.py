@@ -901,7 +901,7 @@ def hub_problem(timeout=3.0):  # None, or why the Hub can't be used, in 3 s
 def stdlib_documents(budget=None):  # the offline corpus, real text on every machine
     files = sorted(Path(sysconfig.get_paths()["stdlib"]).rglob("*.py"))
     files = [file for file in files if "site-packages" not in file.parts]
-    return (file.read_text("utf-8", "replace") for file in files)
+    return (next(read_txt(file, sys.maxsize)) for file in files)
 
 def datasets_texts(where, **load):  # the rows' "text", streamed
     import datasets  # here: seconds to import; local files never need it

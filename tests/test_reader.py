@@ -144,6 +144,22 @@ def test_offline_corpus_is_the_standard_library_in_sorted_order(monkeypatch, cap
     assert captured.out == "" and captured.err.startswith("warning: the Hugging Face Hub is off (HF_HUB_OFFLINE=1)")
 
 
+def test_the_offline_corpus_is_the_same_text_in_every_reader():
+    # The multi-GPU trainer reads the stdlib's files as .txt files (CRLF kept, bad UTF-8 counted as U+FFFD): the
+    # others must read the very same text, or the trainers' contract breaks on the default source (it did, from
+    # lib2to3's crlf.py on, 7.8M characters in, where universal newlines made "\r\n" "\n").
+    import sysconfig
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    files = [path for path in sorted(stdlib.rglob("*.py")) if "site-packages" not in path.parts]
+    odd = 0
+    for path, document in zip(files, reader.stdlib_documents(), strict=True):
+        raw = path.read_bytes()
+        if b"\r" in raw or raw.decode("utf-8", "replace").encode() != raw:
+            assert document == next(ranges.read_txt(path, 10**12)), path
+            odd += 1
+    assert odd > 0 or not any(b"\r" in path.read_bytes() for path in files)
+
+
 def read_first(documents):
     return next(iter(documents(10**9)))
 
