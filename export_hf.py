@@ -2,7 +2,7 @@
 Export a model trained by train.py as a Hugging Face Llama model, with its tokenizer.
 
     python export_hf.py --out_dir=out-lillm --hf_dir=hf-lillm
-    python export_hf.py --out_dir=out-quickstart --ckpt=ckpt_2000.pt --hf_dir=hf-qs --dtype=bfloat16
+    python export_hf.py --out_dir=out-lillm --ckpt=ckpt_10000.pt --hf_dir=hf-10k --dtype=bfloat16
 
 Each setting below can be overridden with --key=value. Loading the result needs transformers:
 
@@ -139,7 +139,7 @@ def hf_tokenizer_json(ranks, pattern, special_tokens):
                   "use_regex": False}
     split = {"type": "Split", "pattern": {"Regex": pattern}, "behavior": "Isolated", "invert": False}
     return {
-        "version": "1.0", "truncation": None, "padding": None, "normalizer": None,
+        "version": "1.0",  # the fields left out take their defaults
         "added_tokens": [{"id": token_id, "content": content, "single_word": False, "lstrip": False,
                           "rstrip": False, "normalized": False, "special": True}
                          for content, token_id in special_tokens.items()],
@@ -147,10 +147,10 @@ def hf_tokenizer_json(ranks, pattern, special_tokens):
         "pre_tokenizer": {"type": "Sequence", "pretokenizers": [split, byte_level]},
         "post_processor": None,  # nothing added around the text
         "decoder": byte_level,
-        "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
-                  "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False,
-                  "ignore_merges": True,
-                  "vocab": {text(token): rank for token, rank in ranks.items()}, "merges": merges},
+        "model": {"type": "BPE", "ignore_merges": True, "merges": merges,
+                  # and the special tokens: an added token that vocab lacks gets the next free id
+                  # (cl100k's <|endoftext|> got 100256, not 100257)
+                  "vocab": {text(token): rank for token, rank in ranks.items()} | special_tokens},
     }
 
 

@@ -278,15 +278,16 @@ def test_same_tokens_as_tiktoken_offline(exported, hf_dir):
     assert hf_tokenizer.eos_token == hf_tokenizer.bos_token == "<|endoftext|>"
 
 
-def export_merges(tmp_path, merged_tokens, pattern):
+def export_merges(tmp_path, merged_tokens, pattern, special_tokens=None):
     """A tiny model with the tokenizer of the 256 bytes, then merged_tokens, exported: (its tiktoken encoding, the
-    exported HF tokenizer)."""
+    exported HF tokenizer). special_tokens: <|endoftext|> after the last merge unless given."""
     tokens = [bytes([byte]) for byte in range(256)] + merged_tokens
+    special_tokens = special_tokens or {"<|endoftext|>": len(tokens)}
     tokenizer = {"kind": "bpe", "ranks": "".join(f"{base64.b64encode(token).decode()} {rank}\n"
                                                  for rank, token in enumerate(tokens)),
-                 "pattern": pattern, "special_tokens": {"<|endoftext|>": len(tokens)}}
-    save(tmp_path / "out", GPT(GPTConfig(vocab_size=len(tokens) + 1, n_embd=16, n_layer=1, n_head=2, n_kv_head=1,
-                                         block_size=16)), tokenizer)
+                 "pattern": pattern, "special_tokens": special_tokens}
+    save(tmp_path / "out", GPT(GPTConfig(vocab_size=max(special_tokens.values()) + 1, n_embd=16, n_layer=1, n_head=2,
+                                         n_kv_head=1, block_size=16)), tokenizer)
     assert export_here(f"--out_dir={tmp_path / 'out'}", f"--hf_dir={tmp_path / 'hf'}").returncode == 0
     return tiktoken_from(tokenizer), transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
 
@@ -307,6 +308,18 @@ def test_a_possessive_interval_splits_as_tiktoken_splits(tmp_path):
     for text in ("12345", "born 1987, 2024-11-23 x12345678"):
         assert hf_tokenizer.encode(text) == encoding.encode_ordinary(text), text
     assert hf_tokenizer.encode("12345") == [258, 52, 53]  # "123", "4", "5"
+
+
+def test_special_tokens_keep_their_ids_past_a_gap(tmp_path):
+    """cl100k_base's ranks end at 100255, its <|endoftext|> is 100257 and <|endofprompt|> 100276 (o200k_base has gaps
+    too). HF `tokenizers` gave such tokens the next free ids, 100256, 100257, ...: the wrong tokens in and out."""
+    special_tokens = {"<|endoftext|>": 258, "<|fim_prefix|>": 259, "<|endofprompt|>": 277}  # 257: no token
+    encoding, hf_tokenizer = export_merges(tmp_path, [b"ab"], r"\S+|\s+", special_tokens)
+    text = "ab<|endoftext|>b<|endofprompt|><|fim_prefix|>"
+    assert hf_tokenizer.encode(text) == encoding.encode(text, allowed_special="all") == [256, 258, 98, 277, 259]
+    assert hf_tokenizer.decode([98, 277, 258]) == "b<|endofprompt|><|endoftext|>"
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert hf_tokenizer.eos_token_id == hf_tokenizer.bos_token_id == config["eos_token_id"] == 258
 
 
 def test_same_tokens_as_tiktoken_on_real_text(corpus, tmp_path):
