@@ -133,13 +133,13 @@ def hf_tokenizer_json(ranks, pattern, special_tokens):
         cuts = [(token[:i], token[i:]) for i in range(1, len(token))
                 if token[:i] in ranks and token[i:] in ranks]
         cuts.sort(key=lambda cut: (ranks[cut[0]], ranks[cut[1]]))
-        # "left right" (one string) reads in every tokenizers version; no byte maps to a space.
+        # "left right": every tokenizers version reads it; no byte maps to a space.
         merges += [f"{text(left)} {text(right)}" for left, right in cuts]
     byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True,
                   "use_regex": False}
     split = {"type": "Split", "pattern": {"Regex": pattern}, "behavior": "Isolated", "invert": False}
     return {
-        "version": "1.0",  # the fields left out take their defaults
+        "version": "1.0",  # unlisted fields: defaults
         "added_tokens": [{"id": token_id, "content": content, "single_word": False, "lstrip": False,
                           "rstrip": False, "normalized": False, "special": True}
                          for content, token_id in special_tokens.items()],
@@ -148,8 +148,8 @@ def hf_tokenizer_json(ranks, pattern, special_tokens):
         "post_processor": None,  # nothing added around the text
         "decoder": byte_level,
         "model": {"type": "BPE", "ignore_merges": True, "merges": merges,
-                  # and the special tokens: an added token that vocab lacks gets the next free id
-                  # (cl100k's <|endoftext|> got 100256, not 100257)
+                  # special tokens too: one that vocab lacks gets the next free id
+                  # (cl100k's <|endoftext|>: 100256, not 100257)
                   "vocab": {text(token): rank for token, rank in ranks.items()} | special_tokens},
     }
 
@@ -184,7 +184,7 @@ def write_directory(hf_path, weights, files):
         os.makedirs(hf_path, exist_ok=True)
         lock_directory(hf_path)
         validate(hf_path)
-        os.makedirs(temp_dir)
+        os.makedirs(temp_dir, exist_ok=True)  # a killed run's (containers: PID 1)
         save_file(weights, os.path.join(temp_dir, "model.safetensors"), metadata={"format": "pt"})
         for name, content in files.items():
             with open(os.path.join(temp_dir, name), "w", encoding="utf-8") as f:

@@ -457,6 +457,19 @@ def test_a_symlinked_hf_dir_is_followed(exported, tmp_path):
                                                    "tokenizer_config.json"]
 
 
+def test_a_killed_export_of_the_same_pid_does_not_block_the_next(exported, tmp_path):
+    # kill -9 (or the OOM killer) mid-write leaves hf_dir empty and hf_dir.tmp.<pid> holding part of the weights; in
+    # a container the export is PID 1 every time, so the rerun meets its own name. It failed: "File exists".
+    (tmp_path / f"hf.tmp.{os.getpid()}").mkdir()
+    (tmp_path / f"hf.tmp.{os.getpid()}" / "model.safetensors").write_bytes(b"half a file")
+    (tmp_path / "hf").mkdir()
+    result = export_here(f"--out_dir={exported['root'] / 'gqa'}", f"--hf_dir={tmp_path / 'hf'}")
+    assert result.returncode == 0, result.stderr
+    assert os.listdir(tmp_path) == ["hf"]
+    tensors = safetensors_torch.load_file(str(tmp_path / "hf" / "model.safetensors"))
+    assert tensors.keys() == safetensors_torch.load_file(str(exported["root"] / "hf_gqa" / "model.safetensors")).keys()
+
+
 def test_ctrl_c_during_the_write_is_one_line_and_leaves_nothing(exported, tmp_path, monkeypatch):
     # A real SIGINT, sent once model.safetensors is written and before the JSON files: Python raises
     # KeyboardInterrupt there, as for Ctrl-C in a terminal. It left a traceback and an empty hf_dir.
