@@ -148,8 +148,7 @@ def hf_tokenizer_json(ranks, pattern, special_tokens):
         "post_processor": None,  # nothing added around the text
         "decoder": byte_level,
         "model": {"type": "BPE", "ignore_merges": True, "merges": merges,
-                  # special tokens too: one that vocab lacks gets the next free id
-                  # (cl100k's <|endoftext|>: 100256, not 100257)
+                  # special tokens too: one not in vocab is renumbered (cl100k's 100257 -> 100256)
                   "vocab": {text(token): rank for token, rank in ranks.items()} | special_tokens},
     }
 
@@ -167,10 +166,9 @@ def llama_config(cfg, eot_id):
         "rope_theta": cfg.rope_theta,
         "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta}, "rope_scaling": None,
         # our `bias` is Llama's two switches in one
-        "attention_bias": cfg.bias, "mlp_bias": cfg.bias, "attention_dropout": 0.0,
+        "attention_bias": cfg.bias, "mlp_bias": cfg.bias,
         "tie_word_embeddings": True, "bos_token_id": eot_id, "eos_token_id": eot_id,
         "torch_dtype": dtype, "dtype": dtype,  # transformers 4's name and 5's
-        "use_cache": True, "initializer_range": 0.02,
     }
 
 
@@ -242,6 +240,8 @@ def validate(hf_path):
         raise UserError(f"--dtype={dtype}: use float32, bfloat16 or float16")
     if os.path.exists(hf_path) and (not os.path.isdir(hf_path) or os.listdir(hf_path)):
         raise UserError(f"--hf_dir={hf_path} already exists and is not an empty directory: choose another")
+    if os.path.ismount(hf_path):
+        raise UserError(f"--hf_dir={hf_path} is a mount point: export into a new directory in it")
 
 
 def lock_directory(path):

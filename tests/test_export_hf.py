@@ -442,6 +442,20 @@ def test_an_hf_dir_that_cant_be_written_is_one_line_and_leaves_nothing(exported,
     assert os.listdir(tmp_path) == ["a_file"] and (tmp_path / "a_file").read_text() == "mine"
 
 
+def test_an_empty_mount_point_is_refused_in_one_line(exported, tmp_path):
+    # A volume mounted for the export (docker run -v ...:/hf) is an empty directory that no rename can replace: the
+    # whole copy was written beside it, then "can't write ...: Device or resource busy". A tmpfs here, where allowed.
+    (tmp_path / "hf").mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "none", str(tmp_path / "hf")], capture_output=True).returncode:
+        pytest.skip("mounting a tmpfs needs root's privileges")
+    try:
+        result = export_here(f"--out_dir={exported['root'] / 'gqa'}", f"--hf_dir={tmp_path / 'hf'}")
+    finally:
+        subprocess.run(["umount", "--lazy", str(tmp_path / "hf")], check=True)  # this process may hold it open
+    assert_one_line(result, f"--hf_dir={tmp_path / 'hf'} is a mount point: export into a new directory in it")
+    assert os.listdir(tmp_path) == ["hf"] and os.listdir(tmp_path / "hf") == []
+
+
 def test_a_symlinked_hf_dir_is_followed(exported, tmp_path):
     # A link to an empty directory (often one on a bigger disk) gets the export there, as any write through the
     # link would; the temporary directory is made beside the target, on its filesystem. It was a traceback.
