@@ -2,7 +2,7 @@
 Export a model trained by train.py as a Hugging Face Llama model, with its tokenizer.
 
     python export_hf.py --out_dir=out-lillm --hf_dir=hf-lillm
-    python export_hf.py --out_dir=out-quickstart --ckpt=ckpt_2000.pt --hf_dir=hf-qs --dtype=bfloat16
+    python export_hf.py --out_dir=out-lillm --ckpt=ckpt_10000.pt --hf_dir=hf-10k --dtype=bfloat16
 
 Each setting below can be overridden with --key=value. Loading the result needs transformers:
 
@@ -133,13 +133,13 @@ def hf_tokenizer_json(ranks, pattern, special_tokens):
         cuts = [(token[:i], token[i:]) for i in range(1, len(token))
                 if token[:i] in ranks and token[i:] in ranks]
         cuts.sort(key=lambda cut: (ranks[cut[0]], ranks[cut[1]]))
-        # "left right" (one string) reads in every tokenizers version; no byte maps to a space.
+        # "left right": every tokenizers version reads it; no byte maps to a space.
         merges += [f"{text(left)} {text(right)}" for left, right in cuts]
     byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True,
                   "use_regex": False}
     split = {"type": "Split", "pattern": {"Regex": pattern}, "behavior": "Isolated", "invert": False}
     return {
-        "version": "1.0", "truncation": None, "padding": None, "normalizer": None,
+        "version": "1.0",  # unlisted fields: defaults
         "added_tokens": [{"id": token_id, "content": content, "single_word": False, "lstrip": False,
                           "rstrip": False, "normalized": False, "special": True}
                          for content, token_id in special_tokens.items()],
@@ -147,10 +147,9 @@ def hf_tokenizer_json(ranks, pattern, special_tokens):
         "pre_tokenizer": {"type": "Sequence", "pretokenizers": [split, byte_level]},
         "post_processor": None,  # nothing added around the text
         "decoder": byte_level,
-        "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
-                  "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False,
-                  "ignore_merges": True,
-                  "vocab": {text(token): rank for token, rank in ranks.items()}, "merges": merges},
+        "model": {"type": "BPE", "ignore_merges": True, "merges": merges,
+                  # special tokens too: one not in vocab is renumbered (cl100k's 100257 -> 100256)
+                  "vocab": {text(token): rank for token, rank in ranks.items()} | special_tokens},
     }
 
 
@@ -167,10 +166,9 @@ def llama_config(cfg, eot_id):
         "rope_theta": cfg.rope_theta,
         "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta}, "rope_scaling": None,
         # our `bias` is Llama's two switches in one
-        "attention_bias": cfg.bias, "mlp_bias": cfg.bias, "attention_dropout": 0.0,
+        "attention_bias": cfg.bias, "mlp_bias": cfg.bias,
         "tie_word_embeddings": True, "bos_token_id": eot_id, "eos_token_id": eot_id,
         "torch_dtype": dtype, "dtype": dtype,  # transformers 4's name and 5's
-        "use_cache": True, "initializer_range": 0.02,
     }
 
 
@@ -184,7 +182,7 @@ def write_directory(hf_path, weights, files):
         os.makedirs(hf_path, exist_ok=True)
         lock_directory(hf_path)
         validate(hf_path)
-        os.makedirs(temp_dir)
+        os.makedirs(temp_dir, exist_ok=True)  # a killed run's (containers: PID 1)
         save_file(weights, os.path.join(temp_dir, "model.safetensors"), metadata={"format": "pt"})
         for name, content in files.items():
             with open(os.path.join(temp_dir, name), "w", encoding="utf-8") as f:
@@ -242,6 +240,8 @@ def validate(hf_path):
         raise UserError(f"--dtype={dtype}: use float32, bfloat16 or float16")
     if os.path.exists(hf_path) and (not os.path.isdir(hf_path) or os.listdir(hf_path)):
         raise UserError(f"--hf_dir={hf_path} already exists and is not an empty directory: choose another")
+    if os.path.ismount(hf_path):
+        raise UserError(f"--hf_dir={hf_path} is a mount point: export into a new directory in it")
 
 
 def lock_directory(path):

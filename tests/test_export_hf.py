@@ -278,15 +278,16 @@ def test_same_tokens_as_tiktoken_offline(exported, hf_dir):
     assert hf_tokenizer.eos_token == hf_tokenizer.bos_token == "<|endoftext|>"
 
 
-def export_merges(tmp_path, merged_tokens, pattern):
+def export_merges(tmp_path, merged_tokens, pattern, special_tokens=None):
     """A tiny model with the tokenizer of the 256 bytes, then merged_tokens, exported: (its tiktoken encoding, the
-    exported HF tokenizer)."""
+    exported HF tokenizer). special_tokens: <|endoftext|> after the last merge unless given."""
     tokens = [bytes([byte]) for byte in range(256)] + merged_tokens
+    special_tokens = special_tokens or {"<|endoftext|>": len(tokens)}
     tokenizer = {"kind": "bpe", "ranks": "".join(f"{base64.b64encode(token).decode()} {rank}\n"
                                                  for rank, token in enumerate(tokens)),
-                 "pattern": pattern, "special_tokens": {"<|endoftext|>": len(tokens)}}
-    save(tmp_path / "out", GPT(GPTConfig(vocab_size=len(tokens) + 1, n_embd=16, n_layer=1, n_head=2, n_kv_head=1,
-                                         block_size=16)), tokenizer)
+                 "pattern": pattern, "special_tokens": special_tokens}
+    save(tmp_path / "out", GPT(GPTConfig(vocab_size=max(special_tokens.values()) + 1, n_embd=16, n_layer=1, n_head=2,
+                                         n_kv_head=1, block_size=16)), tokenizer)
     assert export_here(f"--out_dir={tmp_path / 'out'}", f"--hf_dir={tmp_path / 'hf'}").returncode == 0
     return tiktoken_from(tokenizer), transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
 
@@ -307,6 +308,18 @@ def test_a_possessive_interval_splits_as_tiktoken_splits(tmp_path):
     for text in ("12345", "born 1987, 2024-11-23 x12345678"):
         assert hf_tokenizer.encode(text) == encoding.encode_ordinary(text), text
     assert hf_tokenizer.encode("12345") == [258, 52, 53]  # "123", "4", "5"
+
+
+def test_special_tokens_keep_their_ids_past_a_gap(tmp_path):
+    """cl100k_base's ranks end at 100255, its <|endoftext|> is 100257 and <|endofprompt|> 100276 (o200k_base has gaps
+    too). HF `tokenizers` gave such tokens the next free ids, 100256, 100257, ...: the wrong tokens in and out."""
+    special_tokens = {"<|endoftext|>": 258, "<|fim_prefix|>": 259, "<|endofprompt|>": 277}  # 257: no token
+    encoding, hf_tokenizer = export_merges(tmp_path, [b"ab"], r"\S+|\s+", special_tokens)
+    text = "ab<|endoftext|>b<|endofprompt|><|fim_prefix|>"
+    assert hf_tokenizer.encode(text) == encoding.encode(text, allowed_special="all") == [256, 258, 98, 277, 259]
+    assert hf_tokenizer.decode([98, 277, 258]) == "b<|endofprompt|><|endoftext|>"
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert hf_tokenizer.eos_token_id == hf_tokenizer.bos_token_id == config["eos_token_id"] == 258
 
 
 def test_same_tokens_as_tiktoken_on_real_text(corpus, tmp_path):
@@ -429,6 +442,24 @@ def test_an_hf_dir_that_cant_be_written_is_one_line_and_leaves_nothing(exported,
     assert os.listdir(tmp_path) == ["a_file"] and (tmp_path / "a_file").read_text() == "mine"
 
 
+def test_an_empty_mount_point_is_refused_in_one_line(exported, tmp_path):
+    # A volume mounted for the export (docker run -v ...:/hf) is an empty directory that no rename can replace: the
+    # whole copy was written beside it, then "can't write ...: Device or resource busy". A tmpfs here, where allowed.
+    (tmp_path / "hf").mkdir()
+    try:
+        mounted = subprocess.run(["mount", "-t", "tmpfs", "none", str(tmp_path / "hf")], capture_output=True)
+    except OSError:  # no mount command
+        mounted = None
+    if not mounted or mounted.returncode:
+        pytest.skip("mounting a tmpfs needs the mount command and root's privileges")
+    try:
+        result = export_here(f"--out_dir={exported['root'] / 'gqa'}", f"--hf_dir={tmp_path / 'hf'}")
+    finally:
+        subprocess.run(["umount", "--lazy", str(tmp_path / "hf")], check=True)  # this process may hold it open
+    assert_one_line(result, f"--hf_dir={tmp_path / 'hf'} is a mount point: export into a new directory in it")
+    assert os.listdir(tmp_path) == ["hf"] and os.listdir(tmp_path / "hf") == []
+
+
 def test_a_symlinked_hf_dir_is_followed(exported, tmp_path):
     # A link to an empty directory (often one on a bigger disk) gets the export there, as any write through the
     # link would; the temporary directory is made beside the target, on its filesystem. It was a traceback.
@@ -442,6 +473,19 @@ def test_a_symlinked_hf_dir_is_followed(exported, tmp_path):
     assert sorted(os.listdir(tmp_path / "disk")) == ["hf"]
     assert sorted(os.listdir(tmp_path / "hf")) == ["config.json", "model.safetensors", "tokenizer.json",
                                                    "tokenizer_config.json"]
+
+
+def test_a_killed_export_of_the_same_pid_does_not_block_the_next(exported, tmp_path):
+    # kill -9 (or the OOM killer) mid-write leaves hf_dir empty and hf_dir.tmp.<pid> holding part of the weights; in
+    # a container the export is PID 1 every time, so the rerun meets its own name. It failed: "File exists".
+    (tmp_path / f"hf.tmp.{os.getpid()}").mkdir()
+    (tmp_path / f"hf.tmp.{os.getpid()}" / "model.safetensors").write_bytes(b"half a file")
+    (tmp_path / "hf").mkdir()
+    result = export_here(f"--out_dir={exported['root'] / 'gqa'}", f"--hf_dir={tmp_path / 'hf'}")
+    assert result.returncode == 0, result.stderr
+    assert os.listdir(tmp_path) == ["hf"]
+    tensors = safetensors_torch.load_file(str(tmp_path / "hf" / "model.safetensors"))
+    assert tensors.keys() == safetensors_torch.load_file(str(exported["root"] / "hf_gqa" / "model.safetensors")).keys()
 
 
 def test_ctrl_c_during_the_write_is_one_line_and_leaves_nothing(exported, tmp_path, monkeypatch):
