@@ -141,7 +141,7 @@ def test_all_of_several_files_equals_rustbpe_at_any_world_size(several_files, wo
     result = several_files.runs[world_size]
     assert result.returncode == 0, result.stdout + result.stderr
     assert "warning:" not in result.stderr  # GPT-4's pattern matches every character
-    assert "fewer than -n 1,000,000,000: the whole text" in result.stdout  # -n is W times past the end
+    assert "fewer than -n 1,000,000,000: all the text" in result.stdout  # -n is W times past the end
     out = several_files.root / f"tok{world_size}"
     assert (out / "tokenizer.tiktoken").read_bytes() == rustbpe_file(several_files.docs, 280)
     info = json.loads((out / "tokenizer.json").read_text())
