@@ -411,7 +411,7 @@ def orthogonalize(matrices, steps=5):
 
 
 class MuonAdamW(torch.optim.Optimizer):
-    """Muon for the groups marked use_muon (2-D weight matrices), AdamW for the others.
+    """Muon for the groups marked use_muon (2-D matrices), AdamW for the others.
     Why Muon (Jordan et al. 2024): a few directions dominate a matrix's gradient, and AdamW's step
     follows them. Muon steps along the momentum's nearest orthogonal matrix: the same directions,
     all moved alike (CPU Shakespeare: val loss 1.59, AdamW 1.68). Scaled by 0.2 * sqrt(max(rows,
@@ -527,7 +527,7 @@ class CheckpointError(Exception):
 
 def save_checkpoint(path, checkpoint):
     """Write the checkpoint, less torch.compile's "_orig_mod." and DDP's "module." prefixes, via a
-    temporary file: never half a ckpt.pt."""
+    temp file."""
     checkpoint = {"version": CHECKPOINT_VERSION, **checkpoint}
     if "model" in checkpoint:
         checkpoint["model"] = {re.sub(r"^(_orig_mod\.|module\.)+", "", key): value
@@ -574,8 +574,8 @@ def load_checkpoint(path, map_location="cpu"):
     return checkpoint
 
 
-def first_line(error):
-    return f"{type(error).__name__}: {str(error)[:100]}".splitlines()[0]
+def one_line(error):  # load_state_dict's first line is a header
+    return f"{type(error).__name__}: {' '.join(str(error).split())[:240]}"
 
 
 def model_from_checkpoint(checkpoint):
@@ -588,7 +588,7 @@ def model_from_checkpoint(checkpoint):
         model.load_state_dict(checkpoint["model"])
     except (TypeError, ValueError, RuntimeError) as err:
         raise CheckpointError("the checkpoint's model does not fit this model.py: "
-                              f"{first_line(err)}") from None
+                              f"{one_line(err)}") from None
     diverged = [name for name, param in model.named_parameters() if not param.isfinite().all()]
     if diverged:
         raise CheckpointError(f"the checkpoint's {diverged[0]} holds inf or NaN: use an earlier "
@@ -648,20 +648,20 @@ def encoding_from_checkpoint(checkpoint):
         try:
             encoding = tiktoken.get_encoding(name)
         except Exception as err:  # an unknown name, or no internet for the first download
-            raise CheckpointError(f"can't load the tiktoken encoding {name!r} ({first_line(err)}); "
+            raise CheckpointError(f"can't load the tiktoken encoding {name!r} ({one_line(err)}); "
                                   "it is downloaded once, then cached") from None
     else:
         try:
             lines = [line.split() for line in tokenizer["ranks"].splitlines() if line.strip()]
             ranks = {base64.b64decode(token, validate=True): int(rank) for token, rank in lines}
             special_tokens = tokenizer.get("special_tokens", {})
-            # Checked first: wrong ranks make tiktoken's Rust core panic, in 80 lines.
+            # Checked first: bad ranks panic tiktoken's Rust core, in 80 lines.
             problem = tokenizer_problem(ranks, special_tokens)
             if problem is None:
                 encoding = tiktoken.Encoding("lillm", pat_str=tokenizer["pattern"],
                                              mergeable_ranks=ranks, special_tokens=special_tokens)
         except Exception as err:  # a missing key, a bad line or pattern: not train.py's
-            problem = first_line(err)
+            problem = one_line(err)
         if problem:
             raise CheckpointError(f"the BPE tokenizer is malformed: {problem}")
     model_config = checkpoint.get("model_config")

@@ -786,9 +786,12 @@ def test_bad_checkpoints_give_one_line_errors(tmp_path):
             load_checkpoint(str(tmp_path / name))
     assert not marker.exists()
     mismatched = load_checkpoint(str(good))
-    mismatched["model_config"]["n_embd"] = 64
-    with pytest.raises(CheckpointError, match="does not fit"):
-        model_from_checkpoint(mismatched)
+    # torch's message opens with a header line ("Error(s) in loading state_dict for GPT:"): the reason follows
+    for setting, reason in [({"n_embd": 64}, "size mismatch for transformer.wte.weight"),
+                            ({"n_layer": 3}, 'Missing key(s) in state_dict: "transformer.h.2.')]:
+        with pytest.raises(CheckpointError, match=re.escape(reason)) as info:
+            model_from_checkpoint({**mismatched, "model_config": {**mismatched["model_config"], **setting}})
+        assert "does not fit this model.py: RuntimeError: " in str(info.value) and "\n" not in str(info.value)
     # A model_config that GPTConfig refuses is one line too, a value of the wrong type included.
     for setting, error in [({"n_head": 0}, "ValueError: n_head=0: must be"),
                            ({"n_layer": 2.0}, "ValueError: n_layer=2.0: must be a positive integer"),
