@@ -145,13 +145,13 @@ for phase in "$@"; do
             -n 33554432 --repeats 1 ;;
     data) make_data ;;
     step)  # one step of each preset's model on random tokens: tokens/s, MFU, the profile's top kernels
-        step step_gpt2 200 python3 bench/bench_step.py config/gpt2_124m.py --trace $OUT/trace_gpt2.json
+        step step_gpt2 200 python3 bench/bench_step.py config/gpt2_124m.py --trace $OUT/trace_gpt2
         step step_lillm 150 python3 bench/bench_step.py config/lillm.py ;;
     train)
         make_data
         step train_gpt2 240 python3 train.py config/gpt2_124m.py --dataset=data/enwiki_gpt2 \
             --out_dir=out-gpt2 --max_iters=120 --lr_decay_iters=120 --warmup_iters=20 --eval_interval=60 \
-            --eval_iters=8
+            --eval_iters=8 --hellaswag_interval=0  # the preset's 250 is no multiple of 60: refused
         step train_lillm 200 python3 train.py config/lillm.py --dataset=data/enwiki_lillm \
             --out_dir=out-lillm --max_iters=200 --lr_decay_iters=200 --warmup_iters=20 --eval_interval=100 \
             --eval_iters=20 ;;
