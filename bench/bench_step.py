@@ -144,6 +144,6 @@ for loss_name, run in runs.items():
           f"{'n/a' if mfu != mfu else f'{mfu * 100:.1f}%'}{peak}; the profiled step's device busy: {busy}; "
           f"zero fills of B x T x vocab: {zero_fills}")
     if args.trace:
-        profiler.export_chrome_trace(f"{args.trace}.{loss_name}.json")
+        profiler.export_chrome_trace(f"{args.trace}.{loss_name.replace('/', '-')}.json")  # not a directory
     sort_by = "self_cuda_time_total" if cuda else "self_cpu_time_total"
     print(profiler.key_averages().table(sort_by=sort_by, row_limit=15, max_name_column_width=60))

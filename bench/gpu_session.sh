@@ -15,7 +15,8 @@
 #
 # Every step has its own time limit and goes on after a failure; its output goes to $OUT/log.txt and one
 # line per step (rc, seconds) to $OUT/summary.txt, printed again at the end. No step starts or runs past
-# DEADLINE seconds from the start.
+# DEADLINE seconds from the start. DRY_RUN=1 prints each step's command (the corpora and other files are made;
+# no pip, no GPU), with every step taking its whole limit: what a slow run would skip.
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu_out}
 mkdir -p "$OUT"
@@ -23,6 +24,7 @@ export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 CORPORA_DIR=/tm
 CORPORA=/tmp/corpora
 LOG=$OUT/log.txt
 DEADLINE=${DEADLINE:-570}  # seconds: a device call ends at 600
+DRY_RUN=${DRY_RUN:-}
 
 step() {  # step NAME SECONDS COMMAND...: run it under a time limit, log it, never stop the script
     local name=$1 limit=$2 started=$SECONDS
@@ -32,13 +34,14 @@ step() {  # step NAME SECONDS COMMAND...: run it under a time limit, log it, nev
         (( limit > 10 )) || { echo "=== $name: skipped, past the deadline" | tee -a "$OUT/summary.txt"; return; }
     fi
     echo "=== $name: $*" | tee -a "$LOG"
+    [ -z "$DRY_RUN" ] || { SECONDS=$((started + limit)); return; }
     timeout --kill-after=10 "$limit" "$@" 2>&1 | tee -a "$LOG"
     local rc=${PIPESTATUS[0]}
     echo "=== $name: rc $rc in $((SECONDS - started)) s" | tee -a "$LOG" "$OUT/summary.txt"
 }
 
 setup() {
-    if [ ! -d /tmp/site ]; then
+    if [ ! -d /tmp/site ] && [ -z "$DRY_RUN" ]; then
         python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
     fi
     mkdir -p $CORPORA
@@ -99,16 +102,20 @@ for phase in "$@"; do
     hellaswag_bench)  # issue 36: examples a forward, 1 (the old path) against 32 and 64, the 124M shape
         step hellaswag_bench 150 python3 bench/bench_hellaswag.py config/gpt2_124m.py --device cuda \
             --examples 1000 --batches 1,32,64 --repeats 3 ;;
-    hellaswag_scratch)  # the 124M model's HellaSwag eval timed, fresh weights (time doesn't depend on them):
-        # train.py --max_iters=0 evaluates once at iter 0 and exits; with HellaSwag less without is its cost
+    hellaswag_scratch)  # the 124M model's HellaSwag eval timed: --eval_only on a checkpoint of one step (the time
+        # doesn't depend on the weights; --max_iters=0 trains nothing and evaluates nothing); with less without
         [ -f data/enwiki_small_gpt2/meta.json ] || { head -n 3000 $CORPORA/enwiki.jsonl > /tmp/enwiki_small.jsonl
             step prepare_small_gpt2 60 python3 prepare_data.py --tokenizer .corpora/gpt2 \
                 --data /tmp/enwiki_small.jsonl --out data/enwiki_small_gpt2 --val_tokens=100000; }
         make_hellaswag
-        scratch="config/gpt2_124m.py --dataset=data/enwiki_small_gpt2 --max_iters=0 --compile=False \
-            --eval_iters=1 --batch_size=8 --sample_prompt= --hellaswag=/tmp/hellaswag_10042.jsonl"
-        step eval_without_hellaswag 60 python3 train.py $scratch --out_dir=out-hs0 --hellaswag_interval=0
-        step eval_with_hellaswag 200 python3 train.py $scratch --out_dir=out-hs1 ;;
+        scratch="config/gpt2_124m.py --dataset=data/enwiki_small_gpt2 --out_dir=out-hs --compile=False \
+            --eval_iters=1 --batch_size=8 --total_batch_size=None --sample_prompt= \
+            --hellaswag=/tmp/hellaswag_10042.jsonl"
+        [ -f out-hs/ckpt.pt ] || step one_step_124m 90 python3 train.py $scratch --max_iters=1 \
+            --hellaswag_interval=0
+        step eval_without_hellaswag 60 python3 train.py $scratch --init_from=resume --eval_only=True \
+            --hellaswag_interval=0
+        step eval_with_hellaswag 200 python3 train.py $scratch --init_from=resume --eval_only=True ;;
     step_lillm)  # issue 36: MFU and how busy the GPU is; lilLM's step with and without CUDA graphs (compile's
         # reduce-overhead: was it the host?), 124M's plain loss beside the detached logits
         step step_lillm 120 python3 bench/bench_step.py config/lillm.py --losses detached \
@@ -138,13 +145,13 @@ for phase in "$@"; do
             -n 33554432 --repeats 1 ;;
     data) make_data ;;
     step)  # one step of each preset's model on random tokens: tokens/s, MFU, the profile's top kernels
-        step step_gpt2 200 python3 bench/bench_step.py config/gpt2_124m.py --trace $OUT/trace_gpt2.json
+        step step_gpt2 200 python3 bench/bench_step.py config/gpt2_124m.py --trace $OUT/trace_gpt2
         step step_lillm 150 python3 bench/bench_step.py config/lillm.py ;;
     train)
         make_data
         step train_gpt2 240 python3 train.py config/gpt2_124m.py --dataset=data/enwiki_gpt2 \
             --out_dir=out-gpt2 --max_iters=120 --lr_decay_iters=120 --warmup_iters=20 --eval_interval=60 \
-            --eval_iters=8
+            --eval_iters=8 --hellaswag_interval=0  # the preset's 250 is no multiple of 60: refused
         step train_lillm 200 python3 train.py config/lillm.py --dataset=data/enwiki_lillm \
             --out_dir=out-lillm --max_iters=200 --lr_decay_iters=200 --warmup_iters=20 --eval_interval=100 \
             --eval_iters=20 ;;
@@ -155,6 +162,7 @@ for phase in "$@"; do
             --max_iters=20 --eval_interval=10
         step ddp_resume 120 torchrun --standalone --nproc_per_node=1 train.py $small --out_dir=out-ddp \
             --max_iters=30 --eval_interval=10 --init_from=resume
+        [ -z "$DRY_RUN" ] || continue  # the SIGTERM drill is no step: nothing to print
         python3 train.py $small --out_dir=out-term --max_iters=100000 --eval_interval=1000 \
             > /tmp/term.log 2>&1 &
         pid=$!
