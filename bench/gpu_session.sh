@@ -9,9 +9,10 @@
 #
 #   bash bench/gpu_session.sh suite bpe_small        # then: bpe_big data step, then: train ddp sample
 #   (hellaswag, after train: one HellaSwag eval of the 124M checkpoint, timed)
-#   DEADLINE=560 bash bench/gpu_session.sh suite_cuda bpe_loop generate_b8 step_lillm hellaswag_bench \
+#   DEADLINE=560 bash bench/gpu_session.sh suite_cuda bpe_loop generate_b8 hellaswag_bench step_lillm \
 #       hellaswag_scratch
 #                                                    # issue 39's one call (15 minutes of device time in all)
+#   (the limits sum to ~1,490 s: a normal run likely reaches the deadline in step_lillm; most needed first)
 #
 # Every step has its own time limit and goes on after a failure; its output goes to $OUT/log.txt and one
 # line per step (rc, seconds) to $OUT/summary.txt, printed again at the end. No step starts or runs past
