@@ -2,13 +2,13 @@
 GPUs (torchrun) or many nodes (torchrun or SLURM's srun).
 
     python train.py config/shakespeare_char.py --batch_size=32  # a preset, then overrides
-    python train.py config/quickstart.py --init_from=resume     # go on exactly from out_dir/ckpt.pt
+    python train.py config/quickstart.py --init_from=resume     # go on exactly where it stopped
     torchrun --standalone --nproc_per_node=8 train.py config/lillm.py
     srun python train.py config/lillm.py --init_from=auto       # SLURM: see the README
 
 Presets and --key=value set the settings block's globals, in order;
 a preset is Python and runs as code: use only presets you trust. One run at a time writes in an
-out_dir. SIGTERM or Ctrl-C finishes the step in flight, saves out_dir/ckpt.pt and exits 0.
+out_dir. SIGTERM or Ctrl-C finishes the step in flight, saves out_dir/ckpt_stopped.pt, exits 0.
 """
 import json, math, os, time
 from dataclasses import asdict, fields
@@ -20,7 +20,7 @@ import numpy as np  # torch comes after the checks: mistakes show at once
 # (out_dir, dataset, hellaswag_interval, sample_prompt, always_save_checkpoint, milestones)
 out_dir = "out"                 # ckpt.pt, milestones' ckpt_<iter>.pt and log.jsonl go here
 dataset = "data/fineweb"        # a directory of prepare_data.py's: shards and meta.json
-init_from = "scratch"           # "scratch" (not over a checkpoint), "resume" (ckpt.pt), "auto"
+init_from = "scratch"           # "scratch" (not over a checkpoint), "resume", "auto"
 eval_interval = 1000            # train/val loss (and maybe a save) every this many steps
 eval_iters = 100                # batches per split in each estimate
 log_interval = 10               # print the step's loss and speed every this many
@@ -368,8 +368,13 @@ if dtype == "auto":  # no bfloat16 on a CPU: most emulate it, many times slower
 compile = is_cuda if compile == "auto" else compile
 hellaswag_batch = hellaswag_batch or (32 if is_cuda else 1)  # CPU caches favour 1
 ckpt_path, log_path = os.path.join(out_dir, "ckpt.pt"), os.path.join(out_dir, "log.jsonl")
+stop_path = os.path.join(out_dir, "ckpt_stopped.pt")  # a stop's state, so ckpt.pt keeps the best
+
+def resume_path():  # the latest state: a stop's until a later save of ckpt.pt or the run's end
+    return stop_path if os.path.exists(stop_path) else ckpt_path
+
 if init_from == "auto":
-    init_from = "resume" if os.path.exists(ckpt_path) else "scratch"
+    init_from = "resume" if os.path.exists(resume_path()) else "scratch"
 
 # === plumbing: the tokenizer and the ids it gives; load_for_resume
 from model import CheckpointError, encoding_from_checkpoint, load_checkpoint, model_from_checkpoint
@@ -435,7 +440,7 @@ if eval_only and init_from != "resume":
 # the rest of its state is restored below)
 checkpoint = None
 if init_from == "resume":
-    checkpoint, raw_model = load_for_resume(ckpt_path)
+    checkpoint, raw_model = load_for_resume(resume_path())
     for key, value in [(k, v) for k, v in checkpoint["model_config"].items() if k in defaults]:
         if globals()[key] not in (None, value):
             note(f"resuming keeps the checkpoint's {key}={value!r} (not {globals()[key]!r})")
@@ -551,7 +556,7 @@ if master:  # locked for the run, before anything in it is read
     out_dir_lock = lock_directory(out_dir)
 checkpoints_there = glob.glob(os.path.join(glob.escape(out_dir), "ckpt*.pt"))
 if init_from == "scratch" and checkpoints_there:  # a milestone alone too: resume reads ckpt.pt
-    copy_hint = " once it is copied to ckpt.pt" if ckpt_path not in checkpoints_there else ""
+    copy_hint = " once it is copied to ckpt.pt" if resume_path() not in checkpoints_there else ""
     raise UserError(f"{min(checkpoints_there)} exists and a run from scratch would overwrite it: "
                     f"go on from it with --init_from=resume{copy_hint}, or give another --out_dir")
 if master:
@@ -628,7 +633,8 @@ signal.signal(signal.SIGTERM, request_stop)
 signal.signal(signal.SIGINT, request_stop)
 
 def diverged(what):  # only finite weights are saved
-    resume = f"; --init_from=resume goes on from {ckpt_path}" if os.path.exists(ckpt_path) else ""
+    path = resume_path()
+    resume = f"; --init_from=resume goes on from {path}" if os.path.exists(path) else ""
     return UserError(f"{what} at iter {iter_num}: training diverged, nothing saved. Lower "
                      f"learning_rate, lengthen warmup_iters, keep grad_clip on, or avoid float16{resume}")
 
@@ -710,7 +716,7 @@ while True:
             if sample is not None:
                 log(f"sample iter {iter_num}: {sample!r}", iter=iter_num, sample=sample)
         if iter_num > 0 and not stopping:  # iter 0's weights are never saved: they set no best
-            if val_loss < best_val_loss or always_save_checkpoint or unfinished:
+            if val_loss < best_val_loss or always_save_checkpoint:
                 save_paths.append(ckpt_path)
             best_val_loss = min(best_val_loss, val_loss)
         step_seconds = []
@@ -719,7 +725,7 @@ while True:
             print(f"stopped by {stop_signal or 'another rank'} during the evals: nothing logged")
         break
     if stopping:
-        save_paths = [ckpt_path]
+        save_paths = [stop_path]
     elif iter_num in milestones and iter_num > 0:  # again if resumed here: the same state
         save_paths.append(os.path.join(out_dir, f"ckpt_{iter_num}.pt"))
 
@@ -746,6 +752,9 @@ while True:
             except OSError as e:
                 raise UserError(f"can't write {path} ({str(e).splitlines()[0][:60]}): no space "
                                 f"left? The last checkpoint is kept: make room, then resume")
+    stop_done = ckpt_path in save_paths or last_iter and not stopping  # ckpt.pt newer, or run over
+    if master and stop_done and os.path.exists(stop_path):
+        os.remove(stop_path)
     if stopping or last_iter:
         break
 
@@ -788,7 +797,7 @@ while True:
 # === plumbing: the end: nothing for a Ctrl-C to stop
 exit_on_ctrl_c(0)
 if stopping and master and not eval_only:
-    print(f"stopped by {stop_signal or 'another rank'} after iter {iter_num}; {ckpt_path} "
+    print(f"stopped by {stop_signal or 'another rank'} after iter {iter_num}; {stop_path} "
           f"saved: go on with --init_from=resume", flush=True)
 if ddp:  # together: the master may still be writing the last checkpoint
     dist.barrier()

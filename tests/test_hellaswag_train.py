@@ -204,7 +204,7 @@ def test_sigterm_during_hellaswag_stops_it_and_saves(dataset, tmp_path):
     assert process.returncode == 0, stdout + stderr
     assert "stopped by SIGTERM after iter 0" in stdout and "eval iter" not in stdout
     assert not (tmp_path / "out" / "log.jsonl").exists()  # no eval was logged
-    assert load(tmp_path / "out" / "ckpt.pt")["iter_num"] == 0
+    assert load(tmp_path / "out" / "ckpt_stopped.pt")["iter_num"] == 0
 
 
 def test_transformers_on_the_export_scores_the_file_as_train_py_did(scored):

@@ -412,24 +412,32 @@ def test_sigterm_saves_whether_in_an_eval_or_a_step_and_nothing_is_overwritten(d
     started = time.time()
     stdout, stderr = signal_when(start_train(dataset, out_dir, *args, "--eval_iters=100000"), ("model:", signal.SIGTERM))
     assert "stopped by SIGTERM after iter 0" in stdout and time.time() - started < 60, stdout + stderr
-    assert load(out_dir / "ckpt.pt")["iter_num"] == 0 and not (out_dir / "log.jsonl").exists()  # no eval logged
+    assert load(out_dir / "ckpt_stopped.pt")["iter_num"] == 0 and not (out_dir / "log.jsonl").exists()  # no eval
+    assert not (out_dir / "ckpt.pt").exists()  # no eval saved one
     # 2. A fresh run into that out_dir is refused: the checkpoint and the log stay as they were.
     (out_dir / "log.jsonl").write_text("{}\n")
-    saved = (out_dir / "ckpt.pt").read_bytes()
-    assert_one_error_line(run_train(dataset, out_dir, "--max_iters=2"), "ckpt.pt exists", "--init_from=resume")
-    assert (out_dir / "ckpt.pt").read_bytes() == saved and (out_dir / "log.jsonl").read_text() == "{}\n"
+    saved = (out_dir / "ckpt_stopped.pt").read_bytes()
+    result = run_train(dataset, out_dir, "--max_iters=2")
+    assert_one_error_line(result, "ckpt_stopped.pt exists", "--init_from=resume, or")  # no copy hint
+    assert (out_dir / "ckpt_stopped.pt").read_bytes() == saved and (out_dir / "log.jsonl").read_text() == "{}\n"
     (out_dir / "log.jsonl").unlink()
     # 3. init_from=auto resumes; a temporary left by a save killed mid-write (its process gone) is cleaned.
     (out_dir / "ckpt.pt.tmp.999999999").write_bytes(b"partial")
     stdout, stderr = signal_when(start_train(dataset, out_dir, *args, "--init_from=auto"), ("iter 3:", signal.SIGTERM))
     assert "resuming at iter 0" in stdout and "stopped by SIGTERM" in stdout, stdout + stderr
     assert not (out_dir / "ckpt.pt.tmp.999999999").exists()
-    checkpoint = load(out_dir / "ckpt.pt")
+    checkpoint = load(out_dir / "ckpt_stopped.pt")
     stopped_at = checkpoint["iter_num"]
     assert stopped_at >= 3 and checkpoint["optimizer"] is not None
     assert checkpoint["scaler"]["_growth_tracker"] == stopped_at  # steps since the scale last changed: all
     assert max(read_log(out_dir)[0]) == stopped_at  # the step in flight was finished and logged, no more
-    train(dataset, out_dir, "--init_from=resume", f"--max_iters={stopped_at + 2}", *args[1:])
+    # 4. A resume whose first eval saves ckpt.pt, then killed (-9, nothing runs): the stop's state went with that
+    # save, or the next resume would go on from it, older than ckpt.pt, with an older best_val_loss
+    resumed = start_train(dataset, out_dir, "--init_from=resume", *args[:1], f"--eval_interval={stopped_at}", *args[2:])
+    signal_when(resumed, (f"iter {stopped_at + 1}:", signal.SIGKILL))
+    assert load(out_dir / "ckpt.pt")["iter_num"] == stopped_at and not (out_dir / "ckpt_stopped.pt").exists()
+    train(dataset, out_dir, "--init_from=resume", f"--max_iters={stopped_at + 2}", *args[1:],
+          "--always_save_checkpoint=True")
     resumed = load(out_dir / "ckpt.pt")
     assert resumed["iter_num"] == stopped_at + 2
     assert resumed["scaler"]["_growth_tracker"] == stopped_at + 2  # the scaler went on, it did not restart
@@ -437,25 +445,27 @@ def test_sigterm_saves_whether_in_an_eval_or_a_step_and_nothing_is_overwritten(d
 
 def test_a_stop_in_the_last_step_leaves_the_final_eval_and_milestone_to_the_resume(trained, dataset, tmp_path):
     # The checkpoint of iter 40 (128 tokens a step), resumed for 2 steps of 256 tokens. SIGTERM after step 41's line
-    # lands in step 42 (on a slow machine, in the final eval of 100,000 batches): either way ckpt.pt is saved at
-    # max_iters, before the final eval and the milestone of 42, which the next resume must then make. A best val loss
-    # of 0 is never beaten: ckpt.pt is saved again because the run is finished, not because its val loss improved.
+    # lands in step 42 (on a slow machine, in the final eval of 100,000 batches): either way ckpt_stopped.pt is saved
+    # at max_iters, before the final eval and the milestone of 42, which the next resume must then make. A best val
+    # loss of 0 is never beaten: ckpt.pt, the best, is never replaced, not by the stop nor by the resumed run.
     out_dir = tmp_path / "out"
     out_dir.mkdir()
     torch.save(dict(load(trained / "ckpt.pt"), best_val_loss=0.0), out_dir / "ckpt.pt")
+    best = (out_dir / "ckpt.pt").read_bytes()
     args = ["--init_from=resume", "--max_iters=42", "--total_batch_size=256", "--eval_interval=100000",
             "--milestones=[42]"]
     stdout, stderr = signal_when(start_train(dataset, out_dir, *args, "--eval_iters=100000"), ("iter 41:", signal.SIGTERM))
     assert "stopped by SIGTERM after iter 42" in stdout and "eval iter" not in stdout, stdout + stderr
-    assert not (out_dir / "ckpt_42.pt").exists()
+    assert not (out_dir / "ckpt_42.pt").exists() and (out_dir / "ckpt.pt").read_bytes() == best
+    assert load(out_dir / "ckpt_stopped.pt")["iter_num"] == 42
     result = train(dataset, out_dir, *args, "--sample_prompt=the")
-    assert "nothing to train" not in result.stdout and "sample iter 42: " in result.stdout, result.stdout
+    assert "resuming at iter 42" in result.stdout and "sample iter 42: " in result.stdout, result.stdout
     evals = [r for r in map(json.loads, (out_dir / "log.jsonl").read_text().splitlines()) if "val_loss" in r]
     assert [e["iter"] for e in evals] == [42] and load(out_dir / "ckpt_42.pt")["iter_num"] == 42
     # log.jsonl's tokens are those trained: 40 steps of 128 tokens, then 2 of 256 (not 42 x 256)
     assert evals[0]["tokens"] == 40 * 128 + 2 * 256
-    # ckpt.pt is a finished run's now: a resume says "nothing to train" (as the test below checks for one)
-    assert load(out_dir / "ckpt.pt")["stopped"] is False
+    # the run is over: the stop's state is gone, the best stays
+    assert not (out_dir / "ckpt_stopped.pt").exists() and (out_dir / "ckpt.pt").read_bytes() == best
 
 
 def test_ctrl_c_twice_stops_at_once_in_one_line(dataset, tmp_path):
@@ -521,7 +531,8 @@ def test_ctrl_c_in_pythons_exit_is_no_traceback(dataset, tmp_path):
                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                env={**ENV, "PYTHONPATH": str(REPO)}, cwd=tmp_path)
     stdout, stderr = signal_when(process, ("iter 3:", signal.SIGINT), ("exiting", signal.SIGINT))
-    assert "stopped by SIGINT after iter" in stdout and (tmp_path / "out" / "ckpt.pt").exists(), stdout + stderr
+    assert "stopped by SIGINT after iter" in stdout, stdout + stderr
+    assert (tmp_path / "out" / "ckpt_stopped.pt").exists()
     assert process.returncode == 0 and stderr == ""
 
 
