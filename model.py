@@ -13,6 +13,7 @@ import base64
 import math
 import os
 import re
+import shutil
 import warnings
 from dataclasses import dataclass
 
@@ -264,7 +265,7 @@ class GPT(nn.Module):
             idx = idx[:, -block_size:]
         if max_new_tokens <= 0:
             return
-        if compile_decode is None and idx.device.type == "cuda":
+        if compile_decode is None and idx.device.type == "cuda" and c_compiler():
             compile_decode = {"mode": "reduce-overhead"}  # 9+ shapes: eager, no error
         kept = use_cache and not getattr(self, "_kv_cache_in_use", False)
         compile_decode = compile_decode if kept else False
@@ -514,6 +515,10 @@ def peak_flops(device):
     if tflops is None:
         return 312e12, f"{name} is not in the table: assuming an A100's 312 TFLOP/s"
     return tflops * 1e12, f"{name}: {tflops} TFLOP/s peak"
+
+
+def c_compiler():  # torch.compile's Triton kernels need one on a GPU: slim images (Docker) lack it
+    return os.environ.get("CC") or shutil.which("gcc") or shutil.which("clang")
 
 
 # === plumbing: checkpoints and their tokenizer

@@ -351,7 +351,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from model import GPT, GPTConfig, save_checkpoint, bytes_of_id
+from model import GPT, GPTConfig, save_checkpoint, bytes_of_id, c_compiler
 
 device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
 device_type = device.split(":")[0]
@@ -368,6 +368,13 @@ if dtype == "auto":  # no bfloat16 on a CPU: most emulate it, many times slower
 compile = is_cuda if compile == "auto" else compile
 hellaswag_batch = hellaswag_batch or (32 if is_cuda else 1)  # CPU caches favour 1
 ckpt_path, log_path = os.path.join(out_dir, "ckpt.pt"), os.path.join(out_dir, "log.jsonl")
+
+# === plumbing: the checkpoint a resume reads; the tokenizer and the ids it gives; load_for_resume
+from model import CheckpointError, encoding_from_checkpoint, load_checkpoint, model_from_checkpoint
+
+if compile and not c_compiler():
+    compile = False
+    note("no C compiler (gcc, clang or $CC) for torch.compile's kernels: not compiling (slower)")
 stop_path = os.path.join(out_dir, "ckpt_stopped.pt")  # a stop's state, so ckpt.pt keeps the best
 
 def resume_path():  # the latest state: a stop's until a later save of ckpt.pt or the run's end
@@ -375,9 +382,6 @@ def resume_path():  # the latest state: a stop's until a later save of ckpt.pt o
 
 if init_from == "auto":
     init_from = "resume" if os.path.exists(resume_path()) else "scratch"
-
-# === plumbing: the tokenizer and the ids it gives; load_for_resume
-from model import CheckpointError, encoding_from_checkpoint, load_checkpoint, model_from_checkpoint
 
 encoding = None
 if kind != "tiktoken" or hellaswag_set or sample_prompt:  # a tiktoken name may need the internet

@@ -390,6 +390,16 @@ def test_cuda_bf16_compiled_run_resumes_and_samples(dataset, tmp_path):
     assert sample.returncode == 0 and "bfloat16" in sample.stderr, sample.stdout + sample.stderr
 
 
+def test_compile_without_a_c_compiler_trains_uncompiled_and_says_so(dataset, tmp_path):
+    # A GPU machine without gcc or clang (Docker's CUDA runtime images): Triton can't build the launchers of
+    # torch.compile's kernels, and the first step would end in a traceback. torch.compile on the CPU needs a compiler
+    # too: a run with none on its PATH goes the same way, noted, then trained uncompiled.
+    run = fork_train(dataset, tmp_path / "out", "--compile=True", "--max_iters=2", environ={"PATH": str(tmp_path),
+                                                                                           "CC": ""})
+    result = finish(run)
+    assert "note: no C compiler (gcc, clang or $CC)" in result.stdout and "compile=False" in result.stdout
+
+
 def signal_when(process, *steps):
     """steps: (prefix, signal) pairs: send each signal once a line of stdout starts with its prefix, in turn.
     (stdout, stderr) at the end."""
