@@ -20,9 +20,9 @@ import torch.nn.functional as F
 from hypothesis import assume, given, settings, strategies as st
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from model import (GPT, CharTokenizer, CheckpointError, GPTConfig, MuonAdamW, apply_rope, bytes_of_id,  # noqa: E402
-                   encoding_from_checkpoint, load_checkpoint, model_from_checkpoint, orthogonalize, peak_flops,
-                   rope_tables, save_checkpoint, top_k_filter, top_p_filter)
+from model import (GPT, PEAK_TFLOPS, CharTokenizer, CheckpointError, GPTConfig, MuonAdamW, apply_rope,  # noqa: E402
+                   bytes_of_id, encoding_from_checkpoint, load_checkpoint, model_from_checkpoint, orthogonalize,
+                   peak_flops, rope_tables, save_checkpoint, top_k_filter, top_p_filter)
 
 
 def tiny_config(**overrides):
@@ -706,6 +706,15 @@ def test_muon_lowers_the_loss_and_its_state_round_trips(tmp_path):
     for p in model.parameters():
         for key, value in optimizer.state[p].items():
             assert torch.equal(torch.as_tensor(value), torch.as_tensor(restored.state[p][key])), key
+
+
+def test_each_gpu_in_the_peak_table_can_be_found():
+    # The first key in the GPU's name wins: "H100" before "H100 NVL" would give an H100 NVL the SXM's peak, and its
+    # MFU would read 15% low. A key must come before every key it holds.
+    keys = list(PEAK_TFLOPS)
+    for later in range(len(keys)):
+        for earlier in range(later):
+            assert keys[earlier] not in keys[later], f"{keys[later]!r} is never reached: {keys[earlier]!r} comes first"
 
 
 def test_cpu_mfu_is_not_a_number():
