@@ -377,7 +377,7 @@ if compile and not c_compiler():
     note("no C compiler (gcc, clang or $CC) for torch.compile's kernels: not compiling (slower)")
 stop_path = os.path.join(out_dir, "ckpt_stopped.pt")  # a stop's state, so ckpt.pt keeps the best
 
-def resume_path():  # the latest state: a stop's until a later save of ckpt.pt or the run's end
+def resume_path():  # the latest state
     return stop_path if os.path.exists(stop_path) else ckpt_path
 
 if init_from == "auto":
@@ -440,8 +440,7 @@ def load_for_resume(path):
 if eval_only and init_from != "resume":
     raise UserError(f"eval_only=True: there is no {ckpt_path} to evaluate")
 
-# === resume: the checkpoint's model, whose shapes win over the command line's (not dropout;
-# the rest of its state is restored below)
+# === resume: the checkpoint's model, whose shapes win over the command line's (not dropout)
 checkpoint = None
 if init_from == "resume":
     checkpoint, raw_model = load_for_resume(resume_path())
