@@ -4,7 +4,7 @@ Export a model trained by train.py as a Hugging Face Llama model, with its token
     python export_hf.py --out_dir=out-lillm --hf_dir=hf-lillm
     python export_hf.py --out_dir=out-lillm --ckpt=ckpt_10000.pt --hf_dir=hf-10k --dtype=bfloat16
 
-Each setting below can be overridden with --key=value. Loading the result needs transformers:
+Override any setting below with --key=value. Loading the result needs transformers:
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
     model = AutoModelForCausalLM.from_pretrained("hf-lillm")
@@ -33,10 +33,10 @@ from model import (CharTokenizer, CheckpointError, encoding_from_checkpoint, loa
 
 _names_before_settings = set(globals())
 # -----------------------------------------------------------------------------
-out_dir = "out"        # the directory train.py wrote (its --out_dir)
-ckpt = "ckpt.pt"       # file name inside out_dir; milestones are ckpt_<iter>.pt
-hf_dir = "hf"          # where the Hugging Face model goes; must not exist, or be empty
-dtype = "float32"      # float32 (the weights exactly), or bfloat16 / float16 (half the size)
+out_dir = "out"    # the directory train.py wrote (its --out_dir)
+ckpt = "ckpt.pt"   # file name inside out_dir; milestones are ckpt_<iter>.pt
+hf_dir = "hf"      # where the Hugging Face model goes; must not exist, or be empty
+dtype = "float32"  # float32 (the weights exactly), or bfloat16 / float16 (half the size)
 # -----------------------------------------------------------------------------
 defaults = {k: v for k, v in globals().items() if k not in _names_before_settings and k[0] != "_"}
 EOT = "<|endoftext|>"
@@ -77,8 +77,7 @@ def main():
     write_directory(hf_path, weights, files)
     print(f"wrote {hf_path}: LlamaForCausalLM with {model.get_num_params():,} parameters "
           f"({dtype}), tokenizer of {len(ranks) + len(special_tokens):,} ids "
-          f"({checkpoint['tokenizer']['kind']}); load it with "
-          f"AutoModelForCausalLM.from_pretrained({hf_path!r})", file=sys.stderr)
+          f"({checkpoint['tokenizer']['kind']})", file=sys.stderr)
 
 
 # The matrices are [out, in] in both. HF's converter permutes q and k for Meta's pairs (2i, 2i+1);
@@ -90,8 +89,7 @@ LAYER_NAMES = {"ln_1": "input_layernorm", "ln_2": "post_attention_layernorm",
 
 
 def llama_name(name):
-    """model.py's parameter name -> Llama's: transformer.h.3.attn.c_q.weight ->
-    model.layers.3.self_attn.q_proj.weight."""
+    """transformer.h.3.attn.c_q.weight -> model.layers.3.self_attn.q_proj.weight, and the like."""
     if name == "transformer.wte.weight":
         return "model.embed_tokens.weight"
     if name == "transformer.ln_f.weight":
@@ -102,8 +100,7 @@ def llama_name(name):
 
 
 def byte_to_char():
-    """GPT-2's printable stand-in for each byte (a space is 'Ġ'), in which HF's ByteLevel writes
-    the vocabulary and merges."""
+    """GPT-2's printable stand-in for each byte (a space is 'Ġ'): HF ByteLevel's alphabet."""
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), 256)]
     # The others (control characters, space, ...) move past 255, in order.
     others = [byte for byte in range(256) if byte not in printable]
