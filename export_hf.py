@@ -113,11 +113,10 @@ def hf_tokenizer_json(ranks, pattern, special_tokens):
     """The tokenizer.json that makes HF `tokenizers` encode exactly like tiktoken with these ranks.
 
     tiktoken keeps no merge list: in each regex chunk it joins the adjacent pair whose bytes form
-    the lowest-ranked token (the leftmost on a tie); HF's BPE joins listed pairs, first listed
-    first. So the list holds every cut of each token into two tokens, in rank order. A chunk that
-    is a token stays whole in both (HF: ignore_merges). (Two cuts of one token in a chunk: tiktoken
-    joins the leftmost, HF the first listed, as transformers' converter; never in the test's 435
-    languages.)"""
+    the lowest-ranked token (leftmost on a tie); HF's BPE joins listed pairs, first listed first. So
+    the list holds each token's cuts into two tokens, in rank order. A chunk that is a token stays
+    whole in both (HF: ignore_merges). Two cuts of one token in a chunk: tiktoken joins the
+    leftmost, HF the first listed, as transformers' converter; never in the test's 435 languages."""
     table = byte_to_char()
     # Oniguruma reads x{1,3}+ (cl100k's possessive) as (x{1,3})+: at an alternative's end as x{1,3}
     pattern = re.sub(r"(\{\d+,?\d*\})\+", r"\1", pattern)
@@ -172,7 +171,6 @@ def llama_config(cfg, eot_id):
 # === plumbing: writing hf_dir, the settings' checks
 
 def write_directory(hf_path, weights, files):
-    """hf_path is made empty, locked, checked again, then replaced by the complete copy."""
     made = not os.path.lexists(hf_path)
     temp_dir = f"{hf_path}.tmp.{os.getpid()}"
     try:

@@ -377,7 +377,7 @@ def top_p_filter(logits, p):
 GREEDY_BELOW = 1e-4
 
 
-def sample_next_token(logits, temperature=1.0, top_k=None, top_p=None, generator=None):
+def sample_next_token(logits, temperature, top_k, top_p, generator):
     """logits (B, vocab) -> next token ids (B, 1)."""
     if temperature < GREEDY_BELOW:
         return torch.argmax(logits, dim=-1, keepdim=True)

@@ -176,7 +176,6 @@ def read_prompt(text):
 
 
 def check_device(name):
-    """(device, its type), one this machine has."""
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     device_type = name.split(":")[0]
