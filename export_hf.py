@@ -4,7 +4,7 @@ Export a model trained by train.py as a Hugging Face Llama model, with its token
     python export_hf.py --out_dir=out-lillm --hf_dir=hf-lillm
     python export_hf.py --out_dir=out-lillm --ckpt=ckpt_10000.pt --hf_dir=hf-10k --dtype=bfloat16
 
-Each setting below can be overridden with --key=value. Loading the result needs transformers:
+Override any setting below with --key=value. Loading the result needs transformers:
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
     model = AutoModelForCausalLM.from_pretrained("hf-lillm")
@@ -33,10 +33,10 @@ from model import (CharTokenizer, CheckpointError, encoding_from_checkpoint, loa
 
 _names_before_settings = set(globals())
 # -----------------------------------------------------------------------------
-out_dir = "out"        # the directory train.py wrote (its --out_dir)
-ckpt = "ckpt.pt"       # file name inside out_dir; milestones are ckpt_<iter>.pt
-hf_dir = "hf"          # where the Hugging Face model goes; must not exist, or be empty
-dtype = "float32"      # float32 (the weights exactly), or bfloat16 / float16 (half the size)
+out_dir = "out"    # the directory train.py wrote (its --out_dir)
+ckpt = "ckpt.pt"   # file name inside out_dir; milestones are ckpt_<iter>.pt
+hf_dir = "hf"      # where the Hugging Face model goes; must not exist, or be empty
+dtype = "float32"  # float32 (the weights exactly), or bfloat16 / float16 (half the size)
 # -----------------------------------------------------------------------------
 defaults = {k: v for k, v in globals().items() if k not in _names_before_settings and k[0] != "_"}
 EOT = "<|endoftext|>"
@@ -77,8 +77,7 @@ def main():
     write_directory(hf_path, weights, files)
     print(f"wrote {hf_path}: LlamaForCausalLM with {model.get_num_params():,} parameters "
           f"({dtype}), tokenizer of {len(ranks) + len(special_tokens):,} ids "
-          f"({checkpoint['tokenizer']['kind']}); load it with "
-          f"AutoModelForCausalLM.from_pretrained({hf_path!r})", file=sys.stderr)
+          f"({checkpoint['tokenizer']['kind']})", file=sys.stderr)
 
 
 # The matrices are [out, in] in both. HF's converter permutes q and k for Meta's pairs (2i, 2i+1);
@@ -90,8 +89,7 @@ LAYER_NAMES = {"ln_1": "input_layernorm", "ln_2": "post_attention_layernorm",
 
 
 def llama_name(name):
-    """model.py's parameter name -> Llama's: transformer.h.3.attn.c_q.weight ->
-    model.layers.3.self_attn.q_proj.weight."""
+    """transformer.h.3.attn.c_q.weight -> model.layers.3.self_attn.q_proj.weight, and the like."""
     if name == "transformer.wte.weight":
         return "model.embed_tokens.weight"
     if name == "transformer.ln_f.weight":
@@ -102,8 +100,7 @@ def llama_name(name):
 
 
 def byte_to_char():
-    """GPT-2's printable stand-in for each byte (a space is 'Ġ'), in which HF's ByteLevel writes
-    the vocabulary and merges."""
+    """GPT-2's printable stand-in for each byte (a space is 'Ġ'): HF ByteLevel's alphabet."""
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), 256)]
     # The others (control characters, space, ...) move past 255, in order.
     others = [byte for byte in range(256) if byte not in printable]
@@ -116,11 +113,10 @@ def hf_tokenizer_json(ranks, pattern, special_tokens):
     """The tokenizer.json that makes HF `tokenizers` encode exactly like tiktoken with these ranks.
 
     tiktoken keeps no merge list: in each regex chunk it joins the adjacent pair whose bytes form
-    the lowest-ranked token (the leftmost on a tie); HF's BPE joins listed pairs, first listed
-    first. So the list holds every cut of each token into two tokens, in rank order. A chunk that
-    is a token stays whole in both (HF: ignore_merges). (Two cuts of one token in a chunk: tiktoken
-    joins the leftmost, HF the first listed, as transformers' converter; never in the test's 435
-    languages.)"""
+    the lowest-ranked token (leftmost on a tie); HF's BPE joins listed pairs, first listed first. So
+    the list holds each token's cuts into two tokens, in rank order. A chunk that is a token stays
+    whole in both (HF: ignore_merges). Two cuts of one token in a chunk: tiktoken joins the
+    leftmost, HF the first listed, as transformers' converter; never in the test's 435 languages."""
     table = byte_to_char()
     # Oniguruma reads x{1,3}+ (cl100k's possessive) as (x{1,3})+: at an alternative's end as x{1,3}
     pattern = re.sub(r"(\{\d+,?\d*\})\+", r"\1", pattern)
@@ -175,7 +171,6 @@ def llama_config(cfg, eot_id):
 # === plumbing: writing hf_dir, the settings' checks
 
 def write_directory(hf_path, weights, files):
-    """hf_path is made empty, locked, checked again, then replaced by the complete copy."""
     made = not os.path.lexists(hf_path)
     temp_dir = f"{hf_path}.tmp.{os.getpid()}"
     try:

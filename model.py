@@ -24,18 +24,18 @@ import torch.nn.functional as F
 
 @dataclass
 class GPTConfig:
-    vocab_size: int = 8192       # a multiple of 64 keeps the output matmul on fast tiles
+    vocab_size: int = 8192    # a multiple of 64 keeps the output matmul on fast tiles
     n_embd: int = 512
     n_layer: int = 12
-    block_size: int = 512        # longest context; RoPE tables and the KV cache are sized to it
-    n_head: int = 16             # query heads
-    n_kv_head: int = 8           # key/value heads (grouped-query attention)
+    block_size: int = 512     # longest context; RoPE tables and the KV cache are sized to it
+    n_head: int = 16          # query heads
+    n_kv_head: int = 8        # key/value heads (grouped-query attention)
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
-    ffn_ratio: float = 8 / 3     # SwiGLU hidden size: ffn_ratio * n_embd, up to a multiple of:
+    ffn_ratio: float = 8 / 3  # SwiGLU hidden size: ffn_ratio * n_embd, up to a multiple of:
     ffn_multiple_of: int = 128
-    dropout: float = 0.0         # pretraining on lots of data doesn't need it
-    bias: bool = False           # off, like Llama
+    dropout: float = 0.0      # pretraining on lots of data doesn't need it
+    bias: bool = False
 
     def __post_init__(self):
         check_config(self)
@@ -242,9 +242,8 @@ class GPT(nn.Module):
 
     # ---- generation ----
     # The KV cache holds each token's keys and values: a step runs only the newest token. Static
-    # (block_size positions, kept), each step writes its own in place. On a GPU the
-    # decode step reads it all, masked to the filled part: fixed shapes (the position is a tensor),
-    # one CUDA graph for a batch-1 step's hundreds of kernel launches.
+    # (block_size positions, kept, written in place): a GPU decode step reads it all, masked to the
+    # filled part; fixed shapes (the position a tensor) make one CUDA graph of its 100s of launches.
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, **settings):
@@ -379,9 +378,9 @@ def top_p_filter(logits, p):
 GREEDY_BELOW = 1e-4
 
 
-def sample_next_token(logits, temperature=1.0, top_k=None, top_p=None, generator=None):
+def sample_next_token(logits, temperature, top_k, top_p, generator):
     """logits (B, vocab) -> next token ids (B, 1)."""
-    if temperature is None or temperature < GREEDY_BELOW:
+    if temperature < GREEDY_BELOW:
         return torch.argmax(logits, dim=-1, keepdim=True)
     logits = logits.float() / temperature
     if top_k is not None and top_k > 0:
@@ -532,12 +531,10 @@ class CheckpointError(Exception):
 
 
 def save_checkpoint(path, checkpoint):
-    """Write the checkpoint, less torch.compile's "_orig_mod." and DDP's "module." prefixes, via a
-    temp file."""
+    """Write it via a temp file, less torch.compile's "_orig_mod." and DDP's "module." prefixes."""
     checkpoint = {"version": CHECKPOINT_VERSION, **checkpoint}
-    if "model" in checkpoint:
-        checkpoint["model"] = {re.sub(r"^(_orig_mod\.|module\.)+", "", key): value
-                               for key, value in checkpoint["model"].items()}
+    checkpoint["model"] = {re.sub(r"^(_orig_mod\.|module\.)+", "", key): value
+                           for key, value in checkpoint["model"].items()}
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     temp_path = f"{path}.tmp.{os.getpid()}"
     try:
@@ -557,10 +554,9 @@ def save_checkpoint(path, checkpoint):
 def load_checkpoint(path, map_location="cpu"):
     """Read a save_checkpoint file, weights_only (running no code); else CheckpointError."""
     if not os.path.isfile(path):
-        raise CheckpointError(f"no checkpoint at {path}: train one with train.py, or point "
-                              "--out_dir at the directory that holds it")
-    refused = CheckpointError(f"{path} is not a plain-data checkpoint, refused: it holds Python "
-                              "objects, and loading them could run code")
+        raise CheckpointError(f"no checkpoint at {path}: train one with train.py, or fix --out_dir")
+    refused = CheckpointError(f"{path} is not a plain-data checkpoint, refused: its Python "
+                              "objects could run code")
     with open(path, "rb") as f:
         if f.read(1) == b"\x80":  # a bare pickle's first opcode; torch.save writes a zip
             raise refused
@@ -570,7 +566,7 @@ def load_checkpoint(path, map_location="cpu"):
         if "unsupported global" in str(err).lower():  # a class or function: weights_only refuses it
             raise refused from None
         raise CheckpointError(f"{path} is truncated or corrupt ({type(err).__name__}): "
-                              "use an earlier checkpoint (ckpt_<iter>.pt) or train again") from None
+                              "use an earlier ckpt_<iter>.pt or train again") from None
     if not isinstance(checkpoint, dict) or {"version", "model", "model_config"} - checkpoint.keys():
         raise CheckpointError(f"{path} is not a lilLM checkpoint (version, model, model_config)")
     version = checkpoint["version"]
@@ -593,12 +589,10 @@ def model_from_checkpoint(checkpoint):
         model = GPT(GPTConfig(**settings))
         model.load_state_dict(checkpoint["model"])
     except (TypeError, ValueError, RuntimeError) as err:
-        raise CheckpointError("the checkpoint's model does not fit this model.py: "
-                              f"{one_line(err)}") from None
+        raise CheckpointError(f"the model does not fit this model.py: {one_line(err)}") from None
     diverged = [name for name, param in model.named_parameters() if not param.isfinite().all()]
     if diverged:
-        raise CheckpointError(f"the checkpoint's {diverged[0]} holds inf or NaN: use an earlier "
-                              "checkpoint (ckpt_<iter>.pt)")
+        raise CheckpointError(f"{diverged[0]} holds inf or NaN: use an earlier ckpt_<iter>.pt")
     return model
 
 

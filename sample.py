@@ -6,10 +6,10 @@ Sample text from a model trained by train.py, streaming it token by token.
     python sample.py --out_dir=out-lillm --start=FILE:prompt.txt --top_k=200 --top_p=0.95
     python sample.py --out_dir=out-lillm --ckpt=ckpt_5000.pt --temperature=0  # greedy, a milestone
 
-Each setting below can be overridden with --key=value. The checkpoint holds the model and its
-tokenizer. --start="" starts from <|endoftext|>, which begins every training document (a char
-model: "\\n"); in a prompt, "<|endoftext|>" is that token. Samples go to stdout, each followed by
-a separator line; the rest to stderr.
+Override any setting below with --key=value. The checkpoint holds the model and its tokenizer.
+--start="" starts from <|endoftext|>, which begins every training document (a char model:
+"\\n"); in a prompt, "<|endoftext|>" is that token. Samples go to stdout, each followed by a
+separator line; the rest to stderr.
 """
 import ast
 import codecs
@@ -27,17 +27,17 @@ from model import (GREEDY_BELOW, CharTokenizer, CheckpointError, encoding_from_c
 
 _names_before_settings = set(globals())
 # -----------------------------------------------------------------------------
-out_dir = "out"        # the directory train.py wrote (its --out_dir)
-ckpt = "ckpt.pt"       # file name inside out_dir; milestones are ckpt_<iter>.pt
-start = ""             # the prompt, or "FILE:path" to read it from a file
+out_dir = "out"    # the directory train.py wrote (its --out_dir)
+ckpt = "ckpt.pt"   # file name inside out_dir; milestones are ckpt_<iter>.pt
+start = ""         # the prompt, or "FILE:path" to read it from a file
 num_samples = 3
 max_new_tokens = 256
-temperature = 0.8      # < 1 sharpens the distribution, > 1 flattens it
-top_k = 200            # sample among the k most likely tokens (None or 0: all)
-top_p = 1.0            # nucleus: the fewest tokens that hold this much probability (1.0: off)
-seed = 1337            # same seed, checkpoint, device and settings: same samples
-device = "auto"        # "auto": cuda if there is a GPU, else cpu; or "cuda:1", "mps"
-dtype = "auto"         # "auto": bfloat16 (float16 on old GPUs); float32 on a CPU
+temperature = 0.8  # < 1 sharpens the distribution, > 1 flattens it
+top_k = 200        # sample among the k most likely tokens (None or 0: all)
+top_p = 1.0        # nucleus: the fewest tokens that hold this much probability (1.0: off)
+seed = 1337        # same seed, checkpoint, device and settings: same samples
+device = "auto"    # "auto": cuda if there is a GPU, else cpu; or "cuda:1", "mps"
+dtype = "auto"     # "auto": bfloat16 (float16 on old GPUs); float32 on a CPU
 # -----------------------------------------------------------------------------
 defaults = {k: v for k, v in globals().items() if k not in _names_before_settings and k[0] != "_"}
 EOT = "<|endoftext|>"
@@ -159,8 +159,7 @@ def validate():
         if not ok:
             raise UserError(f"--{name}={globals()[name]}: {rule}")
     if temperature < GREEDY_BELOW:
-        print(f"note: temperature {temperature}: greedy decoding (the most likely token)",
-              file=sys.stderr)
+        print(f"note: temperature {temperature}: greedy (the most likely token)", file=sys.stderr)
 
 
 def read_prompt(text):
@@ -177,7 +176,6 @@ def read_prompt(text):
 
 
 def check_device(name):
-    """(device, its type), one this machine has."""
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     device_type = name.split(":")[0]
