@@ -493,13 +493,14 @@ def merge_parts(out_dir, count, now, encoder, tokenizer_files):
               "max_token_id": max(m["max_token_id"] for m in metas)}
     with writing_to(out_dir):
         (out_dir / "meta.json").unlink(missing_ok=True)  # complete once it is back
+        for path in out_dir.iterdir():  # an earlier merge's, maybe more
+            if regex.fullmatch("(val|train)_[0-9]{6,}[.]npy", path.name):
+                path.unlink()
         for path, meta in zip(parts, metas):
             for split, names in meta["shards"].items():
                 for name in names:
                     link = out_dir / f"{split}_{len(merged['shards'][split]):06d}.npy"
-                    Path(f"{link}.tmp").unlink(missing_ok=True)
-                    os.link(path / name, f"{link}.tmp")
-                    os.replace(f"{link}.tmp", link)
+                    os.link(path / name, link)
                     merged["shards"][split].append(link.name)
         complete(out_dir, tokenizer_files, merged)
     print(f"merged {count} parts into {out_dir}")

@@ -858,6 +858,32 @@ def test_parts_that_cannot_equal_one_run_are_refused_in_one_line(tmp_path, bpe_d
     capsys.readouterr()
 
 
+def test_a_merge_of_fewer_shards_leaves_only_its_own(tmp_path, docs, bpe_dir, monkeypatch, capsys):
+    """Merged again after the source shrank (its parts deleted and run again), --out holds the shards meta.json
+    names and no stale link of the earlier merge (which would hold the deleted parts' disk, and feed a reader that
+    globs train_*.npy); files that are not named as shards are left alone."""
+    (tmp_path / "source").mkdir()
+    write_jsonl(tmp_path / "source" / "a.jsonl", docs)
+    monkeypatch.chdir(tmp_path)
+    common = ["--tokenizer", str(bpe_dir), "--data", "source", "--shard_size", "500", "--val_tokens", "500"]
+    shard_counts = []
+    for source_docs in (docs, docs[:150]):
+        write_jsonl(tmp_path / "source" / "a.jsonl", source_docs)
+        for k in range(2):
+            shutil.rmtree(tmp_path / "merged" / f"part-{k}-of-2", ignore_errors=True)
+            prepare_data.run([*common, "--out", "merged", "--part", f"{k}/2"])
+        for name in ("train_000999.npy.old", "train_old.npy", "val_00001.npy", "notes.txt"):  # not shard names
+            (tmp_path / "merged" / name).write_text("keep me")
+        prepare_data.run([*common, "--out", "merged", "--merge", "2"])
+        meta = read_dataset(tmp_path / "merged")[0]
+        shard_counts.append(len(meta["shards"]["train"]))
+    capsys.readouterr()
+    assert shard_counts[1] < shard_counts[0]
+    shards = sorted(path.name for path in (tmp_path / "merged").glob("*_*.npy"))
+    assert shards == sorted(meta["shards"]["val"] + meta["shards"]["train"] + ["train_old.npy", "val_00001.npy"])
+    assert (tmp_path / "merged" / "train_000999.npy.old").exists() and (tmp_path / "merged" / "notes.txt").exists()
+
+
 def test_a_part_stopped_by_sigterm_says_so_and_resumes_to_one_runs_ids(parts_source):
     """SIGTERM (scancel, SLURM's time limit) mid-part: one line saying so, exit 143, progress kept; rerun, the part
     resumes, and the merge still equals one run."""
