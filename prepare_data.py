@@ -10,8 +10,7 @@ Killed and rerun, it resumes. On many machines: --part K/N on each, then --merge
 """
 
 import argparse, base64, codecs, fcntl, hashlib, itertools, json, os, signal, socket, stat, sys
-import sysconfig, time
-import urllib.parse
+import platform, sysconfig, time, urllib.parse
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -562,7 +561,8 @@ def open_source(data, data_was_named, part):  # (documents(budget) -> texts, nam
     if data_was_named:
         raise UserError(f"{problem}, needed for --data {data}; use --data path/to/files instead")
     print(f"warning: {problem}: using the offline corpus, Python's stdlib", file=sys.stderr)
-    return stdlib_documents, "stdlib", "Python standard library source (offline fallback)"
+    version = platform.python_version()  # each one's stdlib differs: a resume compares it
+    return stdlib_documents, "stdlib", f"Python {version} stdlib (offline fallback)"
 
 def hub_problem(timeout=3.0):  # None, or why the Hub can't be used, in 3 s
     for switch in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
