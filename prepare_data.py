@@ -10,8 +10,7 @@ Killed and rerun, it resumes. On many machines: --part K/N on each, then --merge
 """
 
 import argparse, base64, codecs, fcntl, hashlib, itertools, json, os, signal, socket, stat, sys
-import sysconfig, time
-import urllib.parse
+import platform, sysconfig, time, urllib.parse
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -327,8 +326,7 @@ def warn(args, state, bytes_read, bytes_kept):
         if failed:
             print(f"warning: {warning}", file=sys.stderr)
     if args.num_chars and state["num_chars"] < args.num_chars and not args.max_tokens:
-        print(f"the source ran out after {state['num_chars']:,} characters "
-              f"(asked for {args.num_chars:,})")
+        print(f"the source ran out after {state['num_chars']:,} of {args.num_chars:,} characters")
 
 
 # === plumbing: the tokenizer and its checks
@@ -355,8 +353,7 @@ def load_tokenizer(name):
         if problem is None:
             vocab_size = max([len(ranks) - 1, *special_tokens.values()]) + 1
             checks = [("<|endoftext|>" not in special_tokens, "it has no <|endoftext|>"),
-                      # else tiktoken panics on empty chunks
-                      (regex.compile(pattern).fullmatch("") is not None,
+                      (regex.compile(pattern).fullmatch("") is not None,  # else tiktoken panics
                        f"its pattern {pattern!r} matches the empty string"),
                       (info.get("vocab_size", vocab_size) != vocab_size,
                        f"its vocab_size is {info.get('vocab_size')!r}; its ids make {vocab_size}")]
@@ -366,7 +363,7 @@ def load_tokenizer(name):
                                         special_tokens=special_tokens)
     except FileNotFoundError as error:
         problem = f"{Path(error.filename).name} is missing"
-    except Exception as error:  # not JSON, not base64, no "pattern": Python's words
+    except Exception as error:  # not JSON, not base64, no "pattern"
         problem = f"it can't be read ({type(error).__name__}: {error})".splitlines()[0]
     if problem is not None:
         raise UserError(f"--tokenizer {name}: {problem}; use one from train_bpe_cpu.py")
@@ -401,9 +398,8 @@ def run_args(args, source, tokenizer_meta):  # what decides the shards
     if (args.data or data) not in HUB_DATASETS:
         files = [[str(p), p.stat().st_size, p.stat().st_mtime_ns] for p in local_files(args.data)]
     return {"source": source, "tokenizer": tokenizer_meta, "num_chars": args.num_chars,
-            "part": list(args.part) if args.part[1] > 1 else None,
-            "max_tokens": args.max_tokens, "shard_size": args.shard_size,
-            "val_tokens": args.val_tokens, "files": files}
+            "part": list(args.part) if args.part[1] > 1 else None, "max_tokens": args.max_tokens,
+            "shard_size": args.shard_size, "val_tokens": args.val_tokens, "files": files}
 
 
 def resume_state(out_dir, state, encoder):
@@ -423,7 +419,7 @@ def resume_state(out_dir, state, encoder):
         saved = json.loads(read_whole(saved_path, 2**26))
         numbers = [saved["max_token_id"] + 1, saved["num_chars"], *saved["tokens"].values(),
                    *map(ord, saved.get("chars", []))]
-        if saved_path.name == "progress.json":  # (an older prepare_data.py's has no "resume")
+        if saved_path.name == "progress.json":  # (an older one's has no "resume")
             numbers += saved["resume"].values()
         if any(type(n) is not int or n < 0 for n in numbers):
             raise ValueError
@@ -493,13 +489,14 @@ def merge_parts(out_dir, count, now, encoder, tokenizer_files):
               "max_token_id": max(m["max_token_id"] for m in metas)}
     with writing_to(out_dir):
         (out_dir / "meta.json").unlink(missing_ok=True)  # complete once it is back
+        for path in out_dir.iterdir():  # an earlier merge's, maybe more
+            if regex.fullmatch("(val|train)_[0-9]{6,}[.]npy", path.name):
+                path.unlink()
         for path, meta in zip(parts, metas):
             for split, names in meta["shards"].items():
                 for name in names:
                     link = out_dir / f"{split}_{len(merged['shards'][split]):06d}.npy"
-                    Path(f"{link}.tmp").unlink(missing_ok=True)
-                    os.link(path / name, f"{link}.tmp")
-                    os.replace(f"{link}.tmp", link)
+                    os.link(path / name, link)
                     merged["shards"][split].append(link.name)
         complete(out_dir, tokenizer_files, merged)
     print(f"merged {count} parts into {out_dir}")
@@ -509,11 +506,10 @@ def merge_parts(out_dir, count, now, encoder, tokenizer_files):
 @contextmanager
 def writing_to(out_dir):
     """Make out_dir and lock it; a failed run removes the empty directories it made."""
-    paths = [out_dir, *out_dir.parents]
-    for path in paths:
-        if path.exists() and not path.is_dir():
+    made = [path for path in [out_dir, *out_dir.parents] if not path.is_dir()]
+    for path in made:
+        if path.exists():
             raise UserError(f"--out {out_dir}: {path} is a file, not a directory")
-    made = [path for path in paths if not path.exists()]
     out_dir.mkdir(parents=True, exist_ok=True)
     lock = lock_directory(out_dir)
     try:
@@ -561,7 +557,8 @@ def open_source(data, data_was_named, part):  # (documents(budget) -> texts, nam
     if data_was_named:
         raise UserError(f"{problem}, needed for --data {data}; use --data path/to/files instead")
     print(f"warning: {problem}: using the offline corpus, Python's stdlib", file=sys.stderr)
-    return stdlib_documents, "stdlib", "Python standard library source (offline fallback)"
+    version = platform.python_version()  # each one's stdlib differs: a resume compares it
+    return stdlib_documents, "stdlib", f"Python {version} stdlib (offline fallback)"
 
 def hub_problem(timeout=3.0):  # None, or why the Hub can't be used, in 3 s
     for switch in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):

@@ -9,6 +9,7 @@ import base64
 import hashlib
 import json
 import os
+import platform
 import random
 import resource
 import shutil
@@ -666,6 +667,37 @@ def test_a_changed_source_is_never_mixed_in(tmp_path, docs, bpe_dir, monkeypatch
     assert files_of(tmp_path / "ds") == before
 
 
+def test_the_offline_corpus_resumes_only_under_the_same_python(tmp_path, bpe_dir, monkeypatch, capsys):
+    """The offline corpus is the running Python's stdlib, which differs between versions: a run stopped (Ctrl-C once
+    a shard is saved) is refused when its progress.json records another version, as a run under an older Python
+    records it, and resumes under the same one to a stopless run's files."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    args = ["--tokenizer", str(bpe_dir), "-n", "30000", "--shard_size", "2000", "--val_tokens", "2000"]
+    prepare_data.run([*args, "--out", "reference"])
+    write_json = prepare_data.write_json
+
+    def write_json_then_stop(path, obj):
+        write_json(path, obj)
+        if path.name == "progress.json" and obj["shards"]["val"]:
+            raise KeyboardInterrupt
+    monkeypatch.setattr(prepare_data, "write_json", write_json_then_stop)
+    with pytest.raises(KeyboardInterrupt):
+        prepare_data.run([*args, "--out", "ds"])
+    monkeypatch.setattr(prepare_data, "write_json", write_json)
+    progress_path = tmp_path / "ds" / "progress.json"
+    progress = progress_path.read_text()
+    version = platform.python_version()
+    assert f"Python {version} stdlib" in json.loads(progress)["args"]["source"]
+    progress_path.write_text(progress.replace(f"Python {version} ", "Python 3.9.18 "))
+    message = refused(*args, "--out", "ds")
+    assert "ds: made with other arguments (source: 'Python 3.9.18 stdlib" in message
+    progress_path.write_text(progress)
+    prepare_data.run([*args, "--out", "ds"])
+    assert "resuming ds" in capsys.readouterr().out
+    assert files_of(tmp_path / "ds") == files_of(tmp_path / "reference")
+
+
 def test_a_deleted_or_cut_shard_is_found_on_rerun(tmp_path, docs, bpe_dir, monkeypatch):
     """train.py says "run prepare_data.py again" for a missing shard: that run must not answer "nothing to do"."""
     write_jsonl(tmp_path / "docs.jsonl", docs)
@@ -858,6 +890,32 @@ def test_parts_that_cannot_equal_one_run_are_refused_in_one_line(tmp_path, bpe_d
     capsys.readouterr()
 
 
+def test_a_merge_of_fewer_shards_leaves_only_its_own(tmp_path, docs, bpe_dir, monkeypatch, capsys):
+    """Merged again after the source shrank (its parts deleted and run again), --out holds the shards meta.json
+    names and no stale link of the earlier merge (which would hold the deleted parts' disk, and feed a reader that
+    globs train_*.npy); files that are not named as shards are left alone."""
+    (tmp_path / "source").mkdir()
+    write_jsonl(tmp_path / "source" / "a.jsonl", docs)
+    monkeypatch.chdir(tmp_path)
+    common = ["--tokenizer", str(bpe_dir), "--data", "source", "--shard_size", "500", "--val_tokens", "500"]
+    shard_counts = []
+    for source_docs in (docs, docs[:150]):
+        write_jsonl(tmp_path / "source" / "a.jsonl", source_docs)
+        for k in range(2):
+            shutil.rmtree(tmp_path / "merged" / f"part-{k}-of-2", ignore_errors=True)
+            prepare_data.run([*common, "--out", "merged", "--part", f"{k}/2"])
+        for name in ("train_000999.npy.old", "train_old.npy", "val_00001.npy", "notes.txt"):  # not shard names
+            (tmp_path / "merged" / name).write_text("keep me")
+        prepare_data.run([*common, "--out", "merged", "--merge", "2"])
+        meta = read_dataset(tmp_path / "merged")[0]
+        shard_counts.append(len(meta["shards"]["train"]))
+    capsys.readouterr()
+    assert shard_counts[1] < shard_counts[0]
+    shards = sorted(path.name for path in (tmp_path / "merged").glob("*_*.npy"))
+    assert shards == sorted(meta["shards"]["val"] + meta["shards"]["train"] + ["train_old.npy", "val_00001.npy"])
+    assert (tmp_path / "merged" / "train_000999.npy.old").exists() and (tmp_path / "merged" / "notes.txt").exists()
+
+
 def test_a_part_stopped_by_sigterm_says_so_and_resumes_to_one_runs_ids(parts_source):
     """SIGTERM (scancel, SLURM's time limit) mid-part: one line saying so, exit 143, progress kept; rerun, the part
     resumes, and the merge still equals one run."""
@@ -906,7 +964,7 @@ def test_part_and_merge_mistakes_are_one_line_each(parts_source, monkeypatch, tm
     assert "Hub is off (HF_HUB_OFFLINE=1), needed for --data openwebtext" in refused(
         *common[:2], "--data", "openwebtext")
     assert prepare_data.open_source("fineweb", False, (0, 1))[1:] == (
-        "stdlib", "Python standard library source (offline fallback)")
+        "stdlib", f"Python {platform.python_version()} stdlib (offline fallback)")
     monkeypatch.delenv("HF_HUB_OFFLINE")
     # part 0 of 40 holds less than val_tokens: val would go on into part 1, which can't know it
     assert "part 0 holds fewer tokens than --val_tokens" in refused(*common, "--part", "0/40", "--out", "n40")
