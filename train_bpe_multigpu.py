@@ -54,7 +54,7 @@ out = None  # output directory; default tokenizers/<source>_v<vocab_size>
 device = "cuda"  # cuda: NCCL; cpu: gloo and Triton's interpreter
 cache_dir = "tokenizers/.cache"  # per-rank counted chunks
 workers = 0  # pre-tokenizing processes per rank; 0: its share of the node's cores
-timeout = 1800  # seconds a rank waits for the others (reading a big part takes a while)
+timeout = 1800  # seconds a rank waits for the others (reading a big part is slow)
 # GPT-4's split pattern
 pattern = r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]++[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+"""
 EOT = "<|endoftext|>"
@@ -467,7 +467,8 @@ def rank_documents(name, files, budget):
     for path, first, size in zip(files, accumulate([0] + sizes), sizes):
         # a file that starts before lo is ours too where it is split: by lines, or by row groups
         split_into_ours = first < lo < first + size and path.suffix in (".jsonl", ".parquet")
-        if size and (lo <= first < hi or split_into_ours):
+        empty_parquet = not size and path.suffix == ".parquet"  # in no range: every rank's
+        if size and (lo <= first < hi or split_into_ours) or empty_parquet:
             part_files.append((path, first))
     return read_part(part_files, lo, hi, budget), [lo, hi]
 
@@ -727,8 +728,8 @@ def document_pieces(document, pattern_text):
 
 
 def count_part(args, source, files, documents, share, byte_range):
-    """This rank's part counted, or cached before: (arrays and stats, cache status, prefix, error
-    or None: run() shares it)."""
+    """This rank's part, counted or cached -> (arrays and stats, cache status, prefix, error or
+    None: run() shares it)."""
     prefix = Path(args.cache_dir) / cache_key(args, source, files, WORLD) / f"rank{RANK}"
     cache_status, cached = ("missing", None) if args.no_cache else read_cache(prefix)
     error = None
@@ -738,12 +739,11 @@ def count_part(args, source, files, documents, share, byte_range):
         label = "reading (rank 0's part)" if RANK == 0 else None
         try:
             chunk_counts, read = count_chunks(documents, share, args.pattern, num_workers, label)
-            # not read back: another run may be rewriting it
+            # not read back: another run may rewrite it
             cached = write_cache(prefix, chunk_counts, {"rank": RANK, "bytes": byte_range, **read})
         except UserError as user_error:
             error = str(user_error)
-        # the cache's disk, or a file gone mid-read
-        except OSError as os_error:
+        except OSError as os_error:  # the cache's disk, or a file gone mid-read
             error = (f"{os_error.filename or prefix.parent}: {os_error.strerror or os_error}; "
                      "check it (--cache_dir says where the cache goes)")
     elif WORLD > 1:
@@ -772,15 +772,13 @@ def write_cache(prefix, chunk_counts, part):
     chunks = [chunk.encode("utf-8") for chunk in chunk_counts]
     lengths = np.fromiter(map(len, chunks), np.int64, len(chunks))
     counts = np.fromiter(chunk_counts.values(), np.int64, len(chunks))
-    # single-byte chunks hold no pair
-    keep = lengths >= 2
+    keep = lengths >= 2  # single-byte chunks hold no pair
     blob = np.frombuffer(b"".join(chunk for chunk, kept in zip(chunks, keep) if kept), np.uint8)
     arrays = [blob, lengths[keep], counts[keep]]
-    stats = {"chunks": int(counts.sum()), "distinct": len(chunks),
+    stats = {"chunks": int(counts.sum()), "distinct": len(chunks), "part": part,
              "total_bytes": int((lengths * counts).sum()),
              "total_pairs": int(((lengths - 1) * counts).sum()), "bad_utf8": BadUTF8.count,
-             "matched": sum(len(chunk) * count for chunk, count in chunk_counts.items()),
-             "part": part}
+             "matched": sum(len(chunk) * count for chunk, count in chunk_counts.items())}
     prefix.parent.mkdir(parents=True, exist_ok=True)
     prefix.with_suffix(".json").unlink(missing_ok=True)
     tmp = prefix.with_suffix(f".{os.getpid()}.tmp")
@@ -858,8 +856,7 @@ def validate(args):
     for failed, message in problems:
         if failed:
             raise UserError(message)
-    # int32 counts (run() checks the text's)
-    check_count_rows(args.vocab_size, 4, device_memory(args.device), args.device)
+    check_count_rows(args.vocab_size, 4, device_memory(args.device), args.device)  # int32
     source_name, source, files = find_source(args.data or data, args.data is not None)
     out_dir = Path(args.out or f"tokenizers/{source_name}_v{args.vocab_size}")
     if RANK == 0:
@@ -1103,12 +1100,11 @@ if __name__ == "__main__":
         run(sys.argv[1:])
     except (UserError, OSError) as error:  # OSError: an unreadable file, a full disk
         say(f"error: {error}", file=sys.stderr)
-        # were this rank to exit first, torchrun could stop rank 0 before it speaks
-        if RANK != 0:
+        if RANK != 0:  # exiting first, it could get rank 0 stopped before it speaks
             time.sleep(5)
         sys.exit(1)
-    # gloo says a timeout or a closed socket as a RuntimeError, NCCL (joining) as a DistError (a
-    # NCCL collective that times out: its watchdog ends the process)
+    # gloo's timeout or closed socket is a RuntimeError, NCCL's (joining) a DistError (its
+    # collective timing out: its watchdog ends the process)
     except RuntimeError as error:
         transport = regex.search(r"gloo|nccl|timed? ?out|connection|peer", str(error), regex.I)
         if not isinstance(error, dist.DistError) and not transport:

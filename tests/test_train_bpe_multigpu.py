@@ -300,6 +300,23 @@ def test_a_bad_line_in_rank_1s_part_is_one_line_from_rank_0(tmp_path):
     assert "train_bpe_multigpu.py\", line" not in output and not (tmp_path / "out").exists()
 
 
+def test_an_empty_parquet_file_is_refused_by_every_rank_as_train_bpe_cpu_refuses_it(tmp_path, monkeypatch):
+    """A 0-byte .parquet (an interrupted download) lies in no rank's byte range: it was skipped in silence. Last,
+    after a file of text, every rank of 1 to 3 worlds must refuse it as it reads, in train_bpe_cpu.py's words."""
+    files = [write_jsonl(tmp_path / "a.jsonl", ["some text"] * 10), tmp_path / "b.parquet"]
+    files[1].write_bytes(b"")
+    with pytest.raises(cpu_bpe.UserError) as cpu_error:
+        list(cpu_bpe.local_texts(files, 10**6))
+    assert "b.parquet" in str(cpu_error.value)
+    for world in (1, 2, 3):
+        for rank in range(world):
+            monkeypatch.setattr(mg, "RANK", rank)
+            monkeypatch.setattr(mg, "WORLD", world)
+            with pytest.raises(mg.UserError) as error:
+                list(mg.rank_documents("files", files, 10**6)[0])
+            assert str(error.value) == str(cpu_error.value)
+
+
 def test_offline_the_default_source_is_the_standard_library_split_between_the_ranks(tmp_path):
     """No --data and no Hub (HF_HUB_OFFLINE=1): Python's own .py files, a document each, in byte ranges like
     any local files; one warning, rank 0's."""
