@@ -606,7 +606,7 @@ def part_texts(files, part, budget):  # part K/N: the documents starting in byte
     for path, first, size in zip(files, itertools.accumulate([0] + sizes), sizes):
         if path.suffix == ".txt" and lo <= first < hi:
             yield from read_txt(path, budget)
-        elif path.suffix != ".txt" and first < hi and lo < first + size:
+        elif path.suffix != ".txt" and (first < hi and lo < first + size or not size):
             read = read_jsonl if path.suffix == ".jsonl" else read_parquet
             yield from read(path, max(lo - first, 0), hi - first)
 

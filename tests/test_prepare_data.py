@@ -497,6 +497,13 @@ def test_empty_datasets_leave_nothing_behind(tmp_path, bpe_dir, monkeypatch):
             assert not (tmp_path / "ds").exists()
     assert "is empty or one token" in refused("--tokenizer", "char", "--data", "one.txt", "--out", "ds")
     assert not (tmp_path / "ds").exists()
+    # a 0-byte .parquet is no Parquet file: refused as the tokenizer trainers refuse it, whichever part it is in
+    (tmp_path / "files").mkdir()
+    write_jsonl(tmp_path / "files" / "a.jsonl", ["some text"] * 50)
+    (tmp_path / "files" / "b.parquet").write_bytes(b"")
+    for part in ("0/1", "0/2", "1/2"):
+        error = refused("--tokenizer", bpe_dir, "--data", "files", "--out", "ds", "--part", part)
+        assert "b.parquet (ArrowInvalid: Parquet file size is 0 bytes)" in error and not (tmp_path / "ds").exists()
     # through the command line, after the progress bar: still one `error:` line
     result = prepare("--tokenizer", bpe_dir, "--data", "blank_docs.jsonl", "--out", "ds", cwd=tmp_path, check=False)
     assert "is empty" in one_line_error(result) and not (tmp_path / "ds").exists()
