@@ -12,7 +12,7 @@ four Triton kernels (a CUDA graph), then reads once.
 """
 
 import argparse, atexit, base64, codecs, ctypes, fcntl, json, multiprocessing, os, queue, resource
-import signal, socket, sys, sysconfig, time
+import signal, socket, subprocess, sys, sysconfig, time
 import urllib.parse
 from collections import Counter
 from pathlib import Path
@@ -719,6 +719,17 @@ def lock_directory(path):
     return descriptor  # keep it open: closing it unlocks
 
 
+def launcher_problem():  # None, or why Triton can't build its CUDA launcher (in C, at first launch)
+    try:
+        triton.runtime.driver.active.utils
+    except Exception as error:  # no gcc, clang or $CC; $CC naming none; no Python.h (said above)
+        reason = str(error).splitlines()[0]
+        if isinstance(error, subprocess.CalledProcessError):  # its long command: the name
+            reason = f"{error.cmd[0]} exited with status {error.returncode}"
+        return (f"Triton can't build its CUDA launcher ({reason}); install gcc and python3-dev, "
+                "or set CC")
+
+
 def validate(args):
     """The settings, checked before any work -> the device to train on."""
     try:
@@ -755,6 +766,9 @@ def validate(args):
     for failed, message in problems:
         if failed:
             raise UserError(message)
+    problem = launcher_problem() if kind == "cuda" else None
+    if problem:
+        raise UserError(problem)
     check_memory(args.vocab_size, 4, parsed)
     return parsed
 

@@ -16,7 +16,7 @@ on every rank. Read train_bpe_gpu.py first: this file teaches what changes on W 
 """
 
 import argparse, atexit, base64, codecs, ctypes, datetime, fcntl, hashlib, json, multiprocessing
-import os, queue, resource, signal, socket, sys, sysconfig, time, urllib.parse
+import os, queue, resource, signal, socket, subprocess, sys, sysconfig, time, urllib.parse
 from collections import Counter
 from itertools import accumulate
 from pathlib import Path
@@ -856,12 +856,26 @@ def validate(args):
     for failed, message in problems:
         if failed:
             raise UserError(message)
+    problem = launcher_problem() if args.device == "cuda" else None
+    if problem:
+        raise UserError(problem)
     check_count_rows(args.vocab_size, 4, device_memory(args.device), args.device)  # int32
     source_name, source, files = find_source(args.data or data, args.data is not None)
     out_dir = Path(args.out or f"tokenizers/{source_name}_v{args.vocab_size}")
     if RANK == 0:
         check_out_dir(out_dir)
     return source, files, out_dir
+
+
+def launcher_problem():  # None, or why Triton can't build its CUDA launcher (in C, at first launch)
+    try:
+        triton.runtime.driver.active.utils
+    except Exception as error:  # no gcc, clang or $CC; $CC naming none; no Python.h (said above)
+        reason = str(error).splitlines()[0]
+        if isinstance(error, subprocess.CalledProcessError):  # its long command: the name
+            reason = f"{error.cmd[0]} exited with status {error.returncode}"
+        return (f"Triton can't build its CUDA launcher ({reason}); install gcc and python3-dev, "
+                "or set CC")
 
 
 def device_memory(device_name):
