@@ -831,7 +831,7 @@ def test_a_gpu_this_machine_lacks_is_one_error(bad_input_files, monkeypatch):
 @pytest.fixture
 def cuda_without_a_c_compiler(tmp_path, monkeypatch):
     """A GPU machine as Docker's CUDA runtime images make it, as far as Triton sees: its CUDA driver (forced), no
-    gcc or clang on PATH, CC unset, a cold cache. A stub libcuda: the build stops at the compiler, before it."""
+    gcc or clang on PATH, CC unset, a cold cache. A stub libcuda: the build fails at the compiler, before linking."""
     from triton.backends.nvidia import driver as nvidia
     from triton.runtime import build
     monkeypatch.setattr(sys.modules["triton.runtime.driver"], "_create_driver", nvidia.CudaDriver)
@@ -857,13 +857,14 @@ def cuda_without_a_c_compiler(tmp_path, monkeypatch):
 def test_no_c_compiler_is_one_error_before_the_text_is_read(bad_input_files, cuda_without_a_c_compiler,
                                                             monkeypatch):
     # Triton builds its CUDA launcher in C at the first kernel launch, which came after all the reading (minutes
-    # on a big corpus), then a traceback. Each way the build fails is one line, before the reading.
+    # on a big corpus), then a traceback. Each way the build fails is one line, before the reading: no compiler,
+    # CC naming none, a compiler that fails (gcc without Python.h: its own output above the line).
     from triton.runtime import build
     monkeypatch.setattr(bpe, "count_chunks", lambda *args: pytest.fail("read the text before refusing"))
     failing_compiler = shutil.which("false", path=os.defpath)  # exits 1, as gcc without Python.h does
-    for compiler, reason in [(None, "(Failed to find C compiler."),
+    for compiler, reason in [(None, "(Failed to find C compiler. Please specify via CC"),
                              ("/no/such/cc", "([Errno 2] No such file or directory: '/no/such/cc')"),
-                             (failing_compiler, f"({failing_compiler} exited with status 1)")]:
+                             (failing_compiler, f"(Command '['{failing_compiler}', ")]:
         if compiler:
             monkeypatch.setenv("CC", compiler)
         build._find_compiler.cache_clear()  # it remembers CC
