@@ -2,7 +2,6 @@
 Train a byte-level BPE tokenizer, merging on a GPU: the same merges as train_bpe_cpu.py and rustbpe.
 
     python train_bpe_gpu.py -v 1000 -n 1048576              # on a CUDA GPU
-    python train_bpe_gpu.py --data ../shared/corpora/enwiki.jsonl -v 65534 -n 134217728
     python train_bpe_gpu.py -v 300 -n 65536 --device cpu    # no GPU: Triton's interpreter (tests)
 
 Flags and outputs are train_bpe_cpu.py's, the readable reference. This file shows how a sequential
@@ -381,8 +380,8 @@ def chunks_to_arrays(chunk_counts, vocab_size):
 
 
 def merge_on_device(arrays, vocab_size, device, max_batch=max_batch):
-    """The merge loop: the merges, the token count, and the seconds of the setup (uploads, zeros,
-    compiling, recording) and of the loop."""
+    """The merges, the token count, and the seconds of the setup (uploads, zeros, compiling,
+    recording) and of the loop."""
     V, device = vocab_size, torch.device(device)
     started = time.time()
     if device.type == "cuda":
@@ -511,7 +510,6 @@ def time_is_up(signum, frame):
 
 
 def count_batch(documents, pattern_text, chunk_counts):
-    """Adds the chunks of a batch of documents to chunk_counts (in a worker)."""
     split_pattern = regex.compile(pattern_text)
     signal.signal(signal.SIGPROF, time_is_up)
     for document in documents:
@@ -530,9 +528,9 @@ def count_batch(documents, pattern_text, chunk_counts):
 
 
 def count_worker(number, batches, inboxes, results, pattern_text):
-    """A worker: counts batches until None, then sums its share of all the workers' counts onto
-    `results`. After an error (put there at once) it drains the queue, still sending its shares:
-    no process waits forever."""
+    """Counts batches until None, then sums its share of all the workers' counts onto `results`.
+    After an error (put there at once) it drains the queue, still sending its shares: none waits
+    forever."""
     ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: it dies with its parent
     if os.getppid() != multiprocessing.parent_process().pid:  # died before: don't hold its lock
         os._exit(1)
@@ -614,11 +612,9 @@ def count_chunks(documents, budget, pattern_text, workers, label):
             for chunk_sums in [waiting(results.get) for _ in processes]:
                 if isinstance(chunk_sums, UserError):
                     raise chunk_sums
-                # disjoint sums: joined in C
-                dict.update(chunk_counts, chunk_sums)
+                dict.update(chunk_counts, chunk_sums)  # disjoint sums: joined in C
     finally:
-        # a batch left in a pipe would make exit wait for ever
-        batches.cancel_join_thread()
+        batches.cancel_join_thread()  # a batch left in a pipe would make exit wait for ever
         for process in processes:
             process.kill()
             process.join()
@@ -719,14 +715,21 @@ def lock_directory(path):
     return descriptor  # keep it open: closing it unlocks
 
 
+def check_launcher():  # built in C at the first launch, after the reading: now
+    try:
+        triton.runtime.driver.active.utils
+    except Exception as error:
+        raise UserError(f"Triton can't build its CUDA launcher ({str(error).splitlines()[0]}); "
+                        "install gcc and python3-dev, or set CC")
+
+
 def validate(args):
     """The settings, checked before any work -> the device to train on."""
     try:
         split_pattern = regex.compile(args.pattern)
     except regex.error as error:
         raise UserError(f"--pattern does not compile ({error}); fix it, or leave it out")
-    # never cpu by default: the interpreter is ~1,000x slower
-    chosen = args.device or "cuda"
+    chosen = args.device or "cuda"  # never cpu by default: the interpreter is ~1,000x slower
     try:
         parsed = torch.device(chosen)
         kind, index = parsed.type, parsed.index
@@ -749,18 +752,19 @@ def validate(args):
         (kind == "cuda" and index is not None and index >= gpus,
          f"--device {chosen}: this machine has {gpus} CUDA GPU(s), cuda:0 to cuda:{gpus - 1}"),
         ((kind == "cpu") != bool(triton.knobs.runtime.interpret),
-         f"--device {chosen} with TRITON_INTERPRET={os.environ['TRITON_INTERPRET']}: the kernels "
-         "run compiled on cuda, in Triton's interpreter on cpu; set it to 1 for cpu, 0 for cuda"),
+         f"--device {chosen} with TRITON_INTERPRET={os.environ['TRITON_INTERPRET']}: set it to 1 "
+         "for cpu, 0 for cuda"),
     ]
     for failed, message in problems:
         if failed:
             raise UserError(message)
+    if kind == "cuda":
+        check_launcher()
     check_memory(args.vocab_size, 4, parsed)
     return parsed
 
 
 def check_text(args, source, chunk_counts, chars_read):
-    """No text is an error; bytes not UTF-8, or text the pattern skips, a warning."""
     if chars_read == 0:
         raise UserError(f"the corpus {source} is empty; point --data at text")
     if BadUTF8.count:

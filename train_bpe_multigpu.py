@@ -10,9 +10,9 @@ together (a rank reads at most n / W of its part: all of it if n >= W x its leng
 only on the multiset of chunks.
 
 Not data-parallel training: a merge chosen from one rank's counts would be wrong. The ranks split
-the text (about n / W characters each, documents whole), the distinct chunks (each merges its own)
-and the [V, V] pair-count matrix (each owns 1/W of its rows); collectives make every merge the same
-on every rank. Read train_bpe_gpu.py first: this file teaches what changes on W GPUs.
+the text, the distinct chunks (each merges its own) and the [V, V] pair-count matrix (each owns 1/W
+of its rows); collectives make every merge the same on every rank. Read train_bpe_gpu.py first:
+this file teaches what changes on W GPUs.
 """
 
 import argparse, atexit, base64, codecs, ctypes, datetime, fcntl, hashlib, json, multiprocessing
@@ -67,7 +67,7 @@ INTERPRETER_SHAPE = dict(programs=1, block=1024, rows=64, choose_block=1024, key
 MERGES_PER_READ = 16  # merges launched per host read of the "done" flag
 MAX_POSITIONS = 2**31 - 2  # positions are int32: a rank's distinct chunks' bytes + 2 spare slots
 PARALLEL_CHARS = 1 << 24  # from a part this long on, the rank's cores pre-tokenize (below: one)
-BATCH_CHARS = 1 << 20  # characters of documents per batch sent to a pre-tokenizing worker
+BATCH_CHARS = 1 << 20  # characters of documents a batch
 # ---
 
 
@@ -95,12 +95,11 @@ class UserError(Exception):
 # `state`'s slots and the constants, as in train_bpe_gpu.py
 NEXT, NEW, A, B, DONE, START, LENGTH, SURVIVORS, DIRTY = (tl.constexpr(i) for i in range(9))
 DEAD = tl.constexpr(-2)
-ID_BITS = tl.constexpr(20)  # a row key's low bits hold 2^20 - 1 - right id
+ID_BITS = tl.constexpr(20)
 LOW = tl.constexpr((1 << 20) - 1)
 
 
 # === plumbing: append (train_bpe_gpu.py's, taught there), pick_pair
-
 @triton.jit
 def append(length, buffer, values, keep):
     """Appends the values where keep to a list: one atomic add reserves the block's slots."""
@@ -115,16 +114,14 @@ def pick_pair(state, row_key, block_key, fresh_key, dirty_flag, dirty_rows, V, B
     """The pair with the largest count (ties: the smallest left id, then right id), as (count, left
     row); count 0: none. Makes the dirty rows' keys exact first: a second pick with no merge
     between picks the same. One program, with its threads: it may read and write anything."""
-    # the dirty rows take the keys refresh recomputed
-    dirty = tl.load(state + DIRTY)
+    dirty = tl.load(state + DIRTY)  # the dirty rows take the keys refresh recomputed
     for first in range(0, dirty, BLOCK):
         i = first + tl.arange(0, BLOCK)
         rows = tl.load(dirty_rows + i, mask=i < dirty, other=0)
         tl.store(row_key + rows, tl.load(fresh_key + rows, mask=i < dirty), mask=i < dirty)
         tl.store(fresh_key + rows, 0, mask=i < dirty)
         tl.store(dirty_flag + rows, 0, mask=i < dirty)
-    # Triton orders memory only within a thread: a barrier, or a thread could scan a key before its
-    # copy (or read DIRTY after its reset)
+    # a barrier, or a thread could scan a key before its copy (or read DIRTY after its reset)
     tl.debug_barrier()
     tl.store(state + DIRTY, 0)
     # a dirty row's key may have dropped: its block key is recomputed (twice for two dirty rows of a
@@ -154,7 +151,6 @@ def pick_pair(state, row_key, block_key, fresh_key, dirty_flag, dirty_rows, V, B
 
 
 # === the merge loop's kernels, on every rank
-
 @triton.jit
 def best_pair(state, row_key, block_key, fresh_key, dirty_flag, dirty_rows, V, best,
               BITS: tl.constexpr, ONE_KEY: tl.constexpr, BLOCK: tl.constexpr,
@@ -338,7 +334,6 @@ def refresh_rows(state, list_buffer, scratch, list_len, counts, fresh_key, dirty
 
 
 # === the merge loop on the host
-
 def chunks_to_arrays(blob, lengths, occurrences, count_dtype):
     """This rank's distinct chunks (from the cache) as train_bpe_gpu.py's flat arrays."""
     L = END = blob.size
@@ -436,8 +431,7 @@ def merge_on_device(arrays, vocab_size, total_pairs, device, show_progress):
             for m in range(group, min(group + MERGES_PER_READ, V - 256)):
                 merge(m)
             progress.update(m + 1 - group)
-            # the host launches ahead, and waits only here
-            loop_counts.update(host_reads=1)
+            loop_counts.update(host_reads=1)  # the host launches ahead, and waits only here
             if state[DONE.value].item():
                 break
         num_merges = int(state[NEXT.value]) - 256
@@ -484,7 +478,6 @@ def read_part(part_files, lo, hi, budget):
 
 
 # === the run
-
 # torchrun sets them; LOCAL_RANK is this rank's GPU on its node
 RANK, WORLD = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
 LOCAL_RANK = int(os.environ.get("LOCAL_RANK", "0"))
@@ -519,8 +512,7 @@ def run(argv):
     dist.init_process_group("nccl" if args.device == "cuda" else "gloo",
                             timeout=datetime.timedelta(seconds=args.timeout), **group_options)
     say(f"{WORLD} rank(s), backend {dist.get_backend()}, device {args.device}")
-    # a reading error is one rank's: shared, all stop, rank 0 says it
-    rank_stats = [None] * WORLD
+    rank_stats = [None] * WORLD  # a reading error is one rank's: shared, all stop, rank 0 says it
     dist.all_gather_object(rank_stats, error or {**cached[3], "cache": cache_status, "source": source,
                                                  "memory": device_memory(args.device)})
     errors = [stats for stats in rank_stats if isinstance(stats, str)]
@@ -593,7 +585,6 @@ def time_is_up(signum, frame):
 
 
 def count_batch(documents, pattern_text, chunk_counts):
-    """Adds the chunks of a batch of documents to chunk_counts (in a worker)."""
     split_pattern = regex.compile(pattern_text)
     signal.signal(signal.SIGPROF, time_is_up)
     for document in documents:
@@ -612,9 +603,9 @@ def count_batch(documents, pattern_text, chunk_counts):
 
 
 def count_worker(number, batches, inboxes, results, pattern_text):
-    """A worker: counts batches until None, then sums its share of all the workers' counts onto
-    `results`. After an error (put there at once) it drains the queue, still sending its shares:
-    no process waits forever."""
+    """Counts batches until None, then sums its share of all the workers' counts onto `results`.
+    After an error (put there at once) it drains the queue, still sending its shares: none waits
+    forever."""
     ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: it dies with its parent
     if os.getppid() != multiprocessing.parent_process().pid:  # died before: don't hold its lock
         os._exit(1)
@@ -696,11 +687,9 @@ def count_chunks(documents, budget, pattern_text, workers, label):
             for chunk_sums in [waiting(results.get) for _ in processes]:
                 if isinstance(chunk_sums, UserError):
                     raise chunk_sums
-                # disjoint sums: joined in C
-                dict.update(chunk_counts, chunk_sums)
+                dict.update(chunk_counts, chunk_sums)  # disjoint sums: joined in C
     finally:
-        # a batch left in a pipe would make exit wait for ever
-        batches.cancel_join_thread()
+        batches.cancel_join_thread()  # a batch left in a pipe would make exit wait for ever
         for process in processes:
             process.kill()
             process.join()
@@ -795,7 +784,6 @@ def write_cache(prefix, chunk_counts, part):
 
 
 def read_cache(prefix):
-    """("reused", (bytes, lengths, counts, stats)) memory-mapped or ("missing"/"tampered", None)."""
     try:
         stats = json.loads(prefix.with_suffix(".json").read_text())
         arrays = [np.load(prefix.with_suffix(f".{name}.npy"), mmap_mode="r")
@@ -809,7 +797,6 @@ def read_cache(prefix):
 
 
 # === plumbing: the command line, the checks
-
 def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("-v", "--vocab_size", type=int, default=vocab_size)
@@ -856,12 +843,22 @@ def validate(args):
     for failed, message in problems:
         if failed:
             raise UserError(message)
+    if args.device == "cuda":
+        check_launcher()
     check_count_rows(args.vocab_size, 4, device_memory(args.device), args.device)  # int32
     source_name, source, files = find_source(args.data or data, args.data is not None)
     out_dir = Path(args.out or f"tokenizers/{source_name}_v{args.vocab_size}")
     if RANK == 0:
         check_out_dir(out_dir)
     return source, files, out_dir
+
+
+def check_launcher():  # built in C at the first launch, after the reading: now
+    try:
+        triton.runtime.driver.active.utils
+    except Exception as error:
+        raise UserError(f"Triton can't build its CUDA launcher ({str(error).splitlines()[0]}); "
+                        "install gcc and python3-dev, or set CC")
 
 
 def device_memory(device_name):
@@ -906,7 +903,6 @@ def check_text(args, source, total, parts, cache_statuses, prefix):
 
 
 # === plumbing: the output directory and its files
-
 def vocab_bytes(merges):
     """Every token's bytes, in rank order: 0-255 are the bytes, a merge is its two halves glued."""
     vocab = [bytes([byte]) for byte in range(256)]
@@ -983,7 +979,6 @@ def lock_directory(path):
 
 
 # === plumbing: reading text, as in train_bpe_cpu.py; byte ranges and Hub shares are this file's own
-
 def find_source(data, data_was_named):  # (name, description, files); no files: a Hub dataset
     if data not in HUB_DATASETS:
         return Path(data).stem, str(data), local_files(data)
@@ -1088,7 +1083,6 @@ BadUTF8.errors = f"replace and count {id(BadUTF8)}"  # its own name: a process m
 codecs.register_error(BadUTF8.errors, BadUTF8.replace)
 
 # === plumbing: errors: a user's mistake or a lost rank is one line
-
 def stopped(signum, frame):  # torchrun stops the others so when one fails; SLURM at its limit
     say(f"\nerror: stopped by {signal.Signals(signum).name}", file=sys.stderr)
     sys.exit(1)  # as on an error: atexit removes a half-made --out

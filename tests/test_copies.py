@@ -19,6 +19,7 @@ COPIES = [("lock_directory", WRITERS),
           ("time_is_up", GPU_TRAINERS),
           ("count_batch", GPU_TRAINERS),
           ("count_chunks", GPU_TRAINERS),
+          ("check_launcher", GPU_TRAINERS),
           ("tokenizer_problem", ["model.py", "prepare_data.py"]),
           ("parse_settings", ["sample.py", "export_hf.py"]),  # their --key=value options
           ("hub_problem", [*TRAINERS, "prepare_data.py", "train.py"]),  # train.py: for HellaSwag

@@ -9,12 +9,14 @@ import multiprocessing.util
 import os
 import re
 import random
+import shutil
 import signal
 import subprocess
 import sys
 import time
 from collections import Counter
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import regex
@@ -824,6 +826,54 @@ def test_a_gpu_this_machine_lacks_is_one_error(bad_input_files, monkeypatch):
     with pytest.raises(bpe.UserError, match=regex.escape("--device cuda:1: this machine has 1 CUDA GPU(s), "
                                                          "cuda:0 to cuda:0")):
         bpe.run(["--data", "ok.txt", "--out", "out", "--device", "cuda:1"])
+
+
+@pytest.fixture
+def cuda_without_a_c_compiler(tmp_path, monkeypatch):
+    """A GPU machine as Docker's CUDA runtime images make it, as far as Triton sees: its CUDA driver (forced), no
+    gcc or clang on PATH, CC unset, a cold cache. A stub libcuda: the build fails at the compiler, before linking."""
+    from triton.backends.nvidia import driver as nvidia
+    from triton.runtime import build
+    monkeypatch.setattr(sys.modules["triton.runtime.driver"], "_create_driver", nvidia.CudaDriver)
+    monkeypatch.setattr(bpe.triton.runtime.driver, "_default", None)
+    monkeypatch.setattr(bpe.triton.runtime.driver, "_active", None)
+    (tmp_path / "libcuda.so.1").write_bytes(b"")
+    monkeypatch.setenv("TRITON_LIBCUDA_PATH", str(tmp_path))
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cold cache"))
+    monkeypatch.setenv("PATH", "")
+    monkeypatch.delenv("CC", raising=False)
+    monkeypatch.setattr(bpe.triton.knobs.runtime, "interpret", False)  # a GPU, found: the kernels compile
+    monkeypatch.setattr(bpe.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(bpe.torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(bpe.torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=2**37))
+    remembered = [build._find_compiler, nvidia.libcuda_dirs, nvidia.library_dirs]  # functools caches
+    for function in remembered:
+        function.cache_clear()
+    yield
+    for function in remembered:
+        function.cache_clear()
+
+
+def test_no_c_compiler_is_one_error_before_the_text_is_read(bad_input_files, cuda_without_a_c_compiler,
+                                                            monkeypatch):
+    # Triton builds its CUDA launcher in C at the first kernel launch, which came after all the reading (minutes
+    # on a big corpus), then a traceback. Each way the build fails is one line, before the reading: no compiler,
+    # CC naming none, a compiler that fails (gcc without Python.h: its own output above the line).
+    from triton.runtime import build
+    monkeypatch.setattr(bpe, "count_chunks", lambda *args: pytest.fail("read the text before refusing"))
+    failing_compiler = shutil.which("false", path=os.defpath)  # exits 1, as gcc without Python.h does
+    for compiler, reason in [(None, "(Failed to find C compiler. Please specify via CC"),
+                             ("/no/such/cc", "([Errno 2] No such file or directory: '/no/such/cc')"),
+                             (failing_compiler, f"(Command '['{failing_compiler}', ")]:
+        if compiler:
+            monkeypatch.setenv("CC", compiler)
+        build._find_compiler.cache_clear()  # it remembers CC
+        with pytest.raises(bpe.UserError) as error:
+            bpe.run(["--data", "ok.txt", "--out", "out"])
+        message = str(error.value)
+        assert message.startswith("Triton can't build its CUDA launcher " + reason), message
+        assert message.endswith("; install gcc and python3-dev, or set CC") and "\n" not in message
+    assert not (bad_input_files / "out").exists()
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA GPU is here: the default device works")

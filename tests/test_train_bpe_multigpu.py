@@ -416,6 +416,39 @@ def test_more_ranks_on_a_node_than_its_gpus_is_one_line(tmp_path, monkeypatch):
         mg.validate(mg.parse_args(["--data", str(tmp_path / "ok.txt"), "--device", "cuda"]))
 
 
+def test_no_c_compiler_is_one_line_on_every_rank_before_the_text_is_read(tmp_path, monkeypatch):
+    """Docker's CUDA runtime images have no gcc: Triton's CUDA launcher, built in C at the first kernel launch
+    (after the reading), was a traceback on every rank. As test_train_bpe_gpu.py's fixture makes that machine:
+    Triton's CUDA driver forced, a stub libcuda, no compiler on PATH, CC unset, a cold cache; a GPU mocked."""
+    from triton.backends.nvidia import driver as nvidia
+    from triton.runtime import build
+    monkeypatch.setattr(sys.modules["triton.runtime.driver"], "_create_driver", nvidia.CudaDriver)
+    monkeypatch.setattr(mg.triton.runtime.driver, "_default", None)
+    monkeypatch.setattr(mg.triton.runtime.driver, "_active", None)
+    (tmp_path / "libcuda.so.1").write_bytes(b"")
+    for name, value in [("TRITON_LIBCUDA_PATH", str(tmp_path)), ("TRITON_CACHE_DIR", str(tmp_path / "cache")),
+                        ("PATH", "")]:
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("CC", raising=False)
+    monkeypatch.setattr(mg.triton.knobs.runtime, "interpret", False)
+    monkeypatch.setattr(mg.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(mg.torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(mg.torch.cuda, "get_device_properties", lambda rank: SimpleNamespace(total_memory=2**37))
+    (tmp_path / "ok.txt").write_text("some text to train on " * 10)
+    monkeypatch.chdir(tmp_path)  # a run that is not refused makes its --out here
+    remembered = [build._find_compiler, nvidia.libcuda_dirs, nvidia.library_dirs]  # functools caches
+    try:
+        for function in remembered:
+            function.cache_clear()
+        with pytest.raises(mg.UserError, match=re.escape("Triton can't build its CUDA launcher (Failed to find C "
+                                                         "compiler.")) as error:
+            mg.validate(mg.parse_args(["--data", str(tmp_path / "ok.txt"), "--device", "cuda"]))
+    finally:
+        for function in remembered:
+            function.cache_clear()
+    assert str(error.value).endswith("; install gcc and python3-dev, or set CC")
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here: cuda is the right default")
 def test_no_gpu_and_no_device_is_refused_rather_than_interpreted_slowly(tmp_path):
     (tmp_path / "ok.txt").write_text("some text to train on " * 10)
