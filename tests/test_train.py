@@ -394,8 +394,8 @@ def test_compile_without_a_c_compiler_trains_uncompiled_and_says_so(dataset, tmp
     # A GPU machine without gcc or clang (Docker's CUDA runtime images): Triton can't build the launchers of
     # torch.compile's kernels, and the first step would end in a traceback. torch.compile on the CPU needs a compiler
     # too: a run with none on its PATH goes the same way, noted, then trained uncompiled.
-    run = fork_train(dataset, tmp_path / "out", "--compile=True", "--max_iters=2", environ={"PATH": str(tmp_path),
-                                                                                           "CC": ""})
+    run = fork_train(dataset, tmp_path / "out", "--compile=True", "--max_iters=2", "--total_batch_size=None",
+                     environ={"PATH": str(tmp_path), "CC": ""})
     result = finish(run)
     assert "note: no C compiler (gcc, clang or $CC)" in result.stdout and "compile=False" in result.stdout
 
